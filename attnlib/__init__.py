@@ -1,0 +1,39 @@
+"""attnlib: exact, memory-tiled attention in numpy, beside a dense float64 reference.
+
+The contract every entry point follows is ``SEMANTICS.md`` (layout ``(..., H, S, D)``,
+causal alignment, fully masked rows, LSE, stats).
+
+>>> import attnlib
+>>> q, k, v = attnlib.random_qkv(1000, d=64, heads=4, kv_heads=2, seed=0)
+>>> out, lse, stats = attnlib.attention(q, k, v, causal=True, return_lse=True, return_stats=True)
+>>> out.shape, lse.shape
+((4, 1000, 64), (4, 1000))
+"""
+
+from .inputs import FAMILIES, Case, adversarial_qkv, random_cases, random_qkv
+from .masks import FULL, PARTIAL, SKIP, MaskSpec
+from .metrics import (
+    BOUND,
+    Errors,
+    attention_errors,
+    log10_histogram,
+    max_abs_error,
+    naive_rel_error,
+    normwise_error,
+    reference_with_abs,
+    rel_error,
+    run_case,
+)
+from .online import OnlineSoftmax
+from .reference import reference_attention, reference_rescales, reference_scores
+from .tiled import DEFAULT_TILES, AttentionStats, TileSizes, attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention", "reference_attention", "reference_scores", "reference_rescales",
+    "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "MaskSpec",
+    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case",
+    "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",
+    "max_abs_error", "normwise_error", "reference_with_abs", "log10_histogram",
+]

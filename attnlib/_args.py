@@ -1,0 +1,161 @@
+"""Argument checking shared by every entry point.
+
+Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind,
+wrong value) with a message that names the argument and what was wrong.  Nothing here
+copies or writes to the inputs: `split_heads` returns views.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+ALIGNS = ("bottom_right", "top_left")
+
+# The finite check looks at this many elements at a time, so it keeps the kernel's
+# memory bound (a full ``np.isfinite(q)`` would allocate a bool copy of q).
+_FINITE_CHUNK = 1 << 20
+
+
+def as_float_array(x, name: str) -> np.ndarray:
+    """``x`` as an ndarray of a real floating dtype (no copy for arrays)."""
+    arr = np.asarray(x)
+    if not np.issubdtype(arr.dtype, np.floating):
+        kind = "complex" if np.iscomplexobj(arr) else str(arr.dtype)
+        raise TypeError(
+            f"{name} must have a real floating dtype (float16/32/64), got {kind}"
+        )
+    return arr
+
+
+def check_finite(x: np.ndarray, name: str) -> None:
+    """Raise ValueError if ``x`` holds NaN or inf, scanning the sequence axis in chunks."""
+    if x.size == 0:
+        return
+    per_row = x.size // x.shape[-2] if x.shape[-2] else 1
+    step = max(1, _FINITE_CHUNK // max(per_row, 1))
+    for s0 in range(0, x.shape[-2], step):
+        chunk = x[..., s0 : s0 + step, :]
+        bad = ~np.isfinite(chunk)
+        if bad.any():
+            where = np.argwhere(bad)[0]
+            where[-2] += s0
+            raise ValueError(
+                f"{name} contains NaN or inf (first at index {tuple(int(w) for w in where)});"
+                " pass check_finite=False to skip this check"
+            )
+
+
+def positive_int(x, name: str) -> int:
+    """``x`` as a positive Python int; bools and non-integral numbers are refused."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be a positive integer, got {x!r}")
+    if x <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def flag(x, name: str) -> bool:
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {x!r}")
+    return bool(x)
+
+
+def causal_align(x) -> str:
+    if x not in ALIGNS:
+        raise ValueError(f"causal_align must be one of {ALIGNS}, got {x!r}")
+    return x
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The checked shape of one attention call.
+
+    ``batch`` are the leading axes; ``hq``/``hk`` the query and key/value heads
+    (``group = hq // hk`` query heads share one kv head); ``squeeze`` marks 2-D inputs.
+    """
+
+    batch: tuple
+    hq: int
+    hk: int
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    scale: float
+    squeeze: bool
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hk
+
+    def merge_heads(self, x: np.ndarray, tail: int) -> np.ndarray:
+        """``(*batch, hk, group, *tail)`` back to the caller's ``(*batch, hq, *tail)`` layout."""
+        shape = x.shape[x.ndim - tail :]
+        x = x.reshape(self.batch + (self.hq,) + shape)
+        return x[0] if self.squeeze else x
+
+
+def parse(q, k, v, *, scale, check_finite_inputs: bool):
+    """Check q, k, v against the contract's layout and return grouped views and the Problem.
+
+    Returns ``(q5, k5, v5, problem)`` with ``q5: (*batch, hk, group, sq, d)``,
+    ``k5: (*batch, hk, 1, sk, d)`` and ``v5: (*batch, hk, 1, sk, dv)``: GQA by splitting
+    the head axis (a view), never by repeating k and v.
+    """
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    if q.ndim < 2:
+        raise ValueError(f"q must have at least 2 dimensions (..., Sq, D), got shape {q.shape}")
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError(
+            "q, k and v must have the same number of dimensions, got shapes "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    if check_finite_inputs:
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            check_finite(x, name)
+    squeeze = q.ndim == 2
+    if squeeze:  # one head: (S, D) -> (1, S, D)
+        q, k, v = q[None], k[None], v[None]
+    batch = q.shape[:-3]
+    if k.shape[:-3] != batch or v.shape[:-3] != batch:
+        raise ValueError(
+            "q, k and v must have equal batch (leading) axes, got shapes "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
+    hq, sq, d = q.shape[-3:]
+    hk, sk, dk = k.shape[-3:]
+    hv, skv, dv = v.shape[-3:]
+    if d == 0 or dk == 0 or dv == 0:
+        raise ValueError(
+            f"head dims must be non-empty, got D={d} (q), D={dk} (k), Dv={dv} (v)"
+        )
+    if dk != d:
+        raise ValueError(f"q and k must have the same head dim D, got q {q.shape} and k {k.shape}")
+    if (hv, skv) != (hk, sk):
+        raise ValueError(
+            f"k and v must have the same heads and keys, got k {k.shape} and v {v.shape}"
+        )
+    if hq == 0 or hk == 0:
+        raise ValueError(f"q and k must have at least one head, got Hq={hq}, Hk={hk}")
+    if hq % hk:
+        raise ValueError(
+            f"the query heads must be a multiple of the kv heads (Hq % Hk == 0), got Hq={hq}, Hk={hk}"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    g = hq // hk
+    q5 = q.reshape(batch + (hk, g, sq, d))  # splitting one axis: always a view
+    k5 = k[..., None, :, :]
+    v5 = v[..., None, :, :]
+    problem = Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze)
+    return q5, k5, v5, problem

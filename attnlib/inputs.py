@@ -1,0 +1,251 @@
+"""Inputs for experiments: seeded random q/k/v and adversarial logit families.
+
+Every generator is deterministic in its ``seed`` and returns float64 arrays in the
+contract's layout ``(*batch, H, S, D)`` (``(S, D)`` when ``batch=()`` and one head is
+asked for with ``heads=None``).
+
+The adversarial families build q and k so that the scaled logits ``s = scale * q k^T``
+have a chosen structure with magnitude ``peak`` (default 1e4) on top of noise of order 1:
+
+q_i = A * w_i + sigma * z_i,    k_j = A * u_j + sigma * z'_j,    A = sqrt(peak / scale)
+
+so that ``s_ij = peak * (w_i . u_j) + O(1)`` noise (``z, z'`` standard normal, ``sigma``
+chosen to make the noise's standard deviation about 1).  ``w`` and ``u`` say which logits
+are large; see `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _args
+
+
+def _shape(batch, heads, s, d):
+    return tuple(batch) + ((heads,) if heads is not None else ()) + (s, d)
+
+
+def _check_sizes(sq, sk, d, dv):
+    for value, name in ((sq, "sq"), (sk, "sk")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    _args.positive_int(d, "d")
+    _args.positive_int(dv, "dv")
+
+
+def _heads(heads, kv_heads):
+    if heads is None:
+        if kv_heads is not None:
+            raise ValueError("kv_heads needs heads")
+        return None, None
+    heads = _args.positive_int(heads, "heads")
+    kv_heads = heads if kv_heads is None else _args.positive_int(kv_heads, "kv_heads")
+    if heads % kv_heads:
+        raise ValueError(f"heads must be a multiple of kv_heads, got {heads} and {kv_heads}")
+    return heads, kv_heads
+
+
+def random_qkv(sq, sk=None, d=64, dv=None, *, batch=(), heads=None, kv_heads=None, seed=0):
+    """Standard normal ``(q, k, v)``.
+
+    Shapes: ``q (*batch, heads, sq, d)``, ``k (*batch, kv_heads, sk, d)``,
+    ``v (*batch, kv_heads, sk, dv)``; the head axis is left out when ``heads`` is None.
+    ``sk`` defaults to ``sq``, ``dv`` to ``d``, ``kv_heads`` to ``heads``.
+    """
+    sk = sq if sk is None else sk
+    dv = d if dv is None else dv
+    _check_sizes(sq, sk, d, dv)
+    heads, kv_heads = _heads(heads, kv_heads)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(_shape(batch, heads, sq, d))
+    k = rng.standard_normal(_shape(batch, kv_heads, sk, d))
+    v = rng.standard_normal(_shape(batch, kv_heads, sk, dv))
+    return q, k, v
+
+
+@dataclass(frozen=True)
+class Family:
+    """One adversarial family: its name, the issue's letter, and what it stresses."""
+
+    name: str
+    letter: str
+    stresses: str
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("first_tile", "a",
+               "One logit near +peak per row, at key 0 (in the first visible key tile); "
+               "every later tile holds only O(1) noise. The max is found at once and "
+               "never grows again: zero rescales, and the later tiles' weights "
+               "exp(noise - peak) underflow to 0."),
+        Family("last_tile", "b",
+               "One logit near +peak per row, at the first key of the row's last visible "
+               "key tile; earlier tiles hold O(1) noise. A late, huge rescale: "
+               "alpha = exp(noise - peak) underflows to 0 and must wipe out everything "
+               "accumulated before."),
+        Family("growing", "c",
+               "The first key of key tile b has logit peak * (b + 1) / n_k_tiles, above "
+               "O(1) noise: every row's max grows in every visible tile after its first, "
+               "the maximal number of rescales, each by exp(-peak / n_k_tiles)."),
+        Family("negative", "d",
+               "All logits near -peak (plus O(1) noise). Without the max shift every "
+               "exp underflows to 0 and the softmax becomes 0/0."),
+    )
+}
+
+
+def _last_visible_key(sq, sk, causal, causal_align):
+    """Per query row, the last key it sees (``-1`` for rows that see none)."""
+    i = np.arange(sq)
+    if not causal:
+        return np.full(sq, sk - 1)
+    o = sk - sq if causal_align == "bottom_right" else 0
+    return np.minimum(i + o, sk - 1)
+
+
+def _directions(family, sq, sk, d, block_k, causal, causal_align):
+    """``(w, u)``: row and key directions; ``peak * w @ u.T`` are the big logits."""
+    w = np.zeros((sq, d))
+    u = np.zeros((sk, d))
+    if sk == 0:
+        return w, u
+    n_tiles = -(-sk // block_k)
+    starts = np.arange(n_tiles) * block_k  # first key of each key tile
+    sees = _last_visible_key(sq, sk, causal, causal_align) >= 0
+    if family == "negative":
+        w[:, 0] = 1.0
+        u[:, 0] = -1.0
+    elif family == "growing":
+        w[:, 0] = 1.0
+        u[starts, 0] = (np.arange(n_tiles) + 1) / n_tiles
+    elif family == "first_tile":
+        w[sees, 0] = 1.0
+        u[0, 0] = 1.0
+    else:  # last_tile: one channel per key tile, the row points at its last visible one
+        # With more tiles than channels, tile b shares channel b % d with the earlier tile
+        # b - d; its weight gamma grows with b, so the target still holds the row's max.
+        tiles = np.arange(n_tiles)
+        gamma = np.ones(n_tiles) if n_tiles <= d else 0.5 + 0.5 * (tiles + 1) / n_tiles
+        u[starts, tiles % d] = gamma
+        target = _last_visible_key(sq, sk, causal, causal_align)[sees] // block_k
+        w[np.flatnonzero(sees), target % d] = 1.0
+    return w, u
+
+
+def adversarial_qkv(family, sq, sk=None, d=64, dv=None, *, causal=True,
+                    causal_align="bottom_right", block_k=64, peak=1e4,
+                    batch=(), heads=None, kv_heads=None, seed=0):
+    """``(q, k, v)`` whose scaled logits follow one of the `FAMILIES`.
+
+    Parameters
+    ----------
+    family : {"first_tile", "last_tile", "growing", "negative"}
+        Families (a)-(d); ``FAMILIES[family].stresses`` says what each one tests.
+    sq, sk, d, dv, batch, heads, kv_heads, seed
+        As in `random_qkv`; the logit pattern is the same for every batch entry and head,
+        the noise is not.
+    causal, causal_align
+        The mask the inputs are meant for: "first"/"last visible tile" are found with it.
+    block_k : int
+        The key tile size the inputs are meant for (tile starts carry the big logits).
+    peak : float
+        Magnitude of the large logits (scale ``1/sqrt(d)`` assumed).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    sk = sq if sk is None else sk
+    dv = d if dv is None else dv
+    _check_sizes(sq, sk, d, dv)
+    block_k = _args.positive_int(block_k, "block_k")
+    _args.causal_align(causal_align)
+    if not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
+        raise ValueError(f"peak must be a positive finite number, got {peak!r}")
+    heads, kv_heads = _heads(heads, kv_heads)
+    scale = 1.0 / math.sqrt(d)
+    amp = math.sqrt(peak / scale)
+    # Noise: the cross term scale * amp * sigma * (w . z') has standard deviation ~1.
+    sigma = 1.0 / (scale * amp)
+    w, u = _directions(family, sq, sk, d, block_k, bool(causal), causal_align)
+    rng = np.random.default_rng(seed)
+    q = amp * w + sigma * rng.standard_normal(_shape(batch, heads, sq, d))
+    k = amp * u + sigma * rng.standard_normal(_shape(batch, kv_heads, sk, d))
+    v = rng.standard_normal(_shape(batch, kv_heads, sk, dv))
+    return q, k, v
+
+
+@dataclass(frozen=True)
+class Case:
+    """One randomized attention problem: shapes, mask, tiles and the seed of its inputs."""
+
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    heads: int
+    kv_heads: int
+    causal: bool
+    causal_align: str
+    block_q: int
+    block_k: int
+    batch: tuple = ()
+    seed: int = 0
+
+    def qkv(self):
+        """The case's ``(q, k, v)`` from `random_qkv`."""
+        return random_qkv(self.sq, self.sk, self.d, self.dv, batch=self.batch,
+                          heads=self.heads, kv_heads=self.kv_heads, seed=self.seed)
+
+    def mask_kwargs(self) -> dict:
+        """Keyword arguments shared by `attention` and `reference_attention`."""
+        return dict(causal=self.causal, causal_align=self.causal_align)
+
+    def tile_kwargs(self) -> dict:
+        return dict(block_q=self.block_q, block_k=self.block_k)
+
+    @property
+    def mask_name(self) -> str:
+        return f"causal/{self.causal_align}" if self.causal else "none"
+
+
+HEAD_DIMS = (16, 32, 59, 64, 128, 256)
+BLOCK_SIZES = (16, 32, 48, 64, 100, 128, 256)
+
+
+def random_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096) -> list[Case]:
+    """``n`` seeded random cases for the differential test.
+
+    ``Sq, Sk`` in ``1..max_len`` (log-uniform, so short and long both appear, and rarely
+    tile multiples), ``D`` from `HEAD_DIMS` (``Dv`` usually ``D``, sometimes another),
+    GQA ratio 1, 2 or ``Hq``, no mask or causal with either alignment, random tiles.
+    The first cases pin the corners: ``Sq = Sk = max_len``, ``Sq > Sk`` and ``Sq < Sk``.
+    """
+    n = _args.positive_int(n, "n")
+    max_len = _args.positive_int(max_len, "max_len")
+    rng = np.random.default_rng(seed)
+    cases = []
+    for c in range(n):
+        sq, sk = (int(x) for x in np.exp(rng.uniform(0, np.log(max_len), 2)).round())
+        sq, sk = max(1, min(sq, max_len)), max(1, min(sk, max_len))
+        if c == 0:
+            sq = sk = max_len
+        elif c == 1:
+            sq, sk = max_len, max(1, max_len // 3)
+        elif c == 2:
+            sq, sk = max(1, max_len // 5), max_len
+        d = int(rng.choice(HEAD_DIMS))
+        dv = d if rng.random() < 0.75 else int(rng.choice(HEAD_DIMS))
+        heads = int(rng.choice((1, 2, 4)))
+        kv_heads = heads // int(rng.choice((1, 2, heads))) if heads > 1 else 1
+        mask = int(rng.integers(3))
+        cases.append(Case(
+            sq=sq, sk=sk, d=d, dv=dv, heads=heads, kv_heads=max(1, kv_heads),
+            causal=mask > 0, causal_align="top_left" if mask == 2 else "bottom_right",
+            block_q=int(rng.choice(BLOCK_SIZES)), block_k=int(rng.choice(BLOCK_SIZES)),
+            seed=seed * 1000 + c,
+        ))
+    return cases

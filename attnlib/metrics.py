@@ -1,0 +1,128 @@
+"""Error metrics, so that tests, notebooks and reports all compute the same figures.
+
+The gate of this project is `rel_error`: each entry's error measured against the size of
+what it sums, ``P @ |V|`` (the attention output with ``|v|`` in place of ``v``).  An
+output entry is a weighted average of values of both signs and can cancel to nearly 0,
+so the naive elementwise ``|out - ref| / |ref|`` is ill-conditioned: two correct float64
+implementations differ by ~1e-8 "relative" on plain random inputs.  ``P @ |V|`` is the
+componentwise condition bound of a sum (Higham, *Accuracy and Stability of Numerical
+Algorithms*, 2nd ed., ch. 4); a correct float64 computation gives ~1e-15 on ordinary
+inputs and about ``eps * |logit|`` (~1e-12) at logits of 1e4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .reference import reference_attention
+from .tiled import attention
+
+#: The project's accuracy bound on `rel_error` against the float64 dense reference.
+BOUND = 1e-9
+
+
+def rel_error(out, ref, ref_abs) -> float:
+    """``max |out - ref| / (P @ |V|)``; entries where ``P @ |V| = 0`` use ``|out - ref|``.
+
+    ``ref_abs`` is ``P @ |V|``, e.g. from `reference_with_abs`.
+    """
+    err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+    if err.size == 0:
+        return 0.0
+    scaled = np.divide(err, ref_abs, out=err.copy(), where=ref_abs > 0)
+    return float(scaled.max())
+
+
+def naive_rel_error(out, ref) -> float:
+    """``max |out - ref| / |ref|`` over entries with ``ref != 0`` (ill-conditioned; not the gate)."""
+    err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+    nz = ref != 0
+    if not nz.any():
+        return 0.0
+    return float((err[nz] / np.abs(ref[nz])).max())
+
+
+def max_abs_error(out, ref) -> float:
+    """``max |out - ref|``."""
+    err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+    return float(err.max()) if err.size else 0.0
+
+
+def normwise_error(out, ref) -> float:
+    """``max |out - ref| / max |ref|`` (the absolute error when ``ref`` is all zero)."""
+    err = max_abs_error(out, ref)
+    size = float(np.abs(ref).max()) if np.size(ref) else 0.0
+    return err / size if size > 0 else err
+
+
+def reference_with_abs(q, k, v, **kwargs):
+    """``(ref, P @ |V|)`` from one dense reference call on ``[v, |v|]`` stacked along Dv.
+
+    Each output column depends only on its own value column, so stacking is exact.
+    ``kwargs`` are those of `reference_attention` (masking and scale).
+    """
+    v = np.asarray(v)
+    both = reference_attention(q, k, np.concatenate([v, np.abs(v)], axis=-1), **kwargs)
+    dv = v.shape[-1]
+    return both[..., :dv], both[..., dv:]
+
+
+@dataclass(frozen=True)
+class Errors:
+    """All error figures of one output against the dense reference."""
+
+    rel_error: float
+    naive_rel_error: float
+    max_abs_error: float
+    normwise_error: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def attention_errors(out, q, k, v, **kwargs) -> Errors:
+    """Compare ``out`` with the dense float64 reference for ``(q, k, v, **kwargs)``.
+
+    Examples
+    --------
+    >>> import attnlib
+    >>> q, k, v = attnlib.random_qkv(100, 100, 32, seed=1)
+    >>> out = attnlib.attention(q, k, v, causal=True, block_q=16, block_k=16)
+    >>> attnlib.attention_errors(out, q, k, v, causal=True).rel_error < 1e-13
+    True
+    """
+    ref, ref_abs = reference_with_abs(q, k, v, **kwargs)
+    return Errors(
+        rel_error=rel_error(out, ref, ref_abs),
+        naive_rel_error=naive_rel_error(out, ref),
+        max_abs_error=max_abs_error(out, ref),
+        normwise_error=normwise_error(out, ref),
+    )
+
+
+def log10_histogram(errors, lo: float = -18.0, hi: float = -6.0, bins_per_decade: int = 4):
+    """Counts of ``log10(errors)`` in equal bins over ``[lo, hi]``.
+
+    Zeros and values below ``10**lo`` fall into the first bin, values above ``10**hi``
+    into the last, so every error is counted.  Returns ``(edges, counts)`` with
+    ``edges`` in log10 units.
+    """
+    e = np.asarray(errors, dtype=np.float64).ravel()
+    edges = np.linspace(lo, hi, int(round((hi - lo) * bins_per_decade)) + 1)
+    with np.errstate(divide="ignore"):  # log10(0) = -inf is clipped to the first bin
+        x = np.clip(np.log10(e), lo, hi)
+    counts, _ = np.histogram(x, bins=edges)
+    return edges, counts
+
+
+def run_case(case) -> dict:
+    """Run one `~attnlib.inputs.Case` through the tiled kernel and compare with the reference.
+
+    Returns a flat dict (the case's fields, then the `Errors` fields), ready for a table.
+    """
+    q, k, v = case.qkv()
+    out = attention(q, k, v, **case.mask_kwargs(), **case.tile_kwargs())
+    errors = attention_errors(out, q, k, v, **case.mask_kwargs())
+    return {**asdict(case), "mask": case.mask_name, **errors.as_dict()}

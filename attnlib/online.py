@@ -1,0 +1,105 @@
+"""The online softmax: per-row running state ``(m, l, acc)`` that absorbs score tiles.
+
+For one query row with scores ``s_1 .. s_n`` over its keys and values ``v_1 .. v_n``::
+
+    m   = max_j s_j                    running max
+    l   = sum_j exp(s_j - m)           running sum, relative to the max
+    acc = sum_j exp(s_j - m) v_j       unnormalised output, relative to the max
+
+so that ``out = acc / l`` and ``lse = m + log(l)``.  When a new tile raises the max from
+``m`` to ``m_new``, everything accumulated so far is relative to the old max and is
+rescaled by ``alpha = exp(m - m_new) <= 1``.  This is exact algebra (Milakov &
+Gimelshein, 2018, "Online normalizer calculation for softmax"; Dao et al., 2022,
+"FlashAttention"), and because every exponent is ``<= 0`` nothing overflows.
+
+A row that has seen no visible key yet has ``m = -inf`` and ``l = acc = 0``.  To avoid
+forming ``-inf - (-inf)``, exponents are taken relative to ``shift``: ``m_new`` where it is
+finite and ``0`` otherwise, so such a row gets ``alpha = p = exp(-inf) = 0`` and stays as
+it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _shift(m: np.ndarray) -> np.ndarray:
+    """``m`` where finite, else 0: the reference point for the exponents of a row."""
+    return np.where(np.isfinite(m), m, 0.0)
+
+
+class OnlineSoftmax:
+    """Running softmax-weighted sum over key tiles, for a block of query rows.
+
+    Parameters
+    ----------
+    m : ndarray, shape ``(..., rows)``
+        Running max of the scores seen so far (``-inf`` before any visible key).
+    l : ndarray, shape ``(..., rows)``
+        Running ``sum exp(s - m)``.
+    acc : ndarray, shape ``(..., rows, dv)``
+        Running ``sum exp(s - m) v``.
+
+    Use `empty` to start, `update` once per key tile in ascending key order, `merge` to
+    combine states built over disjoint key ranges, and `finalize` for ``(out, lse)``.
+    """
+
+    __slots__ = ("m", "l", "acc")
+
+    def __init__(self, m: np.ndarray, l: np.ndarray, acc: np.ndarray):
+        self.m, self.l, self.acc = m, l, acc
+
+    @classmethod
+    def empty(cls, rows_shape: tuple, dv: int) -> "OnlineSoftmax":
+        """The state of rows that have seen no key: ``m = -inf``, ``l = 0``, ``acc = 0``."""
+        rows_shape = tuple(rows_shape)
+        return cls(
+            np.full(rows_shape, -np.inf),
+            np.zeros(rows_shape),
+            np.zeros(rows_shape + (dv,)),
+        )
+
+    def update(self, s: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
+
+        Masked pairs carry ``s = -inf``.  Returns a boolean ``(..., rows)`` array marking
+        the rescale events of this tile: rows whose max was finite and strictly grew.
+        """
+        m_new = np.maximum(self.m, s.max(axis=-1))  # (..., rows)
+        rescaled = np.isfinite(self.m) & (m_new > self.m)
+        shift = _shift(m_new)
+        alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
+        p = np.exp(s - shift[..., None])  # (..., rows, bk); every exponent <= 0
+        self.l = alpha * self.l + p.sum(axis=-1)
+        self.acc = alpha[..., None] * self.acc + np.matmul(p, v)
+        self.m = m_new
+        return rescaled
+
+    def merge(self, other: "OnlineSoftmax") -> "OnlineSoftmax":
+        """The state over the union of two disjoint key ranges (log-sum-exp combination).
+
+        Associative and commutative up to rounding; an empty side (``m = -inf``) is a
+        neutral element.
+        """
+        m = np.maximum(self.m, other.m)
+        shift = _shift(m)
+        a_self = np.exp(self.m - shift)
+        a_other = np.exp(other.m - shift)
+        return OnlineSoftmax(
+            m,
+            a_self * self.l + a_other * other.l,
+            a_self[..., None] * self.acc + a_other[..., None] * other.acc,
+        )
+
+    def finalize(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, lse)``; rows with no visible key give ``out = 0`` and ``lse = -inf``.
+
+        ``l >= 1`` for every row that saw a key (its max contributes ``exp(0)``), so the
+        single division here never divides by zero.
+        """
+        seen = self.l > 0
+        out = np.divide(self.acc, self.l[..., None], out=np.zeros_like(self.acc), where=seen[..., None])
+        lse = np.full_like(self.m, -np.inf)
+        np.log(self.l, out=lse, where=seen)
+        np.add(lse, self.m, out=lse, where=seen)
+        return out, lse

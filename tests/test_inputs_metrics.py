@@ -1,0 +1,106 @@
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib import (FAMILIES, adversarial_qkv, log10_histogram, max_abs_error, naive_rel_error,
+                     normwise_error, random_qkv, reference_scores, rel_error)
+
+
+def test_random_qkv_shapes_and_seeding():
+    q, k, v = random_qkv(5, 7, 4, 3, batch=(2,), heads=4, kv_heads=2, seed=1)
+    assert (q.shape, k.shape, v.shape) == ((2, 4, 5, 4), (2, 2, 7, 4), (2, 2, 7, 3))
+    again = random_qkv(5, 7, 4, 3, batch=(2,), heads=4, kv_heads=2, seed=1)
+    assert all(np.array_equal(a, b) for a, b in zip((q, k, v), again))
+    assert not np.array_equal(q, random_qkv(5, 7, 4, 3, batch=(2,), heads=4, kv_heads=2, seed=2)[0])
+    assert random_qkv(5, d=4)[0].shape == (5, 4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("causal, align", [(True, "bottom_right"), (True, "top_left"), (False, "bottom_right")])
+def test_families_have_the_documented_structure(family, causal, align):
+    sq, sk, bk = 96, 160, 16
+    q, k, v = adversarial_qkv(family, sq, sk, d=16, block_k=bk, causal=causal, causal_align=align, seed=3)
+    s = reference_scores(q, k, causal=causal, causal_align=align)
+    rows = np.isfinite(s).any(axis=-1)
+    row_max = s.max(axis=-1, initial=-np.inf)
+    arg = s.argmax(axis=-1)
+    last = np.where(np.isfinite(s), np.arange(sk), -1).max(axis=-1)
+    if family == "negative":
+        assert np.all(np.abs(s[np.isfinite(s)] + 1e4) < 20)
+        return
+    if family == "growing":  # peak * (b + 1) / n_tiles at the row's last tile b
+        expect = 1e4 * (last[rows] // bk + 1) / -(-sk // bk)
+        np.testing.assert_allclose(row_max[rows], expect, atol=10)
+    else:
+        assert np.all(row_max[rows] > 0.99e4)
+    if family == "first_tile":
+        assert np.all(arg[rows] == 0)
+    elif family == "last_tile":
+        np.testing.assert_array_equal(arg[rows], (last[rows] // bk) * bk)
+    else:  # growing: the max sits at the start of the last visible tile and every tile grows
+        np.testing.assert_array_equal(arg[rows], (last[rows] // bk) * bk)
+    # All other logits are O(1) noise when the family has one big logit per row.
+    if family in ("first_tile", "last_tile"):
+        others = s.copy()
+        others[np.arange(sq)[rows], arg[rows]] = -np.inf
+        assert np.abs(others[np.isfinite(others)]).max() < 10
+
+
+def test_last_tile_with_more_tiles_than_channels():
+    q, k, v = adversarial_qkv("last_tile", 300, d=4, block_k=16, seed=0)
+    s = reference_scores(q, k, causal=True)
+    last = np.arange(300)
+    np.testing.assert_array_equal(s.argmax(axis=-1), (last // 16) * 16)
+
+
+def test_family_validation():
+    with pytest.raises(ValueError, match="family must be one of"):
+        adversarial_qkv("huge", 8)
+    with pytest.raises(ValueError, match="peak must be"):
+        adversarial_qkv("growing", 8, peak=-1.0)
+    with pytest.raises(ValueError, match="heads must be a multiple of kv_heads"):
+        random_qkv(4, heads=3, kv_heads=2)
+    for fam in FAMILIES.values():
+        assert fam.stresses and fam.letter in "abcd"
+
+
+def test_metrics_by_hand():
+    ref = np.array([[1.0, -1.0], [0.0, 0.0]])
+    ref_abs = np.array([[2.0, 4.0], [0.0, 0.0]])  # row 1: no visible key
+    out = np.array([[1.0 + 1e-10, -1.0], [0.0, 3e-12]])
+    assert rel_error(out, ref, ref_abs) == pytest.approx(5e-11, rel=1e-6)
+    assert naive_rel_error(out, ref) == pytest.approx(1e-10, rel=1e-6)
+    assert max_abs_error(out, ref) == pytest.approx(1e-10, rel=1e-6)
+    assert normwise_error(out, ref) == pytest.approx(1e-10, rel=1e-6)
+    out2 = np.array([[1.0, -1.0], [0.0, 3e-8]])
+    assert rel_error(out2, ref, ref_abs) == pytest.approx(3e-8)  # absolute where P|V| = 0
+
+
+def test_rel_error_is_the_gate_naive_is_not():
+    # Cancellation: values of both signs average to nearly 0, where any rounding looks large.
+    q, k, v = random_qkv(2048, 2048, 64, seed=4)
+    e = attnlib.attention_errors(attnlib.attention(q, k, v, block_q=64, block_k=64), q, k, v)
+    assert e.rel_error < 1e-14
+    assert e.naive_rel_error > 100 * e.rel_error
+
+
+def test_reference_with_abs_is_p_times_abs_v():
+    q, k, v = random_qkv(20, 30, 8, seed=5)
+    ref, ref_abs = attnlib.reference_with_abs(q, k, v, causal=True)
+    np.testing.assert_array_equal(ref, attnlib.reference_attention(q, k, v, causal=True))
+    np.testing.assert_allclose(ref_abs, attnlib.reference_attention(q, k, np.abs(v), causal=True), rtol=1e-15)
+    assert np.all(ref_abs >= np.abs(ref) - 1e-15)
+
+
+def test_log10_histogram_counts_everything():
+    edges, counts = log10_histogram([0.0, 1e-20, 1e-15, 3e-12, 1e-3], lo=-18, hi=-6, bins_per_decade=1)
+    assert len(edges) == 13 and counts.sum() == 5
+    assert counts[0] == 2 and counts[-1] == 1
+
+
+def test_random_cases_are_seeded_and_cover_the_corners():
+    a, b = attnlib.random_cases(20, seed=3), attnlib.random_cases(20, seed=3)
+    assert a == b and a != attnlib.random_cases(20, seed=4)
+    assert (a[0].sq, a[0].sk) == (4096, 4096)
+    assert a[1].sq > a[1].sk and a[2].sq < a[2].sk
+    assert all(1 <= c.sq <= 4096 and 1 <= c.sk <= 4096 and c.heads % c.kv_heads == 0 for c in a)

@@ -1,0 +1,76 @@
+"""Property tests: any valid shapes, tiles and flags agree with the reference."""
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnlib import attention, attention_errors, reference_attention
+
+problems = st.fixed_dictionaries({
+    "batch": st.lists(st.integers(1, 2), max_size=2).map(tuple),
+    "hk": st.integers(1, 3),
+    "group": st.integers(1, 3),
+    "sq": st.integers(0, 70),
+    "sk": st.integers(0, 70),
+    "d": st.integers(1, 9),
+    "dv": st.integers(1, 9),
+    "causal": st.booleans(),
+    "align": st.sampled_from(["bottom_right", "top_left"]),
+    "block_q": st.integers(1, 80),
+    "block_k": st.integers(1, 80),
+    "logit_scale": st.sampled_from([1.0, 30.0, 1e3]),
+    "seed": st.integers(0, 2**32 - 1),
+})
+
+
+def make(p):
+    rng = np.random.default_rng(p["seed"])
+    hq = p["hk"] * p["group"]
+    q = rng.standard_normal(p["batch"] + (hq, p["sq"], p["d"])) * np.sqrt(p["logit_scale"])
+    k = rng.standard_normal(p["batch"] + (p["hk"], p["sk"], p["d"])) * np.sqrt(p["logit_scale"])
+    v = rng.standard_normal(p["batch"] + (p["hk"], p["sk"], p["dv"]))
+    return q, k, v
+
+
+@given(problems)
+def test_agrees_with_reference_in_strict_mode(p):
+    q, k, v = make(p)
+    copies = [x.copy() for x in (q, k, v)]
+    kw = dict(causal=p["causal"], causal_align=p["align"])
+    with np.errstate(divide="raise", over="raise", invalid="raise"):
+        out, lse = attention(q, k, v, block_q=p["block_q"], block_k=p["block_k"], return_lse=True, **kw)
+        ref, ref_lse = reference_attention(q, k, v, return_lse=True, **kw)
+        assert attention_errors(out, q, k, v, **kw).rel_error < 1e-12
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-13, atol=1e-13)
+    assert np.all(out[~fin] == 0)
+    for x, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(x, c)
+    again = attention(q, k, v, block_q=p["block_q"], block_k=p["block_k"], **kw)
+    assert again.tobytes() == out.tobytes()
+
+
+@given(problems, st.sampled_from(["hq", "d", "batch", "sk_v"]))
+def test_inconsistent_shapes_raise_value_error(p, what):
+    q, k, v = make(p)
+    if what == "hq":
+        q = np.ones(q.shape[:-3] + (k.shape[-3] * p["group"] + 1,) + q.shape[-2:])
+        if q.shape[-3] % k.shape[-3] == 0:
+            q = np.ones(q.shape[:-3] + (k.shape[-3] + 1,) + q.shape[-2:])
+        if q.shape[-3] % k.shape[-3] == 0:  # hk == 1 divides everything
+            return
+    elif what == "d":
+        k = np.ones(k.shape[:-1] + (k.shape[-1] + 1,))
+    elif what == "batch":
+        q = q[None]
+    else:
+        v = np.ones(v.shape[:-2] + (v.shape[-2] + 1, v.shape[-1]))
+    for fn in (attention, reference_attention):
+        try:
+            fn(q, k, v)
+        except ValueError as e:
+            assert str(e)
+        else:
+            raise AssertionError(f"{fn.__name__} accepted {what}: {q.shape} {k.shape} {v.shape}")
