@@ -17,7 +17,7 @@ ALIGNS = ("bottom_right", "top_left")
 
 # The finite check looks at this many elements at a time, so it keeps the kernel's
 # memory bound (a full ``np.isfinite(q)`` would allocate a bool copy of q).
-_FINITE_CHUNK = 1 << 20
+_FINITE_CHUNK = 1 << 16
 
 
 def as_float_array(x, name: str) -> np.ndarray:
@@ -38,10 +38,9 @@ def check_finite(x: np.ndarray, name: str) -> None:
     per_row = x.size // x.shape[-2] if x.shape[-2] else 1
     step = max(1, _FINITE_CHUNK // max(per_row, 1))
     for s0 in range(0, x.shape[-2], step):
-        chunk = x[..., s0 : s0 + step, :]
-        bad = ~np.isfinite(chunk)
-        if bad.any():
-            where = np.argwhere(bad)[0]
+        finite = np.isfinite(x[..., s0 : s0 + step, :])
+        if not finite.all():
+            where = np.argwhere(~finite)[0]
             where[-2] += s0
             raise ValueError(
                 f"{name} contains NaN or inf (first at index {tuple(int(w) for w in where)});"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _args
-from .masks import FULL, PARTIAL, SKIP, MaskSpec
+from .masks import PARTIAL, SKIP, MaskSpec
 from .online import OnlineSoftmax
 
 
@@ -44,7 +44,8 @@ class AttentionStats:
         ``0 = SKIP, 1 = PARTIAL, 2 = FULL``; leading axes are the batch axes.
     rescales : ndarray of int64, shape ``(..., Hq, n_q_tiles, n_k_tiles)``
         Rescale events per tile and head: query rows whose running max was finite and
-        strictly grew in that tile.
+        strictly grew in that tile.  For 2-D inputs ``(n_q_tiles, n_k_tiles)``, as ``out``
+        has no head axis then.
     rescale_counts : dict
         ``{(q0, k0): events}`` summed over batch and heads, for every processed tile.
     processed_tiles, skipped_tiles, total_rescales : int
@@ -151,23 +152,32 @@ def _forward(q, k, v, scale, mask, tiles, count_rescales):
     lead, sq, sk, dv = q.shape[:-2], q.shape[-2], k.shape[-2], v.shape[-1]
     out = np.empty(lead + (sq, dv))
     lse = np.empty(lead + (sq,))
-    kinds = mask.tile_kinds(bq, bk)  # (n_q_tiles, n_k_tiles), closed form
-    rescales = np.zeros(lead + kinds.shape, dtype=np.int64) if count_rescales else None
+    k_starts = np.arange(0, sk, bk)  # (n_k_tiles,)
+    k_ends = np.minimum(k_starts + bk, sk)
+    n_q_tiles = -(-sq // bq)
+    # The whole tile map and the per-tile counts are kept only when stats are asked for:
+    # they grow as (Sq / block_q) * (Sk / block_k).
+    kinds = rescales = None
+    if count_rescales:
+        kinds = np.empty((n_q_tiles, k_starts.size), dtype=np.int8)
+        rescales = np.zeros(lead + kinds.shape, dtype=np.int64)
 
-    for a in range(kinds.shape[0]):
+    for a in range(n_q_tiles):
         q0, q1 = a * bq, min(sq, (a + 1) * bq)
+        row_kinds = mask.tile_kind(q0, q1, k_starts, k_ends)  # (n_k_tiles,), closed form
+        if count_rescales:
+            kinds[a] = row_kinds
         # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
         q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d)
         state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
-        for b in range(kinds.shape[1]):  # ascending key order: the rescale counts depend on it
-            kind = kinds[a, b]
-            if kind == SKIP:
-                continue
-            k0, k1 = b * bk, min(sk, (b + 1) * bk)
+        # SKIP tiles are never touched; the rest in ascending key order (the rescale counts
+        # depend on it).
+        for b in np.flatnonzero(row_kinds != SKIP):
+            k0, k1 = k_starts[b], k_ends[b]
             k_j = k[..., k0:k1, :].astype(np.float64, copy=False)  # (..., bk, d)
             v_j = v[..., k0:k1, :].astype(np.float64, copy=False)  # (..., bk, dv)
             s = np.matmul(q_i, np.swapaxes(k_j, -1, -2))  # (..., bq, bk)
-            if kind == PARTIAL:
+            if row_kinds[b] == PARTIAL:
                 hidden = ~mask.visible(np.arange(q0, q1), np.arange(k0, k1))  # (bq, bk)
                 s[..., hidden] = -np.inf
             rescaled = state.update(s, v_j)  # (..., bq)
@@ -179,8 +189,8 @@ def _forward(q, k, v, scale, mask, tiles, count_rescales):
 
 def _stats(rescales, kinds, pb, tiles) -> AttentionStats:
     heads = int(np.prod(pb.batch, dtype=np.int64)) * pb.hq
-    # (*batch, hk, g, nq, nk) -> (*batch, hq, nq, nk); 2-D inputs keep their head axis.
-    rescales = rescales.reshape(pb.batch + (pb.hq,) + kinds.shape)
+    # (*batch, hk, g, nq, nk) -> (*batch, hq, nq, nk), or (nq, nk) for 2-D inputs as for out.
+    rescales = pb.merge_heads(rescales, 2)
     per_tile = rescales.sum(axis=tuple(range(rescales.ndim - 2)))  # (nq, nk)
     processed = np.argwhere(kinds != SKIP)
     n_processed = len(processed)
@@ -199,4 +209,4 @@ def _stats(rescales, kinds, pb, tiles) -> AttentionStats:
     )
 
 
-__all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES", "FULL", "PARTIAL", "SKIP"]
+__all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES"]
