@@ -1,24 +1,36 @@
 # `make test` and `make report` work on a fresh clone with only Python 3.10+ present:
-# each creates .venv, installs the project with the extras it needs, then runs.
+# each creates .venv, installs attnlib with the extras it needs, then runs.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# Extra arguments for the report runner, e.g. make report ARGS="--only memory -p n=8192"
+ARGS   ?=
 
-.PHONY: test report venv clean
+.PHONY: test report lab venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# One stamp per set of extras; reinstalled when pyproject.toml changes.
-$(VENV)/.test-installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+# Reinstalled whenever pyproject.toml (the single source of the dependencies) changes.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test,report]'
 	touch $@
 
-venv: $(VENV)/.test-installed
+venv: $(VENV)/.installed
 
-test: $(VENV)/.test-installed
+test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+report: $(VENV)/.installed
+	$(BIN)/python -m attnlib report $(ARGS)
+
+$(VENV)/.lab-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[test,report,lab]'
+	touch $@
+
+lab: $(VENV)/.lab-installed
+	$(BIN)/jupyter lab notebooks/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -16,6 +16,8 @@ from .metrics import (
     BOUND,
     Errors,
     attention_errors,
+    expected_rescales,
+    max_rescales,
     log10_histogram,
     max_abs_error,
     naive_rel_error,
@@ -23,6 +25,7 @@ from .metrics import (
     reference_with_abs,
     rel_error,
     run_case,
+    run_family,
 )
 from .online import OnlineSoftmax
 from .reference import reference_attention, reference_rescales, reference_scores
@@ -33,7 +36,8 @@ __version__ = "0.1.0"
 __all__ = [
     "attention", "reference_attention", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "MaskSpec",
-    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case",
+    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case", "run_family",
+    "expected_rescales", "max_rescales",
     "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",
     "max_abs_error", "normwise_error", "reference_with_abs", "log10_histogram",
 ]

@@ -10,6 +10,7 @@ memory plus its output, and ``working_bytes`` subtracts the output.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,21 @@ PATHS = ("tiled", "dense")
 
 #: The fixed cap on the tiled forward's working memory (over inputs and output).
 CAP_BYTES = 32 * 2**20
+
+
+TOOLS = ("peak", "tracemalloc", "rss")
+
+
+def _in_subprocess(case: dict, timeout: float) -> dict:
+    if case["path"] not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {case['path']!r}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnlib.memory", json.dumps(case)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement {case} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def peak_memory(path: str, sq: int, sk: int | None = None, d: int = 64, *,
@@ -27,17 +43,29 @@ def peak_memory(path: str, sq: int, sk: int | None = None, d: int = 64, *,
     Returns a dict with ``peak_bytes`` (traced peak during the call), ``output_bytes``
     (``out`` and ``lse``), ``working_bytes`` (peak minus output) and ``input_bytes``.
     """
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    case = dict(path=path, sq=sq, sk=sq if sk is None else sk, d=d, causal=causal,
-                block_q=block_q, block_k=block_k, seed=seed)
-    proc = subprocess.run(
-        [sys.executable, "-m", "attnlib.memory", json.dumps(case)],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory measurement {case} failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    case = dict(tool="peak", path=path, sq=sq, sk=sq if sk is None else sk, d=d,
+                causal=causal, block_q=block_q, block_k=block_k, seed=seed)
+    return _in_subprocess(case, timeout)
+
+
+def memory_timeline(path: str, tool: str, n: int, d: int = 64, *, causal: bool = True,
+                    interval: float = 0.005, seed: int = 0, timeout: float = 600.0) -> dict:
+    """Memory over time during one ``path`` call on ``n x n`` random inputs.
+
+    ``tool="tracemalloc"`` samples the numpy-allocated bytes of the call (traced since
+    just before it, so the inputs are not counted) from a thread every ``interval``
+    seconds, and adds the exact traced peak.  ``tool="rss"`` samples the process's
+    resident set size with ``memory_profiler.memory_usage`` and reports it relative to
+    the RSS just before the call (the inputs already resident).
+
+    Returns a dict with ``t`` (seconds since the call started), ``bytes`` (samples),
+    ``peak_bytes`` and ``output_bytes``.
+    """
+    if tool not in ("tracemalloc", "rss"):
+        raise ValueError(f"tool must be 'tracemalloc' or 'rss', got {tool!r}")
+    case = dict(tool=tool, path=path, sq=n, sk=n, d=d, causal=causal, block_q=None,
+                block_k=None, seed=seed, interval=interval)
+    return _in_subprocess(case, timeout)
 
 
 def _call(case, q, k, v):
@@ -49,23 +77,87 @@ def _call(case, q, k, v):
     return reference_attention(q, k, v, causal=case["causal"], return_lse=True)
 
 
-def _measure(case: dict) -> dict:
+def _traced(case, q, k, v):
+    """Exact traced peak, and samples of the traced size from a thread when asked."""
+    import threading
+    import time
     import tracemalloc
 
+    samples, done = [], threading.Event()
+
+    def sample(t0):
+        while not done.is_set():
+            samples.append((time.perf_counter() - t0, tracemalloc.get_traced_memory()[0]))
+            done.wait(case["interval"])
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    sampler = None
+    if case["tool"] == "tracemalloc":
+        sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
+        sampler.start()
+    out, lse = _call(case, q, k, v)
+    elapsed = time.perf_counter() - t0
+    done.set()
+    if sampler is not None:
+        sampler.join()
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    samples.append((elapsed, current))
+    return out, lse, peak, samples
+
+
+def _rss(case, q, k, v):
+    """RSS samples (bytes over the pre-call RSS) from memory_profiler during the call."""
+    import time
+
+    from memory_profiler import memory_usage
+
+    mib = 2**20
+    base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
+    t0 = time.time()
+    usage, (out, lse) = memory_usage((_call, (case, q, k, v), {}), interval=case["interval"],
+                                     timestamps=True, retval=True)
+    samples = [(t - t0, (m - base) * mib) for m, t in usage]
+    return out, lse, max(b for _, b in samples), samples
+
+
+def _measure(case: dict) -> dict:
     from .inputs import random_qkv
 
     warm = random_qkv(256, 256, case["d"], seed=1)
     _call(case, *warm)  # warm-up: imports, BLAS buffers, code paths
     q, k, v = random_qkv(case["sq"], case["sk"], case["d"], seed=case["seed"])
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    out, lse = _call(case, q, k, v)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    run = _rss if case["tool"] == "rss" else _traced
+    out, lse, peak, samples = run(case, q, k, v)
     output = out.nbytes + lse.nbytes
-    return dict(case, peak_bytes=peak, output_bytes=output, working_bytes=peak - output,
-                input_bytes=q.nbytes + k.nbytes + v.nbytes)
+    result = dict(case, peak_bytes=int(peak), output_bytes=output,
+                  working_bytes=int(peak) - output, input_bytes=q.nbytes + k.nbytes + v.nbytes)
+    if case["tool"] != "peak":
+        result["t"] = [t for t, _ in samples]
+        result["bytes"] = [int(b) for _, b in samples]
+    return result
 
 
 if __name__ == "__main__":
     print(json.dumps(_measure(json.loads(sys.argv[1]))))
+
+
+def dense_bytes(sq: int, sk: int, heads: int = 1) -> int:
+    """The dense reference's working memory: about three ``(heads, Sq, Sk)`` float64 arrays
+    (scores, masked scores, their exp), as `peak_memory` measures it."""
+    return 3 * 8 * heads * sq * sk
+
+
+def physical_memory() -> int:
+    """This machine's physical memory in bytes (0 if it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def dense_fits(n: int, heads: int = 1) -> bool:
+    """Whether a dense ``n x n`` run stays well inside this machine's memory (half of it)."""
+    total = physical_memory()
+    return total == 0 or dense_bytes(n, n, heads) <= total // 2

@@ -126,3 +126,69 @@ def run_case(case) -> dict:
     out = attention(q, k, v, **case.mask_kwargs(), **case.tile_kwargs())
     errors = attention_errors(out, q, k, v, **case.mask_kwargs())
     return {**asdict(case), "mask": case.mask_name, **errors.as_dict()}
+
+
+def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, seed=0) -> dict:
+    """One adversarial family (see `~attnlib.inputs.FAMILIES`) through the tiled kernel.
+
+    Returns a flat dict: the family, its logit span over visible pairs, the `Errors`
+    fields and the kernel's rescale total.
+    """
+    from .inputs import FAMILIES, adversarial_qkv
+    from .reference import reference_scores
+
+    q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
+    out, stats = attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                           return_stats=True)
+    s = reference_scores(q, k, causal=causal)
+    visible = s[np.isfinite(s)]
+    errors = attention_errors(out, q, k, v, causal=causal)
+    return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d,
+            "logit_min": float(visible.min()), "logit_max": float(visible.max()),
+            **errors.as_dict(), "total_rescales": stats.total_rescales}
+
+
+def _visible_keys_per_row(sq, sk, causal, causal_align):
+    """How many keys each query row sees: a prefix ``0 .. L-1`` under a causal mask."""
+    from .masks import MaskSpec
+
+    if not causal:
+        return np.full(sq, sk)
+    o = MaskSpec(sq, sk, True, causal_align).offset
+    return np.clip(np.arange(sq) + o + 1, 0, sk)
+
+
+def _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align):
+    """``(L, c, C)``: visible keys per row, per (row, key tile), and cumulative through the tile."""
+    L = _visible_keys_per_row(sq, sk, causal, causal_align)[:, None]  # (sq, 1)
+    k0 = np.arange(0, sk, block_k)[None, :]  # (1, nk)
+    c = np.clip(L - k0, 0, block_k)  # visible keys of the row in the tile
+    C = np.minimum(L, k0 + block_k)  # visible keys up to and including the tile
+    return L, c, C
+
+
+def _per_q_tile(per_row, block_q):
+    sq = per_row.shape[0]
+    nq = -(-sq // block_q)
+    pad = np.zeros((nq * block_q - sq, per_row.shape[1]))
+    return np.concatenate([per_row, pad]).reshape(nq, block_q, -1).sum(axis=1)
+
+
+def expected_rescales(sq, sk, block_q, block_k, *, causal=False, causal_align="bottom_right"):
+    """Expected rescale events per tile, ``(n_q_tiles, n_k_tiles)``, for i.i.d. scores.
+
+    With a row's scores i.i.d. over its keys, the largest of the first ``C`` visible keys
+    is equally likely to be any of them, so a tile holding ``c`` of them raises the running
+    max with probability ``c / C``.  The row's first visible tile is never an event.  For
+    ``t`` equal tiles a row expects ``H_t - 1`` events.  Uses ``O(Sq * n_k_tiles)`` memory.
+    """
+    _, c, C = _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align)
+    first = C == c  # the tile that holds the row's first visible key (or none visible)
+    p = np.divide(c, C, out=np.zeros(c.shape), where=(c > 0) & ~first)
+    return _per_q_tile(p, block_q)
+
+
+def max_rescales(sq, sk, block_q, block_k, *, causal=False, causal_align="bottom_right"):
+    """The most rescale events possible per tile: every visible tile after a row's first."""
+    _, c, C = _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align)
+    return _per_q_tile(((c > 0) & (C > c)).astype(np.float64), block_q).astype(np.int64)

@@ -104,3 +104,42 @@ def test_random_cases_are_seeded_and_cover_the_corners():
     assert (a[0].sq, a[0].sk) == (4096, 4096)
     assert a[1].sq > a[1].sk and a[2].sq < a[2].sk
     assert all(1 <= c.sq <= 4096 and 1 <= c.sk <= 4096 and c.heads % c.kv_heads == 0 for c in a)
+
+
+def test_expected_rescales_theory():
+    # One row over t equal tiles expects H_t - 1 (the first tile is never an event).
+    for t in (1, 2, 5, 64):
+        harmonic = sum(1.0 / i for i in range(1, t + 1))
+        e = attnlib.expected_rescales(1, 16 * t, 1, 16)
+        assert e.shape == (1, t) and e[0, 0] == 0
+        assert e.sum() == pytest.approx(harmonic - 1, rel=1e-14)
+    # The figure quoted for n = 4096, causal, 64 x 64 tiles.
+    assert attnlib.expected_rescales(4096, 4096, 64, 64, causal=True).sum() == pytest.approx(11432.8, abs=0.1)
+    # A ragged last tile: c = 4 visible keys of C = 20 in all.
+    assert attnlib.expected_rescales(1, 20, 1, 16)[0, 1] == pytest.approx(4 / 20)
+
+
+def test_expected_rescales_match_a_seeded_average():
+    # Averaged over seeds, measured counts approach the i.i.d. expectation.
+    totals = []
+    for seed in range(20):
+        q, k, v = random_qkv(256, d=16, seed=seed)
+        _, stats = attnlib.attention(q, k, v, causal=True, block_q=16, block_k=16, return_stats=True)
+        totals.append(stats.total_rescales)
+    expected = attnlib.expected_rescales(256, 256, 16, 16, causal=True).sum()
+    assert np.mean(totals) == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("align", ["bottom_right", "top_left"])
+def test_max_rescales_is_every_visible_tile_after_the_first(align):
+    sq, sk, bq, bk = 40, 70, 8, 16
+    mask = attnlib.MaskSpec(sq, sk, True, align)
+    vis = mask.visible(np.arange(sq), np.arange(sk))
+    tiles_seen = np.stack([vis[:, b:b + bk].any(axis=1) for b in range(0, sk, bk)], axis=1)
+    per_row = np.maximum(tiles_seen.sum(axis=1) - 1, 0)
+    got = attnlib.max_rescales(sq, sk, bq, bk, causal=True, causal_align=align)
+    assert got.sum() == per_row.sum()
+    q, k, v = adversarial_qkv("growing", sq, sk, d=16, block_k=bk, causal_align=align, seed=0)
+    _, stats = attnlib.attention(q, k, v, causal=True, causal_align=align, block_q=bq, block_k=bk,
+                                 return_stats=True)
+    np.testing.assert_array_equal(stats.rescales, got)

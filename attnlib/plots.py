@@ -1,0 +1,206 @@
+"""Figures and tables for the evidence notebooks.
+
+Each function returns a matplotlib ``Figure`` (closed from pyplot, so a notebook shows it
+once, as the cell's value) or a `Table` (shown as HTML).  matplotlib is imported here
+only, so ``import attnlib`` does not need it.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import numpy as np
+
+from .masks import FULL, PARTIAL, SKIP, TILE_KIND_NAMES
+from .metrics import BOUND, log10_histogram
+
+MIB = 2**20
+
+
+def _figure(*args, **kwargs):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(*args, **kwargs)
+    plt.close(fig)  # shown once, as the cell's value, not again by the inline backend
+    return fig, ax
+
+
+class Table:
+    """Rows of dicts shown as an HTML table (``_repr_html_``) or Markdown (``str``)."""
+
+    def __init__(self, rows, columns, formats=None, title=None):
+        self.rows, self.columns = list(rows), list(columns)
+        self.formats = formats or {}
+        self.title = title
+
+    def _cell(self, row, col):
+        value = row.get(col, "")
+        fmt = self.formats.get(col)
+        if fmt is None:
+            return f"{value:,}" if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else str(value)
+        return fmt(value) if callable(fmt) else format(value, fmt)
+
+    def _repr_html_(self):
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        def td(row, col):
+            value = row.get(col, "")
+            align = "right" if isinstance(value, (int, float, np.number)) else "left"
+            return f'<td style="text-align: {align}">{html.escape(self._cell(row, col))}</td>'
+
+        body = "".join("<tr>" + "".join(td(r, c) for c in self.columns) + "</tr>" for r in self.rows)
+        caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def __str__(self):
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(self._cell(r, c) for c in self.columns) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+
+def error_histogram(rows, bound=BOUND, lo=-18.0, hi=-6.0):
+    """Histogram of per-case errors on a log10 axis, with the bound drawn.
+
+    ``rows`` are dicts with ``rel_error`` (the gate), ``normwise_error`` and
+    ``naive_rel_error`` (shown for comparison, as outlines).
+    """
+    fig, ax = _figure(figsize=(8, 4.2))
+    styles = [("rel_error", "rel_error (the gate: |out - ref| / (P @ |V|))", dict(alpha=0.75)),
+              ("normwise_error", "normwise: max|out - ref| / max|ref|", dict(histtype="step", lw=2)),
+              ("naive_rel_error", "naive elementwise |out - ref| / |ref|", dict(histtype="step", lw=2, ls="--"))]
+    for key, label, style in styles:
+        edges, counts = log10_histogram([r[key] for r in rows], lo, hi)
+        ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
+    ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"bound {bound:.0e}")
+    ax.set_xlabel("log10(error)   (exact 0 and values below 1e-18 are counted in the first bin)")
+    ax.set_ylabel("cases")
+    ax.set_title(f"Tiled vs dense float64 reference, {len(rows)} random shapes")
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def tile_map(tile_kind, title="Tile classes"):
+    """SKIP / PARTIAL / FULL map over (query tile, key tile)."""
+    from matplotlib.colors import ListedColormap
+
+    fig, ax = _figure(figsize=(5, 4.5))
+    cmap = ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"])
+    im = ax.imshow(tile_kind, cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest")
+    cbar = fig.colorbar(im, ax=ax, ticks=[SKIP, PARTIAL, FULL])
+    cbar.ax.set_yticklabels([TILE_KIND_NAMES[k] for k in (SKIP, PARTIAL, FULL)])
+    ax.set_xlabel("key tile")
+    ax.set_ylabel("query tile")
+    counts = {TILE_KIND_NAMES[k]: int(np.count_nonzero(tile_kind == k)) for k in (SKIP, PARTIAL, FULL)}
+    ax.set_title(f"{title}\n" + ", ".join(f"{k} {v}" for k, v in counts.items()), fontsize=10)
+    return fig
+
+
+def _heatmap(ax, counts, title, skipped=None):
+    data = np.asarray(counts, dtype=np.float64)
+    if skipped is not None:
+        data = np.where(skipped, np.nan, data)  # SKIP tiles: blank, not 0
+    top = max(1.0, float(np.nanmax(data))) if np.isfinite(data).any() else 1.0
+    im = ax.imshow(data, cmap="viridis", interpolation="nearest", vmin=0, vmax=top)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("key tile")
+    ax.set_ylabel("query tile")
+    return im
+
+
+def rescale_heatmaps(panels: dict, tile_kind=None, columns=2):
+    """Per-tile rescale counts, one heatmap per entry of ``panels`` (title -> counts).
+
+    SKIP tiles (from ``tile_kind``) are left blank: they are never processed.
+    """
+    n = len(panels)
+    cols = min(columns, n)
+    rows = -(-n // cols)
+    fig, axes = _figure(rows, cols, figsize=(5.2 * cols, 4.4 * rows), squeeze=False)
+    skipped = None if tile_kind is None else np.asarray(tile_kind) == SKIP
+    for ax, (title, counts) in zip(axes.flat, panels.items()):
+        im = _heatmap(ax, counts, f"{title}\ntotal {int(np.sum(counts)):,}", skipped)
+        fig.colorbar(im, ax=ax, label="rescale events")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def rescales_vs_expected(measured, expected, maximum=None):
+    """Rescale events per key tile (summed over query tiles): measured vs i.i.d. theory."""
+    fig, ax = _figure(figsize=(8, 4))
+    x = np.arange(np.shape(measured)[1])
+
+    def per_key_tile(counts):  # zeros (e.g. every row's first tile) are left out of the log plot
+        total = np.sum(counts, axis=0).astype(np.float64)
+        return np.where(total > 0, total, np.nan)
+
+    ax.plot(x, per_key_tile(measured), "o-", ms=3, label=f"measured, total {int(np.sum(measured)):,}")
+    ax.plot(x, per_key_tile(expected), "-", lw=2, label=f"expected for i.i.d. scores, total {np.sum(expected):,.0f}")
+    if maximum is not None:
+        ax.plot(x, per_key_tile(maximum), ":", color="grey", label=f"maximum possible, total {int(np.sum(maximum)):,}")
+    ax.set_yscale("log")
+    ax.set_xlabel("key tile")
+    ax.set_ylabel("rescale events (all query rows)")
+    ax.set_title("Where the running max grows: a new max in tile b has probability c / C")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def memory_timelines(traces: dict, cap_bytes, output_bytes):
+    """Memory over time, tiled vs dense: traced numpy bytes (left) and RSS (right).
+
+    ``traces[(path, tool)]`` are `attnlib.memory.memory_timeline` results.  The cap is
+    drawn over the output (inputs are not counted in either panel).
+    """
+    fig, axes = _figure(1, 2, figsize=(12, 4.4))
+    colors = {"tiled": "#2a9d8f", "dense": "#e76f51"}
+    for ax, tool, label in ((axes[0], "tracemalloc", "numpy-allocated bytes (tracemalloc)"),
+                            (axes[1], "rss", "process RSS over the pre-call RSS (memory_profiler)")):
+        for path in ("tiled", "dense"):
+            tr = traces.get((path, tool))
+            if tr is None:
+                continue
+            ax.plot(tr["t"], np.asarray(tr["bytes"]) / MIB, "-", color=colors[path], lw=2,
+                    label=f"{path}: peak {tr['peak_bytes'] / MIB:,.1f} MiB")
+        ax.axhline((cap_bytes + output_bytes) / MIB, color="crimson", ls="--",
+                   label=f"cap: {cap_bytes / MIB:.0f} MiB over inputs and output")
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("seconds since the call started")
+        ax.set_ylabel("MiB")
+        ax.set_title(label, fontsize=10)
+        ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None):
+    """Peak working memory vs n: tiled (measured), dense (measured, then computed).
+
+    ``tiled``/``dense`` are `attnlib.memory.peak_memory` results; ``dense_model`` is a
+    list of ``(n, bytes)`` computed beyond the sizes dense was run at.
+    """
+    fig, ax = _figure(figsize=(11, 4.5))
+    ax.plot([r["sq"] for r in tiled], [r["working_bytes"] / MIB for r in tiled], "o-",
+            color="#2a9d8f", lw=2, label="tiled, measured (working = peak - output)")
+    ax.plot([r["sq"] for r in tiled], [r["peak_bytes"] / MIB for r in tiled], "o:",
+            color="#2a9d8f", alpha=0.6, label="tiled, measured peak incl. its output")
+    ax.plot([r["sq"] for r in dense], [r["working_bytes"] / MIB for r in dense], "s-",
+            color="#e76f51", lw=2, label="dense, measured")
+    if dense_model:
+        # Start the computed line at the largest measured point it extrapolates from.
+        dense_model = [(dense[-1]["sq"], dense[-1]["working_bytes"])] + list(dense_model)
+        ax.plot([n for n, _ in dense_model], [b / MIB for _, b in dense_model], "s--",
+                color="#e76f51", alpha=0.6, label="dense, computed (n^2 from the largest measured)")
+    ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label=f"cap on working memory, {cap_bytes / MIB:.0f} MiB")
+    if machine_bytes:
+        ax.axhline(machine_bytes / MIB, color="black", ls=":", label=f"this machine's memory, {machine_bytes / 2**30:.0f} GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("n = Sq = Sk")
+    ax.set_ylabel("peak MiB over inputs")
+    ax.set_title("Working memory vs sequence length (tracemalloc, fresh process each)")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    return fig

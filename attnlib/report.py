@@ -1,0 +1,435 @@
+"""The report runner: notebook parameters, provenance, papermill runs and HTML rendering.
+
+``python -m attnlib report`` runs every notebook in ``notebooks/`` with papermill, renders
+each executed notebook to self-contained HTML in ``reports/`` (plots embedded, no script
+or style from a CDN) and writes ``reports/index.html`` with one verdict line per report.
+A report is replaced only when its notebook ran to the end: it is written to a temporary
+file and renamed.
+
+Each notebook's defaults live in its cell tagged ``parameters``; the checks for those
+values live here (`PARAMETERS`), and the notebook's next cell calls `check_params`, so a
+bad value fails with the same message in the notebook and in the runner (which checks
+before it starts anything).
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime as _dt
+import html
+import json
+import math
+import numbers
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .memory import dense_fits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- parameter checks ----------------------------------------------------------------------
+
+def _int(name, x, lo):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"parameter {name} must be an integer, got {x!r}")
+    if x < lo:
+        raise ValueError(f"parameter {name} must be >= {lo}, got {x!r}")
+    return int(x)
+
+
+def positive(name, x):
+    return _int(name, x, 1)
+
+
+def non_negative(name, x):
+    return _int(name, x, 0)
+
+
+def flag(name, x):
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"parameter {name} must be True or False, got {x!r}")
+    return bool(x)
+
+
+def text(name, x):
+    if not isinstance(x, str):
+        raise TypeError(f"parameter {name} must be a string, got {x!r}")
+    return x
+
+
+def seconds(name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not (0 < x < 10 and math.isfinite(x)):
+        raise ValueError(f"parameter {name} must be a number of seconds in (0, 10), got {x!r}")
+    return float(x)
+
+
+def sizes(name, x):
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of integers, got {x!r}")
+    values = [positive(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    if values != sorted(set(values)):
+        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
+    return values
+
+
+#: Per notebook: parameter name -> check.  The defaults are in the notebooks.
+PARAMETERS = {
+    "equivalence": {
+        "n_cases": positive, "seed": non_negative, "max_len": positive,
+        "adversarial_n": positive, "adversarial_d": positive,
+        "block_q": positive, "block_k": positive, "results_json": text,
+    },
+    "rescales": {
+        "n": positive, "d": positive, "block_q": positive, "block_k": positive,
+        "causal": flag, "seed": non_negative, "dense_check_max_n": non_negative,
+        "results_json": text,
+    },
+    "memory": {
+        "n": positive, "d": positive, "causal": flag, "sweep": sizes,
+        "dense_max_n": positive, "interval_s": seconds, "results_json": text,
+    },
+}
+
+TITLES = {
+    "equivalence": "Equivalence: tiled attention equals the dense float64 reference",
+    "rescales": "Rescales: where the online softmax's running max grows",
+    "memory": "Memory: the tiled kernel streams in constant working memory",
+}
+
+#: Tiny parameters for ``--quick`` runs and the test suite.
+QUICK = {
+    "equivalence": {"n_cases": 6, "max_len": 300, "adversarial_n": 256},
+    "rescales": {"n": 256, "block_q": 32, "block_k": 32},
+    "memory": {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048},
+}
+
+
+def check_params(notebook: str, **values) -> dict:
+    """Check one notebook's parameters; returns them, converted, or raises a clear error."""
+    if notebook not in PARAMETERS:
+        raise ValueError(f"unknown notebook {notebook!r}; known: {sorted(PARAMETERS)}")
+    schema = PARAMETERS[notebook]
+    unknown = sorted(set(values) - set(schema))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) for {notebook}: {unknown}; known: {sorted(schema)}")
+    missing = sorted(set(schema) - set(values))
+    if missing:
+        raise ValueError(f"missing parameter(s) for {notebook}: {missing}")
+    params = {name: schema[name](name, values[name]) for name in schema}
+    # The dense path only ever runs where it fits in memory, with room to spare.
+    dense_runs = {
+        "equivalence": [("max_len", 4), ("adversarial_n", 1)],
+        "rescales": [("dense_check_max_n", 1)],
+        "memory": [("dense_max_n", 1)],
+    }[notebook]
+    for name, heads in dense_runs:
+        if not dense_fits(params[name], heads=heads):
+            raise ValueError(
+                f"parameter {name}={params[name]} would run the dense reference out of memory "
+                "on this machine; choose a smaller value")
+    if notebook == "memory" and params["dense_max_n"] > params["sweep"][-1]:
+        raise ValueError("parameter dense_max_n must not exceed the largest sweep size")
+    return params
+
+
+# -- provenance and results ------------------------------------------------------------------
+
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode:
+            return "unknown (not a git checkout)"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (git not available)"
+
+
+def _blas() -> str:
+    try:
+        config = np.show_config(mode="dicts")
+        blas = config["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # older numpy: no dict mode
+        return "unknown"
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+    """Where and with what a report was made."""
+    return {
+        "attnlib": __version__,
+        "git commit": _git_commit(),
+        "date (UTC)": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "BLAS": _blas(),
+        "CPU": f"{_cpu()} ({os.cpu_count()} logical cores)",
+    }
+
+
+def provenance(params: dict):
+    """A table of the run's parameters and `environment`, for the top of a report."""
+    from .plots import Table
+
+    shown = {k: v for k, v in params.items() if k != "results_json"}  # the runner's plumbing
+    rows = [{"": "parameter", "name": k, "value": repr(v)} for k, v in shown.items()]
+    rows += [{"": "environment", "name": k, "value": v} for k, v in environment().items()]
+    return Table(rows, ["", "name", "value"], title="Parameters and environment of this run")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A report's one-line verdict, shown in the notebook and in the index."""
+
+    passed: bool
+    line: str
+
+    def _repr_markdown_(self):
+        return f"**{'PASS' if self.passed else 'FAIL'}**: {self.line}"
+
+
+def save_results(results_json: str, notebook: str, params: dict, passed: bool, line: str,
+                 figures: dict) -> Verdict:
+    """Write a notebook's figures and verdict as JSON (when ``results_json`` is set)."""
+    verdict = Verdict(bool(passed), line)
+    if results_json:
+        data = {"notebook": notebook, "passed": verdict.passed, "verdict": line,
+                "params": params, "environment": environment(), "figures": figures}
+        Path(results_json).write_text(json.dumps(data, indent=1, default=_jsonable))
+    return verdict
+
+
+def _jsonable(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+# -- running and rendering -------------------------------------------------------------------
+
+class ReportError(Exception):
+    """A report run that cannot start (bad arguments or parameters)."""
+
+
+def _parse_value(raw: str):
+    lowered = {"true": True, "false": False}.get(raw.strip().lower())
+    if lowered is not None:
+        return lowered
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def _notebook_defaults(path: Path) -> dict:
+    import papermill
+
+    declared = papermill.inspect_notebook(str(path))
+    return {name: ast.literal_eval(p["default"]) for name, p in declared.items()}
+
+
+def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, Path, dict]]:
+    """Check everything before running: ``[(name, notebook path, parameters), ...]``.
+
+    ``overrides`` are ``"key=value"`` (every selected notebook that declares ``key``) or
+    ``"notebook.key=value"`` strings; a key no selected notebook declares is refused.
+    """
+    nb_dir = Path(nb_dir) if nb_dir else ROOT / "notebooks"
+    names = list(PARAMETERS) if not names else list(names)
+    for name in names:
+        if name not in PARAMETERS:
+            raise ReportError(f"unknown notebook {name!r}; known: {', '.join(PARAMETERS)}")
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ReportError(f"parameters are given as key=value, got {item!r}")
+        target, _, key = key.rpartition(".")
+        if target and target not in names:
+            raise ReportError(f"parameter {item!r} names notebook {target!r}, which is not selected")
+        if not any(key in PARAMETERS[n] for n in ([target] if target else names)):
+            where = target or ", ".join(names)
+            raise ReportError(f"unknown parameter {key!r} for {where}")
+        parsed.append((target, key, _parse_value(raw)))
+    runs = []
+    for name in names:
+        path = nb_dir / f"{name}.ipynb"
+        if not path.exists():
+            raise ReportError(f"notebook {path} not found")
+        defaults = _notebook_defaults(path)
+        if set(defaults) != set(PARAMETERS[name]):
+            raise ReportError(
+                f"{path.name}: its parameters cell declares {sorted(defaults)}, "
+                f"but attnlib checks {sorted(PARAMETERS[name])}")
+        values = {**defaults, **(QUICK[name] if quick else {})}
+        values.update({k: v for t, k, v in parsed if t in ("", name) and k in PARAMETERS[name]})
+        try:
+            params = check_params(name, **values)
+        except (TypeError, ValueError) as e:
+            raise ReportError(f"{name}: {e}") from None
+        runs.append((name, path, params))
+    return runs
+
+
+def _failed_cell(executed: Path) -> str:
+    """``cell N ('first line')`` of the failing cell, N counted in the stored notebook."""
+    import nbformat
+
+    added = {"injected-parameters", "papermill-error-cell-tag"}  # cells papermill inserts
+    nb = nbformat.read(str(executed), as_version=4)
+    cells = [c for c in nb.cells if not added & set(c.metadata.get("tags", []))]
+    for index, cell in enumerate(cells):
+        if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
+            return f"cell {index} ({first!r})"
+    return "an unknown cell"
+
+
+def render_html(executed: Path, target: Path) -> None:
+    """Executed notebook -> self-contained HTML, written atomically (tmp file + rename)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name="offline",
+                            extra_template_basedirs=[str(Path(__file__).parent / "templates")])
+    body, _ = exporter.from_notebook_node(nbformat.read(str(executed), as_version=4))
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(body, encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def run_one(name: str, path: Path, params: dict, out_dir: Path) -> tuple[bool, str]:
+    """Execute one notebook and render it; the previous report stays unless this succeeds."""
+    import papermill
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"attnlib-{name}-") as tmp:
+        executed = Path(tmp) / f"{name}.ipynb"
+        results = Path(tmp) / f"{name}.json"
+        started = time.perf_counter()
+        try:
+            papermill.execute_notebook(
+                str(path), str(executed), parameters={**params, "results_json": str(results)},
+                kernel_name="python3", progress_bar=False, cwd=str(path.parent),
+            )
+        except papermill.PapermillExecutionError as e:
+            return False, f"{path.name} failed in {_failed_cell(executed)}: {e.ename}: {e.evalue}"
+        elapsed = time.perf_counter() - started
+        if not results.exists():
+            return False, f"{path.name} ran but wrote no results JSON"
+        data = json.loads(results.read_text())
+        data["seconds"] = round(elapsed, 1)
+        data["params"] = {**data["params"], "results_json": ""}
+        render_html(executed, out_dir / f"{name}.html")
+        json_tmp = out_dir / f"{name}.json.tmp"
+        json_tmp.write_text(json.dumps(data, indent=1))
+        os.replace(json_tmp, out_dir / f"{name}.json")
+    return True, f"{'PASS' if data['passed'] else 'FAIL'}: {data['verdict']} ({elapsed:.1f} s)"
+
+
+def write_index(out_dir: Path) -> Path:
+    """``index.html`` linking every report in ``out_dir`` with its verdict line."""
+    items = []
+    for name, title in TITLES.items():
+        results = out_dir / f"{name}.json"
+        if not (out_dir / f"{name}.html").exists() or not results.exists():
+            items.append(f"<li><b>{html.escape(title)}</b>: not run yet</li>")
+            continue
+        data = json.loads(results.read_text())
+        env = data.get("environment", {})
+        badge = "pass" if data["passed"] else "fail"
+        items.append(
+            f'<li><span class="{badge}">{badge.upper()}</span> '
+            f'<a href="{name}.html">{html.escape(title)}</a><br>'
+            f'{html.escape(data["verdict"])}<br><small>{data.get("seconds", "?")} s, '
+            f'{html.escape(env.get("date (UTC)", "?"))} UTC, commit {html.escape(env.get("git commit", "?"))}, '
+            f'attnlib {html.escape(env.get("attnlib", "?"))}, numpy {html.escape(env.get("numpy", "?"))}</small></li>')
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>attnlib reports</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 52em; margin: 2em auto; line-height: 1.5; }}
+li {{ margin-bottom: 1em; }} .pass, .fail {{ font-weight: bold; padding: 0 .4em; border-radius: 3px; color: white; }}
+.pass {{ background: #2a9d8f; }} .fail {{ background: #c0392b; }} small {{ color: #555; }}
+</style></head><body>
+<h1>attnlib: the evidence</h1>
+<p>Exact, memory-tiled attention in numpy, checked against a dense float64 reference.
+Each report below was produced by running its notebook with papermill
+(<code>make report</code>); its parameters and environment are stated at its top.</p>
+<ul>
+{chr(10).join(items)}
+</ul></body></html>
+"""
+    index = out_dir / "index.html"
+    tmp = out_dir / "index.html.tmp"
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, index)
+    return index
+
+
+def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print) -> int:
+    """Run the selected notebooks and write their reports; returns an exit status.
+
+    0: every notebook ran and passed its checks; 1: a notebook failed (its previous report
+    is kept) or its verdict is FAIL; 2: bad arguments, nothing was run.
+    """
+    out_dir = Path(out_dir) if out_dir else ROOT / "reports"
+    try:
+        runs = plan(names, overrides, quick, nb_dir)
+    except ReportError as e:
+        log(f"error: {e}")
+        return 2
+    status = 0
+    for i, (name, path, params) in enumerate(runs, 1):
+        log(f"[{i}/{len(runs)}] {name}: running {path.name} ...")
+        ok, message = run_one(name, path, params, out_dir)
+        log(f"[{i}/{len(runs)}] {name}: {message}")
+        if not ok or message.startswith("FAIL"):
+            status = 1
+    index = write_index(out_dir)
+    log(f"index: {index}")
+    return status
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m attnlib report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", choices=list(PARAMETERS), metavar="NAME",
+                        help=f"run only this notebook (repeatable): {', '.join(PARAMETERS)}")
+    parser.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a parameter (KEY or NOTEBOOK.KEY); values are Python literals")
+    parser.add_argument("--quick", action="store_true", help="tiny parameters, for a smoke run")
+    parser.add_argument("--out", default=None, help="output folder (default: reports/)")
+    parser.add_argument("--notebooks", default=None, help="notebook folder (default: notebooks/)")
+    args = parser.parse_args(argv)
+    return run(args.only, args.param, args.quick, args.out, args.notebooks,
+               log=lambda m: print(m, flush=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
