@@ -11,7 +11,7 @@ causal alignment, fully masked rows, LSE, stats).
 """
 
 from .inputs import FAMILIES, Case, adversarial_qkv, random_cases, random_qkv
-from .masks import FULL, PARTIAL, SKIP, MaskSpec
+from .masks import FULL, PARTIAL, SKIP, MaskSpec, mask_specs
 from .metrics import (
     BOUND,
     Errors,
@@ -27,15 +27,17 @@ from .metrics import (
     run_case,
     run_family,
 )
-from .online import OnlineSoftmax
+from .online import OnlineSoftmax, merge_attention
 from .reference import reference_attention, reference_rescales, reference_scores
+from .stream import attention_stream
 from .tiled import DEFAULT_TILES, AttentionStats, TileSizes, attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "reference_attention", "reference_scores", "reference_rescales",
-    "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "MaskSpec",
+    "attention", "attention_stream", "reference_attention", "reference_scores", "reference_rescales",
+    "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "merge_attention",
+    "MaskSpec", "mask_specs",
     "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case", "run_family",
     "expected_rescales", "max_rescales",
     "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",

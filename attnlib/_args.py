@@ -57,6 +57,15 @@ def positive_int(x, name: str) -> int:
     return int(x)
 
 
+def count(x, name: str) -> int:
+    """``x`` as a non-negative Python int."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be a non-negative integer, got {x!r}")
+    if x < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {x!r}")
+    return int(x)
+
+
 def flag(x, name: str) -> bool:
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {x!r}")
@@ -158,3 +167,79 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
     v5 = v[..., None, :, :]
     problem = Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze)
     return q5, k5, v5, problem
+
+
+def window(x):
+    """``(left, right)``: each a non-negative integer or None (unbounded); None = no window."""
+    if x is None:
+        return (None, None)
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise ValueError(f"window must be a pair (left, right) or None, got {x!r}")
+    for side, value in zip(("left", "right"), x):
+        if value is None:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"window {side} must be a non-negative integer or None, got {value!r}")
+        if value < 0:
+            raise ValueError(f"window {side} must be a non-negative integer or None, got {value!r}")
+    return tuple(None if v is None else int(v) for v in x)
+
+
+def _integers(x, name):
+    arr = np.asarray(x)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr
+
+
+def lengths(x, name: str, batch: tuple, limit: int, limit_name: str):
+    """Per-batch-entry lengths: integers of shape ``batch`` in ``[0, limit]``."""
+    if x is None:
+        return None
+    arr = _integers(x, name)
+    if arr.shape != batch:
+        raise ValueError(f"{name} must have the batch shape {batch}, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > limit):
+        raise ValueError(
+            f"{name} must be in [0, {limit_name}={limit}], got values in [{arr.min()}, {arr.max()}]")
+    return arr
+
+
+def segment_ids(q_ids, kv_ids, batch: tuple, sq: int, sk: int):
+    """Document ids ``(*batch, Sq)`` and ``(*batch, Sk)``: both or neither."""
+    if q_ids is None and kv_ids is None:
+        return None, None
+    if q_ids is None or kv_ids is None:
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    q_ids = _integers(q_ids, "q_segment_ids")
+    kv_ids = _integers(kv_ids, "kv_segment_ids")
+    if q_ids.shape != batch + (sq,):
+        raise ValueError(f"q_segment_ids must have shape {batch + (sq,)} (batch axes, Sq), got {q_ids.shape}")
+    if kv_ids.shape != batch + (sk,):
+        raise ValueError(f"kv_segment_ids must have shape {batch + (sk,)} (batch axes, Sk), got {kv_ids.shape}")
+    return q_ids, kv_ids
+
+
+def softcap(x):
+    """``c > 0`` caps scores as ``c * tanh(s / c)``; None or 0 means no cap (FlashAttention's 0.0)."""
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"softcap must be a real number or None, got {x!r}")
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {x!r}")
+    return float(x) if x > 0 else None
+
+
+def alibi_slopes(x, batch: tuple, hq: int):
+    """ALiBi slopes of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals, as float64."""
+    if x is None:
+        return None
+    arr = as_float_array(x, "alibi_slopes")
+    if arr.shape not in ((hq,), batch + (hq,)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({hq},) or {batch + (hq,)} (Hq or batch axes + Hq), "
+            f"got {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise ValueError("alibi_slopes must be finite")
+    return arr.astype(np.float64)

@@ -2,8 +2,17 @@
 
 `MaskSpec.visible` is the contract's definition, evaluated on index vectors; the dense
 reference applies it to the whole ``(Sq, Sk)`` grid and the tiled kernel to one tile.
-`MaskSpec.tile_kind` classifies a tile in closed form from the mask geometry (two
-comparisons), never from an ``n x n`` mask.
+`MaskSpec.tile_kind` classifies tiles in closed form from the mask geometry (window bounds,
+lengths, segment id ranges), never from an ``n x n`` mask.
+
+Query ``i`` sees key ``j`` when all of these hold (``o`` is the alignment offset,
+``Sk - Sq`` for bottom_right, ``0`` for top_left, with the actual lengths when padded)::
+
+    i < q_len,  j < kv_len                          padding
+    j <= i + o                                      causal
+    i + o - left <= j <= i + o + right              window (None: unbounded side;
+                                                    causal forces right = 0)
+    q_segments[i] == kv_segments[j]                 documents
 
 Causal alignment, ``Sq = 2``, ``Sk = 5`` (1 = visible)::
 
@@ -28,50 +37,156 @@ SKIP, PARTIAL, FULL = 0, 1, 2
 TILE_KIND_NAMES = {SKIP: "SKIP", PARTIAL: "PARTIAL", FULL: "FULL"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MaskSpec:
-    """The visibility rule of one call: ``j <= i + offset`` when causal, else everything."""
+    """The visibility rule of one batch entry (or of all, when it does not depend on it).
+
+    ``sq, sk`` are the array extents; ``q_len, kv_len`` the actual lengths (default: the
+    extents); ``window = (left, right)`` with ``None`` for an unbounded side;
+    ``q_segments (sq,)`` and ``kv_segments (sk,)`` document ids, or None.
+    """
 
     sq: int
     sk: int
     causal: bool = False
     causal_align: str = "bottom_right"
+    window: tuple = (None, None)
+    q_len: int | None = None
+    kv_len: int | None = None
+    q_segments: np.ndarray | None = None
+    kv_segments: np.ndarray | None = None
 
     def __post_init__(self):
         _args.causal_align(self.causal_align)
 
     @property
-    def offset(self) -> int:
-        """The alignment offset ``o``: ``Sk - Sq`` for bottom_right, ``0`` for top_left."""
-        return self.sk - self.sq if self.causal_align == "bottom_right" else 0
+    def rows(self) -> int:
+        return self.sq if self.q_len is None else self.q_len
 
-    def visible(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    @property
+    def keys(self) -> int:
+        return self.sk if self.kv_len is None else self.kv_len
+
+    @property
+    def offset(self) -> int:
+        """The alignment offset ``o``: ``kv_len - q_len`` for bottom_right, ``0`` for top_left."""
+        return self.keys - self.rows if self.causal_align == "bottom_right" else 0
+
+    @property
+    def left(self):
+        return self.window[0]
+
+    @property
+    def right(self):
+        return 0 if self.causal else self.window[1]
+
+    @property
+    def banded(self) -> bool:
+        """Whether a row sees a diagonal band rather than every key (causal or window)."""
+        return self.left is not None or self.right is not None
+
+    @property
+    def by_position(self) -> bool:
+        """Whether visibility depends on positions at all (else every pair is visible)."""
+        return (self.banded or self.rows < self.sq or self.keys < self.sk
+                or self.q_segments is not None)
+
+    def visible(self, i, j) -> np.ndarray:
         """Boolean ``(len(i), len(j))``: may query ``i`` see key ``j``?"""
         i = np.asarray(i)[:, None]
         j = np.asarray(j)[None, :]
-        if not self.causal:
-            return np.ones((i.shape[0], j.shape[1]), dtype=bool)
-        return j <= i + self.offset
+        vis = (i < self.rows) & (j < self.keys)
+        o = self.offset
+        if self.left is not None:
+            vis &= j >= i + o - self.left
+        if self.right is not None:
+            vis &= j <= i + o + self.right
+        if self.q_segments is not None:
+            vis &= self.q_segments[i] == self.kv_segments[j]
+        return vis
 
-    def tile_kind(self, q0, q1, k0, k1):
+    def distance(self, i, j) -> np.ndarray:
+        """``|i + o - j|``, ``(len(i), len(j))``: the ALiBi distance of each pair."""
+        return np.abs(np.asarray(i)[:, None] + self.offset - np.asarray(j)[None, :]).astype(np.float64)
+
+    def tile_kind(self, q0, q1, k0, k1, kv_ranges=None):
         """SKIP, PARTIAL or FULL for queries ``[q0, q1)`` against keys ``[k0, k1)``.
 
-        Works elementwise on broadcastable integer arrays of tile bounds as well.
+        Works elementwise on broadcastable integer arrays of key tile bounds (and of query
+        tile bounds when there are no segments).  With segments, ``kv_ranges`` are the
+        key tiles' segment id ranges from `kv_ranges`, and ``q0, q1`` are scalars.
         """
-        if not self.causal:
-            return np.full(np.broadcast(q0, k0).shape, FULL, dtype=np.int8)[()]
+        q0, q1, k0, k1 = (np.asarray(x) for x in (q0, q1, k0, k1))
+        r1 = np.minimum(q1, self.rows)  # rows past q_len see nothing
+        c1 = np.minimum(k1, self.keys)  # keys past kv_len are seen by none
+        none = (r1 <= q0) | (c1 <= k0)
+        every = (r1 == q1) & (c1 == k1)
         o = self.offset
-        # Visible pairs satisfy j - i <= o, so a tile's extreme pairs decide it:
-        # none visible if its smallest key is past the last row's reach,
-        # all visible if its largest key is within the first row's reach.
-        none = np.asarray(k0) > np.asarray(q1) - 1 + o
-        every = np.asarray(k1) - 1 <= np.asarray(q0) + o
-        return np.where(none, SKIP, np.where(every, FULL, PARTIAL)).astype(np.int8)[()]
+        # Row i sees the band [i + o - left, i + o + right], which moves right with i, and
+        # the bands of consecutive rows overlap, so the extreme rows decide: nothing is
+        # visible if the tile's keys lie past the last row's reach or before the first
+        # row's; everything if every row's band covers all of the tile's keys.
+        if self.right is not None:
+            none |= k0 > (r1 - 1) + o + self.right
+            every &= k1 - 1 <= q0 + o + self.right
+        if self.left is not None:
+            none |= c1 - 1 < q0 + o - self.left
+            every &= k0 >= (q1 - 1) + o - self.left
+        if self.q_segments is not None:
+            # From the id ranges: disjoint ranges share no id; one id on both sides is
+            # all-visible; anything else is PARTIAL (possibly with no visible pair).
+            q_ids = self.q_segments[int(q0):int(q1)]
+            q_min, q_max = (q_ids.min(), q_ids.max()) if q_ids.size else (0, -1)
+            kv_min, kv_max = kv_ranges
+            none |= (q_max < kv_min) | (kv_max < q_min)
+            every &= (q_min == q_max) & (kv_min == kv_max) & (q_min == kv_min)
+        kind = np.where(none, SKIP, np.where(every, FULL, PARTIAL)).astype(np.int8)
+        return kind[()]
+
+    def kv_ranges(self, k_starts):
+        """``(kv_min, kv_max)``: the segment id range of each key tile (None without segments)."""
+        if self.q_segments is None:
+            return None
+        if self.kv_segments.size == 0:
+            return np.zeros(0, self.kv_segments.dtype), np.zeros(0, self.kv_segments.dtype)
+        return (np.minimum.reduceat(self.kv_segments, k_starts),
+                np.maximum.reduceat(self.kv_segments, k_starts))
 
     def tile_kinds(self, block_q: int, block_k: int) -> np.ndarray:
         """``(n_q_tiles, n_k_tiles)`` int8 map of `tile_kind` over the whole grid."""
-        q0 = np.arange(0, self.sq, block_q)[:, None]
-        k0 = np.arange(0, self.sk, block_k)[None, :]
-        q1 = np.minimum(q0 + block_q, self.sq)
+        k0 = np.arange(0, self.sk, block_k)
         k1 = np.minimum(k0 + block_k, self.sk)
-        return np.broadcast_to(self.tile_kind(q0, q1, k0, k1), (q0.size, k0.size)).copy()
+        ranges = self.kv_ranges(k0)
+        kinds = np.empty((-(-self.sq // block_q), k0.size), dtype=np.int8)
+        for a, q0 in enumerate(range(0, self.sq, block_q)):
+            kinds[a] = self.tile_kind(q0, min(q0 + block_q, self.sq), k0, k1, ranges)
+        return kinds
+
+
+def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bottom_right",
+               window=None, q_lengths=None, kv_lengths=None, q_segment_ids=None,
+               kv_segment_ids=None) -> dict:
+    """Check the masking arguments and return ``{batch index: MaskSpec}``.
+
+    When nothing depends on the batch the result is ``{(): spec}``, one rule for every
+    batch entry (processed together); otherwise one spec per batch index.
+    """
+    causal = _args.flag(causal, "causal")
+    causal_align = _args.causal_align(causal_align)
+    win = _args.window(window)
+    q_len = _args.lengths(q_lengths, "q_lengths", batch, sq, "Sq")
+    kv_len = _args.lengths(kv_lengths, "kv_lengths", batch, sk, "Sk")
+    q_ids, kv_ids = _args.segment_ids(q_segment_ids, kv_segment_ids, batch, sq, sk)
+    common = dict(sq=sq, sk=sk, causal=causal, causal_align=causal_align, window=win)
+    if q_len is None and kv_len is None and q_ids is None:
+        return {(): MaskSpec(**common)}
+    return {
+        idx: MaskSpec(
+            **common,
+            q_len=None if q_len is None else int(q_len[idx]),
+            kv_len=None if kv_len is None else int(kv_len[idx]),
+            q_segments=None if q_ids is None else q_ids[idx],
+            kv_segments=None if kv_ids is None else kv_ids[idx],
+        )
+        for idx in np.ndindex(*batch)
+    }

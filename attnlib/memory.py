@@ -15,6 +15,8 @@ import subprocess
 import sys
 
 PATHS = ("tiled", "dense")
+#: ``peak_memory`` also measures "stream": `attention_stream` over a memmapped KV cache.
+ALL_PATHS = PATHS + ("stream",)
 
 #: The fixed cap on the tiled forward's working memory (over inputs and output).
 CAP_BYTES = 32 * 2**20
@@ -24,8 +26,8 @@ TOOLS = ("peak", "tracemalloc", "rss")
 
 
 def _in_subprocess(case: dict, timeout: float) -> dict:
-    if case["path"] not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {case['path']!r}")
+    if case["path"] not in ALL_PATHS:
+        raise ValueError(f"path must be one of {ALL_PATHS}, got {case['path']!r}")
     proc = subprocess.run(
         [sys.executable, "-m", "attnlib.memory", json.dumps(case)],
         capture_output=True, text=True, timeout=timeout,
@@ -37,14 +39,19 @@ def _in_subprocess(case: dict, timeout: float) -> dict:
 
 def peak_memory(path: str, sq: int, sk: int | None = None, d: int = 64, *,
                 causal: bool = True, block_q: int | None = None, block_k: int | None = None,
-                seed: int = 0, timeout: float = 600.0) -> dict:
-    """Traced peak of one ``path`` call ("tiled" or "dense") on random inputs.
+                chunk: int = 65536, seed: int = 0, timeout: float = 600.0) -> dict:
+    """Traced peak of one ``path`` call on random inputs, in a fresh process.
+
+    ``path`` is "tiled" (`attention`), "dense" (`reference_attention`) or "stream":
+    `attention_stream` over ``chunk``-key slices of a KV cache of ``sk`` keys memmapped
+    from files on disk (written before tracing starts, then read during the call).
 
     Returns a dict with ``peak_bytes`` (traced peak during the call), ``output_bytes``
-    (``out`` and ``lse``), ``working_bytes`` (peak minus output) and ``input_bytes``.
+    (``out`` and ``lse``), ``working_bytes`` (peak minus output), ``input_bytes`` (arrays
+    in memory) and, for "stream", ``cache_bytes`` (k and v on disk) and ``seconds``.
     """
     case = dict(tool="peak", path=path, sq=sq, sk=sq if sk is None else sk, d=d,
-                causal=causal, block_q=block_q, block_k=block_k, seed=seed)
+                causal=causal, block_q=block_q, block_k=block_k, chunk=chunk, seed=seed)
     return _in_subprocess(case, timeout)
 
 
@@ -69,8 +76,13 @@ def memory_timeline(path: str, tool: str, n: int, d: int = 64, *, causal: bool =
 
 
 def _call(case, q, k, v):
-    from . import attention, reference_attention
+    from . import attention, attention_stream, reference_attention
 
+    if case["path"] == "stream":
+        sk, step = k.shape[-2], case.get("chunk", 65536)
+        chunks = ((k[..., i:i + step, :], v[..., i:i + step, :]) for i in range(0, max(sk, 1), step))
+        return attention_stream(q, chunks, causal=case["causal"], total_keys=sk,
+                                block_q=case["block_q"], block_k=case["block_k"], return_lse=True)
     if case["path"] == "tiled":
         return attention(q, k, v, causal=case["causal"], block_q=case["block_q"],
                          block_k=case["block_k"], return_lse=True)
@@ -122,17 +134,50 @@ def _rss(case, q, k, v):
     return out, lse, max(b for _, b in samples), samples
 
 
+def _memmap_cache(folder, sk, d, seed, step=1 << 16):
+    """A KV cache of ``sk`` standard normal keys and values, ``(sk, d)`` float64 memmaps."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for name in ("k", "v"):
+        mm = np.lib.format.open_memmap(os.path.join(folder, f"{name}.npy"), mode="w+",
+                                       dtype=np.float64, shape=(sk, d))
+        for i in range(0, sk, step):  # written a slab at a time: never all in memory
+            mm[i:i + step] = rng.standard_normal((min(step, sk - i), d))
+        mm.flush()
+        del mm
+        arrays.append(np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r"))
+    return arrays
+
+
 def _measure(case: dict) -> dict:
+    import tempfile
+    import time
+
     from .inputs import random_qkv
 
     warm = random_qkv(256, 256, case["d"], seed=1)
     _call(case, *warm)  # warm-up: imports, BLAS buffers, code paths
-    q, k, v = random_qkv(case["sq"], case["sk"], case["d"], seed=case["seed"])
-    run = _rss if case["tool"] == "rss" else _traced
-    out, lse, peak, samples = run(case, q, k, v)
+    with tempfile.TemporaryDirectory(prefix="attnlib-kv-") as folder:
+        if case["path"] == "stream":  # only q in memory; k and v on disk
+            q = random_qkv(case["sq"], 0, case["d"], seed=case["seed"])[0]
+            k, v = _memmap_cache(folder, case["sk"], case["d"], case["seed"])
+            in_memory = q.nbytes
+        else:
+            q, k, v = random_qkv(case["sq"], case["sk"], case["d"], seed=case["seed"])
+            in_memory = q.nbytes + k.nbytes + v.nbytes
+        run = _rss if case["tool"] == "rss" else _traced
+        started = time.perf_counter()
+        out, lse, peak, samples = run(case, q, k, v)
+        seconds = time.perf_counter() - started
+        cache = k.nbytes + v.nbytes
+        del k, v
     output = out.nbytes + lse.nbytes
     result = dict(case, peak_bytes=int(peak), output_bytes=output,
-                  working_bytes=int(peak) - output, input_bytes=q.nbytes + k.nbytes + v.nbytes)
+                  working_bytes=int(peak) - output, input_bytes=in_memory, seconds=seconds)
+    if case["path"] == "stream":
+        result["cache_bytes"] = cache
     if case["tool"] != "peak":
         result["t"] = [t for t, _ in samples]
         result["bytes"] = [int(b) for _, b in samples]

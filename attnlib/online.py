@@ -103,3 +103,45 @@ class OnlineSoftmax:
         np.log(self.l, out=lse, where=seen)
         np.add(lse, self.m, out=lse, where=seen)
         return out, lse
+
+
+def merge_attention(outs, lses):
+    """Combine attention results computed over disjoint key ranges (split-KV).
+
+    Parameters
+    ----------
+    outs : sequence of arrays, each ``(..., Sq, Dv)``
+        Normalised partial outputs, one per key range.
+    lses : sequence of arrays, each ``(..., Sq)``
+        Their log-sum-exps; ``-inf`` marks a row that saw no key in that range (its output
+        must then be 0), and such partials are ignored cleanly.
+
+    Returns
+    -------
+    out, lse : the result over the union of the key ranges.
+
+    Notes
+    -----
+    A partial ``(out, lse)`` is the online state ``m = lse, l = 1, acc = out`` (or the
+    empty state where ``lse = -inf``), so merging is `OnlineSoftmax.merge`:
+    ``lse = log(sum_r exp(lse_r))`` and ``out = sum_r exp(lse_r - lse) out_r``.
+    """
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
+                         f"got {len(outs)} and {len(lses)}")
+    state = None
+    for r, (out, lse) in enumerate(zip(outs, lses)):
+        out = np.asarray(out, dtype=np.float64)
+        lse = np.asarray(lse, dtype=np.float64)
+        if out.shape[:-1] != lse.shape:
+            raise ValueError(f"outs[{r}] {out.shape} and lses[{r}] {lse.shape} do not match "
+                             "((..., Sq, Dv) and (..., Sq))")
+        if state is not None and out.shape != state.acc.shape:
+            raise ValueError(f"outs[{r}] has shape {out.shape}, outs[0] {state.acc.shape}")
+        if np.isnan(lse).any() or np.isposinf(lse).any():
+            raise ValueError(f"lses[{r}] must be finite or -inf")
+        seen = np.isfinite(lse)
+        part = OnlineSoftmax(lse, seen.astype(np.float64), np.where(seen[..., None], out, 0.0))
+        state = part if state is None else state.merge(part)
+    return state.finalize()

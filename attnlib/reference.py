@@ -10,32 +10,50 @@ from __future__ import annotations
 import numpy as np
 
 from . import _args
-from .masks import MaskSpec
+from .masks import mask_specs
 
 
-def reference_scores(q, k, *, causal=False, causal_align="bottom_right", scale=None,
-                     check_finite=True):
-    """The masked score matrix ``s`` of the contract, shape ``(..., Hq, Sq, Sk)``.
+def reference_scores(q, k, *, check_finite=True, **options):
+    """The score matrix of the contract, ``(..., Hq, Sq, Sk)``, after every modification.
 
-    ``s[i, j] = scale * (q[i] . k[j])`` for visible pairs and ``-inf`` otherwise.
+    ``s[i, j] = scale * (q[i] . k[j])``, softcapped, ``-inf`` where invisible, plus ALiBi.
+    ``options`` are the masking and score arguments of `attention`.
     """
-    q5, k5, _, pb = _args.parse(q, k, k, scale=scale, check_finite_inputs=check_finite)
-    s = _scores(q5, k5, pb, causal, causal_align)
-    return pb.merge_heads(s, 2)
+    q5, k5, _, pb = _args.parse(q, k, k[..., :1], scale=options.pop("scale", None),
+                                check_finite_inputs=check_finite)
+    return pb.merge_heads(_scores(q5, k5, pb, **options), 2)
 
 
-def _scores(q5, k5, pb, causal, causal_align):
-    mask = MaskSpec(pb.sq, pb.sk, _args.flag(causal, "causal"), causal_align)
-    q64 = q5.astype(np.float64)
-    k64 = k5.astype(np.float64)
-    s = pb.scale * np.matmul(q64, np.swapaxes(k64, -1, -2))  # (..., hk, g, sq, sk)
-    visible = mask.visible(np.arange(pb.sq), np.arange(pb.sk))  # (sq, sk)
-    return np.where(visible, s, -np.inf)
+def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=None,
+            kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
+            softcap=None, alibi_slopes=None):
+    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
+                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    cap = _args.softcap(softcap)
+    slopes = _args.alibi_slopes(alibi_slopes, pb.batch, pb.hq)
+    s = pb.scale * np.matmul(q5.astype(np.float64), np.swapaxes(k5.astype(np.float64), -1, -2))
+    if cap is not None:
+        s = cap * np.tanh(s / cap)
+    # The visibility and ALiBi distance of every pair, (sq, sk), or (*batch, sq, sk) when
+    # the mask depends on the batch entry; then axes for (hk, g).
+    i, j = np.arange(pb.sq), np.arange(pb.sk)
+    if () in specs:
+        visible, dist = specs[()].visible(i, j), specs[()].distance(i, j)
+    else:
+        grid = pb.batch + (pb.sq, pb.sk)
+        visible = np.array([spec.visible(i, j) for spec in specs.values()]).reshape(grid)
+        dist = np.array([spec.distance(i, j) for spec in specs.values()]).reshape(grid)
+        visible, dist = visible[..., None, None, :, :], dist[..., None, None, :, :]
+    s = np.where(visible, s, -np.inf)
+    if slopes is not None:  # after masking: -inf stays -inf
+        slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
+        s = s - slopes[..., None, None] * dist
+    return s
 
 
-def reference_attention(q, k, v, *, causal=False, causal_align="bottom_right", scale=None,
-                        return_lse=False, check_finite=True):
-    """Dense float64 attention, ``softmax(scale * q k^T + mask) v``.
+def reference_attention(q, k, v, *, return_lse=False, check_finite=True, **options):
+    """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
     ----------
@@ -43,12 +61,9 @@ def reference_attention(q, k, v, *, causal=False, causal_align="bottom_right", s
     k : array_like, shape ``(..., Hk, Sk, D)`` or ``(Sk, D)``
     v : array_like, shape ``(..., Hk, Sk, Dv)`` or ``(Sk, Dv)``
         Real floating arrays; ``Hq % Hk == 0`` (GQA/MQA).  Computed in float64.
-    causal : bool
-        Query ``i`` sees key ``j`` only if ``j <= i + o``.
-    causal_align : {"bottom_right", "top_left"}
-        ``o = Sk - Sq`` (FlashAttention >= 2.1) or ``o = 0`` (torch SDPA ``is_causal``).
-    scale : float, optional
-        Score scale, ``1/sqrt(D)`` by default.
+    causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids, kv_segment_ids,
+    softcap, alibi_slopes, scale
+        As in `attention`: the contract's masks and score modifications.
     return_lse : bool
         Also return ``lse: (..., Hq, Sq)``, the natural log of the softmax denominator.
     check_finite : bool
@@ -65,8 +80,9 @@ def reference_attention(q, k, v, *, causal=False, causal_align="bottom_right", s
     before ``exp`` (where it is finite) so that nothing overflows and logits of ``-1e4``
     do not all underflow to 0.
     """
-    q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
-    s = _scores(q5, k5, pb, causal, causal_align)  # (..., hk, g, sq, sk)
+    q5, k5, v5, pb = _args.parse(q, k, v, scale=options.pop("scale", None),
+                                 check_finite_inputs=check_finite)
+    s = _scores(q5, k5, pb, **options)  # (..., hk, g, sq, sk)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # -inf for rows with no key
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
     l = p.sum(axis=-1, keepdims=True)  # >= 1 where the row sees a key, else 0

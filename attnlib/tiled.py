@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _args
-from .masks import PARTIAL, SKIP, MaskSpec
-from .online import OnlineSoftmax
+from .masks import PARTIAL, SKIP, mask_specs
+from .online import OnlineSoftmax, merge_attention
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class AttentionStats:
     block_q, block_k : int
         Tile sizes used; tile ``(a, b)`` starts at ``(q0, k0) = (a*block_q, b*block_k)``.
     tile_kind : ndarray of int8, shape ``(..., n_q_tiles, n_k_tiles)``
-        ``0 = SKIP, 1 = PARTIAL, 2 = FULL``; leading axes are the batch axes.
+        ``0 = SKIP, 1 = PARTIAL, 2 = FULL``; leading axes are the batch axes (the same map
+        for every entry unless padding or segments differ between them).
     rescales : ndarray of int64, shape ``(..., Hq, n_q_tiles, n_k_tiles)``
         Rescale events per tile and head: query rows whose running max was finite and
         strictly grew in that tile.  For 2-D inputs ``(n_q_tiles, n_k_tiles)``, as ``out``
@@ -62,13 +63,15 @@ class AttentionStats:
     total_rescales: int
 
 
-def attention(q, k, v, *, causal=False, causal_align="bottom_right", scale=None,
-              block_q=None, block_k=None, return_lse=False, return_stats=False,
-              check_finite=True):
+def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
+              kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
+              softcap=None, alibi_slopes=None, scale=None, block_q=None, block_k=None,
+              kv_splits=1, return_lse=False, return_stats=False, check_finite=True):
     """Exact attention computed tile by tile with the online softmax.
 
-    Equal to `reference_attention` up to float64 rounding, in memory independent of the
-    sequence lengths.
+    Equal to `reference_attention` up to float64 rounding, in working memory independent of
+    the sequence lengths: a few ``(..., block_q, block_k)`` and ``(..., block_q, Dv)``
+    arrays, plus a few integers per key tile for the tile classes of one query tile.
 
     Parameters
     ----------
@@ -82,16 +85,31 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", scale=None,
         Query ``i`` sees key ``j`` only if ``j <= i + o``.
     causal_align : {"bottom_right", "top_left"}
         ``o = Sk - Sq`` (default; FlashAttention >= 2.1) or ``o = 0`` (torch SDPA
-        ``is_causal``).  For ``Sq = 2, Sk = 5``::
+        ``is_causal``), with the actual lengths of a padded row.  For ``Sq = 2, Sk = 5``::
 
             bottom_right      top_left
             1 1 1 1 0         1 0 0 0 0
             1 1 1 1 1         1 1 0 0 0
 
+    window : (left, right), optional
+        Sliding window: ``i + o - left <= j <= i + o + right``; ``None`` leaves a side
+        unbounded; ``causal=True`` forces ``right = 0``.
+    kv_lengths, q_lengths : array_like of int, shape ``(...)`` (the batch axes), optional
+        Padding: keys ``j >= kv_lengths[b]`` are invisible, rows ``i >= q_lengths[b]``
+        give 0 (and ``lse = -inf``).
+    q_segment_ids, kv_segment_ids : array_like of int, ``(..., Sq)`` and ``(..., Sk)``
+        Document masking (packed samples): a pair is visible only within one id.
+    softcap : float, optional
+        ``s = softcap * tanh(s / softcap)`` before masking; 0 or None: off.
+    alibi_slopes : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
+        Adds ``-slope[h] * |i + o - j|`` to the scores after masking (not scaled).
     scale : float, optional
         Score scale, ``1/sqrt(D)`` by default.
     block_q, block_k : int, optional
         Tile sizes (default `DEFAULT_TILES`); the last tiles may be ragged.
+    kv_splits : int
+        Split the key tiles into this many contiguous ranges, attend to each separately and
+        combine the partial results with `merge_attention` (split-KV / FlashDecoding).
     return_lse : bool
         Also return ``lse: (..., Hq, Sq)``.
     return_stats : bool
@@ -107,11 +125,15 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", scale=None,
 
     Notes
     -----
-    Each query tile carries an `OnlineSoftmax` state ``(m_i, l_i, acc)`` over its key
-    tiles in ascending order.  Tiles are classified in closed form: SKIP tiles are never
-    touched, FULL tiles do no mask work, PARTIAL tiles set their invisible scores to
-    ``-inf``.  Rows with no visible key give ``out = 0`` and ``lse = -inf``; no step
-    divides by zero, overflows or forms ``inf - inf``, so the call runs clean under
+    Scores are formed in the contract's order: ``scale * q.k``, softcap, mask (``-inf``),
+    ALiBi.  Each query tile carries an `OnlineSoftmax` state ``(m_i, l_i, acc)`` over its
+    key tiles in ascending order.  Tiles are classified in closed form from the window
+    bounds, the lengths and the segment id ranges: SKIP tiles are never touched, FULL tiles
+    do no mask work, PARTIAL tiles set their invisible scores to ``-inf``.  When padding or
+    segments make the mask depend on the batch entry, the entries are processed one at a
+    time (heads still together), so that each skips its own tiles.  Rows with no visible
+    key give ``out = 0`` and ``lse = -inf``; no step divides by zero, overflows or forms
+    ``inf - inf``, so the call runs clean under
     ``np.errstate(divide="raise", over="raise", invalid="raise")``.
 
     References
@@ -123,88 +145,154 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", scale=None,
     --------
     >>> import numpy as np, attnlib
     >>> q, k, v = attnlib.random_qkv(300, 500, 64, seed=0)
-    >>> out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True)
-    >>> attnlib.attention_errors(out, q, k, v, causal=True).rel_error < 1e-12
+    >>> out, lse = attnlib.attention(q, k, v, causal=True, window=(64, None), return_lse=True)
+    >>> attnlib.attention_errors(out, q, k, v, causal=True, window=(64, None)).rel_error < 1e-12
     True
     """
     tiles = TileSizes(
         DEFAULT_TILES.block_q if block_q is None else block_q,
         DEFAULT_TILES.block_k if block_k is None else block_k,
     )
-    causal = _args.flag(causal, "causal")
+    kv_splits = _args.positive_int(kv_splits, "kv_splits")
     return_lse = _args.flag(return_lse, "return_lse")
     return_stats = _args.flag(return_stats, "return_stats")
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
-    mask = MaskSpec(pb.sq, pb.sk, causal, causal_align)
-    out, lse, rescales, kinds = _forward(q5, k5, v5, pb.scale, mask, tiles, return_stats)
+    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
+                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    cap = _args.softcap(softcap)
+    slopes = _args.alibi_slopes(alibi_slopes, pb.batch, pb.hq)
+    if slopes is not None:  # (..., hq) -> (..., hk, g), to broadcast over the grouped heads
+        slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
+
+    n_k_tiles = -(-pb.sk // tiles.block_k)
+    splits = np.array_split(np.arange(n_k_tiles), kv_splits)
+    partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
+                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0))
+                for part in splits]
+    if len(partials) == 1:
+        out, lse = partials[0][:2]
+    else:
+        out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
 
     result = [pb.merge_heads(out, 2)]
     if return_lse:
         result.append(pb.merge_heads(lse, 1))
     if return_stats:
-        result.append(_stats(rescales, kinds, pb, tiles))
+        rescales = sum(p[2] for p in partials)
+        result.append(_stats(rescales, partials[0][3], pb, tiles))
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def _forward(q, k, v, scale, mask, tiles, count_rescales):
-    """The kernel on grouped views ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``."""
-    bq, bk = tiles.block_q, tiles.block_k
-    lead, sq, sk, dv = q.shape[:-2], q.shape[-2], k.shape[-2], v.shape[-1]
-    out = np.empty(lead + (sq, dv))
-    lse = np.empty(lead + (sq,))
-    k_starts = np.arange(0, sk, bk)  # (n_k_tiles,)
-    k_ends = np.minimum(k_starts + bk, sk)
-    n_q_tiles = -(-sq // bq)
-    # The whole tile map and the per-tile counts are kept only when stats are asked for:
-    # they grow as (Sq / block_q) * (Sk / block_k).
+def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles):
+    """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
+
+    ``q: (*batch, hk, g, sq, d)``; one pass per entry of ``specs`` (all batch entries at
+    once when the mask does not depend on them).
+    """
+    lead = q.shape[:-2]
+    out = np.empty(lead + (pb.sq, pb.dv))
+    lse = np.empty(lead + (pb.sq,))
     kinds = rescales = None
     if count_rescales:
-        kinds = np.empty((n_q_tiles, k_starts.size), dtype=np.int8)
-        rescales = np.zeros(lead + kinds.shape, dtype=np.int64)
-
-    for a in range(n_q_tiles):
-        q0, q1 = a * bq, min(sq, (a + 1) * bq)
-        row_kinds = mask.tile_kind(q0, q1, k_starts, k_ends)  # (n_k_tiles,), closed form
-        if count_rescales:
-            kinds[a] = row_kinds
-        # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
-        q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d)
-        state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
-        # SKIP tiles are never touched; the rest in ascending key order (the rescale counts
-        # depend on it).
-        for b in np.flatnonzero(row_kinds != SKIP):
-            k0, k1 = k_starts[b], k_ends[b]
-            k_j = k[..., k0:k1, :].astype(np.float64, copy=False)  # (..., bk, d)
-            v_j = v[..., k0:k1, :].astype(np.float64, copy=False)  # (..., bk, dv)
-            s = np.matmul(q_i, np.swapaxes(k_j, -1, -2))  # (..., bq, bk)
-            if row_kinds[b] == PARTIAL:
-                hidden = ~mask.visible(np.arange(q0, q1), np.arange(k0, k1))  # (bq, bk)
-                s[..., hidden] = -np.inf
-            rescaled = state.update(s, v_j)  # (..., bq)
-            if count_rescales:
-                rescales[..., a, b] = rescaled.sum(axis=-1)
-        out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
+        # The tile map and per-tile counts grow as (Sq / block_q) * (Sk / block_k): kept
+        # only when stats are asked for.
+        shape = (-(-pb.sq // tiles.block_q), -(-pb.sk // tiles.block_k))
+        kinds = np.empty(pb.batch + shape, dtype=np.int8)
+        rescales = np.zeros(lead + shape, dtype=np.int64)
+    for idx, spec in specs.items():
+        # idx = () selects everything: all batch entries share one mask.
+        _forward(q[idx], k[idx], v[idx], pb.scale, spec, tiles, cap,
+                 None if slopes is None else slopes[idx] if slopes.ndim > 2 else slopes,
+                 out[idx], lse[idx],
+                 None if rescales is None else rescales[idx],
+                 None if kinds is None else kinds[idx], key_tiles)
     return out, lse, rescales, kinds
 
 
+def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles):
+    """The kernel for one mask: ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.
+
+    Writes ``out (*lead, sq, dv)``, ``lse (*lead, sq)`` and, when given, the tile map
+    ``kinds (..., nq, nk)`` and per-tile ``rescales (*lead, nq, nk)`` in place.
+    """
+    bq, bk = tiles.block_q, tiles.block_k
+    lead, sq, sk, dv = q.shape[:-2], q.shape[-2], k.shape[-2], v.shape[-1]
+    k_starts = np.arange(0, sk, bk)  # (n_k_tiles,)
+    k_ends = np.minimum(k_starts + bk, sk)
+    kv_ranges = spec.kv_ranges(k_starts)
+    in_range = np.zeros(k_starts.size, dtype=bool)
+    in_range[key_tiles[0]:key_tiles[1]] = True
+
+    for a, q0 in enumerate(range(0, sq, bq)):
+        q1 = min(sq, q0 + bq)
+        row_kinds = np.broadcast_to(spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges),
+                                    k_starts.shape)  # (n_k_tiles,), closed form
+        if kinds is not None:
+            kinds[..., a, :] = row_kinds
+        # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
+        q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d)
+        state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
+        todo = np.flatnonzero((row_kinds != SKIP) & in_range)
+        events = absorb(state, q_i, k, v, spec, q0, k_starts[todo], k_ends[todo],
+                        row_kinds[todo], cap, slopes, count=rescales is not None)
+        if rescales is not None:
+            rescales[..., a, todo] = events
+        out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
+
+
+def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
+           key_offset=0, count=False):
+    """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
+
+    ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
+    the keys from absolute position ``key_offset`` on (0, or a streamed chunk's start);
+    ``kinds`` says which tiles are PARTIAL.  Scores follow the contract's order: softcap,
+    mask (``-inf``), ALiBi.  Returns the rescale events per tile ``(..., n_tiles)`` when
+    ``count``, else None.
+    """
+    rows = np.arange(q0, q0 + q_i.shape[-2])
+    bias = None if slopes is None else -slopes[..., None, None]  # (..., hk, g, 1, 1)
+    events = np.zeros(state.m.shape[:-1] + (len(k0s),), dtype=np.int64) if count else None
+    for t, (k0, k1) in enumerate(zip(k0s, k1s)):
+        a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
+        k_j = k[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, d)
+        v_j = v[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, dv)
+        s = np.matmul(q_i, np.swapaxes(k_j, -1, -2))  # (..., bq, bk)
+        if cap is not None:  # softcap, before masking
+            s /= cap
+            np.tanh(s, out=s)
+            s *= cap
+        cols = np.arange(k0, k1)
+        if kinds[t] == PARTIAL:
+            s[..., ~spec.visible(rows, cols)] = -np.inf  # (bq, bk) mask
+        if bias is not None:  # ALiBi, after masking: -inf stays -inf
+            s += bias * spec.distance(rows, cols)
+        rescaled = state.update(s, v_j)  # (..., bq)
+        if count:
+            events[..., t] = rescaled.sum(axis=-1)
+    return events
+
+
 def _stats(rescales, kinds, pb, tiles) -> AttentionStats:
-    heads = int(np.prod(pb.batch, dtype=np.int64)) * pb.hq
+    """Stats from the per-tile counts ``(*batch, hk, g, nq, nk)`` and map ``(*batch, nq, nk)``."""
     # (*batch, hk, g, nq, nk) -> (*batch, hq, nq, nk), or (nq, nk) for 2-D inputs as for out.
     rescales = pb.merge_heads(rescales, 2)
     per_tile = rescales.sum(axis=tuple(range(rescales.ndim - 2)))  # (nq, nk)
-    processed = np.argwhere(kinds != SKIP)
-    n_processed = len(processed)
+    processed = kinds != SKIP  # (*batch, nq, nk)
+    anywhere = processed.any(axis=tuple(range(processed.ndim - 2)))  # (nq, nk)
+    n_processed = int(np.count_nonzero(processed))
     return AttentionStats(
         block_q=tiles.block_q,
         block_k=tiles.block_k,
-        tile_kind=np.broadcast_to(kinds, pb.batch + kinds.shape).copy(),
+        tile_kind=kinds,
         rescales=rescales,
         rescale_counts={
             (int(a) * tiles.block_q, int(b) * tiles.block_k): int(per_tile[a, b])
-            for a, b in processed
+            for a, b in np.argwhere(anywhere)
         },
-        processed_tiles=n_processed * heads,
-        skipped_tiles=(kinds.size - n_processed) * heads,
+        processed_tiles=n_processed * pb.hq,
+        skipped_tiles=(kinds.size - n_processed) * pb.hq,
         total_rescales=int(rescales.sum()),
     )
 

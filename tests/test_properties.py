@@ -20,6 +20,13 @@ problems = st.fixed_dictionaries({
     "block_k": st.integers(1, 80),
     "logit_scale": st.sampled_from([1.0, 30.0, 1e3]),
     "seed": st.integers(0, 2**32 - 1),
+    "window": st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 40)),
+                                             st.one_of(st.none(), st.integers(0, 40)))),
+    "padding": st.booleans(),
+    "segments": st.booleans(),
+    "softcap": st.sampled_from([None, 5.0, 50.0]),
+    "alibi": st.booleans(),
+    "kv_splits": st.integers(1, 4),
 })
 
 
@@ -32,13 +39,29 @@ def make(p):
     return q, k, v
 
 
+def options(p):
+    """The masking and score options of a drawn problem."""
+    rng = np.random.default_rng(p["seed"] + 1)
+    kw = dict(causal=p["causal"], causal_align=p["align"], window=p["window"], softcap=p["softcap"])
+    if p["padding"]:
+        kw["kv_lengths"] = rng.integers(0, p["sk"] + 1, p["batch"])
+        kw["q_lengths"] = rng.integers(0, p["sq"] + 1, p["batch"])
+    if p["segments"]:
+        kw["q_segment_ids"] = np.sort(rng.integers(0, 3, p["batch"] + (p["sq"],)), axis=-1)
+        kw["kv_segment_ids"] = np.sort(rng.integers(0, 3, p["batch"] + (p["sk"],)), axis=-1)
+    if p["alibi"]:
+        kw["alibi_slopes"] = rng.uniform(0, 1, p["hk"] * p["group"])
+    return kw
+
+
 @given(problems)
 def test_agrees_with_reference_in_strict_mode(p):
     q, k, v = make(p)
     copies = [x.copy() for x in (q, k, v)]
-    kw = dict(causal=p["causal"], causal_align=p["align"])
+    kw = options(p)
     with np.errstate(divide="raise", over="raise", invalid="raise"):
-        out, lse = attention(q, k, v, block_q=p["block_q"], block_k=p["block_k"], return_lse=True, **kw)
+        out, lse = attention(q, k, v, block_q=p["block_q"], block_k=p["block_k"], return_lse=True,
+                             kv_splits=p["kv_splits"], **kw)
         ref, ref_lse = reference_attention(q, k, v, return_lse=True, **kw)
         assert attention_errors(out, q, k, v, **kw).rel_error < 1e-12
     assert out.shape == ref.shape and lse.shape == ref_lse.shape
@@ -48,7 +71,7 @@ def test_agrees_with_reference_in_strict_mode(p):
     assert np.all(out[~fin] == 0)
     for x, c in zip((q, k, v), copies):
         np.testing.assert_array_equal(x, c)
-    again = attention(q, k, v, block_q=p["block_q"], block_k=p["block_k"], **kw)
+    again = attention(q, k, v, block_q=p["block_q"], block_k=p["block_k"], kv_splits=p["kv_splits"], **kw)
     assert again.tobytes() == out.tobytes()
 
 

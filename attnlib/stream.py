@@ -1,0 +1,130 @@
+"""Streaming attention: keys and values arrive in chunks (a generator, a memmapped KV cache).
+
+Memory is bounded by one chunk's float64 tile plus the online state of the queries,
+whatever the total number of keys: the decode case of a few queries against a KV cache
+far larger than memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _args
+from .masks import SKIP, MaskSpec
+from .online import OnlineSoftmax
+from .tiled import DEFAULT_TILES, TileSizes, absorb
+
+
+def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
+                     softcap=None, alibi_slopes=None, scale=None, total_keys=None,
+                     block_q=None, block_k=None, return_lse=False, check_finite=True):
+    """Attention of ``q`` over keys that arrive in chunks, in order.
+
+    Parameters
+    ----------
+    q : array_like, shape ``(..., Hq, Sq, D)`` or ``(Sq, D)``
+    kv_chunks : iterable of ``(k_chunk, v_chunk)``
+        Each ``k_chunk: (..., Hk, c, D)`` and ``v_chunk: (..., Hk, c, Dv)`` (``c`` may vary
+        from chunk to chunk, and may be 0), e.g. from a generator or slices of an
+        ``np.memmap``.  Chunk ``t`` holds the keys that follow those of chunk ``t - 1``.
+    causal, causal_align, window, softcap, alibi_slopes, scale
+        As in `attention`.
+    total_keys : int, optional
+        The number of keys all chunks hold together, ``Sk``.  Needed for the
+        ``bottom_right`` alignment (``o = Sk - Sq``) when a causal mask, a window or ALiBi
+        uses it; checked against the chunks when given.  ``top_left`` and unmasked
+        attention need nothing but the chunks.
+    block_q, block_k : int, optional
+        Tile sizes inside a chunk (default `DEFAULT_TILES`).
+    return_lse : bool
+        Also return ``lse: (..., Hq, Sq)``.
+    check_finite : bool
+        Refuse NaN or inf in q and in every chunk.
+
+    Returns
+    -------
+    out : ndarray, shape ``(..., Hq, Sq, Dv)``
+    lse : ndarray, shape ``(..., Hq, Sq)``, if ``return_lse``
+
+    Notes
+    -----
+    Equal to `attention` on the concatenated chunks up to rounding (the key tiles start at
+    chunk boundaries, so the rescale pattern, not the result, can differ).  Working memory
+    is one ``(..., block_q, block_k)`` score tile and a ``(..., block_k, D)`` float64 copy
+    of the chunk's keys at a time, plus the state ``(..., Hq, Sq, Dv)``.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlib
+    >>> q, k, v = attnlib.random_qkv(4, 1000, 16, seed=0)
+    >>> chunks = ((k[i:i + 300], v[i:i + 300]) for i in range(0, 1000, 300))
+    >>> out = attnlib.attention_stream(q, chunks, causal=True, total_keys=1000)
+    >>> bool(np.allclose(out, attnlib.reference_attention(q, k, v, causal=True), atol=1e-14))
+    True
+    """
+    tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,
+                      DEFAULT_TILES.block_k if block_k is None else block_k)
+    causal = _args.flag(causal, "causal")
+    causal_align = _args.causal_align(causal_align)
+    win = _args.window(window)
+    cap = _args.softcap(softcap)
+    return_lse = _args.flag(return_lse, "return_lse")
+    if total_keys is not None:
+        total_keys = _args.count(total_keys, "total_keys")
+    needs_offset = causal or win != (None, None) or alibi_slopes is not None
+    if needs_offset and causal_align == "bottom_right" and total_keys is None:
+        raise ValueError(
+            "total_keys is needed: the bottom_right alignment puts query i at key position "
+            "i + total_keys - Sq (or pass causal_align='top_left')")
+
+    q_arr = _args.as_float_array(q, "q")
+    if check_finite and q_arr.ndim >= 2:
+        _args.check_finite(q_arr, "q")
+    state = None
+    position = 0  # absolute position of the next key
+    for t, chunk in enumerate(kv_chunks):
+        if not (isinstance(chunk, (tuple, list)) and len(chunk) == 2):
+            raise ValueError(f"kv_chunks[{t}] must be a (k_chunk, v_chunk) pair")
+        q5, k5, v5, pb = _args.parse(q_arr, chunk[0], chunk[1], scale=scale,
+                                     check_finite_inputs=False)
+        if check_finite:
+            _args.check_finite(k5, f"k of kv_chunks[{t}]")
+            _args.check_finite(v5, f"v of kv_chunks[{t}]")
+        if state is None:
+            slopes = _args.alibi_slopes(alibi_slopes, pb.batch, pb.hq)
+            if slopes is not None:
+                slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
+            state = [OnlineSoftmax.empty(q5.shape[:-2] + (min(pb.sq, q0 + tiles.block_q) - q0,), pb.dv)
+                     for q0 in range(0, pb.sq, tiles.block_q)]
+            first = pb
+        elif (pb.batch, pb.hk, pb.dv) != (first.batch, first.hk, first.dv):
+            raise ValueError(
+                f"kv_chunks[{t}] has shape k {np.shape(chunk[0])}, v {np.shape(chunk[1])}, "
+                "unlike the first chunk")
+        end = position + pb.sk
+        if total_keys is not None and end > total_keys:
+            raise ValueError(f"the chunks hold more than total_keys={total_keys} keys")
+        spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, causal,
+                        causal_align, win)
+        k0s = np.arange(position, end, tiles.block_k)
+        k1s = np.minimum(k0s + tiles.block_k, end)
+        for a, q0 in enumerate(range(0, pb.sq, tiles.block_q)):
+            q1 = min(pb.sq, q0 + tiles.block_q)
+            kinds = np.broadcast_to(spec.tile_kind(q0, q1, k0s, k1s), k0s.shape)
+            todo = np.flatnonzero(kinds != SKIP)
+            if todo.size:
+                q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
+                absorb(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
+                       cap, slopes, key_offset=position)
+        position = end
+    if state is None:
+        raise ValueError("kv_chunks is empty: give at least one (k_chunk, v_chunk), "
+                         "possibly with 0 keys")
+    if total_keys is not None and position != total_keys:
+        raise ValueError(f"the chunks hold {position} keys, but total_keys={total_keys}")
+    finals = [s.finalize() for s in state]
+    out = np.concatenate([f[0] for f in finals], axis=-2) if finals else \
+        np.zeros(q5.shape[:-2] + (0, first.dv))
+    lse = np.concatenate([f[1] for f in finals], axis=-1) if finals else np.zeros(q5.shape[:-2] + (0,))
+    out = first.merge_heads(out, 2)
+    return (out, first.merge_heads(lse, 1)) if return_lse else out

@@ -1,0 +1,290 @@
+"""Windows, padding, documents, softcap, ALiBi: hand-built references, then tiled vs dense."""
+
+import math
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib import (BOUND, FULL, PARTIAL, SKIP, MaskSpec, attention, attention_errors, random_qkv,
+                     reference_attention, reference_scores)
+
+
+def pattern(sq, sk, **kw):
+    """The 0/1 visibility the reference applies (for 2-D inputs)."""
+    rng = np.random.default_rng(0)
+    s = reference_scores(rng.standard_normal((sq, 4)), rng.standard_normal((sk, 4)), **kw)
+    return np.isfinite(s).astype(int)
+
+
+# -- the reference against tiny hand-drawn masks ------------------------------------------
+
+def test_window_both_sides():
+    expect = [[1, 1, 0, 0, 0],
+              [1, 1, 1, 0, 0],
+              [0, 1, 1, 1, 0],
+              [0, 0, 1, 1, 1],
+              [0, 0, 0, 1, 1]]
+    np.testing.assert_array_equal(pattern(5, 5, window=(1, 1)), expect)
+
+
+def test_causal_window_forces_right_zero():
+    expect = [[1, 0, 0, 0, 0],
+              [1, 1, 0, 0, 0],
+              [1, 1, 1, 0, 0],
+              [0, 1, 1, 1, 0],
+              [0, 0, 1, 1, 1]]
+    np.testing.assert_array_equal(pattern(5, 5, causal=True, window=(2, 3)), expect)
+    np.testing.assert_array_equal(pattern(5, 5, window=(2, 0)), expect)
+
+
+def test_window_alignments():
+    # Sq = 2, Sk = 5: bottom_right o = 3, top_left o = 0; window (1, 0).
+    np.testing.assert_array_equal(pattern(2, 5, window=(1, 0)), [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(pattern(2, 5, window=(1, 0), causal_align="top_left"),
+                                  [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(pattern(2, 5, window=(None, 1), causal_align="top_left"),
+                                  [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+
+
+def test_padding_uses_the_actual_lengths_for_alignment():
+    # Arrays Sq = 4, Sk = 6; actual q_len 2, kv_len 3: o = 3 - 2 = 1.
+    q, k = np.ones((1, 1, 4, 2)), np.ones((1, 1, 6, 2))
+    s = reference_scores(q, k, causal=True, q_lengths=[2], kv_lengths=[3])
+    expect = [[1, 1, 0, 0, 0, 0],
+              [1, 1, 1, 0, 0, 0],
+              [0, 0, 0, 0, 0, 0],
+              [0, 0, 0, 0, 0, 0]]
+    np.testing.assert_array_equal(np.isfinite(s[0, 0]).astype(int), expect)
+
+
+def test_documents():
+    q, k = np.ones((1, 4, 2)), np.ones((1, 5, 2))
+    s = reference_scores(q[None], k[None], q_segment_ids=[[0, 0, 1, 1]], kv_segment_ids=[[0, 1, 1, 1, 2]])
+    expect = [[1, 0, 0, 0, 0],
+              [1, 0, 0, 0, 0],
+              [0, 1, 1, 1, 0],
+              [0, 1, 1, 1, 0]]
+    np.testing.assert_array_equal(np.isfinite(s[0, 0]).astype(int), expect)
+
+
+def test_softcap_by_hand():
+    q, k = np.array([[3.0]]), np.array([[2.0], [-1.0], [40.0]])
+    v = np.array([[1.0], [2.0], [4.0]])
+    s = [30 * math.tanh(x / 30) for x in (6.0, -3.0, 120.0)]
+    w = [math.exp(x) for x in s]
+    out, lse = reference_attention(q, k, v, scale=1.0, softcap=30.0, return_lse=True)
+    assert out[0, 0] == pytest.approx(sum(wi * vi for wi, vi in zip(w, (1, 2, 4))) / sum(w), rel=1e-14)
+    assert lse[0] == pytest.approx(math.log(sum(w)), rel=1e-14)
+    np.testing.assert_allclose(reference_scores(q, k, scale=1.0, softcap=30.0)[0], s, rtol=1e-15)
+
+
+def test_alibi_by_hand():
+    # One head, Sq = 2, Sk = 3, bottom_right o = 1, slope 0.5; causal hides (0, 2).
+    q, k = np.zeros((1, 2, 1)), np.zeros((1, 3, 1))
+    s = reference_scores(q, k, causal=True, alibi_slopes=[0.5])
+    expect = [[-0.5, 0.0, -np.inf],
+              [-1.0, -0.5, 0.0]]
+    np.testing.assert_array_equal(s[0], expect)
+    # Per-batch slopes (batch, Hq) and top_left alignment.
+    s2 = reference_scores(q[None].repeat(2, 0), k[None].repeat(2, 0), alibi_slopes=[[1.0], [2.0]],
+                          causal_align="top_left")
+    np.testing.assert_array_equal(s2[1, 0], [[0, -2, -4], [-2, 0, -2]])
+
+
+def test_zero_key_batch_entry_and_empty_rows(strict):
+    q, k, v = random_qkv(6, 5, 4, batch=(2,), heads=2, seed=0)
+    out, lse = reference_attention(q, k, v, kv_lengths=[3, 0], q_lengths=[4, 6], return_lse=True)
+    assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
+    assert np.all(out[0, :, 4:] == 0) and np.all(lse[0, :, 4:] == -np.inf)
+    sub = reference_attention(q[0, :, :4], k[0, :, :3], v[0, :, :3])
+    np.testing.assert_allclose(out[0, :, :4], sub, atol=1e-15)
+
+
+# -- closed-form tile classes against brute force ------------------------------------------
+
+def brute(spec, q0, q1, k0, k1):
+    vis = spec.visible(np.arange(q0, q1), np.arange(k0, k1))
+    return SKIP if not vis.any() else FULL if vis.all() else PARTIAL
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_tile_kinds_match_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    sq, sk = (int(x) for x in rng.integers(1, 90, 2))
+    side = lambda: None if rng.random() < 0.3 else int(rng.integers(0, 40))  # noqa: E731
+    spec = MaskSpec(sq, sk, causal=bool(rng.random() < 0.5),
+                    causal_align=str(rng.choice(["bottom_right", "top_left"])),
+                    window=(side(), side()), q_len=int(rng.integers(0, sq + 1)),
+                    kv_len=int(rng.integers(0, sk + 1)))
+    bq, bk = (int(x) for x in rng.integers(1, 33, 2))
+    kinds = spec.tile_kinds(bq, bk)
+    for a in range(kinds.shape[0]):
+        for b in range(kinds.shape[1]):
+            q0, k0 = a * bq, b * bk
+            assert kinds[a, b] == brute(spec, q0, min(sq, q0 + bq), k0, min(sk, k0 + bk)), (spec, a, b)
+
+
+@pytest.mark.parametrize("sorted_ids", [True, False])
+def test_segment_tile_kinds_are_sound(sorted_ids):
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        sq, sk = 70, 90
+        q_ids, kv_ids = rng.integers(0, 4, sq), rng.integers(0, 4, sk)
+        if sorted_ids:
+            q_ids, kv_ids = np.sort(q_ids), np.sort(kv_ids)
+        spec = MaskSpec(sq, sk, causal=bool(rng.random() < 0.5), q_segments=q_ids, kv_segments=kv_ids)
+        kinds = spec.tile_kinds(16, 16)
+        for a in range(kinds.shape[0]):
+            for b in range(kinds.shape[1]):
+                truth = brute(spec, a * 16, min(sq, a * 16 + 16), b * 16, min(sk, b * 16 + 16))
+                # SKIP and FULL must be exact; PARTIAL may stand for either (id ranges only).
+                assert kinds[a, b] == truth or kinds[a, b] == PARTIAL
+
+
+# -- the tiled kernel against the dense reference ------------------------------------------
+
+def check(q, k, v, strict=True, **kw):
+    tiles = dict(block_q=kw.pop("block_q", 32), block_k=kw.pop("block_k", 48))
+    with np.errstate(divide="raise", over="raise", invalid="raise"):
+        out, lse = attention(q, k, v, return_lse=True, **tiles, **kw)
+        ref, ref_lse = reference_attention(q, k, v, return_lse=True, **kw)
+        err = attention_errors(out, q, k, v, **kw).rel_error
+    assert err < BOUND, (kw, err)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-12, atol=1e-12)
+    assert np.all(out[~fin] == 0)
+    return err
+
+
+ALIGNS = ["bottom_right", "top_left"]
+SHAPES = [(150, 150), (97, 230), (230, 97)]
+
+
+@pytest.mark.parametrize("align", ALIGNS)
+@pytest.mark.parametrize("sq, sk", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_windows(align, sq, sk, causal):
+    rng = np.random.default_rng(sq * sk)
+    q, k, v = random_qkv(sq, sk, 16, batch=(2,), heads=4, kv_heads=2, seed=sq + sk)
+    windows = [(0, 0), (0, None), (None, 0), (None, None)]
+    windows += [tuple(None if rng.random() < 0.2 else int(rng.integers(0, 120)) for _ in range(2))
+                for _ in range(4)]
+    for window in windows:
+        check(q, k, v, causal=causal, causal_align=align, window=window)
+
+
+@pytest.mark.parametrize("align", ALIGNS)
+@pytest.mark.parametrize("sq, sk", SHAPES)
+def test_padded_batches(align, sq, sk):
+    rng = np.random.default_rng(sq)
+    q, k, v = random_qkv(sq, sk, 16, 8, batch=(4,), heads=2, kv_heads=1, seed=sq)
+    kv_lengths = rng.integers(0, sk + 1, 4)
+    kv_lengths[1] = 0  # one batch entry with no keys at all
+    q_lengths = rng.integers(0, sq + 1, 4)
+    for causal in (False, True):
+        check(q, k, v, causal=causal, causal_align=align, kv_lengths=kv_lengths)
+        check(q, k, v, causal=causal, causal_align=align, kv_lengths=kv_lengths, q_lengths=q_lengths,
+              window=(20, None))
+
+
+@pytest.mark.parametrize("sq, sk", SHAPES)
+def test_packed_documents(sq, sk):
+    rng = np.random.default_rng(sk)
+    q, k, v = random_qkv(sq, sk, 16, batch=(2,), heads=4, kv_heads=1, seed=sk)
+    q_ids = np.sort(rng.integers(0, 5, (2, sq)), axis=-1)
+    kv_ids = np.sort(rng.integers(0, 5, (2, sk)), axis=-1)
+    for causal in (False, True):
+        check(q, k, v, causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    check(q, k, v, q_segment_ids=rng.integers(0, 3, (2, sq)), kv_segment_ids=rng.integers(0, 3, (2, sk)))
+
+
+@pytest.mark.parametrize("align", ALIGNS)
+@pytest.mark.parametrize("sq, sk", SHAPES)
+@pytest.mark.parametrize("cap", [30.0, 50.0])
+def test_softcap_and_alibi(align, sq, sk, cap):
+    q, k, v = random_qkv(sq, sk, 32, batch=(2,), heads=4, kv_heads=2, seed=7)
+    q, k = 8 * q, 8 * k  # logits far beyond the cap
+    slopes = 2.0 ** -np.arange(1, 5)  # the ALiBi paper's geometric slopes for 4 heads
+    for causal in (False, True):
+        check(q, k, v, causal=causal, causal_align=align, softcap=cap)
+        check(q, k, v, causal=causal, causal_align=align, alibi_slopes=slopes)
+        check(q, k, v, causal=causal, causal_align=align, softcap=cap, alibi_slopes=slopes,
+              window=(40, 10), kv_lengths=[sk, sk // 2])
+    batch_slopes = np.abs(np.random.default_rng(0).standard_normal((2, 4)))
+    check(q, k, v, causal=True, causal_align=align, alibi_slopes=batch_slopes)
+
+
+def test_softcap_zero_means_off():
+    q, k, v = random_qkv(20, 30, 8, seed=1)
+    np.testing.assert_array_equal(attention(q, k, v, softcap=0.0), attention(q, k, v))
+
+
+def test_window_touches_o_n_window_tiles():
+    n, w, b = 8192, 256, 128
+    q, k, v = random_qkv(n, d=16, seed=0)
+    out, stats = attention(q, k, v, causal=True, window=(w, None), block_q=b, block_k=b,
+                           return_stats=True)
+    _, causal_stats = attention(q[:1024], k[:1024], v[:1024], causal=True, block_q=b, block_k=b,
+                                return_stats=True)
+    n_tiles = n // b
+    # Each query tile sees its diagonal tile and at most w / b + 1 tiles to the left.
+    assert stats.processed_tiles <= n_tiles * (w // b + 2)
+    assert stats.processed_tiles + stats.skipped_tiles == n_tiles ** 2
+    causal_full = MaskSpec(n, n, True).tile_kinds(b, b)
+    assert np.count_nonzero(causal_full != SKIP) == n_tiles * (n_tiles + 1) // 2
+    assert stats.processed_tiles < np.count_nonzero(causal_full != SKIP) / 10
+    # Documents skip the tiles between documents, too.
+    ids = np.repeat(np.arange(8), 128)
+    _, doc_stats = attention(q[:1024], k[:1024], v[:1024], causal=True,
+                             q_segment_ids=ids, kv_segment_ids=ids, block_q=b, block_k=b,
+                             return_stats=True)
+    assert doc_stats.processed_tiles == 8 < causal_stats.processed_tiles == 36
+    # The window result itself, checked on a slice of rows against a dense slice.
+    rows = slice(n - 300, n)
+    ref = reference_attention(q[rows], k[n - 300 - w:], v[n - 300 - w:], causal=True, window=(w, None))
+    np.testing.assert_allclose(out[rows], ref, atol=1e-13)
+
+
+def test_stats_per_batch_entry_with_padding():
+    q, k, v = random_qkv(64, 64, 8, batch=(3,), heads=2, seed=2)
+    _, stats = attention(q, k, v, kv_lengths=[64, 16, 0], block_q=16, block_k=16, return_stats=True)
+    assert stats.tile_kind.shape == (3, 4, 4)
+    assert (stats.tile_kind[1] != SKIP).sum() == 4 and (stats.tile_kind[2] == SKIP).all()
+    assert stats.processed_tiles == 2 * (16 + 4 + 0)
+    assert stats.skipped_tiles == 2 * (0 + 12 + 16)
+    assert stats.rescales[2].sum() == 0
+
+
+# -- validation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [attention, reference_attention])
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(window=(1, 2, 3)), ValueError, r"window must be a pair \(left, right\) or None"),
+    (dict(window=(-1, None)), ValueError, r"window left must be a non-negative integer or None, got -1"),
+    (dict(window=(None, 2.5)), ValueError, r"window right must be a non-negative integer"),
+    (dict(kv_lengths=[3]), ValueError, r"kv_lengths must have the batch shape \(2,\), got shape \(1,\)"),
+    (dict(kv_lengths=[3, 9]), ValueError, r"kv_lengths must be in \[0, Sk=7\], got values in \[3, 9\]"),
+    (dict(q_lengths=[-1, 2]), ValueError, r"q_lengths must be in \[0, Sq=5\]"),
+    (dict(kv_lengths=[1.0, 2.0]), TypeError, r"kv_lengths must hold integers"),
+    (dict(q_segment_ids=np.zeros((2, 5), int)), ValueError, r"must be given together"),
+    (dict(q_segment_ids=np.zeros((2, 4), int), kv_segment_ids=np.zeros((2, 7), int)), ValueError,
+     r"q_segment_ids must have shape \(2, 5\) \(batch axes, Sq\), got \(2, 4\)"),
+    (dict(q_segment_ids=np.zeros((2, 5), int), kv_segment_ids=np.zeros((7,), int)), ValueError,
+     r"kv_segment_ids must have shape \(2, 7\)"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be a finite number >= 0"),
+    (dict(softcap="30"), TypeError, r"softcap must be a real number"),
+    (dict(alibi_slopes=[0.1, 0.2]), ValueError, r"alibi_slopes must have shape \(3,\) or \(2, 3\)"),
+    (dict(alibi_slopes=[0.1, np.nan, 0.1]), ValueError, r"alibi_slopes must be finite"),
+])
+def test_bad_mask_arguments(fn, kw, exc, match):
+    q, k, v = random_qkv(5, 7, 4, batch=(2,), heads=3, seed=0)
+    with pytest.raises(exc, match=match):
+        fn(q, k, v, **kw)
+
+
+def test_bad_kv_splits():
+    q, k, v = random_qkv(5, 7, 4, seed=0)
+    with pytest.raises(ValueError, match="kv_splits must be a positive integer"):
+        attention(q, k, v, kv_splits=0)
