@@ -38,17 +38,17 @@ def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=Non
     # The visibility and ALiBi distance of every pair, (sq, sk), or (*batch, sq, sk) when
     # the mask depends on the batch entry; then axes for (hk, g).
     i, j = np.arange(pb.sq), np.arange(pb.sk)
-    if () in specs:
-        visible, dist = specs[()].visible(i, j), specs[()].distance(i, j)
-    else:
-        grid = pb.batch + (pb.sq, pb.sk)
-        visible = np.array([spec.visible(i, j) for spec in specs.values()]).reshape(grid)
-        dist = np.array([spec.distance(i, j) for spec in specs.values()]).reshape(grid)
-        visible, dist = visible[..., None, None, :, :], dist[..., None, None, :, :]
-    s = np.where(visible, s, -np.inf)
+
+    def per_pair(fn):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
+        if () in specs:
+            return fn(specs[()])
+        grid = np.array([fn(spec) for spec in specs.values()])
+        return grid.reshape(pb.batch + (1, 1, pb.sq, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
+
+    s = np.where(per_pair(lambda spec: spec.visible(i, j)), s, -np.inf)
     if slopes is not None:  # after masking: -inf stays -inf
         slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
-        s = s - slopes[..., None, None] * dist
+        s = s - slopes[..., None, None] * per_pair(lambda spec: spec.distance(i, j))
     return s
 
 

@@ -96,7 +96,8 @@ PARAMETERS = {
     },
     "memory": {
         "n": positive, "d": positive, "causal": flag, "sweep": sizes,
-        "dense_max_n": positive, "interval_s": seconds, "results_json": text,
+        "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
+        "decode_queries": sizes, "results_json": text,
     },
 }
 
@@ -110,7 +111,8 @@ TITLES = {
 QUICK = {
     "equivalence": {"n_cases": 6, "max_len": 300, "adversarial_n": 256},
     "rescales": {"n": 256, "block_q": 32, "block_k": 32},
-    "memory": {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048},
+    "memory": {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
+               "decode_keys": 65536, "decode_queries": [1, 16]},
 }
 
 

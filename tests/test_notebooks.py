@@ -55,6 +55,8 @@ def test_memory_figures(quick_reports):
     figs = results(quick_reports[1], "memory")["figures"]
     assert figs["tiled_working_bytes"] < CAP_BYTES < figs["dense_working_bytes"]
     assert figs["flatness"] <= 1.10
+    assert figs["decode_ok"] is True and [r["queries"] for r in figs["decode"]] == [1, 16]
+    assert all(r["cache / working"] > 100 for r in figs["decode"])
 
 
 def test_html_is_self_contained_and_indexed(quick_reports):
