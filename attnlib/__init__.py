@@ -10,6 +10,7 @@ causal alignment, fully masked rows, LSE, stats).
 ((4, 1000, 64), (4, 1000))
 """
 
+from .backward import attention_backward, attention_vjp, reference_attention_backward
 from .inputs import FAMILIES, Case, adversarial_qkv, random_cases, random_qkv
 from .masks import FULL, PARTIAL, SKIP, MaskSpec, mask_specs
 from .metrics import (
@@ -17,6 +18,7 @@ from .metrics import (
     Errors,
     attention_errors,
     expected_rescales,
+    gradient_errors,
     max_rescales,
     log10_histogram,
     max_abs_error,
@@ -25,7 +27,9 @@ from .metrics import (
     reference_with_abs,
     rel_error,
     run_case,
+    run_case_gradients,
     run_family,
+    run_family_gradients,
 )
 from .online import OnlineSoftmax, merge_attention
 from .reference import reference_attention, reference_rescales, reference_scores
@@ -35,10 +39,12 @@ from .tiled import DEFAULT_TILES, AttentionStats, TileSizes, attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_stream", "reference_attention", "reference_scores", "reference_rescales",
+    "attention", "attention_stream", "reference_attention", "attention_backward",
+    "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",
-    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case", "run_family",
+    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case", "run_family", "run_case_gradients",
+    "run_family_gradients",
     "expected_rescales", "max_rescales",
     "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",
     "max_abs_error", "normwise_error", "reference_with_abs", "log10_histogram",

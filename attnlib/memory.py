@@ -15,8 +15,9 @@ import subprocess
 import sys
 
 PATHS = ("tiled", "dense")
-#: ``peak_memory`` also measures "stream": `attention_stream` over a memmapped KV cache.
-ALL_PATHS = PATHS + ("stream",)
+#: ``peak_memory`` also measures "stream" (`attention_stream` over a memmapped KV cache) and
+#: the backward passes "tiled_backward" and "dense_backward".
+ALL_PATHS = PATHS + ("stream", "tiled_backward", "dense_backward")
 
 #: The fixed cap on the tiled forward's working memory (over inputs and output).
 CAP_BYTES = 32 * 2**20
@@ -75,9 +76,16 @@ def memory_timeline(path: str, tool: str, n: int, d: int = 64, *, causal: bool =
     return _in_subprocess(case, timeout)
 
 
-def _call(case, q, k, v):
-    from . import attention, attention_stream, reference_attention
+def _call(case, q, k, v, grad_inputs=None):
+    from . import (attention, attention_backward, attention_stream, reference_attention,
+                   reference_attention_backward)
 
+    if case["path"] == "tiled_backward":
+        out, lse, dout = grad_inputs
+        return attention_backward(q, k, v, out, lse, dout, causal=case["causal"],
+                                  block_q=case["block_q"], block_k=case["block_k"])
+    if case["path"] == "dense_backward":
+        return reference_attention_backward(q, k, v, grad_inputs[2], causal=case["causal"])
     if case["path"] == "stream":
         sk, step = k.shape[-2], case.get("chunk", 65536)
         chunks = ((k[..., i:i + step, :], v[..., i:i + step, :]) for i in range(0, max(sk, 1), step))
@@ -89,7 +97,7 @@ def _call(case, q, k, v):
     return reference_attention(q, k, v, causal=case["causal"], return_lse=True)
 
 
-def _traced(case, q, k, v):
+def _traced(case, q, k, v, grad_inputs=None):
     """Exact traced peak, and samples of the traced size from a thread when asked."""
     import threading
     import time
@@ -108,7 +116,7 @@ def _traced(case, q, k, v):
     if case["tool"] == "tracemalloc":
         sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
         sampler.start()
-    out, lse = _call(case, q, k, v)
+    result = _call(case, q, k, v, grad_inputs)
     elapsed = time.perf_counter() - t0
     done.set()
     if sampler is not None:
@@ -116,10 +124,10 @@ def _traced(case, q, k, v):
     current, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     samples.append((elapsed, current))
-    return out, lse, peak, samples
+    return result, peak, samples
 
 
-def _rss(case, q, k, v):
+def _rss(case, q, k, v, grad_inputs=None):
     """RSS samples (bytes over the pre-call RSS) from memory_profiler during the call."""
     import time
 
@@ -128,10 +136,10 @@ def _rss(case, q, k, v):
     mib = 2**20
     base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
     t0 = time.time()
-    usage, (out, lse) = memory_usage((_call, (case, q, k, v), {}), interval=case["interval"],
-                                     timestamps=True, retval=True)
+    usage, result = memory_usage((_call, (case, q, k, v, grad_inputs), {}),
+                                 interval=case["interval"], timestamps=True, retval=True)
     samples = [(t - t0, (m - base) * mib) for m, t in usage]
-    return out, lse, max(b for _, b in samples), samples
+    return result, max(b for _, b in samples), samples
 
 
 def _memmap_cache(folder, sk, d, seed, step=1 << 16):
@@ -155,10 +163,22 @@ def _measure(case: dict) -> dict:
     import tempfile
     import time
 
+    import numpy as np
+
     from .inputs import random_qkv
 
+    backward = case["path"].endswith("_backward")
+
+    def grads_for(q, k, v, seed):  # forward results and an upstream gradient, made untraced
+        if not backward:
+            return None
+        from . import attention
+
+        out, lse = attention(q, k, v, causal=case["causal"], return_lse=True)
+        return out, lse, np.random.default_rng(seed).standard_normal(out.shape)
+
     warm = random_qkv(256, 256, case["d"], seed=1)
-    _call(case, *warm)  # warm-up: imports, BLAS buffers, code paths
+    _call(case, *warm, grads_for(*warm, 1))  # warm-up: imports, BLAS buffers, code paths
     with tempfile.TemporaryDirectory(prefix="attnlib-kv-") as folder:
         if case["path"] == "stream":  # only q in memory; k and v on disk
             q = random_qkv(case["sq"], 0, case["d"], seed=case["seed"])[0]
@@ -167,13 +187,16 @@ def _measure(case: dict) -> dict:
         else:
             q, k, v = random_qkv(case["sq"], case["sk"], case["d"], seed=case["seed"])
             in_memory = q.nbytes + k.nbytes + v.nbytes
+        grad_inputs = grads_for(q, k, v, case["seed"] + 1)
+        if grad_inputs is not None:
+            in_memory += sum(x.nbytes for x in grad_inputs)
         run = _rss if case["tool"] == "rss" else _traced
         started = time.perf_counter()
-        out, lse, peak, samples = run(case, q, k, v)
+        result_arrays, peak, samples = run(case, q, k, v, grad_inputs)
         seconds = time.perf_counter() - started
         cache = k.nbytes + v.nbytes
         del k, v
-    output = out.nbytes + lse.nbytes
+    output = sum(x.nbytes for x in result_arrays)  # (out, lse) or (dq, dk, dv)
     result = dict(case, peak_bytes=int(peak), output_bytes=output,
                   working_bytes=int(peak) - output, input_bytes=in_memory, seconds=seconds)
     if case["path"] == "stream":

@@ -102,6 +102,17 @@ def attention_errors(out, q, k, v, **kwargs) -> Errors:
     )
 
 
+def gradient_errors(grads, ref_grads) -> dict:
+    """Normwise relative errors ``{"dq": .., "dk": .., "dv": ..}`` of ``(dq, dk, dv)``.
+
+    ``max |g - ref| / max |ref|`` per gradient: a gradient entry sums over a whole row or
+    column of the score matrix with both signs, so, as for outputs, the elementwise ratio
+    is ill-conditioned; the normwise one is the standard measure (FlashAttention's tests
+    compare maxima of absolute differences against the reference's scale the same way).
+    """
+    return {name: normwise_error(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads)}
+
+
 def log10_histogram(errors, lo: float = -18.0, hi: float = -6.0, bins_per_decade: int = 4):
     """Counts of ``log10(errors)`` in equal bins over ``[lo, hi]``.
 
@@ -146,6 +157,33 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d,
             "logit_min": float(visible.min()), "logit_max": float(visible.max()),
             **errors.as_dict(), "total_rescales": stats.total_rescales}
+
+
+def _gradients_row(q, k, v, seed, tiles, **kwargs) -> dict:
+    from .backward import attention_backward, reference_attention_backward
+
+    out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
+    dout = np.random.default_rng(seed).standard_normal(out.shape)
+    grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
+    ref = reference_attention_backward(q, k, v, dout, **kwargs)
+    return {f"{name}_error": err for name, err in gradient_errors(grads, ref).items()}
+
+
+def run_case_gradients(case) -> dict:
+    """`run_case` for the backward pass: tiled vs dense ``dq, dk, dv`` for a standard normal
+    upstream gradient; returns the case's fields and ``dq_error``, ``dk_error``, ``dv_error``."""
+    q, k, v = case.qkv()
+    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), **case.mask_kwargs())
+    return {**asdict(case), "mask": case.mask_name, **errors}
+
+
+def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0) -> dict:
+    """`run_family` for the backward pass: gradient errors on one adversarial family."""
+    from .inputs import FAMILIES, adversarial_qkv
+
+    q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
+    errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), causal=causal)
+    return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
 
 
 def _visible_keys_per_row(sq, sk, causal, causal_align):

@@ -58,23 +58,34 @@ class Table:
         return "\n".join(lines)
 
 
-def error_histogram(rows, bound=BOUND, lo=-18.0, hi=-6.0):
+FORWARD_ERRORS = {
+    "rel_error": "rel_error (the gate: |out - ref| / (P @ |V|))",
+    "normwise_error": "normwise: max|out - ref| / max|ref|",
+    "naive_rel_error": "naive elementwise |out - ref| / |ref|",
+}
+GRADIENT_ERRORS = {
+    "dq_error": "dq: max|dq - ref| / max|ref|",
+    "dk_error": "dk: max|dk - ref| / max|ref|",
+    "dv_error": "dv: max|dv - ref| / max|ref|",
+}
+
+
+def error_histogram(rows, bound=BOUND, series=None, lo=-18.0, hi=-6.0, title=None):
     """Histogram of per-case errors on a log10 axis, with the bound drawn.
 
-    ``rows`` are dicts with ``rel_error`` (the gate), ``normwise_error`` and
-    ``naive_rel_error`` (shown for comparison, as outlines).
+    ``series`` maps a key of the ``rows`` dicts to its legend label (default
+    `FORWARD_ERRORS`: the gate ``rel_error`` filled, the others as outlines).
     """
+    series = FORWARD_ERRORS if series is None else series
     fig, ax = _figure(figsize=(8, 4.2))
-    styles = [("rel_error", "rel_error (the gate: |out - ref| / (P @ |V|))", dict(alpha=0.75)),
-              ("normwise_error", "normwise: max|out - ref| / max|ref|", dict(histtype="step", lw=2)),
-              ("naive_rel_error", "naive elementwise |out - ref| / |ref|", dict(histtype="step", lw=2, ls="--"))]
-    for key, label, style in styles:
+    styles = [dict(alpha=0.75), dict(histtype="step", lw=2), dict(histtype="step", lw=2, ls="--")]
+    for (key, label), style in zip(series.items(), styles):
         edges, counts = log10_histogram([r[key] for r in rows], lo, hi)
         ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
     ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"bound {bound:.0e}")
     ax.set_xlabel("log10(error)   (exact 0 and values below 1e-18 are counted in the first bin)")
     ax.set_ylabel("cases")
-    ax.set_title(f"Tiled vs dense float64 reference, {len(rows)} random shapes")
+    ax.set_title(title or f"Tiled vs dense float64 reference, {len(rows)} random shapes")
     ax.legend(fontsize=8, loc="upper right")
     return fig
 
@@ -175,7 +186,8 @@ def memory_timelines(traces: dict, cap_bytes, output_bytes):
     return fig
 
 
-def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None):
+def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
+                title="Working memory vs sequence length (tracemalloc, fresh process each)"):
     """Peak working memory vs n: tiled (measured), dense (measured, then computed).
 
     ``tiled``/``dense`` are `attnlib.memory.peak_memory` results; ``dense_model`` is a
@@ -200,7 +212,7 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None):
     ax.set_yscale("log")
     ax.set_xlabel("n = Sq = Sk")
     ax.set_ylabel("peak MiB over inputs")
-    ax.set_title("Working memory vs sequence length (tracemalloc, fresh process each)")
+    ax.set_title(title)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig

@@ -99,12 +99,18 @@ PARAMETERS = {
         "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
         "decode_queries": sizes, "results_json": text,
     },
+    "gradients": {
+        "n_cases": positive, "seed": non_negative, "max_len": positive,
+        "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
+        "block_k": positive, "sweep": sizes, "dense_max_n": positive, "results_json": text,
+    },
 }
 
 TITLES = {
     "equivalence": "Equivalence: tiled attention equals the dense float64 reference",
     "rescales": "Rescales: where the online softmax's running max grows",
     "memory": "Memory: the tiled kernel streams in constant working memory",
+    "gradients": "Gradients: the tiled backward pass equals the dense float64 gradient",
 }
 
 #: Tiny parameters for ``--quick`` runs and the test suite.
@@ -113,6 +119,8 @@ QUICK = {
     "rescales": {"n": 256, "block_q": 32, "block_k": 32},
     "memory": {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
                "decode_keys": 65536, "decode_queries": [1, 16]},
+    "gradients": {"n_cases": 5, "max_len": 256, "adversarial_n": 256, "sweep": [1024, 2048],
+                  "dense_max_n": 2048},
 }
 
 
@@ -133,13 +141,15 @@ def check_params(notebook: str, **values) -> dict:
         "equivalence": [("max_len", 4), ("adversarial_n", 1)],
         "rescales": [("dense_check_max_n", 1)],
         "memory": [("dense_max_n", 1)],
+        # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
+        "gradients": [("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2)],
     }[notebook]
     for name, heads in dense_runs:
         if not dense_fits(params[name], heads=heads):
             raise ValueError(
                 f"parameter {name}={params[name]} would run the dense reference out of memory "
                 "on this machine; choose a smaller value")
-    if notebook == "memory" and params["dense_max_n"] > params["sweep"][-1]:
+    if notebook in ("memory", "gradients") and params["dense_max_n"] > params["sweep"][-1]:
         raise ValueError("parameter dense_max_n must not exceed the largest sweep size")
     return params
 

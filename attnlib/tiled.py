@@ -252,26 +252,38 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
     ``count``, else None.
     """
     rows = np.arange(q0, q0 + q_i.shape[-2])
-    bias = None if slopes is None else -slopes[..., None, None]  # (..., hk, g, 1, 1)
     events = np.zeros(state.m.shape[:-1] + (len(k0s),), dtype=np.int64) if count else None
     for t, (k0, k1) in enumerate(zip(k0s, k1s)):
         a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
         k_j = k[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, d)
         v_j = v[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, dv)
-        s = np.matmul(q_i, np.swapaxes(k_j, -1, -2))  # (..., bq, bk)
-        if cap is not None:  # softcap, before masking
-            s /= cap
-            np.tanh(s, out=s)
-            s *= cap
-        cols = np.arange(k0, k1)
-        if kinds[t] == PARTIAL:
-            s[..., ~spec.visible(rows, cols)] = -np.inf  # (bq, bk) mask
-        if bias is not None:  # ALiBi, after masking: -inf stays -inf
-            s += bias * spec.distance(rows, cols)
+        s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes)
         rescaled = state.update(s, v_j)  # (..., bq)
         if count:
             events[..., t] = rescaled.sum(axis=-1)
     return events
+
+
+def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False):
+    """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
+
+    ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
+    query and key positions.  Returns ``(s, th)``: ``s: (..., bq, bk)`` with ``-inf`` on
+    invisible pairs, and ``th = tanh(t / cap)`` of the pre-cap scores ``t`` when
+    ``keep_tanh`` (the backward pass needs ``1 - th**2``), else None.
+    """
+    s = np.matmul(q_i, np.swapaxes(k_j, -1, -2))  # (..., bq, bk)
+    th = None
+    if cap is not None:  # softcap, before masking
+        s /= cap
+        np.tanh(s, out=s)
+        th = s.copy() if keep_tanh else None
+        s *= cap
+    if kind == PARTIAL:
+        s[..., ~spec.visible(rows, cols)] = -np.inf  # (bq, bk) mask
+    if slopes is not None:  # ALiBi, after masking: -inf stays -inf
+        s -= slopes[..., None, None] * spec.distance(rows, cols)
+    return s, th
 
 
 def _stats(rescales, kinds, pb, tiles) -> AttentionStats:

@@ -30,8 +30,9 @@ def results(out, name):
 def test_quick_run_passes_and_reports_progress(quick_reports):
     status, out, lines = quick_reports
     assert status == 0, lines
+    total = len(report.PARAMETERS)
     for i, name in enumerate(report.PARAMETERS, 1):
-        assert any(line.startswith(f"[{i}/3] {name}: PASS") for line in lines), lines
+        assert any(line.startswith(f"[{i}/{total}] {name}: PASS") for line in lines), lines
 
 
 def test_equivalence_figures(quick_reports):
@@ -59,6 +60,14 @@ def test_memory_figures(quick_reports):
     assert all(r["cache / working"] > 100 for r in figs["decode"])
 
 
+def test_gradients_figures(quick_reports):
+    figs = results(quick_reports[1], "gradients")["figures"]
+    assert len(figs["cases"]) == report.QUICK["gradients"]["n_cases"]
+    errors = [r[f"{g}_error"] for r in figs["cases"] + figs["adversarial"] for g in ("dq", "dk", "dv")]
+    assert max(errors) < BOUND
+    assert figs["tiled_working_max"] < CAP_BYTES < figs["dense_working_largest"]
+
+
 def test_html_is_self_contained_and_indexed(quick_reports):
     out = quick_reports[1]
     index = (out / "index.html").read_text()
@@ -69,7 +78,7 @@ def test_html_is_self_contained_and_indexed(quick_reports):
         # Nothing the reader needs is fetched: no external scripts, styles or images.
         assert not re.search(r'<(script|img|link)[^>]+(src|href)="(https?:)?//', page)
         assert "attnlib" in page and "git commit" in page and "numpy" in page and "CPU" in page
-    assert index.count("PASS") == 3
+    assert index.count("PASS") == len(report.PARAMETERS)
 
 
 def test_stored_notebooks_have_no_outputs_and_a_parameters_cell():
