@@ -62,7 +62,8 @@ def _split_grads(pb, dq5, dk4, dv4):
     return dq, dk4, dv4
 
 
-def reference_attention_backward(q, k, v, dout, *, scale=None, check_finite=True, **options):
+def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
+                                 check_finite=True, **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
 
     Parameters
@@ -74,10 +75,15 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, check_finite=True
     scale, causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids,
     kv_segment_ids, softcap, alibi_slopes
         As in `attention`.
+    return_abs : bool
+        Also return the sizes of what each gradient entry sums, for the error metric
+        (`attnlib.gradient_errors`): the same formulas with ``|dout|, |q|, |k|, |v|`` and
+        ``|dp| + |D|`` in place of ``dp - D``.
 
     Returns
     -------
-    dq : ndarray, shape of ``q``;  dk : shape of ``k``;  dv : shape of ``v`` (float64)
+    grads : ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v`` (float64)
+    sizes : ``(dq_abs, dk_abs, dv_abs)``, if ``return_abs``
 
     Notes
     -----
@@ -94,17 +100,25 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, check_finite=True
     l = p.sum(axis=-1, keepdims=True)
     p = np.divide(p, l, out=np.zeros_like(p), where=l > 0)  # P, 0 on rows with no key
     q64, k64, v64 = (x.astype(np.float64) for x in (q5, k5, v5))
-    dv = np.swapaxes(p, -1, -2) @ dout5  # (..., hk, g, sk, dv)
-    dp = dout5 @ np.swapaxes(v64, -1, -2)  # (..., hk, g, sq, sk)
-    ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))  # the softmax Jacobian
     cap = _args.softcap(options.get("softcap"))
-    if cap is not None:  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2
-        t = pb.scale * (q64 @ np.swapaxes(k64, -1, -2))
-        ds = ds * (1.0 - np.tanh(t / cap) ** 2)
-    dq = pb.scale * (ds @ k64)
-    dk = pb.scale * (np.swapaxes(ds, -1, -2) @ q64)
-    # GQA: the query heads of a group share k and v, so their gradients add up.
-    return _split_grads(pb, dq, dk.sum(axis=-3), dv.sum(axis=-3))
+    factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
+    if cap is not None:
+        factor = 1.0 - np.tanh(pb.scale * (q64 @ np.swapaxes(k64, -1, -2)) / cap) ** 2
+
+    def grads(dout5, q64, k64, v64, jacobian):
+        dv = np.swapaxes(p, -1, -2) @ dout5  # (..., hk, g, sk, dv)
+        dp = dout5 @ np.swapaxes(v64, -1, -2)  # (..., hk, g, sq, sk)
+        ds = jacobian(dp, np.sum(p * dp, axis=-1, keepdims=True)) * factor
+        dq = pb.scale * (ds @ k64)
+        dk = pb.scale * (np.swapaxes(ds, -1, -2) @ q64)
+        # GQA: the query heads of a group share k and v, so their gradients add up.
+        return _split_grads(pb, dq, dk.sum(axis=-3), dv.sum(axis=-3))
+
+    result = grads(dout5, q64, k64, v64, lambda dp, d: p * (dp - d))  # the softmax Jacobian
+    if not return_abs:
+        return result
+    sizes = grads(np.abs(dout5), np.abs(q64), np.abs(k64), np.abs(v64), lambda dp, d: p * (dp + d))
+    return result, sizes
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
@@ -153,8 +167,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     >>> out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True)
     >>> dout = attnlib.random_qkv(200, 1, 32, seed=1)[0]
     >>> dq, dk, dv = attnlib.attention_backward(q, k, v, out, lse, dout, causal=True)
-    >>> ref = attnlib.reference_attention_backward(q, k, v, dout, causal=True)
-    >>> max(attnlib.gradient_errors((dq, dk, dv), ref).values()) < 1e-12
+    >>> errors = attnlib.gradient_errors((dq, dk, dv), q, k, v, dout, causal=True)
+    >>> max(errors["dq"], errors["dk"], errors["dv"]) < 1e-12
     True
     """
     _check_options(options)

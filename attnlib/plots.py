@@ -64,9 +64,9 @@ FORWARD_ERRORS = {
     "naive_rel_error": "naive elementwise |out - ref| / |ref|",
 }
 GRADIENT_ERRORS = {
-    "dq_error": "dq: max|dq - ref| / max|ref|",
-    "dk_error": "dk: max|dk - ref| / max|ref|",
-    "dv_error": "dv: max|dv - ref| / max|ref|",
+    "dq_error": "dq: |dq - ref| / (what it sums), the gate",
+    "dk_error": "dk: |dk - ref| / (what it sums)",
+    "dv_error": "dv: |dv - ref| / (what it sums)",
 }
 
 
