@@ -231,15 +231,26 @@ def softcap(x):
     return float(x) if x > 0 else None
 
 
-def alibi_slopes(x, batch: tuple, hq: int):
-    """ALiBi slopes of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals, as float64."""
+def alibi_slopes(x, pb: "Problem"):
+    """ALiBi slopes of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals.
+
+    Returned as float64 with the head axis split like q's, ``(hk, g)`` or
+    ``(*batch, hk, g)``, to broadcast over the grouped heads; None if ``x`` is None.
+    """
     if x is None:
         return None
     arr = as_float_array(x, "alibi_slopes")
-    if arr.shape not in ((hq,), batch + (hq,)):
+    if arr.shape not in ((pb.hq,), pb.batch + (pb.hq,)):
         raise ValueError(
-            f"alibi_slopes must have shape ({hq},) or {batch + (hq,)} (Hq or batch axes + Hq), "
+            f"alibi_slopes must have shape ({pb.hq},) or {pb.batch + (pb.hq,)} (Hq or batch axes + Hq), "
             f"got {arr.shape}")
     if not np.isfinite(arr).all():
         raise ValueError("alibi_slopes must be finite")
-    return arr.astype(np.float64)
+    return arr.astype(np.float64).reshape(arr.shape[:-1] + (pb.hk, pb.group))
+
+
+def for_entry(slopes, idx: tuple):
+    """The slopes of batch entry ``idx`` (all of them for ``idx = ()`` or per-head slopes)."""
+    if slopes is None or slopes.ndim == 2:
+        return slopes
+    return slopes[idx]

@@ -178,15 +178,13 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     out5, lse5, dout5 = _grad_inputs(pb, check_finite, out=out, lse=lse, dout=dout)
     specs = mask_specs(pb.batch, pb.sq, pb.sk, **{n: options[n] for n in _MASKS if n in options})
     cap = _args.softcap(options.get("softcap"))
-    slopes = _args.alibi_slopes(options.get("alibi_slopes"), pb.batch, pb.hq)
-    if slopes is not None:
-        slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
+    slopes = _args.alibi_slopes(options.get("alibi_slopes"), pb)  # (..., hk, g)
     dq = np.zeros(q5.shape)
     dk = np.zeros(pb.batch + (pb.hk, pb.sk, pb.d))
     dv = np.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
         _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale, spec,
-                  tiles, cap, None if slopes is None else slopes[idx] if slopes.ndim > 2 else slopes,
+                  tiles, cap, _args.for_entry(slopes, idx),
                   dq[idx], dk[idx], dv[idx])
     return _split_grads(pb, dq, dk, dv)
 

@@ -158,24 +158,18 @@ def adversarial_qkv(family, sq, sk=None, d=64, dv=None, *, causal=True,
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    sk = sq if sk is None else sk
-    dv = d if dv is None else dv
-    _check_sizes(sq, sk, d, dv)
     block_k = _args.positive_int(block_k, "block_k")
     _args.causal_align(causal_align)
     if not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
         raise ValueError(f"peak must be a positive finite number, got {peak!r}")
-    heads, kv_heads = _heads(heads, kv_heads)
+    # The noise z, z' and the values: standard normal, exactly as random_qkv draws them.
+    z, z_k, v = random_qkv(sq, sk, d, dv, batch=batch, heads=heads, kv_heads=kv_heads, seed=seed)
     scale = 1.0 / math.sqrt(d)
     amp = math.sqrt(peak / scale)
     # Noise: the cross term scale * amp * sigma * (w . z') has standard deviation ~1.
     sigma = 1.0 / (scale * amp)
-    w, u = _directions(family, sq, sk, d, block_k, bool(causal), causal_align)
-    rng = np.random.default_rng(seed)
-    q = amp * w + sigma * rng.standard_normal(_shape(batch, heads, sq, d))
-    k = amp * u + sigma * rng.standard_normal(_shape(batch, kv_heads, sk, d))
-    v = rng.standard_normal(_shape(batch, kv_heads, sk, dv))
-    return q, k, v
+    w, u = _directions(family, sq, z_k.shape[-2], d, block_k, bool(causal), causal_align)
+    return amp * w + sigma * z, amp * u + sigma * z_k, v
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=Non
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     cap = _args.softcap(softcap)
-    slopes = _args.alibi_slopes(alibi_slopes, pb.batch, pb.hq)
+    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
     s = pb.scale * np.matmul(q5.astype(np.float64), np.swapaxes(k5.astype(np.float64), -1, -2))
     if cap is not None:
         s = cap * np.tanh(s / cap)
@@ -47,7 +47,6 @@ def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=Non
 
     s = np.where(per_pair(lambda spec: spec.visible(i, j)), s, -np.inf)
     if slopes is not None:  # after masking: -inf stays -inf
-        slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
         s = s - slopes[..., None, None] * per_pair(lambda spec: spec.distance(i, j))
     return s
 

@@ -91,9 +91,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             _args.check_finite(k5, f"k of kv_chunks[{t}]")
             _args.check_finite(v5, f"v of kv_chunks[{t}]")
         if state is None:
-            slopes = _args.alibi_slopes(alibi_slopes, pb.batch, pb.hq)
-            if slopes is not None:
-                slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
+            slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
             state = [OnlineSoftmax.empty(q5.shape[:-2] + (min(pb.sq, q0 + tiles.block_q) - q0,), pb.dv)
                      for q0 in range(0, pb.sq, tiles.block_q)]
             first = pb

@@ -161,9 +161,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     cap = _args.softcap(softcap)
-    slopes = _args.alibi_slopes(alibi_slopes, pb.batch, pb.hq)
-    if slopes is not None:  # (..., hq) -> (..., hk, g), to broadcast over the grouped heads
-        slopes = slopes.reshape(slopes.shape[:-1] + (pb.hk, pb.group))
+    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
 
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), kv_splits)
@@ -203,7 +201,7 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles):
     for idx, spec in specs.items():
         # idx = () selects everything: all batch entries share one mask.
         _forward(q[idx], k[idx], v[idx], pb.scale, spec, tiles, cap,
-                 None if slopes is None else slopes[idx] if slopes.ndim > 2 else slopes,
+                 _args.for_entry(slopes, idx),
                  out[idx], lse[idx],
                  None if rescales is None else rescales[idx],
                  None if kinds is None else kinds[idx], key_tiles)
