@@ -2,7 +2,7 @@
 
 import sys
 
-COMMANDS = {"report": "attnlib.report"}
+COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench"}
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,13 @@ def count(x, name: str) -> int:
     if x < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {x!r}")
     return int(x)
+
+
+def workers(x) -> int:
+    """Thread count: a positive integer, or -1 for every CPU (SciPy's convention)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral) or not (x >= 1 or x == -1):
+        raise ValueError(f"workers must be a positive integer or -1 (all CPUs), got {x!r}")
+    return (os.cpu_count() or 1) if x == -1 else int(x)
 
 
 def flag(x, name: str) -> bool:

@@ -59,19 +59,29 @@ class OnlineSoftmax:
             np.zeros(rows_shape + (dv,)),
         )
 
-    def update(self, s: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def update(self, s: np.ndarray, v: np.ndarray, *, overwrite_s: bool = False,
+               pv: np.ndarray | None = None) -> np.ndarray:
         """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
 
-        Masked pairs carry ``s = -inf``.  Returns a boolean ``(..., rows)`` array marking
-        the rescale events of this tile: rows whose max was finite and strictly grew.
+        Masked pairs carry ``s = -inf``.  With ``overwrite_s`` the tile's weights
+        ``p = exp(s - m_new)`` are computed in the memory of ``s`` (as SciPy's
+        ``overwrite_a``: faster, and ``s`` is garbage afterwards); ``pv``, if given, is a
+        ``(..., rows, dv)`` buffer for ``p @ v``.  Returns a boolean ``(..., rows)`` array
+        marking the rescale events of this tile: rows whose max was finite and strictly
+        grew.
         """
+        if not overwrite_s:
+            s = np.array(s, dtype=np.float64)
         m_new = np.maximum(self.m, s.max(axis=-1))  # (..., rows)
         rescaled = np.isfinite(self.m) & (m_new > self.m)
         shift = _shift(m_new)
         alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
-        p = np.exp(s - shift[..., None])  # (..., rows, bk); every exponent <= 0
-        self.l = alpha * self.l + p.sum(axis=-1)
-        self.acc = alpha[..., None] * self.acc + np.matmul(p, v)
+        s -= shift[..., None]  # every exponent <= 0; -inf stays -inf
+        p = np.exp(s, out=s)  # (..., rows, bk)
+        self.l *= alpha
+        self.l += p.sum(axis=-1)
+        self.acc *= alpha[..., None]
+        self.acc += np.matmul(p, v, out=pv)
         self.m = m_new
         return rescaled
 
