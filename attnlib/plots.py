@@ -216,3 +216,43 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig
+
+
+def time_vs_n(rows, names, title="Forward time vs sequence length"):
+    """Median seconds vs ``n`` per implementation (log-log), with an ``n^2`` guide."""
+    fig, ax = _figure(figsize=(9, 4.5))
+    for name in names:
+        pts = [(r["n"], r[name]) for r in rows if r.get(name) is not None]
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=name)
+    ref = [(r["n"], r[names[0]]) for r in rows if r.get(names[0]) is not None]
+    if ref:
+        n0, t0 = ref[len(ref) // 2]
+        ns = np.array([p[0] for p in ref], dtype=float)
+        ax.plot(ns, t0 * (ns / n0) ** 2, ":", color="grey", label="n^2 through the tiled curve")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("n = Sq = Sk")
+    ax.set_ylabel("median seconds")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def tile_sweep_heatmap(sweep):
+    """Seconds of the tiled forward per ``(block_q, block_k)`` (a `attnlib.bench.tile_sweep`)."""
+    sizes, secs = sweep["sizes"], np.asarray(sweep["seconds"])
+    fig, ax = _figure(figsize=(5.5, 4.5))
+    im = ax.imshow(secs, cmap="viridis_r", interpolation="nearest")
+    for i in range(len(sizes)):
+        for j in range(len(sizes)):
+            ax.text(j, i, f"{secs[i, j]:.3f}", ha="center", va="center", fontsize=8,
+                    color="white" if secs[i, j] > secs.mean() else "black")
+    ax.set_xticks(range(len(sizes)), sizes)
+    ax.set_yticks(range(len(sizes)), sizes)
+    ax.set_xlabel("block_k")
+    ax.set_ylabel("block_q")
+    ax.set_title(f"Tile-size sweep, {sweep['case']}, workers={sweep['workers']}\n(best of repeats, seconds)",
+                 fontsize=10)
+    fig.colorbar(im, ax=ax, label="seconds")
+    return fig

@@ -104,6 +104,10 @@ PARAMETERS = {
         "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
         "block_k": positive, "sweep": sizes, "dense_max_n": positive, "results_json": text,
     },
+    "performance": {
+        "workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
+        "torch_max_n": positive, "full_cases": flag, "sweep_sizes": sizes, "results_json": text,
+    },
 }
 
 TITLES = {
@@ -111,6 +115,7 @@ TITLES = {
     "rescales": "Rescales: where the online softmax's running max grows",
     "memory": "Memory: the tiled kernel streams in constant working memory",
     "gradients": "Gradients: the tiled backward pass equals the dense float64 gradient",
+    "performance": "Performance: the tiled kernel against dense numpy and PyTorch SDPA",
 }
 
 #: Tiny parameters for ``--quick`` runs and the test suite.
@@ -121,6 +126,8 @@ QUICK = {
                "decode_keys": 65536, "decode_queries": [1, 16]},
     "gradients": {"n_cases": 5, "max_len": 256, "adversarial_n": 256, "sweep": [1024, 2048],
                   "dense_max_n": 2048},
+    "performance": {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
+                    "torch_max_n": 512, "full_cases": False, "sweep_sizes": [64, 128]},
 }
 
 
@@ -143,6 +150,7 @@ def check_params(notebook: str, **values) -> dict:
         "memory": [("dense_max_n", 1)],
         # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
         "gradients": [("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2)],
+        "performance": [("dense_max_n", 1)],
     }[notebook]
     for name, heads in dense_runs:
         if not dense_fits(params[name], heads=heads):
@@ -214,19 +222,27 @@ def provenance(params: dict):
 
 @dataclass(frozen=True)
 class Verdict:
-    """A report's one-line verdict, shown in the notebook and in the index."""
+    """A report's one-line verdict, shown in the notebook and in the index.
 
-    passed: bool
+    ``passed`` is True or False for a report that checks claims, and None (shown as INFO)
+    for one that only measures, such as timings on a shared machine.
+    """
+
+    passed: bool | None
     line: str
 
+    @property
+    def label(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "INFO"}[self.passed]
+
     def _repr_markdown_(self):
-        return f"**{'PASS' if self.passed else 'FAIL'}**: {self.line}"
+        return f"**{self.label}**: {self.line}"
 
 
-def save_results(results_json: str, notebook: str, params: dict, passed: bool, line: str,
+def save_results(results_json: str, notebook: str, params: dict, passed, line: str,
                  figures: dict) -> Verdict:
     """Write a notebook's figures and verdict as JSON (when ``results_json`` is set)."""
-    verdict = Verdict(bool(passed), line)
+    verdict = Verdict(None if passed is None else bool(passed), line)
     if results_json:
         data = {"notebook": notebook, "passed": verdict.passed, "verdict": line,
                 "params": params, "environment": environment(), "figures": figures}
@@ -361,7 +377,8 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path) -> tuple[bool, s
         json_tmp = out_dir / f"{name}.json.tmp"
         json_tmp.write_text(json.dumps(data, indent=1))
         os.replace(json_tmp, out_dir / f"{name}.json")
-    return True, f"{'PASS' if data['passed'] else 'FAIL'}: {data['verdict']} ({elapsed:.1f} s)"
+    label = Verdict(data["passed"], data["verdict"]).label
+    return True, f"{label}: {data['verdict']} ({elapsed:.1f} s)"
 
 
 def write_index(out_dir: Path) -> Path:
@@ -374,7 +391,7 @@ def write_index(out_dir: Path) -> Path:
             continue
         data = json.loads(results.read_text())
         env = data.get("environment", {})
-        badge = "pass" if data["passed"] else "fail"
+        badge = Verdict(data["passed"], data["verdict"]).label.lower()
         items.append(
             f'<li><span class="{badge}">{badge.upper()}</span> '
             f'<a href="{name}.html">{html.escape(title)}</a><br>'
@@ -385,8 +402,8 @@ def write_index(out_dir: Path) -> Path:
 <html lang="en"><head><meta charset="utf-8"><title>attnlib reports</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 52em; margin: 2em auto; line-height: 1.5; }}
-li {{ margin-bottom: 1em; }} .pass, .fail {{ font-weight: bold; padding: 0 .4em; border-radius: 3px; color: white; }}
-.pass {{ background: #2a9d8f; }} .fail {{ background: #c0392b; }} small {{ color: #555; }}
+li {{ margin-bottom: 1em; }} .pass, .fail, .info {{ font-weight: bold; padding: 0 .4em; border-radius: 3px; color: white; }}
+.pass {{ background: #2a9d8f; }} .fail {{ background: #c0392b; }} .info {{ background: #6c757d; }} small {{ color: #555; }}
 </style></head><body>
 <h1>attnlib: the evidence</h1>
 <p>Exact, memory-tiled attention in numpy, checked against a dense float64 reference.
@@ -406,8 +423,9 @@ Each report below was produced by running its notebook with papermill
 def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print) -> int:
     """Run the selected notebooks and write their reports; returns an exit status.
 
-    0: every notebook ran and passed its checks; 1: a notebook failed (its previous report
-    is kept) or its verdict is FAIL; 2: bad arguments, nothing was run.
+    0: every notebook ran and passed its checks (or, measuring only, reported INFO);
+    1: a notebook failed (its previous report is kept) or its verdict is FAIL; 2: bad
+    arguments, nothing was run.
     """
     out_dir = Path(out_dir) if out_dir else ROOT / "reports"
     try:

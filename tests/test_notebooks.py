@@ -32,7 +32,8 @@ def test_quick_run_passes_and_reports_progress(quick_reports):
     assert status == 0, lines
     total = len(report.PARAMETERS)
     for i, name in enumerate(report.PARAMETERS, 1):
-        assert any(line.startswith(f"[{i}/{total}] {name}: PASS") for line in lines), lines
+        label = "INFO" if name == "performance" else "PASS"  # timings are measurements
+        assert any(line.startswith(f"[{i}/{total}] {name}: {label}") for line in lines), lines
 
 
 def test_equivalence_figures(quick_reports):
@@ -68,6 +69,16 @@ def test_gradients_figures(quick_reports):
     assert figs["tiled_working_max"] < CAP_BYTES < figs["dense_working_largest"]
 
 
+def test_performance_figures(quick_reports):
+    data = results(quick_reports[1], "performance")
+    figs = data["figures"]
+    assert data["passed"] is None and "tiled/dense" in data["verdict"]
+    assert [r["n"] for r in figs["time_vs_n"]] == report.QUICK["performance"]["n_values"]
+    assert all(r["tiled s"] > 0 and r["roofline fraction"] > 0 for r in figs["ratios"])
+    assert {r["workers"] for r in figs["ratios"]} == {1, 2}
+    assert len(figs["sweep"]["seconds"]) == len(report.QUICK["performance"]["sweep_sizes"])
+
+
 def test_html_is_self_contained_and_indexed(quick_reports):
     out = quick_reports[1]
     index = (out / "index.html").read_text()
@@ -78,7 +89,7 @@ def test_html_is_self_contained_and_indexed(quick_reports):
         # Nothing the reader needs is fetched: no external scripts, styles or images.
         assert not re.search(r'<(script|img|link)[^>]+(src|href)="(https?:)?//', page)
         assert "attnlib" in page and "git commit" in page and "numpy" in page and "CPU" in page
-    assert index.count("PASS") == len(report.PARAMETERS)
+    assert index.count("PASS") == len(report.PARAMETERS) - 1 and index.count("INFO") == 1
 
 
 def test_stored_notebooks_have_no_outputs_and_a_parameters_cell():
