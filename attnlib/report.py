@@ -170,7 +170,9 @@ def _git_commit() -> str:
                               capture_output=True, text=True, timeout=10)
         if head.returncode:
             return "unknown (not a git checkout)"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # The reports being written by this very run do not make the code dirty.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)reports"],
                                cwd=ROOT, capture_output=True, text=True, timeout=10)
         return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
