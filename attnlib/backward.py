@@ -232,10 +232,10 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
 def attention_vjp(q, k, v, dout, **options):
     """Forward and backward in one call: ``(out, (dq, dk, dv))``.
 
-    ``options`` are those of `attention_backward` (masks, score options, tiles).
+    ``options`` are those of `attention_backward` (masks, score options, tiles,
+    ``check_finite``), passed to both passes.
     """
-    fwd = {n: options[n] for n in options if n not in ("check_finite",)}
-    out, lse = attention(q, k, v, return_lse=True, **fwd)
+    out, lse = attention(q, k, v, return_lse=True, **options)
     return out, attention_backward(q, k, v, out, lse, dout, **options)
 
 
