@@ -74,6 +74,19 @@ def workers(x) -> int:
     return (os.cpu_count() or 1) if x == -1 else int(x)
 
 
+def threshold(x) -> float:
+    """A lazy-rescale threshold in natural-log units, ``0 <= x <= MAX_THRESHOLD``."""
+    from .online import MAX_THRESHOLD
+
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"rescale_threshold must be a real number, got {x!r}")
+    if not (0 <= x <= MAX_THRESHOLD):
+        raise ValueError(
+            f"rescale_threshold must be in [0, {MAX_THRESHOLD:g}] (natural-log units; larger "
+            f"would let exp(s - m) overflow), got {x!r}")
+    return float(x)
+
+
 def flag(x, name: str) -> bool:
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {x!r}")

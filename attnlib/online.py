@@ -23,6 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 
+#: The largest lazy-rescale threshold: weights stay below exp(100) ~ 2.7e43, so sums over even
+#: 2**63 keys stay far below float64's 1.8e308.
+MAX_THRESHOLD = 100.0
+
+
 def _shift(m: np.ndarray) -> np.ndarray:
     """``m`` where finite, else 0: the reference point for the exponents of a row."""
     return np.where(np.isfinite(m), m, 0.0)
@@ -59,20 +64,29 @@ class OnlineSoftmax:
             np.zeros(rows_shape + (dv,)),
         )
 
-    def update(self, s: np.ndarray, v: np.ndarray, *, overwrite_s: bool = False,
-               pv: np.ndarray | None = None) -> np.ndarray:
+    def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,
+               overwrite_s: bool = False, pv: np.ndarray | None = None) -> np.ndarray:
         """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
 
-        Masked pairs carry ``s = -inf``.  With ``overwrite_s`` the tile's weights
-        ``p = exp(s - m_new)`` are computed in the memory of ``s`` (as SciPy's
-        ``overwrite_a``: faster, and ``s`` is garbage afterwards); ``pv``, if given, is a
-        ``(..., rows, dv)`` buffer for ``p @ v``.  Returns a boolean ``(..., rows)`` array
-        marking the rescale events of this tile: rows whose max was finite and strictly
-        grew.
+        Masked pairs carry ``s = -inf``.  ``threshold`` (natural-log units) makes the
+        rescale lazy, as FlashAttention-4 does: a row keeps its stale max ``m`` until the
+        tile's max exceeds it by more than ``threshold``, so its weights ``exp(s - m)`` may
+        reach ``exp(threshold)`` (bounded: see `MAX_THRESHOLD`); the result is the same
+        up to rounding, since ``m`` is only a reference point.  0 is the eager rule.
+        With ``overwrite_s`` the tile's weights ``p`` are computed in the memory of ``s``
+        (as SciPy's ``overwrite_a``: faster, and ``s`` is garbage afterwards); ``pv``, if
+        given, is a ``(..., rows, dv)`` buffer for ``p @ v``.  Returns a boolean
+        ``(..., rows)`` array marking the rescale events of this tile: rows whose max was
+        finite and was moved up (so that ``acc`` and ``l`` were multiplied by ``alpha < 1``).
         """
         if not overwrite_s:
             s = np.array(s, dtype=np.float64)
-        m_new = np.maximum(self.m, s.max(axis=-1))  # (..., rows)
+        m_tile = s.max(axis=-1)  # (..., rows)
+        if threshold:
+            # -inf + threshold is -inf, so a row's first finite max is always taken.
+            m_new = np.where(m_tile > self.m + threshold, m_tile, self.m)
+        else:
+            m_new = np.maximum(self.m, m_tile)
         rescaled = np.isfinite(self.m) & (m_new > self.m)
         shift = _shift(m_new)
         alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf

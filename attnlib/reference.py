@@ -97,22 +97,28 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, **optio
     return out, lse
 
 
-def reference_rescales(scores: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,
+                       threshold: float = 0.0) -> np.ndarray:
     """Rescale events per tile, counted independently from a dense score matrix.
 
     ``scores: (..., Sq, Sk)`` with ``-inf`` on masked pairs (see `reference_scores`).
     For each row the tile maxima are taken in ascending key order; an event is a tile
-    whose max strictly exceeds the running max of the tiles before it, when that running
-    max is already finite.  Returns int64 ``(..., n_q_tiles, n_k_tiles)``, summed over the
-    rows of each query tile, to compare with the kernel's ``stats.rescales``.
+    whose max exceeds the running max of the tiles before it by more than ``threshold``
+    (strictly more than it for the eager ``threshold = 0``), when that running max is
+    already finite; only then does the running max move.  Returns int64
+    ``(..., n_q_tiles, n_k_tiles)``, summed over the rows of each query tile, to compare
+    with the kernel's ``stats.rescales``.
     """
     sq, sk = scores.shape[-2:]
     nq, nk = -(-sq // block_q), -(-sk // block_k)
     pad = [(0, 0)] * (scores.ndim - 2) + [(0, nq * block_q - sq), (0, nk * block_k - sk)]
     s = np.pad(scores, pad, constant_values=-np.inf)
     tile_max = s.reshape(s.shape[:-1] + (nk, block_k)).max(axis=-1)  # (..., rows, nk)
-    before = np.maximum.accumulate(tile_max, axis=-1)
-    before = np.concatenate([np.full_like(before[..., :1], -np.inf), before[..., :-1]], axis=-1)
-    events = np.isfinite(before) & (tile_max > before)  # (..., rows, nk)
+    events = np.zeros(tile_max.shape, dtype=bool)
+    running = np.full(tile_max.shape[:-1], -np.inf)  # (..., rows)
+    for b in range(nk):
+        moves = tile_max[..., b] > running + threshold  # -inf + threshold = -inf
+        events[..., b] = moves & np.isfinite(running)
+        running = np.where(moves, tile_max[..., b], running)
     events = events.reshape(events.shape[:-2] + (nq, block_q, nk))
     return events.sum(axis=-2, dtype=np.int64)

@@ -69,7 +69,8 @@ class AttentionStats:
 def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
               kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
               softcap=None, alibi_slopes=None, scale=None, block_q=None, block_k=None,
-              kv_splits=1, workers=1, return_lse=False, return_stats=False, check_finite=True):
+              kv_splits=1, workers=1, rescale_threshold=0.0, return_lse=False,
+              return_stats=False, check_finite=True):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -113,6 +114,11 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     kv_splits : int
         Split the key tiles into this many contiguous ranges, attend to each separately and
         combine the partial results with `merge_attention` (split-KV / FlashDecoding).
+    rescale_threshold : float
+        Lazy rescaling (FlashAttention-4): a row keeps its stale running max until a tile's
+        max exceeds it by more than this many natural-log units (``0 <= tau <= 100``);
+        0 is the eager rule.  Same result up to rounding; ``stats`` then counts the
+        rescales actually applied.
     workers : int
         Threads that take query tiles in parallel (-1: one per CPU).  numpy releases the
         GIL in matmul and ``exp``; the result is bit-identical to ``workers=1``, and the
@@ -162,6 +168,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     )
     kv_splits = _args.positive_int(kv_splits, "kv_splits")
     workers = _args.workers(workers)
+    tau = _args.threshold(rescale_threshold)
     return_lse = _args.flag(return_lse, "return_lse")
     return_stats = _args.flag(return_stats, "return_stats")
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
@@ -174,7 +181,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), kv_splits)
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
-                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers)
+                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau)
                 for part in splits]
     if len(partials) == 1:
         out, lse = partials[0][:2]
@@ -190,7 +197,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers):
+def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
 
     ``q: (*batch, hk, g, sq, d)``; one pass per entry of ``specs`` (all batch entries at
@@ -212,12 +219,12 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                  _args.for_entry(slopes, idx),
                  out[idx], lse[idx],
                  None if rescales is None else rescales[idx],
-                 None if kinds is None else kinds[idx], key_tiles, workers)
+                 None if kinds is None else kinds[idx], key_tiles, workers, tau)
     return out, lse, rescales, kinds
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             workers=1):
+             workers=1, tau=0.0):
     """The kernel for one mask: ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.
 
     Writes ``out (*lead, sq, dv)``, ``lse (*lead, sq)`` and, when given, the tile map
@@ -244,7 +251,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
         todo = np.flatnonzero((row_kinds != SKIP) & in_range)
         events = absorb(state, q_i, k, v, spec, q0, k_starts[todo], k_ends[todo],
-                        row_kinds[todo], cap, slopes, count=rescales is not None)
+                        row_kinds[todo], cap, slopes, count=rescales is not None, threshold=tau)
         if rescales is not None:
             rescales[..., a, todo] = events
         out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
@@ -283,13 +290,14 @@ def _one_blas_thread():
 
 
 def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
-           key_offset=0, count=False):
+           key_offset=0, count=False, threshold=0.0):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
     the keys from absolute position ``key_offset`` on (0, or a streamed chunk's start);
     ``kinds`` says which tiles are PARTIAL.  Scores follow the contract's order: softcap,
-    mask (``-inf``), ALiBi.  Returns the rescale events per tile ``(..., n_tiles)`` when
+    mask (``-inf``), ALiBi.  ``threshold`` is the lazy-rescale threshold of
+    `OnlineSoftmax.update`.  Returns the rescale events per tile ``(..., n_tiles)`` when
     ``count``, else None.
     """
     rows = np.arange(q0, q0 + q_i.shape[-2])
@@ -304,7 +312,7 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
             buffers[b - a] = (np.empty(lead + (q_i.shape[-2], b - a)), np.empty(state.acc.shape))
         s_buf, pv_buf = buffers[b - a]
         s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf)
-        rescaled = state.update(s, v_j, overwrite_s=True, pv=pv_buf)  # (..., bq); s now holds p
+        rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf)  # s now holds p
         if count:
             events[..., t] = rescaled.sum(axis=-1)
     return events
