@@ -32,14 +32,15 @@ from .metrics import (
     run_family_gradients,
 )
 from .online import OnlineSoftmax, merge_attention
-from .reference import reference_attention, reference_rescales, reference_scores
+from .reference import (ORACLE_PRECISION, oracle_attention, reference_attention, reference_rescales,
+                        reference_scores)
 from .stream import attention_stream
 from .tiled import DEFAULT_TILES, AttentionStats, TileSizes, attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_stream", "reference_attention", "attention_backward",
+    "attention", "attention_stream", "reference_attention", "oracle_attention", "ORACLE_PRECISION", "attention_backward",
     "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",
