@@ -87,6 +87,45 @@ def threshold(x) -> float:
     return float(x)
 
 
+@dataclass(frozen=True)
+class Precision:
+    """A compute precision: inputs and ``p`` are rounded to ``compute``; the scores and the
+    online state ``(m, l, acc)`` are kept in ``accumulate`` (float32 for the 16-bit types,
+    as GPU kernels keep them)."""
+
+    name: str
+    compute: np.dtype
+    accumulate: np.dtype
+    eps: float
+
+    @property
+    def is_float64(self) -> bool:
+        return self.name == "float64"
+
+    def round(self, x) -> np.ndarray:
+        """``x`` rounded to the compute type, held in the accumulate type."""
+        return np.asarray(x).astype(self.compute).astype(self.accumulate)
+
+
+def precision(x) -> Precision:
+    """``compute_dtype``: None/"float64", "float32", "float16" or "bfloat16" (needs ml_dtypes)."""
+    name = "float64" if x is None else str(np.dtype(x)) if not isinstance(x, str) else x
+    if name == "float64":
+        return Precision("float64", np.dtype(np.float64), np.dtype(np.float64), float(np.finfo(np.float64).eps))
+    if name in ("float32", "float16"):
+        dt = np.dtype(name)
+        return Precision(name, dt, np.dtype(np.float32), float(np.finfo(dt).eps))
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError("compute_dtype='bfloat16' needs the ml_dtypes package "
+                             "(pip install attnlib[lowp])") from None
+        return Precision(name, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
+                         float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps))
+    raise ValueError(f"compute_dtype must be one of float64, float32, float16, bfloat16; got {x!r}")
+
+
 def flag(x, name: str) -> bool:
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {x!r}")

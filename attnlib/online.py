@@ -55,17 +55,18 @@ class OnlineSoftmax:
         self.m, self.l, self.acc = m, l, acc
 
     @classmethod
-    def empty(cls, rows_shape: tuple, dv: int) -> "OnlineSoftmax":
+    def empty(cls, rows_shape: tuple, dv: int, dtype=np.float64) -> "OnlineSoftmax":
         """The state of rows that have seen no key: ``m = -inf``, ``l = 0``, ``acc = 0``."""
         rows_shape = tuple(rows_shape)
         return cls(
-            np.full(rows_shape, -np.inf),
-            np.zeros(rows_shape),
-            np.zeros(rows_shape + (dv,)),
+            np.full(rows_shape, -np.inf, dtype=dtype),
+            np.zeros(rows_shape, dtype=dtype),
+            np.zeros(rows_shape + (dv,), dtype=dtype),
         )
 
     def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,
-               overwrite_s: bool = False, pv: np.ndarray | None = None) -> np.ndarray:
+               overwrite_s: bool = False, pv: np.ndarray | None = None,
+               round_p=None) -> np.ndarray:
         """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
 
         Masked pairs carry ``s = -inf``.  ``threshold`` (natural-log units) makes the
@@ -75,12 +76,14 @@ class OnlineSoftmax:
         up to rounding, since ``m`` is only a reference point.  0 is the eager rule.
         With ``overwrite_s`` the tile's weights ``p`` are computed in the memory of ``s``
         (as SciPy's ``overwrite_a``: faster, and ``s`` is garbage afterwards); ``pv``, if
-        given, is a ``(..., rows, dv)`` buffer for ``p @ v``.  Returns a boolean
+        given, is a ``(..., rows, dv)`` buffer for ``p @ v``; ``round_p``, if given, rounds
+        ``p`` before ``p @ v`` (a low compute precision: ``l`` sums the unrounded ``p``, as
+        FlashAttention's kernels do).  Returns a boolean
         ``(..., rows)`` array marking the rescale events of this tile: rows whose max was
         finite and was moved up (so that ``acc`` and ``l`` were multiplied by ``alpha < 1``).
         """
         if not overwrite_s:
-            s = np.array(s, dtype=np.float64)
+            s = np.array(s, dtype=self.acc.dtype)
         m_tile = s.max(axis=-1)  # (..., rows)
         if threshold:
             # -inf + threshold is -inf, so a row's first finite max is always taken.
@@ -95,7 +98,7 @@ class OnlineSoftmax:
         self.l *= alpha
         self.l += p.sum(axis=-1)
         self.acc *= alpha[..., None]
-        self.acc += np.matmul(p, v, out=pv)
+        self.acc += np.matmul(p if round_p is None else round_p(p), v, out=pv)
         self.m = m_new
         return rescaled
 

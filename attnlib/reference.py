@@ -53,7 +53,8 @@ def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=Non
     return s
 
 
-def reference_attention(q, k, v, *, return_lse=False, check_finite=True, **options):
+def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
+                        **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
@@ -69,10 +70,15 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, **optio
         Also return ``lse: (..., Hq, Sq)``, the natural log of the softmax denominator.
     check_finite : bool
         Refuse inputs holding NaN or inf.
+    compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
+        The naive baseline in a lower precision (FlashAttention's test rule compares a
+        kernel against it): inputs rounded to it, ``q k^T`` accumulated in float32 and
+        stored in it, the softmax in float32, ``p`` rounded, ``p @ v`` accumulated in
+        float32, ``out`` returned in it.
 
     Returns
     -------
-    out : ndarray, shape ``(..., Hq, Sq, Dv)``, float64
+    out : ndarray, shape ``(..., Hq, Sq, Dv)``, float64 (or ``compute_dtype``)
     lse : ndarray, shape ``(..., Hq, Sq)``, float64, if ``return_lse``
 
     Notes
@@ -83,18 +89,30 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, **optio
     """
     q5, k5, v5, pb = _args.parse(q, k, v, scale=options.pop("scale", None),
                                  check_finite_inputs=check_finite)
-    out, lse = _dense(q5, k5, v5, pb, np.float64, options)
+    prec = _args.precision(compute_dtype)
+    if prec.is_float64:
+        out, lse = _dense(q5, k5, v5, pb, np.float64, options)
+    else:
+        out, lse = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
+                          prec.accumulate.type, options, prec.round)
+        out = out.astype(prec.compute)
     return (out, lse) if return_lse else out
 
 
-def _dense(q5, k5, v5, pb, dtype, options):
-    """``(out, lse)`` in the caller's layout, computed densely in ``dtype``."""
+def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
+    """``(out, lse)`` in the caller's layout, computed densely in ``dtype``.
+
+    ``round_lowp`` rounds the scores and the weights to a low compute precision (the naive
+    same-precision baseline); None computes everything in ``dtype``.
+    """
     s = _scores(q5, k5, pb, dtype=dtype, **options)  # (..., hk, g, sq, sk)
+    if round_lowp is not None:
+        s = round_lowp(s)  # a naive kernel stores its scores in the compute type
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # -inf for rows with no key
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
     l = p.sum(axis=-1, keepdims=True)  # >= 1 where the row sees a key, else 0
     seen = l > 0
-    out = np.matmul(p, v5.astype(dtype))
+    out = np.matmul(p if round_lowp is None else round_lowp(p), v5.astype(dtype))
     out = np.divide(out, l, out=np.zeros_like(out), where=seen)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)

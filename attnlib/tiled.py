@@ -69,8 +69,8 @@ class AttentionStats:
 def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
               kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
               softcap=None, alibi_slopes=None, scale=None, block_q=None, block_k=None,
-              kv_splits=1, workers=1, rescale_threshold=0.0, return_lse=False,
-              return_stats=False, check_finite=True):
+              kv_splits=1, workers=1, rescale_threshold=0.0, compute_dtype=None,
+              return_lse=False, return_stats=False, check_finite=True):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -119,6 +119,11 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         max exceeds it by more than this many natural-log units (``0 <= tau <= 100``);
         0 is the eager rule.  Same result up to rounding; ``stats`` then counts the
         rescales actually applied.
+    compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
+        The precision a kernel under test runs in: q, k, v and the weights ``p`` are
+        rounded to it, the scores and ``(m, l, acc)`` kept in float32 (for the 16-bit types,
+        as GPU kernels do; bfloat16 needs ``ml_dtypes``).  ``out`` is returned in it and
+        ``lse`` in float32.  Default: float64 throughout.
     workers : int
         Threads that take query tiles in parallel (-1: one per CPU).  numpy releases the
         GIL in matmul and ``exp``; the result is bit-identical to ``workers=1``, and the
@@ -169,6 +174,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     kv_splits = _args.positive_int(kv_splits, "kv_splits")
     workers = _args.workers(workers)
     tau = _args.threshold(rescale_threshold)
+    prec = _args.precision(compute_dtype)
     return_lse = _args.flag(return_lse, "return_lse")
     return_stats = _args.flag(return_stats, "return_stats")
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
@@ -181,12 +187,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), kv_splits)
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
-                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau)
+                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec)
                 for part in splits]
     if len(partials) == 1:
         out, lse = partials[0][:2]
     else:
         out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
+    if not prec.is_float64:  # what a kernel in that precision would write out
+        out, lse = out.astype(prec.compute), lse.astype(prec.accumulate)
 
     result = [pb.merge_heads(out, 2)]
     if return_lse:
@@ -197,7 +205,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     return result[0] if len(result) == 1 else tuple(result)
 
 
-def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0):
+def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
+         prec=None):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
 
     ``q: (*batch, hk, g, sq, d)``; one pass per entry of ``specs`` (all batch entries at
@@ -219,12 +228,12 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                  _args.for_entry(slopes, idx),
                  out[idx], lse[idx],
                  None if rescales is None else rescales[idx],
-                 None if kinds is None else kinds[idx], key_tiles, workers, tau)
+                 None if kinds is None else kinds[idx], key_tiles, workers, tau, prec)
     return out, lse, rescales, kinds
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             workers=1, tau=0.0):
+             workers=1, tau=0.0, prec=None):
     """The kernel for one mask: ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.
 
     Writes ``out (*lead, sq, dv)``, ``lse (*lead, sq)`` and, when given, the tile map
@@ -246,12 +255,17 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                                     k_starts.shape)  # (n_k_tiles,), closed form
         if kinds is not None:
             kinds[..., a, :] = row_kinds
-        # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
-        q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d)
-        state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
+        if prec is None or prec.is_float64:
+            # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
+            q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d)
+            state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
+        else:  # rounded q; the scale goes on the float32 scores, as in low-precision kernels
+            q_i = prec.round(q[..., q0:q1, :])
+            state = OnlineSoftmax.empty(lead + (q1 - q0,), dv, prec.accumulate)
         todo = np.flatnonzero((row_kinds != SKIP) & in_range)
         events = absorb(state, q_i, k, v, spec, q0, k_starts[todo], k_ends[todo],
-                        row_kinds[todo], cap, slopes, count=rescales is not None, threshold=tau)
+                        row_kinds[todo], cap, slopes, count=rescales is not None, threshold=tau,
+                        prec=prec, scale=scale)
         if rescales is not None:
             rescales[..., a, todo] = events
         out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
@@ -290,44 +304,57 @@ def _one_blas_thread():
 
 
 def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
-           key_offset=0, count=False, threshold=0.0):
+           key_offset=0, count=False, threshold=0.0, prec=None, scale=None):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
     the keys from absolute position ``key_offset`` on (0, or a streamed chunk's start);
     ``kinds`` says which tiles are PARTIAL.  Scores follow the contract's order: softcap,
     mask (``-inf``), ALiBi.  ``threshold`` is the lazy-rescale threshold of
-    `OnlineSoftmax.update`.  Returns the rescale events per tile ``(..., n_tiles)`` when
-    ``count``, else None.
+    `OnlineSoftmax.update`.  With a low precision ``prec`` (`_args.Precision`), ``q_i``
+    is rounded but unscaled, k and v are rounded per tile, ``scale`` multiplies the
+    float32 scores and ``p`` is rounded before ``p @ v``.  Returns the rescale events per
+    tile ``(..., n_tiles)`` when ``count``, else None.
     """
     rows = np.arange(q0, q0 + q_i.shape[-2])
     events = np.zeros(state.m.shape[:-1] + (len(k0s),), dtype=np.int64) if count else None
+    low = prec is not None and not prec.is_float64
     buffers = {}  # one score and one p @ v buffer per tile width, reused tile after tile
     for t, (k0, k1) in enumerate(zip(k0s, k1s)):
         a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
-        k_j = k[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, d)
-        v_j = v[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, dv)
+        if low:
+            k_j, v_j = prec.round(k[..., a:b, :]), prec.round(v[..., a:b, :])
+        else:
+            k_j = k[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, d)
+            v_j = v[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, dv)
         if b - a not in buffers:
             lead = np.broadcast_shapes(q_i.shape[:-2], k_j.shape[:-2])
-            buffers[b - a] = (np.empty(lead + (q_i.shape[-2], b - a)), np.empty(state.acc.shape))
+            buffers[b - a] = (np.empty(lead + (q_i.shape[-2], b - a), dtype=state.acc.dtype),
+                              np.empty(state.acc.shape, dtype=state.acc.dtype))
         s_buf, pv_buf = buffers[b - a]
-        s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf)
-        rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf)  # s now holds p
+        s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
+                           post_scale=scale if low else None)
+        rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
+                                round_p=prec.round if low else None)  # s now holds p
         if count:
             events[..., t] = rescaled.sum(axis=-1)
     return events
 
 
-def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None):
+def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
+                post_scale=None):
     """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
 
     ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
-    query and key positions; ``out`` an optional ``(..., bq, bk)`` buffer.  Returns
+    query and key positions; ``out`` an optional ``(..., bq, bk)`` buffer; ``post_scale``
+    multiplies the product instead (low precision: q is rounded unscaled).  Returns
     ``(s, th)``: ``s: (..., bq, bk)`` with ``-inf`` on invisible pairs, and
     ``th = tanh(t / cap)`` of the pre-cap scores ``t`` when ``keep_tanh`` (the backward
     pass needs ``1 - th**2``), else None.
     """
     s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
+    if post_scale is not None:
+        s *= post_scale
     th = None
     if cap is not None:  # softcap, before masking
         s /= cap
