@@ -256,3 +256,23 @@ def tile_sweep_heatmap(sweep):
                  fontsize=10)
     fig.colorbar(im, ax=ax, label="seconds")
     return fig
+
+
+def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None, title=None,
+          hline=None):
+    """One line per value of ``group``: ``y`` against ``x`` over the ``rows`` dicts."""
+    fig, ax = _figure(figsize=(8, 4.2))
+    for key in dict.fromkeys(r[group] for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if r[group] == key)
+        ax.plot(*zip(*pts), "o-", label=f"{group} = {key}")
+    if hline is not None:
+        ax.axhline(hline[0], color="crimson", ls="--", label=hline[1])
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel or x)
+    ax.set_ylabel(ylabel or y)
+    ax.set_title(title or f"{y} vs {x}")
+    ax.legend(fontsize=8)
+    return fig

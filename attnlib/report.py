@@ -82,6 +82,21 @@ def sizes(name, x):
     return values
 
 
+def thresholds(name, x):
+    """A strictly increasing list of lazy-rescale thresholds, each as `attention` accepts it."""
+    from . import _args
+
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
+    try:
+        values = [_args.threshold(v) for v in x]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"parameter {name}: {e}") from None
+    if values != sorted(set(values)):
+        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
+    return values
+
+
 #: Per notebook: parameter name -> check.  The defaults are in the notebooks.
 PARAMETERS = {
     "equivalence": {
@@ -108,6 +123,10 @@ PARAMETERS = {
         "workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
         "torch_max_n": positive, "full_cases": flag, "sweep_sizes": sizes, "results_json": text,
     },
+    "numerics": {
+        "ns": sizes, "ds": sizes, "logit_stds": sizes, "precision_n": positive, "blocks": sizes,
+        "taus": thresholds, "lazy_n": positive, "seed": non_negative, "results_json": text,
+    },
 }
 
 TITLES = {
@@ -116,6 +135,7 @@ TITLES = {
     "memory": "Memory: the tiled kernel streams in constant working memory",
     "gradients": "Gradients: the tiled backward pass equals the dense float64 gradient",
     "performance": "Performance: the tiled kernel against dense numpy and PyTorch SDPA",
+    "numerics": "Numerics: float64 and low precisions against a long-double oracle; lazy rescaling",
 }
 
 #: Tiny parameters for ``--quick`` runs and the test suite.
@@ -128,6 +148,8 @@ QUICK = {
                   "dense_max_n": 2048},
     "performance": {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
                     "torch_max_n": 512, "full_cases": False, "sweep_sizes": [64, 128]},
+    "numerics": {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
+                 "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256},
 }
 
 
@@ -151,12 +173,15 @@ def check_params(notebook: str, **values) -> dict:
         # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
         "gradients": [("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2)],
         "performance": [("dense_max_n", 1)],
+        "numerics": [],  # its dense runs are bounded by the long-double oracle's sizes below
     }[notebook]
     for name, heads in dense_runs:
         if not dense_fits(params[name], heads=heads):
             raise ValueError(
                 f"parameter {name}={params[name]} would run the dense reference out of memory "
                 "on this machine; choose a smaller value")
+    if notebook == "numerics" and max(params["ns"] + [params["precision_n"], params["lazy_n"]]) > 4096:
+        raise ValueError("the long-double oracle has no BLAS: keep ns, precision_n and lazy_n <= 4096")
     if notebook in ("memory", "gradients") and params["dense_max_n"] > params["sweep"][-1]:
         raise ValueError("parameter dense_max_n must not exceed the largest sweep size")
     return params

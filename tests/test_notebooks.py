@@ -79,6 +79,16 @@ def test_performance_figures(quick_reports):
     assert len(figs["sweep"]["seconds"]) == len(report.QUICK["performance"]["sweep_sizes"])
 
 
+def test_numerics_figures(quick_reports):
+    data = results(quick_reports[1], "numerics")
+    figs = data["figures"]
+    assert data["passed"] is True
+    assert all(r["tiled_eps"] < 1e3 for r in figs["float64"])
+    assert {r["dtype"] for r in figs["low_precision"]} == {"float32", "float16", "bfloat16"}
+    random = {r["tau"]: r["rescales"] for r in figs["lazy"] if r["inputs"] == "random" and r["dtype"] == "float64"}
+    assert random[8.0] < random[0.0]
+
+
 def test_html_is_self_contained_and_indexed(quick_reports):
     out = quick_reports[1]
     index = (out / "index.html").read_text()

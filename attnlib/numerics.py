@@ -1,0 +1,78 @@
+"""The numerical study: float64 and low-precision paths measured against the long-double oracle.
+
+Each function runs one sweep and returns rows (dicts) for a table or a figure; the
+numerics notebook calls them.  Errors are ``max |x - oracle|`` over all outputs, in float64
+epsilons where that is the natural unit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .inputs import adversarial_qkv, random_qkv
+from .reference import oracle_attention, reference_attention
+from .tiled import attention
+
+EPS64 = float(np.finfo(np.float64).eps)
+
+
+def _max_err(x, oracle) -> float:
+    return float(np.abs(np.asarray(x, dtype=np.float64) - oracle).max())
+
+
+def _scaled_qkv(n, d, logit_scale, seed, heads=1):
+    """Random q, k, v whose scaled logits have standard deviation ``logit_scale``."""
+    q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
+    root = np.sqrt(logit_scale)
+    return q * root, k * root, v
+
+
+def float64_vs_oracle(ns, ds, logit_scales, *, causal=True, seed=0) -> list[dict]:
+    """Errors of dense and tiled float64 against the oracle, in float64 epsilons."""
+    rows = []
+    for n in ns:
+        for d in ds:
+            for scale in logit_scales:
+                q, k, v = _scaled_qkv(n, d, scale, seed)
+                oracle = oracle_attention(q, k, v, causal=causal)
+                rows.append({
+                    "n": n, "d": d, "logit_std": scale,
+                    "dense_eps": _max_err(reference_attention(q, k, v, causal=causal), oracle) / EPS64,
+                    "tiled_eps": _max_err(attention(q, k, v, causal=causal), oracle) / EPS64,
+                })
+    return rows
+
+
+def precision_vs_oracle(ns, blocks, logit_scales, dtypes, *, d=64, causal=True, seed=0) -> list[dict]:
+    """FlashAttention's test rule: tiled vs naive same-precision error, both against the oracle."""
+    rows = []
+    for n in ns:
+        for scale in logit_scales:
+            q, k, v = _scaled_qkv(n, d, scale, seed, heads=2)
+            oracle = oracle_attention(q, k, v, causal=causal)
+            naive = {dt: _max_err(reference_attention(q, k, v, causal=causal, compute_dtype=dt), oracle)
+                     for dt in dtypes}
+            for block in blocks:
+                for dt in dtypes:
+                    tiled = _max_err(attention(q, k, v, causal=causal, compute_dtype=dt,
+                                               block_q=block, block_k=block), oracle)
+                    rows.append({"dtype": dt, "n": n, "block": block, "logit_std": scale,
+                                 "tiled_err": tiled, "naive_err": naive[dt],
+                                 "ratio": tiled / naive[dt] if naive[dt] else float("nan")})
+    return rows
+
+
+def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0) -> list[dict]:
+    """Applied rescales and error against the oracle as the lazy threshold ``tau`` varies."""
+    inputs = {"random": random_qkv(n, d=d, seed=seed)}
+    inputs.update({f: adversarial_qkv(f, n, d=d, block_k=block, seed=seed) for f in families})
+    rows = []
+    for name, (q, k, v) in inputs.items():
+        oracle = oracle_attention(q, k, v, causal=True)
+        for dt in dtypes:
+            for tau in taus:
+                out, stats = attention(q, k, v, causal=True, block_q=block, block_k=block,
+                                       rescale_threshold=tau, compute_dtype=dt, return_stats=True)
+                rows.append({"inputs": name, "dtype": dt, "tau": tau,
+                             "rescales": stats.total_rescales, "error": _max_err(out, oracle)})
+    return rows
