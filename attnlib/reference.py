@@ -19,6 +19,7 @@ def reference_scores(q, k, *, check_finite=True, **options):
     ``s[i, j] = scale * (q[i] . k[j])``, softcapped, ``-inf`` where invisible, plus ALiBi.
     ``options`` are the masking and score arguments of `attention`.
     """
+    k = _args.as_float_array(k, "k")
     q5, k5, _, pb = _args.parse(q, k, k[..., :1], scale=options.pop("scale", None),
                                 check_finite_inputs=check_finite)
     return pb.merge_heads(_scores(q5, k5, pb, **options), 2)
