@@ -192,13 +192,11 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
 def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv):
     """Tiles of one mask; accumulates into ``dq (*lead, sq, d)``, ``dk, dv (*lead', sk, .)``."""
     bq, bk = tiles.block_q, tiles.block_k
-    sq, sk = q.shape[-2], k.shape[-2]
-    k_starts = np.arange(0, sk, bk)
-    k_ends = np.minimum(k_starts + bk, sk)
-    kv_ranges = spec.kv_ranges(k_starts)
+    sq = q.shape[-2]
+    k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
     for q0 in range(0, sq, bq):
         q1 = min(sq, q0 + bq)
-        kinds = np.broadcast_to(spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges), k_starts.shape)
+        kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,)
         todo = np.flatnonzero(kinds != SKIP)
         if not todo.size:
             continue  # rows with no visible key: zero gradient

@@ -152,11 +152,15 @@ class MaskSpec:
         return (np.minimum.reduceat(self.kv_segments, k_starts),
                 np.maximum.reduceat(self.kv_segments, k_starts))
 
+    def key_tiles(self, block_k: int):
+        """``(starts, ends, kv_ranges)`` of the key tiles: what `tile_kind` takes for them."""
+        starts = np.arange(0, self.sk, block_k)  # (n_k_tiles,)
+        ends = np.minimum(starts + block_k, self.sk)
+        return starts, ends, self.kv_ranges(starts)
+
     def tile_kinds(self, block_q: int, block_k: int) -> np.ndarray:
         """``(n_q_tiles, n_k_tiles)`` int8 map of `tile_kind` over the whole grid."""
-        k0 = np.arange(0, self.sk, block_k)
-        k1 = np.minimum(k0 + block_k, self.sk)
-        ranges = self.kv_ranges(k0)
+        k0, k1, ranges = self.key_tiles(block_k)
         kinds = np.empty((-(-self.sq // block_q), k0.size), dtype=np.int8)
         for a, q0 in enumerate(range(0, self.sq, block_q)):
             kinds[a] = self.tile_kind(q0, min(q0 + block_q, self.sq), k0, k1, ranges)

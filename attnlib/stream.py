@@ -108,7 +108,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         k1s = np.minimum(k0s + tiles.block_k, end)
         for a, q0 in enumerate(range(0, pb.sq, tiles.block_q)):
             q1 = min(pb.sq, q0 + tiles.block_q)
-            kinds = np.broadcast_to(spec.tile_kind(q0, q1, k0s, k1s), k0s.shape)
+            kinds = spec.tile_kind(q0, q1, k0s, k1s)  # (n_k_tiles of the chunk,)
             todo = np.flatnonzero(kinds != SKIP)
             if todo.size:
                 q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)

@@ -242,17 +242,14 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     only its own rows, with the same arithmetic, so the result is bit-identical.
     """
     bq, bk = tiles.block_q, tiles.block_k
-    lead, sq, sk, dv = q.shape[:-2], q.shape[-2], k.shape[-2], v.shape[-1]
-    k_starts = np.arange(0, sk, bk)  # (n_k_tiles,)
-    k_ends = np.minimum(k_starts + bk, sk)
-    kv_ranges = spec.kv_ranges(k_starts)
+    lead, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
     in_range = np.zeros(k_starts.size, dtype=bool)
     in_range[key_tiles[0]:key_tiles[1]] = True
 
     def query_tile(a):
         q0, q1 = a * bq, min(sq, (a + 1) * bq)
-        row_kinds = np.broadcast_to(spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges),
-                                    k_starts.shape)  # (n_k_tiles,), closed form
+        row_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), closed form
         if kinds is not None:
             kinds[..., a, :] = row_kinds
         if prec is None or prec.is_float64:
