@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .online import MAX_THRESHOLD
+
 ALIGNS = ("bottom_right", "top_left")
 
 # The finite check looks at this many elements at a time, so it keeps the kernel's
@@ -76,8 +78,6 @@ def workers(x) -> int:
 
 def threshold(x) -> float:
     """A lazy-rescale threshold in natural-log units, ``0 <= x <= MAX_THRESHOLD``."""
-    from .online import MAX_THRESHOLD
-
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"rescale_threshold must be a real number, got {x!r}")
     if not (0 <= x <= MAX_THRESHOLD):

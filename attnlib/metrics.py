@@ -16,7 +16,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .reference import reference_attention
+from .backward import attention_backward, reference_attention_backward
+from .inputs import FAMILIES, adversarial_qkv
+from .masks import MaskSpec
+from .reference import reference_attention, reference_scores
 from .tiled import attention
 
 #: The project's accuracy bound on `rel_error` against the float64 dense reference.
@@ -112,8 +115,6 @@ def gradient_errors(grads, q, k, v, dout, **kwargs) -> dict:
     rounding noise by ~0.  ``"dq_normwise"`` etc.: ``max|g - ref| / max|ref|``, for
     comparison.  ``kwargs`` are the masking and score options.
     """
-    from .backward import reference_attention_backward
-
     ref, sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **kwargs)
     errors = {}
     for name, g, r, a in zip(("dq", "dk", "dv"), grads, ref, sizes):
@@ -154,9 +155,6 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     Returns a flat dict: the family, its logit span over visible pairs, the `Errors`
     fields and the kernel's rescale total.
     """
-    from .inputs import FAMILIES, adversarial_qkv
-    from .reference import reference_scores
-
     q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
     out, stats = attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
                            return_stats=True)
@@ -169,8 +167,6 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
 
 
 def _gradients_row(q, k, v, seed, tiles, **kwargs) -> dict:
-    from .backward import attention_backward
-
     out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
     dout = np.random.default_rng(seed).standard_normal(out.shape)
     grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
@@ -189,8 +185,6 @@ def run_case_gradients(case) -> dict:
 
 def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0) -> dict:
     """`run_family` for the backward pass: gradient errors on one adversarial family."""
-    from .inputs import FAMILIES, adversarial_qkv
-
     q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
     errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), causal=causal)
     return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
@@ -198,8 +192,6 @@ def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal
 
 def _visible_keys_per_row(sq, sk, causal, causal_align):
     """How many keys each query row sees: a prefix ``0 .. L-1`` under a causal mask."""
-    from .masks import MaskSpec
-
     if not causal:
         return np.full(sq, sk)
     o = MaskSpec(sq, sk, True, causal_align).offset

@@ -31,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
+from . import __version__, _args
 from .memory import dense_fits
+from .plots import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,8 +85,6 @@ def sizes(name, x):
 
 def thresholds(name, x):
     """A strictly increasing list of lazy-rescale thresholds, each as `attention` accepts it."""
-    from . import _args
-
     if not isinstance(x, (list, tuple)) or not x:
         raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
     try:
@@ -239,8 +238,6 @@ def environment() -> dict:
 
 def provenance(params: dict):
     """A table of the run's parameters and `environment`, for the top of a report."""
-    from .plots import Table
-
     shown = {k: v for k, v in params.items() if k != "results_json"}  # the runner's plumbing
     rows = [{"": "parameter", "name": k, "value": repr(v)} for k, v in shown.items()]
     rows += [{"": "environment", "name": k, "value": v} for k, v in environment().items()]
