@@ -15,12 +15,15 @@ sum over the query heads that share a kv head.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import numpy as np
 
 from . import _args
 from .masks import SKIP, mask_specs
 from .reference import _scores
-from .tiled import DEFAULT_TILES, TileSizes, attention, tile_scores
+from .tiled import DEFAULT_TILES, Aborted, TileSizes, attention, run_tiles, tile_scores
 
 _MASKS = ("causal", "causal_align", "window", "kv_lengths", "q_lengths", "q_segment_ids",
           "kv_segment_ids")
@@ -122,7 +125,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
-                       check_finite=True, **options):
+                       workers=1, check_finite=True, **options):
     """Tiled float64 gradients ``(dq, dk, dv)``: the FlashAttention-2 backward pass.
 
     Parameters
@@ -139,6 +142,10 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         As in `attention`, and equal to the forward's.
     block_q, block_k : int, optional
         Tile sizes (default `DEFAULT_TILES`).
+    workers : int
+        Threads that take key tiles in parallel (-1: one per CPU).  The result is
+        bit-identical to ``workers=1``: each key tile owns its ``dk``/``dv`` rows, and the
+        additions to each ``dq`` tile are made in ascending key-tile order.
 
     Returns
     -------
@@ -146,14 +153,16 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
 
     Notes
     -----
-    Per query tile, ``D_i = rowsum(dout_i * out_i)``; per visible tile the probabilities
-    are recomputed from the saved ``lse`` as ``p = exp(s - lse)`` (no second softmax
-    pass), then ``dv_j += p^T dout_i``, ``dp = dout_i v_j^T``, ``ds = p * (dp - D_i)``
-    (times ``1 - tanh^2`` under softcap), ``dq_i += scale * ds k_j`` and
-    ``dk_j += scale * ds^T q_i``.  SKIP tiles are never touched and FULL tiles do no mask
-    work, as in the forward.  Rows with ``lse = -inf`` (no visible key) have ``p = 0``
-    and contribute exactly zero.  Working memory is a few tile-sized arrays per head,
-    independent of ``Sq`` and ``Sk`` (the gradients themselves are the size of the inputs).
+    ``D_i = rowsum(dout_i * out_i)`` per query row, once.  Key tiles are the outer loop
+    (each owns ``dk_j``, ``dv_j``); for each visible query tile the probabilities are
+    recomputed from the saved ``lse`` as ``p = exp(s - lse)`` (no second softmax pass),
+    then ``dv_j += p^T dout_i``, ``dp = dout_i v_j^T``, ``ds = p * (dp - D_i)`` (times
+    ``1 - tanh^2`` under softcap), ``dk_j += scale * ds^T q_i`` and
+    ``dq_i += scale * ds k_j``.  SKIP tiles are never touched and FULL tiles do no mask
+    work, as in the forward.  Rows with ``lse = -inf`` (no visible key) have ``p = 0`` and
+    contribute exactly zero.  Working memory is a few tile-sized arrays per head and
+    thread, the per-row ``D`` and the tile map (one byte per tile); the gradients
+    themselves are the size of the inputs.
 
     References
     ----------
@@ -174,6 +183,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     _check_options(options)
     tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,
                       DEFAULT_TILES.block_k if block_k is None else block_k)
+    workers = _args.workers(workers)
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     out5, lse5, dout5 = _grad_inputs(pb, check_finite, out=out, lse=lse, dout=dout)
     specs = mask_specs(pb.batch, pb.sq, pb.sk, **{n: options[n] for n in _MASKS if n in options})
@@ -185,46 +195,114 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
         _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale, spec,
                   tiles, cap, _args.for_entry(slopes, idx),
-                  dq[idx], dk[idx], dv[idx])
+                  dq[idx], dk[idx], dv[idx], workers)
+    dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
     return _split_grads(pb, dq, dk, dv)
 
 
-def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv):
-    """Tiles of one mask; accumulates into ``dq (*lead, sq, d)``, ``dk, dv (*lead', sk, .)``."""
+def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1):
+    """Tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2.
+
+    ``q, out, dout: (*lead, sq, .)`` and ``lse: (*lead, sq)`` with ``lead = (..., g)``;
+    ``k, v: (..., 1, sk, .)``.  Each key tile owns ``dk_j`` and ``dv_j`` (written to
+    ``dk, dv: (..., sk, .)``); its contributions ``ds @ k_j`` are added to ``dq`` (unscaled)
+    in ascending key-tile order whatever the number of ``workers``, so the result is
+    bit-identical to the serial run (FlashAttention-2's deterministic backward orders its
+    dq additions the same way).
+    """
     bq, bk = tiles.block_q, tiles.block_k
     sq = q.shape[-2]
     k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
-    for q0 in range(0, sq, bq):
-        q1 = min(sq, q0 + bq)
-        kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,)
-        todo = np.flatnonzero(kinds != SKIP)
-        if not todo.size:
-            continue  # rows with no visible key: zero gradient
-        rows = np.arange(q0, q1)
-        q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d), scaled once
-        dout_i = dout[..., q0:q1, :].astype(np.float64)  # (..., bq, dv)
-        d_i = np.sum(dout_i * out[..., q0:q1, :], axis=-1)  # D_i = rowsum(dout * out), (..., bq)
-        lse_i = lse[..., q0:q1]
-        # p = exp(s - lse); rows without a visible key have lse = -inf and only -inf
-        # scores, so they are shifted by 0 instead: exp(-inf) = 0, no -inf - (-inf).
-        shift = np.where(np.isfinite(lse_i), lse_i, 0.0)[..., None]  # (..., bq, 1)
-        dq_i = np.zeros(q_i.shape)
-        for b in todo:
-            k0, k1 = k_starts[b], k_ends[b]
-            k_j = k[..., k0:k1, :].astype(np.float64, copy=False)  # (..., bk, d)
-            v_j = v[..., k0:k1, :].astype(np.float64, copy=False)  # (..., bk, dv)
-            s, th = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[b], cap, slopes,
-                                keep_tanh=True)
-            p = np.exp(s - shift)  # (..., bq, bk), the forward's probabilities
-            pt = np.swapaxes(p, -1, -2)
-            dv[..., k0:k1, :] += np.sum(pt @ dout_i, axis=-3)  # sum over the group's heads
-            dp = dout_i @ np.swapaxes(v_j, -1, -2)  # (..., bq, bk)
-            ds = p * (dp - d_i[..., None])
-            if th is not None:
-                ds *= 1.0 - th * th  # softcap: d/dt c tanh(t / c)
-            dq_i += ds @ k_j
-            dk[..., k0:k1, :] += np.sum(np.swapaxes(ds, -1, -2) @ q_i, axis=-3)  # q_i has the scale
-        dq[..., q0:q1, :] = scale * dq_i
+    q_starts = np.arange(0, sq, bq)
+    q_ends = np.minimum(q_starts + bq, sq)
+    # The tile map, one byte a tile: (n_q_tiles, n_k_tiles).
+    kinds = np.stack([spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
+                      for q0, q1 in zip(q_starts, q_ends)])
+    visible = kinds != SKIP
+    # rank[a, b]: visible key tiles before b in query tile a, i.e. b's turn to add to dq_a.
+    turns = _Turns(np.cumsum(visible, axis=1) - visible, threaded=workers > 1)
+    # Per query row, once: D = rowsum(dout * out) (a query tile at a time, within the
+    # memory bound) and the shift of p = exp(s - lse).  Rows without a visible key have
+    # lse = -inf and only -inf scores; shifting them by 0 gives exp(-inf) = 0, not
+    # -inf - (-inf).
+    delta = np.empty(lse.shape)  # (*lead, sq)
+    for q0, q1 in zip(q_starts, q_ends):
+        delta[..., q0:q1] = np.sum(dout[..., q0:q1, :] * out[..., q0:q1, :], axis=-1)
+    shift = np.where(np.isfinite(lse), lse, 0.0)  # (*lead, sq)
+
+    def key_tile(b):
+        k0, k1 = k_starts[b], k_ends[b]
+        cols = np.arange(k0, k1)
+        k_j = k[..., k0:k1, :].astype(np.float64, copy=False)  # (..., 1, bk, d)
+        v_j = v[..., k0:k1, :].astype(np.float64, copy=False)  # (..., 1, bk, dv)
+        dk_j = np.zeros(q.shape[:-2] + k_j.shape[-2:])  # (..., g, bk, d)
+        dv_j = np.zeros(q.shape[:-2] + v_j.shape[-2:])  # (..., g, bk, dv)
+        try:
+            for a in np.flatnonzero(visible[:, b]):
+                q0, q1 = q_starts[a], q_ends[a]
+                q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
+                dout_i = dout[..., q0:q1, :].astype(np.float64, copy=False)  # (..., g, bq, dv)
+                s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
+                                    slopes, keep_tanh=True)
+                s -= shift[..., q0:q1, None]
+                p = np.exp(s, out=s)  # (..., g, bq, bk): the forward's probabilities
+                dv_j += np.swapaxes(p, -1, -2) @ dout_i
+                ds = dout_i @ np.swapaxes(v_j, -1, -2)  # dp, (..., g, bq, bk)
+                ds -= delta[..., q0:q1, None]
+                ds *= p  # ds = p * (dp - D)
+                if th is not None:  # softcap: d/dt c tanh(t / c) = 1 - tanh(t / c)**2
+                    th *= th
+                    np.subtract(1.0, th, out=th)
+                    ds *= th
+                dk_j += np.swapaxes(ds, -1, -2) @ q_i  # q_i carries the scale
+                dq_ij = ds @ k_j  # (..., g, bq, d)
+                with turns.turn(a, b):
+                    dq[..., q0:q1, :] += dq_ij
+        except BaseException:
+            turns.abort()  # no other worker may wait for this tile's turns any more
+            raise
+        # GQA: the query heads of a group share k_j and v_j, so their gradients add up.
+        dk[..., k0:k1, :] = dk_j.sum(axis=-3)
+        dv[..., k0:k1, :] = dv_j.sum(axis=-3)
+
+    # Key tiles are handed out in ascending order, so the lowest unfinished one never
+    # waits: no deadlock.  Under causal masks the first key tiles are also the longest.
+    run_tiles(key_tile, range(len(k_starts)), workers)
+
+
+class _Turns:
+    """Makes the additions to each query tile of dq happen in a fixed order across threads.
+
+    ``rank[a, b]`` is the turn of key tile ``b`` at query tile ``a``; `turn` waits for it.
+    """
+
+    def __init__(self, rank: np.ndarray, threaded: bool):
+        self.rank = rank
+        self.done = np.zeros(rank.shape[0], dtype=np.int64)  # additions made per query tile
+        self.cond = threading.Condition() if threaded else None
+        self.aborted = False
+
+    @contextlib.contextmanager
+    def turn(self, a, b):
+        if self.cond is None:  # serial: key tiles come in order
+            yield
+            return
+        with self.cond:
+            self.cond.wait_for(lambda: self.aborted or self.done[a] == self.rank[a, b])
+            if self.aborted:
+                raise Aborted("another worker failed")
+        try:
+            yield  # only this thread may add to query tile a now
+        finally:
+            with self.cond:
+                self.done[a] += 1
+                self.cond.notify_all()
+
+    def abort(self):
+        if self.cond is not None:
+            with self.cond:
+                self.aborted = True
+                self.cond.notify_all()
 
 
 def attention_vjp(q, k, v, dout, **options):

@@ -4,8 +4,9 @@ Everything is timed in one process, interleaved (each repeat runs every implemen
 every case once, in turn), and summarised by medians and ratios, because this machine is
 shared and noisy.  The machine's own float64 matmul and ``exp`` rates are measured too, and
 give the roofline of the causal forward pass: ``2 * Sq * Sk * D`` matmul flops and
-``Sq * Sk / 2`` exponentials.  ``python -m attnlib bench`` prints the tables; torch is an
-optional peer (``pip install .[peers]``), never a dependency.
+``Sq * Sk / 2`` exponentials.  The backward pass is timed the same way (gradients only).
+``python -m attnlib bench`` prints the tables; torch is an optional peer
+(``pip install .[peers]``), never a dependency.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from .inputs import random_qkv
 from .memory import dense_fits
+from .backward import attention_backward, reference_attention_backward
 from .reference import reference_attention
 from .tiled import _one_blas_thread, attention
 
@@ -52,6 +54,8 @@ class BenchCase:
 CASES = (BenchCase(1, 1, 4096), BenchCase(1, 8, 4096), BenchCase(1, 1, 16384),
          BenchCase(1, 1, 4096, causal=False))
 QUICK_CASES = (BenchCase(1, 1, 1024), BenchCase(1, 2, 1024), BenchCase(1, 1, 1024, causal=False))
+BACKWARD_CASES = (BenchCase(1, 1, 4096),)
+QUICK_BACKWARD_CASES = (BenchCase(1, 1, 1024),)
 
 
 def _seconds(fn, repeats=5) -> float:
@@ -70,18 +74,21 @@ def machine_rates(workers: int = 1, size: int = 2048) -> dict:
     a, b = rng.standard_normal((size, size)), rng.standard_normal((size, size))
     a @ b  # warm-up
     matmul = 2.0 * size**3 / _seconds(lambda: a @ b)
-    # Values like the kernel's exponents (<= 0), in tile-sized pieces (64K, as a 256 x 256
-    # tile), 64 per thread; the pool is started before the clock, as the kernel's would be.
-    pieces = [-np.abs(rng.standard_normal(1 << 16)) * 8 for _ in range(64 * workers)]
+    # Values like the kernel's exponents (<= 0) in one tile-sized piece per thread (64K, as a
+    # 256 x 256 tile), exponentiated in place of a reused buffer 64 times, as the kernel
+    # does (so the data is in cache); the pool is started before the clock, as the
+    # kernel's would be.
+    pieces = [-np.abs(rng.standard_normal(1 << 16)) * 8 for _ in range(workers)]
     outs = [np.empty_like(p) for p in pieces]
 
     def exp_piece(i):
-        np.exp(pieces[i], out=outs[i])
+        for _ in range(64):
+            np.exp(pieces[i], out=outs[i])
 
     with _one_blas_thread(), ThreadPoolExecutor(workers) as pool:
-        exp_all = lambda: list(pool.map(exp_piece, range(len(pieces))))  # noqa: E731
+        exp_all = lambda: list(pool.map(exp_piece, range(workers)))  # noqa: E731
         exp_all()  # warm-up: the threads exist before the clock starts
-        exp_rate = len(pieces) * (1 << 16) / _seconds(exp_all)
+        exp_rate = 64 * workers * (1 << 16) / _seconds(exp_all)
     return {"matmul_gflops": matmul / 1e9, "exp_gps": exp_rate / 1e9, "workers": workers}
 
 
@@ -97,23 +104,58 @@ def _torch_sdpa():
     except ImportError:
         return None, None
 
-    def run(q, k, v, causal):
-        with torch.no_grad():
+    def run(q, k, v, causal, grad=False):
+        with torch.set_grad_enabled(grad):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return torch, run
 
 
 def implementations(workers=(1, 2), include_torch=True) -> dict:
-    """``{name: (prepare, run)}``: prepare turns numpy inputs into the callee's, run times."""
+    """The forward passes: ``{name: (prepare, run)}``; ``prepare(q, k, v, causal)`` turns
+    numpy inputs into the callee's arguments (untimed), ``run(args)`` is timed."""
     impls = {}
     for w in workers:
-        impls[f"tiled w={w}"] = (lambda x: x, lambda q, k, v, c, w=w: attention(q, k, v, causal=c, workers=w))
-    impls["dense numpy"] = (lambda x: x, lambda q, k, v, c: reference_attention(q, k, v, causal=c))
+        impls[f"tiled w={w}"] = (_as_is, lambda a, w=w: attention(*a[:3], causal=a[3], workers=w))
+    impls["dense numpy"] = (_as_is, lambda a: reference_attention(*a[:3], causal=a[3]))
     torch, sdpa = _torch_sdpa() if include_torch else (None, None)
     if torch is not None:
-        impls[f"torch {torch.__version__} SDPA"] = (torch.from_numpy, sdpa)
+        impls[f"torch {torch.__version__} SDPA"] = (
+            lambda q, k, v, c: tuple(torch.from_numpy(x) for x in (q, k, v)) + (c,),
+            lambda a: sdpa(*a))
     return impls
+
+
+def backward_implementations(workers=(1, 2), include_torch=True) -> dict:
+    """The backward passes, as `implementations`: the forward (with ``lse``, or torch's
+    autograd graph) is built in ``prepare``, so only the gradient is timed."""
+    def upstream(q, v):  # the same dout for every implementation: (..., Sq, Dv)
+        return np.random.default_rng(1).standard_normal(q.shape[:-1] + v.shape[-1:])
+
+    def prepare(q, k, v, c):
+        out, lse = attention(q, k, v, causal=c, return_lse=True)
+        return q, k, v, out, lse, upstream(q, v), c
+
+    impls = {}
+    for w in workers:
+        impls[f"tiled w={w}"] = (prepare, lambda a, w=w: attention_backward(
+            *a[:6], causal=a[6], workers=w))
+    impls["dense numpy"] = (prepare, lambda a: reference_attention_backward(
+        *a[:3], a[5], causal=a[6]))
+    torch, sdpa = _torch_sdpa() if include_torch else (None, None)
+    if torch is not None:
+        def torch_prepare(q, k, v, c):
+            dout = torch.from_numpy(upstream(q, v))
+            q, k, v = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+            return sdpa(q, k, v, c, grad=True), (q, k, v), dout
+
+        impls[f"torch {torch.__version__} SDPA"] = (torch_prepare, lambda a: torch.autograd.grad(
+            a[0], a[1], a[2], retain_graph=True))
+    return impls
+
+
+def _as_is(*args):
+    return args
 
 
 def time_cases(cases, impls, repeats=5, log=None) -> list[dict]:
@@ -123,14 +165,14 @@ def time_cases(cases, impls, repeats=5, log=None) -> list[dict]:
         q, k, v = random_qkv(case.n, d=case.d, batch=(case.b,), heads=case.h, seed=0)
         runnable = {name: (prep, run) for name, (prep, run) in impls.items()
                     if name != "dense numpy" or dense_fits(case.n, heads=case.b * case.h)}
-        args = {name: tuple(prep(x) for x in (q, k, v)) for name, (prep, _) in runnable.items()}
+        args = {name: prep(q, k, v, case.causal) for name, (prep, _) in runnable.items()}
         for name, (_, run) in runnable.items():
-            run(*args[name], case.causal)  # warm-up
+            run(args[name])  # warm-up
         times = {name: [] for name in runnable}
         for _ in range(repeats):
             for name, (_, run) in runnable.items():
                 start = time.perf_counter()
-                run(*args[name], case.causal)
+                run(args[name])
                 times[name].append(time.perf_counter() - start)
         row = {"case": case.name, **asdict(case)}
         row.update({name: statistics.median(t) for name, t in times.items()})
@@ -182,9 +224,18 @@ def main(argv=None) -> int:
                 if not other.startswith("tiled") and other in row:
                     parts.append(f"w={w}/{other.split(' SDPA')[0]} {tiled / row[other]:.2f}")
         log(f"  {row['case']}: " + ", ".join(parts))
+    log("\nbackward (gradients only; the forward is built beforehand):")
+    backward_impls = backward_implementations(args.workers, include_torch=not args.no_torch)
+    backward_rows = time_cases(QUICK_BACKWARD_CASES if args.quick else BACKWARD_CASES,
+                               backward_impls, args.repeats, log)
+    for row in backward_rows:
+        log(f"  {row['case']}: " + ", ".join(
+            f"w={w}/{other.split(' SDPA')[0]} {row[f'tiled w={w}'] / row[other]:.2f}"
+            for w in args.workers for other in backward_impls
+            if not other.startswith("tiled") and other in row))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rates": rates, "rows": rows}, f, indent=1)
+            json.dump({"rates": rates, "rows": rows, "backward": backward_rows}, f, indent=1)
     return 0
 
 

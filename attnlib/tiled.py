@@ -267,16 +267,40 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
             rescales[..., a, todo] = events
         out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
 
-    n_q_tiles = -(-sq // bq)
-    if workers == 1 or n_q_tiles < 2:
-        for a in range(n_q_tiles):
-            query_tile(a)
+    # The longest (last, under causal) query tiles go first so the threads finish together.
+    run_tiles(query_tile, range(-(-sq // bq) - 1, -1, -1), workers)
+
+
+class Aborted(Exception):
+    """Raised in a worker that stops waiting because another worker failed."""
+
+
+def run_tiles(fn, items, workers: int) -> None:
+    """``fn(item)`` for each item: in order when ``workers == 1``, else on a thread pool.
+
+    numpy releases the GIL in matmul and ufuncs, so threads run tiles in parallel.  Two
+    things do not cross into the threads by themselves and are carried over here: the
+    caller's floating-point error state (numpy keeps it per thread, so strict mode would
+    silently not apply) and a BLAS limited to one thread (see `_one_blas_thread`).  The
+    first exception in submission order that is not `Aborted` is re-raised.
+    """
+    items = list(items)
+    if workers == 1 or len(items) < 2:
+        for item in items:
+            fn(item)
         return
-    # numpy releases the GIL in matmul and exp; the longest (last, under causal) query
-    # tiles go first so the threads finish together.
+    errors = np.geterr()
+
+    def task(item):
+        with np.errstate(**errors):
+            fn(item)
+
     with _one_blas_thread(), ThreadPoolExecutor(max_workers=workers) as pool:
-        for done in [pool.submit(query_tile, a) for a in reversed(range(n_q_tiles))]:
-            done.result()  # re-raises a worker's exception here
+        futures = [pool.submit(task, item) for item in items]
+    # Leaving the pool waited for every task, so each exception is known.
+    failures = [f.exception() for f in futures if f.exception() is not None]
+    if failures:
+        raise next((e for e in failures if not isinstance(e, Aborted)), failures[0])
 
 
 @lru_cache(maxsize=1)
