@@ -9,6 +9,7 @@ processed at once inside a tile by broadcasting matmul.  Working memory is a few
 from __future__ import annotations
 
 import contextlib
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -281,8 +282,9 @@ def run_tiles(fn, items, workers: int) -> None:
     numpy releases the GIL in matmul and ufuncs, so threads run tiles in parallel.  Two
     things do not cross into the threads by themselves and are carried over here: the
     caller's floating-point error state (numpy keeps it per thread, so strict mode would
-    silently not apply) and a BLAS limited to one thread (see `_one_blas_thread`).  The
-    first exception in submission order that is not `Aborted` is re-raised.
+    silently not apply) and a BLAS limited to one thread (see `_one_blas_thread`); the
+    GIL switch interval is shortened meanwhile (see `_short_gil_switch`).  The first
+    exception in submission order that is not `Aborted` is re-raised.
     """
     items = list(items)
     if workers == 1 or len(items) < 2:
@@ -295,12 +297,30 @@ def run_tiles(fn, items, workers: int) -> None:
         with np.errstate(**errors):
             fn(item)
 
-    with _one_blas_thread(), ThreadPoolExecutor(max_workers=workers) as pool:
+    with _one_blas_thread(), _short_gil_switch(), ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(task, item) for item in items]
     # Leaving the pool waited for every task, so each exception is known.
     failures = [f.exception() for f in futures if f.exception() is not None]
     if failures:
         raise next((e for e in failures if not isinstance(e, Aborted)), failures[0])
+
+
+@contextlib.contextmanager
+def _short_gil_switch(seconds=1e-4):
+    """Shorten Python's GIL switch interval (5 ms by default) while our workers run.
+
+    Between the large numpy calls that release the GIL, a tile does a dozen small ones
+    (per-row max, alpha, rescale) that hold it; a thread that then asks for the GIL waits
+    up to the switch interval for the other to let go.  Measured on (1, 1, 4096, 64) causal
+    with 2 workers: 120 ms at 5 ms, 72 ms at 1 ms, 66-67 ms at 0.2 ms and below (1 worker:
+    109 ms).  The interval is process-wide; the old value is restored afterwards.
+    """
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(min(old, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 @lru_cache(maxsize=1)
