@@ -32,8 +32,8 @@ from .metrics import (
     run_family_gradients,
 )
 from .online import OnlineSoftmax, merge_attention
-from .reference import (ORACLE_PRECISION, oracle_attention, reference_attention, reference_rescales,
-                        reference_scores)
+from .oracle import ORACLE_PRECISION, oracle_attention
+from .reference import reference_attention, reference_rescales, reference_scores
 from .stream import attention_stream
 from .tiled import DEFAULT_TILES, AttentionStats, TileSizes, attention
 

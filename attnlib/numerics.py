@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .inputs import adversarial_qkv, random_qkv
-from .reference import oracle_attention, reference_attention
+from .oracle import oracle_attention
+from .reference import reference_attention
 from .tiled import attention
 
 EPS64 = float(np.finfo(np.float64).eps)

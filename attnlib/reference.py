@@ -25,21 +25,34 @@ def reference_scores(q, k, *, check_finite=True, **options):
     return pb.merge_heads(_scores(q5, k5, pb, **options), 2)
 
 
-def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=None,
-            kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-            softcap=None, alibi_slopes=None, dtype=np.float64):
-    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
-                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    cap = _args.softcap(softcap)
-    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+def _scores(q5, k5, pb, *, dtype=np.float64, **options):
+    visible, distance, cap, slopes = pair_terms(pb, **options)
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
     # computes the same function more precisely, not a different one.
     s = dtype(pb.scale) * np.matmul(q5.astype(dtype), np.swapaxes(k5.astype(dtype), -1, -2))
     if cap is not None:
         s = dtype(cap) * np.tanh(s / dtype(cap))
-    # The visibility and ALiBi distance of every pair, (sq, sk), or (*batch, sq, sk) when
-    # the mask depends on the batch entry; then axes for (hk, g).
+    s = np.where(visible, s, -np.inf)
+    if slopes is not None:  # after masking: -inf stays -inf
+        s = s - slopes.astype(dtype)[..., None, None] * distance
+    return s
+
+
+def pair_terms(pb, *, causal=False, causal_align="bottom_right", window=None, kv_lengths=None,
+               q_lengths=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
+               alibi_slopes=None):
+    """What the score options say about each pair: ``(visible, distance, cap, slopes)``.
+
+    ``visible`` (bool) and ``distance`` (the ALiBi ``|i + o - j|``, or None without ALiBi)
+    are ``(sq, sk)``, or ``(*batch, 1, 1, sq, sk)`` when the mask depends on the batch
+    entry; ``cap`` is the softcap or None; ``slopes`` the ALiBi slopes ``(..., hk, g)`` or
+    None.
+    """
+    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
+                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    cap = _args.softcap(softcap)
+    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
     i, j = np.arange(pb.sq), np.arange(pb.sk)
 
     def per_pair(fn):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
@@ -48,10 +61,9 @@ def _scores(q5, k5, pb, *, causal=False, causal_align="bottom_right", window=Non
         grid = np.array([fn(spec) for spec in specs.values()])
         return grid.reshape(pb.batch + (1, 1, pb.sq, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
 
-    s = np.where(per_pair(lambda spec: spec.visible(i, j)), s, -np.inf)
-    if slopes is not None:  # after masking: -inf stays -inf
-        s = s - slopes.astype(dtype)[..., None, None] * per_pair(lambda spec: spec.distance(i, j))
-    return s
+    visible = per_pair(lambda spec: spec.visible(i, j))
+    distance = None if slopes is None else per_pair(lambda spec: spec.distance(i, j))
+    return visible, distance, cap, slopes
 
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
@@ -118,40 +130,6 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1)
-
-
-#: The oracle's arithmetic: numpy's long double, with its mantissa bits (64 on x86-64 Linux).
-ORACLE_PRECISION = {"dtype": "longdouble", "mantissa_bits": int(np.finfo(np.longdouble).nmant) + 1}
-
-
-def oracle_attention(q, k, v, *, return_lse=False, check_finite=True, **options):
-    """Attention in extended precision, an oracle for the float64 paths.
-
-    Same arguments and semantics as `reference_attention`; the scores, softmax and
-    products are computed in ``np.longdouble`` (`ORACLE_PRECISION`), the scale and softcap
-    taken exactly as the float64 numbers the float64 paths use.  Returns long double
-    arrays, so that float64 results can be compared to it in units of float64 epsilon.
-
-    Raises NotImplementedError where long double has fewer than 64 mantissa bits (e.g.
-    on platforms where it is float64 itself); an exact fallback there is not built yet.
-
-    Examples
-    --------
-    >>> import numpy as np, attnlib
-    >>> q, k, v = attnlib.random_qkv(50, 60, 16, seed=0)
-    >>> oracle = attnlib.oracle_attention(q, k, v, causal=True)
-    >>> err = np.abs(attnlib.attention(q, k, v, causal=True) - oracle).max()
-    >>> bool(err < 10 * np.finfo(np.float64).eps)
-    True
-    """
-    if ORACLE_PRECISION["mantissa_bits"] < 64:
-        raise NotImplementedError(
-            f"np.longdouble has {ORACLE_PRECISION['mantissa_bits']} mantissa bits here; the oracle "
-            "needs at least 64 (x86-64 Linux has them)")
-    q5, k5, v5, pb = _args.parse(q, k, v, scale=options.pop("scale", None),
-                                 check_finite_inputs=check_finite)
-    out, lse = _dense(q5, k5, v5, pb, np.longdouble, options)
-    return (out, lse) if return_lse else out
 
 
 def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import __version__, _args
 from .memory import dense_fits
+from .oracle import ORACLE_PRECISION
 from .plots import Table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +125,7 @@ PARAMETERS = {
     },
     "numerics": {
         "ns": sizes, "ds": sizes, "logit_stds": sizes, "precision_n": positive, "blocks": sizes,
+        "precision_ns": sizes,
         "taus": thresholds, "lazy_n": positive, "seed": non_negative, "results_json": text,
     },
 }
@@ -134,7 +136,7 @@ TITLES = {
     "memory": "Memory: the tiled kernel streams in constant working memory",
     "gradients": "Gradients: the tiled backward pass equals the dense float64 gradient",
     "performance": "Performance: the tiled kernel against dense numpy and PyTorch SDPA",
-    "numerics": "Numerics: float64 and low precisions against a long-double oracle; lazy rescaling",
+    "numerics": "Numerics: float64 and low precisions against an extended-precision oracle; lazy rescaling",
 }
 
 #: Tiny parameters for ``--quick`` runs and the test suite.
@@ -148,6 +150,7 @@ QUICK = {
     "performance": {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
                     "torch_max_n": 512, "full_cases": False, "sweep_sizes": [64, 128]},
     "numerics": {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
+                 "precision_ns": [64, 128],
                  "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256},
 }
 
@@ -172,15 +175,20 @@ def check_params(notebook: str, **values) -> dict:
         # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
         "gradients": [("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2)],
         "performance": [("dense_max_n", 1)],
-        "numerics": [],  # its dense runs are bounded by the long-double oracle's sizes below
+        "numerics": [],  # its dense runs are bounded by the oracle's sizes below
     }[notebook]
     for name, heads in dense_runs:
         if not dense_fits(params[name], heads=heads):
             raise ValueError(
                 f"parameter {name}={params[name]} would run the dense reference out of memory "
                 "on this machine; choose a smaller value")
-    if notebook == "numerics" and max(params["ns"] + [params["precision_n"], params["lazy_n"]]) > 4096:
-        raise ValueError("the long-double oracle has no BLAS: keep ns, precision_n and lazy_n <= 4096")
+    if notebook == "numerics":
+        if max(params["ns"] + params["precision_ns"] + [params["precision_n"], params["lazy_n"]]) > 4096:
+            raise ValueError("the long-double oracle has no BLAS: keep ns, precision_ns, precision_n "
+                             "and lazy_n <= 4096")
+        if ORACLE_PRECISION["method"] != "longdouble":
+            raise ValueError("the numerics report needs a long double of >= 64 mantissa bits, which "
+                             "this platform's numpy lacks (the decimal oracle takes small shapes only)")
     if notebook in ("memory", "gradients") and params["dense_max_n"] > params["sweep"][-1]:
         raise ValueError("parameter dense_max_n must not exceed the largest sweep size")
     return params
