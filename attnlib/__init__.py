@@ -10,6 +10,7 @@ causal alignment, fully masked rows, LSE, stats).
 ((4, 1000, 64), (4, 1000))
 """
 
+from . import check  # attnlib.check.check_kernel: the verdict on your kernel
 from .backward import attention_backward, attention_vjp, reference_attention_backward
 from .inputs import FAMILIES, Case, adversarial_qkv, random_cases, random_qkv
 from .masks import FULL, PARTIAL, SKIP, MaskSpec, mask_specs

@@ -1,8 +1,8 @@
-"""``python -m attnlib report ...``: the command-line entry points."""
+"""``python -m attnlib {report,bench,check} ...``: the command-line entry points."""
 
 import sys
 
-COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench"}
+COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench", "check": "attnlib.check"}
 
 
 def main(argv=None) -> int:

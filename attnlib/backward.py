@@ -66,7 +66,7 @@ def _split_grads(pb, dq5, dk4, dv4):
 
 
 def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
-                                 check_finite=True, **options):
+                                 check_finite=True, compute_dtype=None, **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
 
     Parameters
@@ -82,10 +82,16 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         Also return the sizes of what each gradient entry sums, for the error metric
         (`attnlib.gradient_errors`): the same formulas with ``|dout|, |q|, |k|, |v|`` and
         ``|dp| + |D|`` in place of ``dp - D``.
+    compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
+        The naive same-precision baseline of FlashAttention's gradient tests (what PyTorch's
+        eager autograd computes in that type): inputs rounded to it, every matmul
+        accumulated in float32 and its result rounded to it (``s``, ``p``, ``dp``, ``ds``,
+        ``dq``, ``dk``, ``dv``), the softmax in float32.
 
     Returns
     -------
-    grads : ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v`` (float64)
+    grads : ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v`` (float64, or
+        ``compute_dtype``)
     sizes : ``(dq_abs, dk_abs, dv_abs)``, if ``return_abs``
 
     Notes
@@ -95,27 +101,34 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     contribute nothing.
     """
     _check_options(options)
+    prec = _args.precision(compute_dtype)
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
-    s = _scores(q5, k5, pb, **options)  # (..., hk, g, sq, sk), -inf where invisible
+    # float64: rnd is the identity.  Lower: values are rounded where a same-precision
+    # implementation stores them, and everything else is float32.
+    dtype = prec.accumulate.type
+    rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
+    q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
+    s = rnd(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=-1, keepdims=True)
-    p = np.divide(p, l, out=np.zeros_like(p), where=l > 0)  # P, 0 on rows with no key
-    q64, k64, v64 = (x.astype(np.float64) for x in (q5, k5, v5))
+    p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
+    q64, k64, v64 = q5, k5, v5
     cap = _args.softcap(options.get("softcap"))
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
     if cap is not None:
-        factor = 1.0 - np.tanh(pb.scale * (q64 @ np.swapaxes(k64, -1, -2)) / cap) ** 2
+        factor = 1.0 - np.tanh(dtype(pb.scale) * (q64 @ np.swapaxes(k64, -1, -2)) / dtype(cap)) ** 2
 
     def grads(dout5, q64, k64, v64, jacobian):
-        dv = np.swapaxes(p, -1, -2) @ dout5  # (..., hk, g, sk, dv)
-        dp = dout5 @ np.swapaxes(v64, -1, -2)  # (..., hk, g, sq, sk)
-        ds = jacobian(dp, np.sum(p * dp, axis=-1, keepdims=True)) * factor
-        dq = pb.scale * (ds @ k64)
-        dk = pb.scale * (np.swapaxes(ds, -1, -2) @ q64)
+        dv = rnd(np.swapaxes(p, -1, -2) @ dout5)  # (..., hk, g, sk, dv)
+        dp = rnd(dout5 @ np.swapaxes(v64, -1, -2))  # (..., hk, g, sq, sk)
+        ds = rnd(jacobian(dp, np.sum(p * dp, axis=-1, keepdims=True)) * factor)
+        dq = rnd(dtype(pb.scale) * (ds @ k64))
+        dk = rnd(dtype(pb.scale) * (np.swapaxes(ds, -1, -2) @ q64))
         # GQA: the query heads of a group share k and v, so their gradients add up.
-        return _split_grads(pb, dq, dk.sum(axis=-3), dv.sum(axis=-3))
+        grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)))
+        return tuple(g.astype(prec.compute) for g in grads)
 
     result = grads(dout5, q64, k64, v64, lambda dp, d: p * (dp - d))  # the softmax Jacobian
     if not return_abs:

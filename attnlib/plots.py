@@ -276,3 +276,66 @@ def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None,
     ax.set_title(title or f"{y} vs {x}")
     ax.legend(fontsize=8)
     return fig
+
+
+def kernel_error_heatmap(head_row_err, bound, max_columns=512):
+    """A kernel's max error over (query position, head), on a log colour scale.
+
+    Positions are grouped into at most ``max_columns`` bins (the max of each); entries above
+    the rule's ``bound`` are the failures.
+    """
+    from matplotlib.colors import LogNorm
+
+    err = np.asarray(head_row_err, dtype=np.float64)  # (Hq, Sq)
+    sq = err.shape[1]
+    groups = np.array_split(np.arange(sq), min(sq, max_columns))
+    binned = np.stack([err[:, g].max(axis=1) for g in groups], axis=1)
+    floor = max(float(bound) * 1e-4, 1e-300)
+    fig, ax = _figure(figsize=(9, 1.2 + 0.25 * err.shape[0]))
+    im = ax.imshow(np.maximum(binned, floor), aspect="auto", interpolation="nearest", cmap="magma",
+                   norm=LogNorm(vmin=floor, vmax=max(float(binned.max()), bound) * 1.01),
+                   extent=(0, sq, err.shape[0] - 0.5, -0.5))
+    cbar = fig.colorbar(im, ax=ax)
+    cbar.ax.axhline(bound, color="cyan", lw=2)
+    cbar.set_label("max |kernel - ref| (cyan: the bound)")
+    ax.set_xlabel("query position")
+    ax.set_ylabel("head")
+    ax.set_title(f"Kernel error by head and query position ({int((binned > bound).sum())} binned cells above the bound)")
+    return fig
+
+
+def kernel_error_vs_position(row_err, row_naive, bound):
+    """Max error per query position: the kernel's, the naive baseline's, and the bound."""
+    fig, ax = _figure(figsize=(9, 4))
+    pos = np.arange(len(row_err))
+    floor = max(float(bound) * 1e-6, 1e-300)
+    ax.plot(pos, np.maximum(row_err, floor), lw=1, label="kernel")
+    ax.plot(pos, np.maximum(row_naive, floor), lw=1, alpha=0.8, label="naive, same precision")
+    ax.axhline(bound, color="crimson", lw=1.5, ls="--", label=f"bound {bound:.2e}")
+    ax.set_yscale("log")
+    ax.set_xlabel("query position")
+    ax.set_ylabel("max |x - ref| over batch, heads, dims")
+    ax.set_title("Error along the query position")
+    ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def kernel_error_histogram(errors, naive_errors, bound):
+    """Distribution of |kernel - ref| against |naive - ref| over the same entries."""
+    both = np.concatenate([np.ravel(errors), np.ravel(naive_errors)])
+    positive = both[both > 0]
+    hi = math.ceil(math.log10(max(float(both.max()), bound))) + 0.0 if both.size else 0.0
+    lo = math.floor(math.log10(positive.min())) if positive.size else hi - 6
+    lo = max(lo, hi - 12)
+    fig, ax = _figure(figsize=(8, 4))
+    for data, label, style in ((errors, "kernel", dict(alpha=0.7)),
+                               (naive_errors, "naive, same precision", dict(histtype="step", lw=2))):
+        edges, counts = log10_histogram(data, lo, hi)
+        ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
+    ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"bound {bound:.2e}")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"log10 |x - ref|   (zeros and values below 1e{lo:.0f} in the first bin)")
+    ax.set_ylabel("entries")
+    ax.set_title(f"Errors of {np.size(errors):,} output entries")
+    ax.legend(fontsize=8, loc="best")
+    return fig
