@@ -185,7 +185,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         if empty.sum() == verdict.nonfinite:
             verdict.notes.append("all of them in rows with no visible key, where the output must be 0 "
                                  "(the kernel divides 0 by 0 there)")
-    trend = _trend(row_err, verdict)
+    trend = _trend(row_err, row_naive)
     diagnosis = []
     if verdict.passed is False:
         diagnosis = _diagnose(kernel, qh, kh, vh, options, verdict, row_err, shape, layout, given, prec,
@@ -366,21 +366,26 @@ def _judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, l
 
 # -- diagnosis -------------------------------------------------------------------------------
 
-def _trend(row_err, verdict) -> str:
-    """How the kernel's error runs along the query positions, in a few words."""
-    n = row_err.size
-    if n < 16 or verdict.max_err == 0:
-        return "flat"
-    bins = np.array([b.max() for b in np.array_split(row_err, 16)])
-    floor = max(verdict.max_err * 1e-6, np.finfo(np.float64).tiny)
-    logs = np.log10(np.maximum(bins, floor))
-    rho = np.corrcoef(np.arange(16), np.argsort(np.argsort(logs)))[0, 1] if logs.std() > 0 else 0.0
-    first, last = bins[:2].max(), bins[-2:].max()
-    if rho >= 0.6 and last >= 10 * max(first, floor):
-        return f"grows with the query position (first eighth {first:.1e}, last {last:.1e})"
-    if rho <= -0.6 and first >= 10 * max(last, floor):
-        return f"shrinks with the query position (first eighth {first:.1e}, last {last:.1e})"
-    return f"no trend along the query position (first eighth {first:.1e}, last {last:.1e})"
+def _trend(row_err, row_naive) -> str:
+    """How the kernel's error runs along the query positions, relative to the naive baseline.
+
+    Rounding alone makes errors depend on the position (early rows average fewer keys), for
+    the naive baseline too; a bug shows as the kernel/naive ratio growing or shrinking by
+    10x or more between the first and the last eighth of the positions.
+    """
+    if row_err.size < 16:
+        return "too few query positions to tell"
+    tiny = np.finfo(np.float64).tiny
+    eighths = np.array_split(np.arange(row_err.size), 8)
+    ratio = [max(row_err[e].max(), tiny) / max(row_naive[e].max(), tiny) for e in (eighths[0], eighths[-1])]
+    words = "kernel/naive: first eighth of the positions {:.3g}x, last {:.3g}x".format(*ratio)
+    if ratio[1] >= 10 * ratio[0]:
+        return f"grows with the query position ({words})"
+    if ratio[0] >= 10 * ratio[1]:
+        return f"shrinks with the query position ({words})"
+    if max(ratio) <= 2:
+        return f"tracks the naive baseline ({words})"
+    return f"no trend ({words})"
 
 
 def _diagnose(kernel, qh, kh, vh, options, verdict, row_err, shape, layout, given, prec, dense,

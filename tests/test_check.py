@@ -65,6 +65,7 @@ def test_float32_kernel_passes(tmp_path, capsys, qkv):
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, causal=True)), "--causal")
     assert code == 0, text
     assert "out: PASS" in text and "naive baseline: dense float32" in text and "verdict: PASS (exit 0)" in text
+    assert "tracks the naive baseline" in text
 
 
 def test_bfloat16_kernel_passes_in_every_file_form(tmp_path, capsys, qkv):
@@ -101,6 +102,7 @@ def test_forgotten_rescale_fails_with_diagnosis(tmp_path, capsys, qkv):
     assert code == 1 and "out: FAIL" in text
     assert "is just past 32: rows whose keys fit in one tile of 32 are right" in text
     assert "missing rescale" in text
+    assert "grows with the query position" in text
 
 
 def test_wrong_scale_fails_with_diagnosis(tmp_path, capsys, qkv):
