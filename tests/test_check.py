@@ -114,6 +114,23 @@ def test_wrong_scale_fails_with_diagnosis(tmp_path, capsys, qkv):
     assert code == 1 and "scale 1 (the softmax scale is never applied)" in text
 
 
+def test_window_and_alignment(tmp_path, capsys, qkv):
+    q, k, v = qkv
+    code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, window=(16, 0))),
+                     "--window", "16", "0")
+    assert code == 0, text
+    code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, window=(None, 3))),
+                     "--window", "-1", "3")
+    assert code == 0, text
+    # Fewer queries than keys: the two causal alignments differ, and the check tells which one.
+    q2 = q[:, :48]
+    top_left = kernel(q2, k, v, causal=True, causal_align="top_left")
+    code, text = run(tmp_path, capsys, dict(q=q2, k=k, v=v, out=top_left), "--causal", "--align", "top_left")
+    assert code == 0, text
+    code, text = run(tmp_path, capsys, dict(q=q2, k=k, v=v, out=top_left), "--causal")
+    assert code == 1 and "causal alignment top_left instead of bottom_right" in text
+
+
 def test_swapped_layout(tmp_path, capsys, qkv):
     q, k, v = qkv
     out = kernel(q, k, v, causal=True)
