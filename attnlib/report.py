@@ -7,7 +7,7 @@ A report is replaced only when its notebook ran to the end: it is written to a t
 file and renamed.
 
 Each notebook's defaults live in its cell tagged ``parameters``; the checks for those
-values live here (`PARAMETERS`), and the notebook's next cell calls `check_params`, so a
+values live here (`NOTEBOOKS`), and the notebook's next cell calls `check_params`, so a
 bad value fails with the same message in the notebook and in the runner (which checks
 before it starts anything).
 """
@@ -97,69 +97,76 @@ def thresholds(name, x):
     return values
 
 
-#: Per notebook: parameter name -> check.  The defaults are in the notebooks.
-PARAMETERS = {
-    "equivalence": {
-        "n_cases": positive, "seed": non_negative, "max_len": positive,
-        "adversarial_n": positive, "adversarial_d": positive,
-        "block_q": positive, "block_k": positive, "results_json": text,
-    },
-    "rescales": {
-        "n": positive, "d": positive, "block_q": positive, "block_k": positive,
-        "causal": flag, "seed": non_negative, "dense_check_max_n": non_negative,
-        "results_json": text,
-    },
-    "memory": {
-        "n": positive, "d": positive, "causal": flag, "sweep": sizes,
-        "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
-        "decode_queries": sizes, "results_json": text,
-    },
-    "gradients": {
-        "n_cases": positive, "seed": non_negative, "max_len": positive,
-        "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
-        "block_k": positive, "sweep": sizes, "dense_max_n": positive, "results_json": text,
-    },
-    "performance": {
-        "workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
-        "torch_max_n": positive, "full_cases": flag, "sweep_sizes": sizes, "results_json": text,
-    },
-    "numerics": {
-        "ns": sizes, "ds": sizes, "logit_stds": sizes, "precision_n": positive, "blocks": sizes,
-        "precision_ns": sizes,
-        "taus": thresholds, "lazy_n": positive, "seed": non_negative, "results_json": text,
-    },
-}
+@dataclass(frozen=True)
+class Notebook:
+    """What the runner knows of one evidence notebook (its defaults live in the notebook).
 
-TITLES = {
-    "equivalence": "Equivalence: tiled attention equals the dense float64 reference",
-    "rescales": "Rescales: where the online softmax's running max grows",
-    "memory": "Memory: the tiled kernel streams in constant working memory",
-    "gradients": "Gradients: the tiled backward pass equals the dense float64 gradient",
-    "performance": "Performance: the tiled kernel against dense numpy and PyTorch SDPA",
-    "numerics": "Numerics: float64 and low precisions against an extended-precision oracle; lazy rescaling",
-}
+    ``parameters`` maps each parameter to its check; ``quick`` holds tiny values for
+    ``--quick`` runs and the test suite; ``dense_runs`` lists ``(parameter, heads)`` pairs
+    whose value is an ``n`` the dense path runs at, with that many ``(n, n)`` heads.
+    """
 
-#: Tiny parameters for ``--quick`` runs and the test suite.
-QUICK = {
-    "equivalence": {"n_cases": 6, "max_len": 300, "adversarial_n": 256},
-    "rescales": {"n": 256, "block_q": 32, "block_k": 32},
-    "memory": {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
-               "decode_keys": 65536, "decode_queries": [1, 16]},
-    "gradients": {"n_cases": 5, "max_len": 256, "adversarial_n": 256, "sweep": [1024, 2048],
-                  "dense_max_n": 2048},
-    "performance": {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
-                    "torch_max_n": 512, "full_cases": False, "sweep_sizes": [64, 128]},
-    "numerics": {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
-                 "precision_ns": [64, 128],
-                 "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256},
+    title: str
+    parameters: dict
+    quick: dict
+    dense_runs: tuple = ()
+
+
+NOTEBOOKS = {
+    "equivalence": Notebook(
+        "Equivalence: tiled attention equals the dense float64 reference",
+        {"n_cases": positive, "seed": non_negative, "max_len": positive,
+         "adversarial_n": positive, "adversarial_d": positive,
+         "block_q": positive, "block_k": positive, "results_json": text},
+        {"n_cases": 6, "max_len": 300, "adversarial_n": 256},
+        (("max_len", 4), ("adversarial_n", 1))),
+    "rescales": Notebook(
+        "Rescales: where the online softmax's running max grows",
+        {"n": positive, "d": positive, "block_q": positive, "block_k": positive,
+         "causal": flag, "seed": non_negative, "dense_check_max_n": non_negative,
+         "results_json": text},
+        {"n": 256, "block_q": 32, "block_k": 32},
+        (("dense_check_max_n", 1),)),
+    "memory": Notebook(
+        "Memory: the tiled kernel streams in constant working memory",
+        {"n": positive, "d": positive, "causal": flag, "sweep": sizes,
+         "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
+         "decode_queries": sizes, "results_json": text},
+        {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
+         "decode_keys": 65536, "decode_queries": [1, 16]},
+        (("dense_max_n", 1),)),
+    "gradients": Notebook(
+        "Gradients: the tiled backward pass equals the dense float64 gradient",
+        {"n_cases": positive, "seed": non_negative, "max_len": positive,
+         "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
+         "block_k": positive, "sweep": sizes, "dense_max_n": positive, "results_json": text},
+        {"n_cases": 5, "max_len": 256, "adversarial_n": 256, "sweep": [1024, 2048],
+         "dense_max_n": 2048},
+        # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
+        (("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2))),
+    "performance": Notebook(
+        "Performance: the tiled kernel against dense numpy and PyTorch SDPA",
+        {"workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
+         "torch_max_n": positive, "full_cases": flag, "sweep_sizes": sizes, "results_json": text},
+        {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
+         "torch_max_n": 512, "full_cases": False, "sweep_sizes": [64, 128]},
+        (("dense_max_n", 1),)),
+    "numerics": Notebook(
+        "Numerics: float64 and low precisions against an extended-precision oracle; lazy rescaling",
+        {"ns": sizes, "ds": sizes, "logit_stds": sizes, "precision_n": positive, "blocks": sizes,
+         "precision_ns": sizes, "taus": thresholds, "lazy_n": positive, "seed": non_negative,
+         "results_json": text},
+        {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
+         "precision_ns": [64, 128], "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256}),
+        # its dense runs are bounded by the oracle's sizes (check_params)
 }
 
 
 def check_params(notebook: str, **values) -> dict:
     """Check one notebook's parameters; returns them, converted, or raises a clear error."""
-    if notebook not in PARAMETERS:
-        raise ValueError(f"unknown notebook {notebook!r}; known: {sorted(PARAMETERS)}")
-    schema = PARAMETERS[notebook]
+    if notebook not in NOTEBOOKS:
+        raise ValueError(f"unknown notebook {notebook!r}; known: {sorted(NOTEBOOKS)}")
+    schema = NOTEBOOKS[notebook].parameters
     unknown = sorted(set(values) - set(schema))
     if unknown:
         raise ValueError(f"unknown parameter(s) for {notebook}: {unknown}; known: {sorted(schema)}")
@@ -168,16 +175,7 @@ def check_params(notebook: str, **values) -> dict:
         raise ValueError(f"missing parameter(s) for {notebook}: {missing}")
     params = {name: schema[name](name, values[name]) for name in schema}
     # The dense path only ever runs where it fits in memory, with room to spare.
-    dense_runs = {
-        "equivalence": [("max_len", 4), ("adversarial_n", 1)],
-        "rescales": [("dense_check_max_n", 1)],
-        "memory": [("dense_max_n", 1)],
-        # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
-        "gradients": [("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2)],
-        "performance": [("dense_max_n", 1)],
-        "numerics": [],  # its dense runs are bounded by the oracle's sizes below
-    }[notebook]
-    for name, heads in dense_runs:
+    for name, heads in NOTEBOOKS[notebook].dense_runs:
         if not dense_fits(params[name], heads=heads):
             raise ValueError(
                 f"parameter {name}={params[name]} would run the dense reference out of memory "
@@ -320,10 +318,10 @@ def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, 
     ``"notebook.key=value"`` strings; a key no selected notebook declares is refused.
     """
     nb_dir = Path(nb_dir) if nb_dir else ROOT / "notebooks"
-    names = list(PARAMETERS) if not names else list(names)
+    names = list(NOTEBOOKS) if not names else list(names)
     for name in names:
-        if name not in PARAMETERS:
-            raise ReportError(f"unknown notebook {name!r}; known: {', '.join(PARAMETERS)}")
+        if name not in NOTEBOOKS:
+            raise ReportError(f"unknown notebook {name!r}; known: {', '.join(NOTEBOOKS)}")
     parsed = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -332,7 +330,7 @@ def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, 
         target, _, key = key.rpartition(".")
         if target and target not in names:
             raise ReportError(f"parameter {item!r} names notebook {target!r}, which is not selected")
-        if not any(key in PARAMETERS[n] for n in ([target] if target else names)):
+        if not any(key in NOTEBOOKS[n].parameters for n in ([target] if target else names)):
             where = target or ", ".join(names)
             raise ReportError(f"unknown parameter {key!r} for {where}")
         parsed.append((target, key, _parse_value(raw)))
@@ -342,12 +340,12 @@ def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, 
         if not path.exists():
             raise ReportError(f"notebook {path} not found")
         defaults = _notebook_defaults(path)
-        if set(defaults) != set(PARAMETERS[name]):
+        if set(defaults) != set(NOTEBOOKS[name].parameters):
             raise ReportError(
                 f"{path.name}: its parameters cell declares {sorted(defaults)}, "
-                f"but attnlib checks {sorted(PARAMETERS[name])}")
-        values = {**defaults, **(QUICK[name] if quick else {})}
-        values.update({k: v for t, k, v in parsed if t in ("", name) and k in PARAMETERS[name]})
+                f"but attnlib checks {sorted(NOTEBOOKS[name].parameters)}")
+        values = {**defaults, **(NOTEBOOKS[name].quick if quick else {})}
+        values.update({k: v for t, k, v in parsed if t in ("", name) and k in NOTEBOOKS[name].parameters})
         try:
             params = check_params(name, **values)
         except (TypeError, ValueError) as e:
@@ -416,7 +414,7 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path) -> tuple[bool, s
 def write_index(out_dir: Path) -> Path:
     """``index.html`` linking every report in ``out_dir`` with its verdict line."""
     items = []
-    for name, title in TITLES.items():
+    for name, title in ((n, nb.title) for n, nb in NOTEBOOKS.items()):
         results = out_dir / f"{name}.json"
         if not (out_dir / f"{name}.html").exists() or not results.exists():
             items.append(f"<li><b>{html.escape(title)}</b>: not run yet</li>")
@@ -481,8 +479,8 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m attnlib report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", action="append", choices=list(PARAMETERS), metavar="NAME",
-                        help=f"run only this notebook (repeatable): {', '.join(PARAMETERS)}")
+    parser.add_argument("--only", action="append", choices=list(NOTEBOOKS), metavar="NAME",
+                        help=f"run only this notebook (repeatable): {', '.join(NOTEBOOKS)}")
     parser.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override a parameter (KEY or NOTEBOOK.KEY); values are Python literals")
     parser.add_argument("--quick", action="store_true", help="tiny parameters, for a smoke run")

@@ -30,8 +30,8 @@ def results(out, name):
 def test_quick_run_passes_and_reports_progress(quick_reports):
     status, out, lines = quick_reports
     assert status == 0, lines
-    total = len(report.PARAMETERS)
-    for i, name in enumerate(report.PARAMETERS, 1):
+    total = len(report.NOTEBOOKS)
+    for i, name in enumerate(report.NOTEBOOKS, 1):
         label = "INFO" if name == "performance" else "PASS"  # timings are measurements
         assert any(line.startswith(f"[{i}/{total}] {name}: {label}") for line in lines), lines
 
@@ -39,7 +39,7 @@ def test_quick_run_passes_and_reports_progress(quick_reports):
 def test_equivalence_figures(quick_reports):
     data = results(quick_reports[1], "equivalence")
     figs = data["figures"]
-    assert len(figs["cases"]) == report.QUICK["equivalence"]["n_cases"]
+    assert len(figs["cases"]) == report.NOTEBOOKS["equivalence"].quick["n_cases"]
     assert all(c["rel_error"] < BOUND for c in figs["cases"] + figs["adversarial"])
     assert {a["family"] for a in figs["adversarial"]} == {"first_tile", "last_tile", "growing", "negative"}
     assert data["params"]["n_cases"] == 6 and data["seconds"] > 0
@@ -63,7 +63,7 @@ def test_memory_figures(quick_reports):
 
 def test_gradients_figures(quick_reports):
     figs = results(quick_reports[1], "gradients")["figures"]
-    assert len(figs["cases"]) == report.QUICK["gradients"]["n_cases"]
+    assert len(figs["cases"]) == report.NOTEBOOKS["gradients"].quick["n_cases"]
     errors = [r[f"{g}_error"] for r in figs["cases"] + figs["adversarial"] for g in ("dq", "dk", "dv")]
     assert max(errors) < BOUND
     assert figs["tiled_working_max"] < CAP_BYTES < figs["dense_working_largest"]
@@ -73,10 +73,10 @@ def test_performance_figures(quick_reports):
     data = results(quick_reports[1], "performance")
     figs = data["figures"]
     assert data["passed"] is None and "tiled/dense" in data["verdict"]
-    assert [r["n"] for r in figs["time_vs_n"]] == report.QUICK["performance"]["n_values"]
+    assert [r["n"] for r in figs["time_vs_n"]] == report.NOTEBOOKS["performance"].quick["n_values"]
     assert all(r["tiled s"] > 0 and r["roofline fraction"] > 0 for r in figs["ratios"])
     assert {r["workers"] for r in figs["ratios"]} == {1, 2}
-    assert len(figs["sweep"]["seconds"]) == len(report.QUICK["performance"]["sweep_sizes"])
+    assert len(figs["sweep"]["seconds"]) == len(report.NOTEBOOKS["performance"].quick["sweep_sizes"])
 
 
 def test_numerics_figures(quick_reports):
@@ -92,14 +92,14 @@ def test_numerics_figures(quick_reports):
 def test_html_is_self_contained_and_indexed(quick_reports):
     out = quick_reports[1]
     index = (out / "index.html").read_text()
-    for name in report.PARAMETERS:
+    for name in report.NOTEBOOKS:
         page = (out / f"{name}.html").read_text()
         assert f'href="{name}.html"' in index
         assert "data:image/png;base64," in page  # plots embedded
         # Nothing the reader needs is fetched: no external scripts, styles or images.
         assert not re.search(r'<(script|img|link)[^>]+(src|href)="(https?:)?//', page)
         assert "attnlib" in page and "git commit" in page and "numpy" in page and "CPU" in page
-    assert index.count("PASS") == len(report.PARAMETERS) - 1 and index.count("INFO") == 1
+    assert index.count("PASS") == len(report.NOTEBOOKS) - 1 and index.count("INFO") == 1
 
 
 def test_stored_notebooks_have_no_outputs_and_a_parameters_cell():
@@ -115,8 +115,8 @@ def test_stored_notebooks_have_no_outputs_and_a_parameters_cell():
             continue
         # The cell after the parameters validates them through attnlib.
         assert f'report.check_params(\n    "{path.stem}"' in code[1].source, path.name
-        assert declared == set(report.PARAMETERS[path.stem])
-    assert {p.stem for p in NOTEBOOKS.glob("*.ipynb")} == set(report.PARAMETERS) | {"kernel_check"}
+        assert declared == set(report.NOTEBOOKS[path.stem].parameters)
+    assert {p.stem for p in NOTEBOOKS.glob("*.ipynb")} == set(report.NOTEBOOKS) | {"kernel_check"}
 
 
 def test_validation_cell_fails_with_a_clear_message(tmp_path):
