@@ -27,8 +27,10 @@ def qkv():
 
 
 def kernel(q, k, v, **kw):
-    """attnlib's tiled kernel as a float32 kernel under test, in and out in bshd."""
-    return bhsd(attnlib.attention(bhsd(q), bhsd(k), bhsd(v), compute_dtype=kw.pop("compute_dtype", "float32"), **kw))
+    """attnlib's tiled kernel as a float32 kernel under test (32 x 32 tiles, so that it
+    rounds differently from the dense baseline), in and out in bshd."""
+    return bhsd(attnlib.attention(bhsd(q), bhsd(k), bhsd(v), compute_dtype=kw.pop("compute_dtype", "float32"),
+                                  block_q=32, block_k=32, **kw))
 
 
 def no_rescale_kernel(q, k, v, block=32):
