@@ -114,26 +114,25 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=-1, keepdims=True)
     p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
-    q64, k64, v64 = q5, k5, v5
     cap = _args.softcap(options.get("softcap"))
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
     if cap is not None:
-        factor = 1.0 - np.tanh(dtype(pb.scale) * (q64 @ np.swapaxes(k64, -1, -2)) / dtype(cap)) ** 2
+        factor = 1.0 - np.tanh(dtype(pb.scale) * (q5 @ np.swapaxes(k5, -1, -2)) / dtype(cap)) ** 2
 
-    def grads(dout5, q64, k64, v64, jacobian):
+    def grads(dout5, q5, k5, v5, jacobian):
         dv = rnd(np.swapaxes(p, -1, -2) @ dout5)  # (..., hk, g, sk, dv)
-        dp = rnd(dout5 @ np.swapaxes(v64, -1, -2))  # (..., hk, g, sq, sk)
+        dp = rnd(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
         ds = rnd(jacobian(dp, np.sum(p * dp, axis=-1, keepdims=True)) * factor)
-        dq = rnd(dtype(pb.scale) * (ds @ k64))
-        dk = rnd(dtype(pb.scale) * (np.swapaxes(ds, -1, -2) @ q64))
+        dq = rnd(dtype(pb.scale) * (ds @ k5))
+        dk = rnd(dtype(pb.scale) * (np.swapaxes(ds, -1, -2) @ q5))
         # GQA: the query heads of a group share k and v, so their gradients add up.
         grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)))
         return tuple(g.astype(prec.compute) for g in grads)
 
-    result = grads(dout5, q64, k64, v64, lambda dp, d: p * (dp - d))  # the softmax Jacobian
+    result = grads(dout5, q5, k5, v5, lambda dp, d: p * (dp - d))  # the softmax Jacobian
     if not return_abs:
         return result
-    sizes = grads(np.abs(dout5), np.abs(q64), np.abs(k64), np.abs(v64), lambda dp, d: p * (dp + d))
+    sizes = grads(np.abs(dout5), np.abs(q5), np.abs(k5), np.abs(v5), lambda dp, d: p * (dp + d))
     return result, sizes
 
 

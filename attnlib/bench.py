@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .backward import attention_backward, reference_attention_backward
 from .inputs import random_qkv
 from .memory import dense_fits
-from .backward import attention_backward, reference_attention_backward
 from .reference import reference_attention
 from .tiled import _one_blas_thread, attention
 

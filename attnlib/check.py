@@ -173,9 +173,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         baseline = f"tiled {prec.name} (dense would not fit in memory)"
     kernel = to_bhsd(out, layout).astype(np.float64)
     naive = naive.astype(np.float64)
-    verdict = _judge("out", kernel, ref, naive, prec.eps, _positions())
-    err = np.abs(np.where(np.isfinite(kernel), kernel, 0.0) - ref)
-    naive_err = np.abs(naive - ref)
+    verdict, err, naive_err = _judge("out", kernel, ref, naive, prec.eps, _positions())
     row_err = _max_over(err, keep=-2)  # (Sq,)
     row_naive = _max_over(naive_err, keep=-2)
     head_row_err = err.max(axis=-1) if err.ndim >= 3 else err.max(axis=-1)[None]
@@ -287,7 +285,9 @@ def _max_over(err, keep):
     return err.max(axis=axes)
 
 
-def _judge(name, kernel, ref, naive, eps, describe, per_head=True) -> TensorVerdict:
+def _judge(name, kernel, ref, naive, eps, describe):
+    """The rule on one tensor: ``(verdict, |kernel - ref|, |naive - ref|)``; NaN/inf in the
+    kernel count as failures and as error 0 in the arrays (their positions are listed)."""
     finite = np.isfinite(kernel)
     nonfinite = int(finite.size - np.count_nonzero(finite))
     err = np.abs(np.where(finite, kernel, 0.0) - ref)
@@ -296,7 +296,7 @@ def _judge(name, kernel, ref, naive, eps, describe, per_head=True) -> TensorVerd
     bound = None if naive_max is None else 2 * naive_max + eps
     max_err = float(err.max(initial=0.0))
     heads = []
-    if per_head and err.ndim >= 3:
+    if err.ndim >= 3:
         h_err = np.moveaxis(err, -3, 0).reshape(err.shape[-3], -1)
         h_fin = np.moveaxis(finite, -3, 0).reshape(err.shape[-3], -1)
         h_naive = None if naive_err is None else np.moveaxis(naive_err, -3, 0).reshape(err.shape[-3], -1)
@@ -317,9 +317,10 @@ def _judge(name, kernel, ref, naive, eps, describe, per_head=True) -> TensorVerd
     worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
                   ref=float(ref.ravel()[i]), err=float(flat[i])) for i in top]
     at = [describe(ix) for ix in np.argwhere(~finite)[:5]]
-    return TensorVerdict(name=name, max_err=max_err, median_err=float(np.median(err)), naive_max=naive_max,
-                         bound=bound, passed=passed if nonfinite == 0 else False, heads=heads,
-                         worst=worst, nonfinite=nonfinite, nonfinite_at=at)
+    verdict = TensorVerdict(name=name, max_err=max_err, median_err=float(np.median(err)), naive_max=naive_max,
+                            bound=bound, passed=passed if nonfinite == 0 else False, heads=heads,
+                            worst=worst, nonfinite=nonfinite, nonfinite_at=at)
+    return verdict, err, naive_err
 
 
 def _judge_lse(lse, ref_lse, naive_lse, prec) -> TensorVerdict:
@@ -336,7 +337,7 @@ def _judge_lse(lse, ref_lse, naive_lse, prec) -> TensorVerdict:
     eps = float(np.finfo(prec.accumulate).eps)
     # As (..., H, S, 1) arrays, so that the per-head rule and positions work as for out.
     k, r, n = ((x[None] if x.ndim == 1 else x)[..., None] for x in (k, r, n))
-    verdict = _judge("lse", k, r, n, eps, _positions())
+    verdict = _judge("lse", k, r, n, eps, _positions())[0]
     for w in verdict.worst:
         w.pop("dim")
     if wrong_empty:
@@ -359,7 +360,7 @@ def _judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, l
             continue
         naive = None if naive_grads is None else naive_grads[name].astype(np.float64)
         v = _judge(name, to_bhsd(g, layout).astype(np.float64), ref_grads[name], naive, prec.eps,
-                   _positions("query" if name == "dq" else "key"))
+                   _positions("query" if name == "dq" else "key"))[0]
         if naive is None:
             v.notes.append("no verdict: the naive baseline is the dense gradient, which would not "
                            "fit in memory at this length")
