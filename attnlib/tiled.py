@@ -306,14 +306,16 @@ def run_tiles(fn, items, workers: int) -> None:
 
 
 @contextlib.contextmanager
-def _short_gil_switch(seconds=1e-4):
+def _short_gil_switch(seconds=1e-6):
     """Shorten Python's GIL switch interval (5 ms by default) while our workers run.
 
     Between the large numpy calls that release the GIL, a tile does a dozen small ones
     (per-row max, alpha, rescale) that hold it; a thread that then asks for the GIL waits
     up to the switch interval for the other to let go.  Measured on (1, 1, 4096, 64) causal
-    with 2 workers: 120 ms at 5 ms, 72 ms at 1 ms, 66-67 ms at 0.2 ms and below (1 worker:
-    109 ms).  The interval is process-wide; the old value is restored afterwards.
+    with 2 workers, median of 15 interleaved runs, two runs: 75-79 ms at 5 ms, 77-78 ms at
+    0.1 ms, 54-58 ms at 10 us, 50-57 ms at 1 us (1 worker: 81-102 ms); with 8 heads 502 ms
+    at 0.1 ms and 473 ms at 1 us.  The interval is process-wide; the old value is restored
+    afterwards.
     """
     old = sys.getswitchinterval()
     sys.setswitchinterval(min(old, seconds))
