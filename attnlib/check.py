@@ -198,7 +198,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         dense_grad = dense_fits(max(shape["sq"], shape["sk"]), heads=2 * heads)
         grads = _judge_grads(dict(dq=dq, dk=dk, dv=dv), qh, kh, vh, ref, ref_lse,
                              to_bhsd(dout, layout).astype(np.float64), prec, options, layout,
-                             shape, dense_grad, workers)
+                             dense_grad, workers)
     rng = np.random.default_rng(0)
     sample = rng.choice(err.size, size=min(err.size, 200_000), replace=False) if err.size > 200_000 else slice(None)
     return KernelCheck(shape=shape, options=options, dtype=prec.name, eps=prec.eps, baseline=baseline,
@@ -329,9 +329,8 @@ def _judge_lse(lse, ref_lse, naive_lse, prec) -> TensorVerdict:
     ref_lse = ref_lse.reshape(lse.shape)
     naive_lse = np.asarray(naive_lse, dtype=np.float64).reshape(lse.shape)
     empty = np.isneginf(ref_lse)
-    kernel = np.where(empty & np.isinf(lse), -np.inf, lse)
     wrong_empty = int(np.count_nonzero(empty & ~np.isinf(lse)))
-    k = np.where(empty, 0.0, kernel)
+    k = np.where(empty, 0.0, lse)  # empty rows are judged by wrong_empty alone
     r = np.where(empty, 0.0, ref_lse)
     n = np.where(empty, 0.0, naive_lse)
     eps = float(np.finfo(prec.accumulate).eps)
@@ -346,7 +345,7 @@ def _judge_lse(lse, ref_lse, naive_lse, prec) -> TensorVerdict:
     return verdict
 
 
-def _judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, layout, shape, dense,
+def _judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, layout, dense,
                  workers) -> dict:
     ref_grads = dict(zip(("dq", "dk", "dv"), attention_backward(
         qh, kh, vh, ref, ref_lse, douth, workers=workers, **options)))
@@ -416,8 +415,8 @@ def _diagnose(kernel, qh, kh, vh, options, verdict, row_err, shape, layout, give
     alternatives = [
         (dict(scale=1.0), "scale 1 (the softmax scale is never applied)"),
         (dict(scale=1.0 / d), f"scale 1/D = {1.0 / d:.4g} instead of {s0:.4g} (the scale applied twice, or 1/D for 1/sqrt(D))"),
-        (dict(scale=s0 * log2e), f"scale x log2(e) (an exp2-based softmax given a pre-multiplied scale)"),
-        (dict(scale=s0 / log2e), f"scale / log2(e) (an exp2-based softmax without the log2(e) factor)"),
+        (dict(scale=s0 * log2e), "scale x log2(e) (an exp2-based softmax given a pre-multiplied scale)"),
+        (dict(scale=s0 / log2e), "scale / log2(e) (an exp2-based softmax without the log2(e) factor)"),
     ]
     if options["causal"]:
         alternatives.append((dict(causal=False), "no causal mask"))
@@ -431,6 +430,7 @@ def _diagnose(kernel, qh, kh, vh, options, verdict, row_err, shape, layout, give
         alternatives.append((dict(causal=True), "a causal mask (bottom_right) that was not asked for"))
     if options["kv_lengths"] is not None:
         alternatives.append((dict(kv_lengths=None), "kv_lengths ignored (padding keys attended)"))
+
     def matches(kern, change, inputs=(q0, k0, v0)):
         """The rule again, for the problem changed by ``change`` (its own naive baseline)."""
         alt = attention(*inputs, workers=workers, **(options | change))
