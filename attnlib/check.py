@@ -528,7 +528,7 @@ def _format_tensor(v: TensorVerdict) -> list:
 
 
 def _where(p):
-    return ", ".join(f"{k} {p[k]}" for k in ("batch", "query", "head", "dim") if k in p)
+    return ", ".join(f"{k} {p[k]}" for k in ("batch", "query", "key", "head", "dim") if k in p)
 
 
 # -- files and the command line --------------------------------------------------------------

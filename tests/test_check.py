@@ -201,6 +201,10 @@ def test_gradient_verdicts(tmp_path, capsys, qkv):
     assert code == 0 and "dq: PASS" in text and "dk: PASS" in text and "dv: PASS" in text, text
     code, text = run(tmp_path, capsys, tensors | dict(dq=dq * np.float32(2), dk=dk, dv=dv), "--causal")
     assert code == 1 and "dq: FAIL" in text and "dk: PASS" in text
+    bad_dv = dv.copy()
+    bad_dv[1, 77, 3, 5] += 1.0
+    code, text = run(tmp_path, capsys, tensors | dict(dq=dq, dk=dk, dv=bad_dv), "--causal")
+    assert code == 1 and "dv: FAIL" in text and "worst: batch 1, key 77, head 3, dim 5" in text
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=bhsd(out).astype(np.float32), dq=dq), "--causal")
     assert code == 2 and "without dout" in text
 
