@@ -4,14 +4,13 @@ diagnosis, and every unusable input gets one clear message (exit 2)."""
 import math
 import pickle
 
+import ml_dtypes  # the test extra installs it
 import numpy as np
 import pytest
 
 import attnlib
 from attnlib import check
 from attnlib.tensorio import save_safetensors
-
-ml_dtypes = pytest.importorskip("ml_dtypes")
 
 B, S, H, D = 2, 128, 4, 32
 
