@@ -249,25 +249,32 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
         v_j = v[..., k0:k1, :].astype(np.float64, copy=False)  # (..., 1, bk, dv)
         dk_j = np.zeros(q.shape[:-2] + k_j.shape[-2:])  # (..., g, bk, d)
         dv_j = np.zeros(q.shape[:-2] + v_j.shape[-2:])  # (..., g, bk, dv)
+        dk_part, dv_part = np.empty_like(dk_j), np.empty_like(dv_j)
+        buffers = {}  # per query-tile height: s/p, ds and dq_ij buffers, reused tile after tile
         try:
             for a in np.flatnonzero(visible[:, b]):
                 q0, q1 = q_starts[a], q_ends[a]
+                if q1 - q0 not in buffers:
+                    tile = q.shape[:-2] + (q1 - q0, k1 - k0)
+                    buffers[q1 - q0] = (np.empty(tile), np.empty(tile),
+                                        np.empty(q.shape[:-2] + (q1 - q0, q.shape[-1])))
+                s_buf, ds, dq_ij = buffers[q1 - q0]
                 q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
                 dout_i = dout[..., q0:q1, :].astype(np.float64, copy=False)  # (..., g, bq, dv)
                 s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
-                                    slopes, keep_tanh=True)
+                                    slopes, keep_tanh=True, out=s_buf)
                 s -= shift[..., q0:q1, None]
                 p = np.exp(s, out=s)  # (..., g, bq, bk): the forward's probabilities
-                dv_j += np.swapaxes(p, -1, -2) @ dout_i
-                ds = dout_i @ np.swapaxes(v_j, -1, -2)  # dp, (..., g, bq, bk)
+                dv_j += np.matmul(np.swapaxes(p, -1, -2), dout_i, out=dv_part)
+                np.matmul(dout_i, np.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
                 ds -= delta[..., q0:q1, None]
                 ds *= p  # ds = p * (dp - D)
                 if th is not None:  # softcap: d/dt c tanh(t / c) = 1 - tanh(t / c)**2
                     th *= th
                     np.subtract(1.0, th, out=th)
                     ds *= th
-                dk_j += np.swapaxes(ds, -1, -2) @ q_i  # q_i carries the scale
-                dq_ij = ds @ k_j  # (..., g, bq, d)
+                dk_j += np.matmul(np.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
+                np.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
                 with turns.turn(a, b):
                     dq[..., q0:q1, :] += dq_ij
         except BaseException:
