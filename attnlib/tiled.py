@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -247,6 +248,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
     in_range = np.zeros(k_starts.size, dtype=bool)
     in_range[key_tiles[0]:key_tiles[1]] = True
+    per_thread = threading.local()  # each thread's tile buffers, kept across its query tiles
 
     def query_tile(a):
         q0, q1 = a * bq, min(sq, (a + 1) * bq)
@@ -263,7 +265,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         todo = np.flatnonzero((row_kinds != SKIP) & in_range)
         events = absorb(state, q_i, k, v, spec, q0, k_starts[todo], k_ends[todo],
                         row_kinds[todo], cap, slopes, count=rescales is not None, threshold=tau,
-                        prec=prec, scale=scale)
+                        prec=prec, scale=scale, buffers=per_thread.__dict__.setdefault("buffers", {}))
         if rescales is not None:
             rescales[..., a, todo] = events
         out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
@@ -347,7 +349,7 @@ def _one_blas_thread():
 
 
 def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
-           key_offset=0, count=False, threshold=0.0, prec=None, scale=None):
+           key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
@@ -356,13 +358,16 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
     mask (``-inf``), ALiBi.  ``threshold`` is the lazy-rescale threshold of
     `OnlineSoftmax.update`.  With a low precision ``prec`` (`_args.Precision`), ``q_i``
     is rounded but unscaled, k and v are rounded per tile, ``scale`` multiplies the
-    float32 scores and ``p`` is rounded before ``p @ v``.  Returns the rescale events per
-    tile ``(..., n_tiles)`` when ``count``, else None.
+    float32 scores and ``p`` is rounded before ``p @ v``.  ``buffers``, a dict the caller
+    keeps (one per thread), lets the score and ``p @ v`` buffers be reused from one query
+    tile to the next.  Returns the rescale events per tile ``(..., n_tiles)`` when
+    ``count``, else None.
     """
     rows = np.arange(q0, q0 + q_i.shape[-2])
     events = np.zeros(state.m.shape[:-1] + (len(k0s),), dtype=np.int64) if count else None
     low = prec is not None and not prec.is_float64
-    buffers = {}  # one score and one p @ v buffer per tile width, reused tile after tile
+    # One score and one p @ v buffer per tile shape, reused tile after tile.
+    buffers = {} if buffers is None else buffers
     for t, (k0, k1) in enumerate(zip(k0s, k1s)):
         a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
         if low:
@@ -370,11 +375,12 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
         else:
             k_j = k[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, d)
             v_j = v[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, dv)
-        if b - a not in buffers:
+        shape = (state.acc.shape, b - a, state.acc.dtype)
+        if shape not in buffers:
             lead = np.broadcast_shapes(q_i.shape[:-2], k_j.shape[:-2])
-            buffers[b - a] = (np.empty(lead + (q_i.shape[-2], b - a), dtype=state.acc.dtype),
+            buffers[shape] = (np.empty(lead + (q_i.shape[-2], b - a), dtype=state.acc.dtype),
                               np.empty(state.acc.shape, dtype=state.acc.dtype))
-        s_buf, pv_buf = buffers[b - a]
+        s_buf, pv_buf = buffers[shape]
         s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
                            post_scale=scale if low else None)
         rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
