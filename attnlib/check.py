@@ -22,7 +22,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from .tensorio import TensorFileError, load_tensor, split_spec
 from .tiled import attention
 
 LAYOUTS = ("bshd", "bhsd")
+TENSORS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")
 _AXES = {"bshd": "(batch, seqlen, nheads, headdim)", "bhsd": "(batch, nheads, seqlen, headdim)"}
 
 
@@ -135,7 +135,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Inconsistent shapes (with a hint when the layout looks swapped), non-float data,
         NaN or inf in the inputs.
     """
-    names = {n: n for n in ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")} | (names or {})
+    names = {n: n for n in TENSORS} | (names or {})
     if layout not in LAYOUTS:
         raise UnusableInput(f"layout must be one of {LAYOUTS}, got {layout!r}")
     given = {n: x for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk,
@@ -533,7 +533,6 @@ def _where(p):
 
 # -- files and the command line --------------------------------------------------------------
 
-TENSORS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")
 #: What ``notebooks/kernel_check.ipynb`` declares, and `_run_notebook` passes.
 NOTEBOOK_PARAMETERS = TENSORS + ("dtype", "layout", "causal", "causal_align", "window", "softcap",
                                  "scale", "kv_lengths", "workers", "results_json")
@@ -620,9 +619,7 @@ def main(argv=None) -> int:
 
 def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     """Run the kernel-check notebook on the files and render it to ``target``."""
-    import papermill
-
-    from .report import ROOT, render_html
+    from .report import ROOT, ReportError, execute
 
     notebook = ROOT / "notebooks" / "kernel_check.ipynb"
     if not notebook.exists():
@@ -631,6 +628,7 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     for name, spec in files.items():
         if spec:
             load_tensor(spec, f"--{name}", dtype or None)
+
     def absolute(spec):  # the notebook runs elsewhere: absolute paths, ":name" kept
         path, key = split_spec(spec)
         return os.path.abspath(path) + (f":{key}" if key else "")
@@ -638,16 +636,9 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     params = {**{n: absolute(s) if s else "" for n, s in files.items()}, "dtype": dtype, **options,
               "window": None if options["window"] is None else list(options["window"]),
               "softcap": options["softcap"] or 0.0, "scale": options["scale"] or 0.0}
-    with tempfile.TemporaryDirectory(prefix="attnlib-check-") as tmp:
-        executed = Path(tmp) / "kernel_check.ipynb"
-        results = Path(tmp) / "check.json"
-        params["results_json"] = str(results)
-        assert set(params) == set(NOTEBOOK_PARAMETERS)
-        try:
-            papermill.execute_notebook(str(notebook), str(executed), parameters=params,
-                                       kernel_name="python3", progress_bar=False, cwd=tmp)
-        except papermill.PapermillExecutionError as e:
-            raise UnusableInput(f"the kernel check notebook failed: {e.ename}: {e.evalue}") from None
-        data = json.loads(results.read_text())
-        render_html(executed, Path(target))
+    assert set(params) | {"results_json"} == set(NOTEBOOK_PARAMETERS)
+    try:
+        data = execute(notebook, params, Path(target))
+    except ReportError as e:
+        raise UnusableInput(f"the kernel check notebook failed: {e}") from None
     return data["text"], int(data["exit_code"])

@@ -381,32 +381,46 @@ def render_html(executed: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def run_one(name: str, path: Path, params: dict, out_dir: Path) -> tuple[bool, str]:
-    """Execute one notebook and render it; the previous report stays unless this succeeds."""
+def execute(path: Path, params: dict, target: Path) -> dict:
+    """Run one notebook with papermill and render it to ``target``; returns its results JSON.
+
+    ``results_json`` is added to ``params`` (a temporary file the notebook writes).  Raises
+    `ReportError` naming the failed cell, or when the notebook wrote no results; ``target``
+    is then left as it was.
+    """
     import papermill
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"attnlib-{name}-") as tmp:
-        executed = Path(tmp) / f"{name}.ipynb"
-        results = Path(tmp) / f"{name}.json"
-        started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"attnlib-{path.stem}-") as tmp:
+        executed = Path(tmp) / path.name
+        results = Path(tmp) / f"{path.stem}.json"
         try:
             papermill.execute_notebook(
                 str(path), str(executed), parameters={**params, "results_json": str(results)},
                 kernel_name="python3", progress_bar=False, cwd=str(path.parent),
             )
         except papermill.PapermillExecutionError as e:
-            return False, f"{path.name} failed in {_failed_cell(executed)}: {e.ename}: {e.evalue}"
-        elapsed = time.perf_counter() - started
+            raise ReportError(f"{path.name} failed in {_failed_cell(executed)}: {e.ename}: {e.evalue}") from None
         if not results.exists():
-            return False, f"{path.name} ran but wrote no results JSON"
+            raise ReportError(f"{path.name} ran but wrote no results JSON")
         data = json.loads(results.read_text())
-        data["seconds"] = round(elapsed, 1)
-        data["params"] = {**data["params"], "results_json": ""}
-        render_html(executed, out_dir / f"{name}.html")
-        json_tmp = out_dir / f"{name}.json.tmp"
-        json_tmp.write_text(json.dumps(data, indent=1))
-        os.replace(json_tmp, out_dir / f"{name}.json")
+        render_html(executed, target)
+    return data
+
+
+def run_one(name: str, path: Path, params: dict, out_dir: Path) -> tuple[bool, str]:
+    """Execute one notebook and render it; the previous report stays unless this succeeds."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        data = execute(path, params, out_dir / f"{name}.html")
+    except ReportError as e:
+        return False, str(e)
+    elapsed = time.perf_counter() - started
+    data["seconds"] = round(elapsed, 1)
+    data["params"] = {**data["params"], "results_json": ""}
+    json_tmp = out_dir / f"{name}.json.tmp"
+    json_tmp.write_text(json.dumps(data, indent=1))
+    os.replace(json_tmp, out_dir / f"{name}.json")
     label = Verdict(data["passed"], data["verdict"]).label
     return True, f"{label}: {data['verdict']} ({elapsed:.1f} s)"
 
