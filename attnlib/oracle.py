@@ -114,6 +114,7 @@ def _decimal_dense(q5, k5, v5, pb, options):
         scale = Decimal(pb.scale)
         c = None if cap is None else Decimal(cap)
         for idx in np.ndindex(lead):
+            slope = None if distance is None else Decimal(float(slopes[idx]))
             qs = [[Decimal(x) for x in row] for row in q5[idx].tolist()]
             ks = [[Decimal(x) for x in row] for row in k5[idx].tolist()]
             vs = [[Decimal(x) for x in row] for row in v5[idx].tolist()]
@@ -127,7 +128,7 @@ def _decimal_dense(q5, k5, v5, pb, options):
                     if c is not None:  # c * tanh(t / c), tanh(x) = 1 - 2 / (exp(2x) + 1)
                         t = c * (1 - 2 / ((2 * t / c).exp() + 1))
                     if distance is not None:
-                        t -= Decimal(float(slopes[idx])) * Decimal(float(distance[idx][i, j]))
+                        t -= slope * Decimal(float(distance[idx][i, j]))
                     s.append(t)
                 m = max(s)
                 p = [(t - m).exp() for t in s]
