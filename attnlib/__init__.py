@@ -1,7 +1,8 @@
 """attnlib: exact, memory-tiled attention in numpy, beside a dense float64 reference.
 
-The contract every entry point follows is ``SEMANTICS.md`` (layout ``(..., H, S, D)``,
-causal alignment, fully masked rows, LSE, stats).
+The contract every entry point follows is ``docs/semantics.md`` in the repository (layout
+``(..., H, S, D)``, causal alignment, fully masked rows, LSE, stats, the error metric and
+the verdict gate).
 
 >>> import attnlib
 >>> q, k, v = attnlib.random_qkv(1000, d=64, heads=4, kv_heads=2, seed=0)
@@ -12,7 +13,7 @@ causal alignment, fully masked rows, LSE, stats).
 
 from . import check  # attnlib.check.check_kernel: the verdict on your kernel
 from .backward import attention_backward, attention_vjp, reference_attention_backward
-from .inputs import FAMILIES, Case, adversarial_qkv, random_cases, random_qkv
+from .inputs import FAMILIES, Case, adversarial_qkv, differential_cases, random_cases, random_qkv
 from .masks import FULL, PARTIAL, SKIP, MaskSpec, mask_specs
 from .metrics import (
     BOUND,
@@ -27,11 +28,11 @@ from .metrics import (
     normwise_error,
     reference_with_abs,
     rel_error,
-    run_case,
     run_case_gradients,
-    run_family,
     run_family_gradients,
 )
+from .differential import power_table, run_case, run_family
+from .gate import Gate
 from .online import OnlineSoftmax, merge_attention
 from .oracle import ORACLE_PRECISION, oracle_attention
 from .reference import reference_attention, reference_rescales, reference_scores
@@ -45,7 +46,7 @@ __all__ = [
     "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",
-    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "run_case", "run_family", "run_case_gradients",
+    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "run_case", "run_family", "power_table", "Gate", "run_case_gradients",
     "run_family_gradients",
     "expected_rescales", "max_rescales",
     "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",

@@ -5,10 +5,24 @@ import sys
 COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench", "check": "attnlib.check"}
 
 
+USAGE = f"""usage: python -m attnlib {{{','.join(COMMANDS)}}} [options]
+
+  report  run the evidence notebooks and render their HTML reports
+  bench   time the tiled kernel against dense numpy (and torch, when installed)
+  check   judge an attention kernel's saved tensors against the float64 reference
+
+python -m attnlib COMMAND --help shows a command's options."""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m attnlib {{{','.join(COMMANDS)}}} [options]  (--help per command)")
+        if argv:
+            print(f"python -m attnlib: unknown command {argv[0]!r}", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     import importlib
 

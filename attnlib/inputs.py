@@ -66,13 +66,21 @@ def random_qkv(sq, sk=None, d=64, dv=None, *, batch=(), heads=None, kv_heads=Non
     return q, k, v
 
 
+#: What an adversarial family measures.  "overflow safety": the softmax puts (nearly) all
+#: its weight on one key, so a correct result is exact and the family shows that nothing
+#: overflows and stale sums are wiped out cleanly; "accuracy": many keys share the weight at
+#: logits of magnitude ``peak``, so the error is a real rounding error, not 0 by construction.
+PURPOSES = ("overflow safety", "accuracy")
+
+
 @dataclass(frozen=True)
 class Family:
-    """One adversarial family: its name, the issue's letter, and what it stresses."""
+    """One adversarial family: its name, letter, what it measures and what it stresses."""
 
     name: str
     letter: str
     stresses: str
+    purpose: str = "overflow safety"
 
 
 FAMILIES = {
@@ -94,7 +102,20 @@ FAMILIES = {
                "the maximal number of rescales, each by exp(-peak / n_k_tiles)."),
         Family("negative", "d",
                "All logits near -peak (plus O(1) noise). Without the max shift every "
-               "exp underflows to 0 and the softmax becomes 0/0."),
+               "exp underflows to 0 and the softmax becomes 0/0; the weight stays spread "
+               "over many keys.", "accuracy"),
+        Family("plateau", "e",
+               "All logits near +peak (plus O(1) noise): every key of every tile is near "
+               "the max, the weight is spread over all visible keys, and each score carries "
+               "a rounding error of about eps * peak.", "accuracy"),
+        Family("ramp", "f",
+               "Logits peak + 2 * j / block_k (plus O(1) noise): a slow ramp that raises the "
+               "max by about 2 in every key tile, so nearly every tile rescales while the "
+               "weight stays spread over the last few tiles.", "accuracy"),
+        Family("ties", "g",
+               "Every key is the same vector (no key noise), so each row's logits, near "
+               "+peak, tie exactly across all its tiles: no rescale after the first tile, "
+               "and the output is the plain mean of the visible values.", "accuracy"),
     )
 }
 
@@ -108,7 +129,7 @@ def _last_visible_key(sq, sk, causal, causal_align):
     return np.minimum(i + o, sk - 1)
 
 
-def _directions(family, sq, sk, d, block_k, causal, causal_align):
+def _directions(family, sq, sk, d, block_k, causal, causal_align, peak):
     """``(w, u)``: row and key directions; ``peak * w @ u.T`` are the big logits."""
     w = np.zeros((sq, d))
     u = np.zeros((sk, d))
@@ -120,6 +141,12 @@ def _directions(family, sq, sk, d, block_k, causal, causal_align):
     if family == "negative":
         w[:, 0] = 1.0
         u[:, 0] = -1.0
+    elif family in ("plateau", "ties"):
+        w[:, 0] = 1.0
+        u[:, 0] = 1.0
+    elif family == "ramp":  # + 2 logit units per key tile on top of peak
+        w[:, 0] = 1.0
+        u[:, 0] = 1.0 + (2.0 / peak) * np.arange(sk) / block_k
     elif family == "growing":
         w[:, 0] = 1.0
         u[starts, 0] = (np.arange(n_tiles) + 1) / n_tiles
@@ -144,8 +171,9 @@ def adversarial_qkv(family, sq, sk=None, d=64, dv=None, *, causal=True,
 
     Parameters
     ----------
-    family : {"first_tile", "last_tile", "growing", "negative"}
-        Families (a)-(d); ``FAMILIES[family].stresses`` says what each one tests.
+    family : {"first_tile", "last_tile", "growing", "negative", "plateau", "ramp", "ties"}
+        Families (a)-(g); ``FAMILIES[family].stresses`` says what each one tests and
+        ``.purpose`` whether it measures overflow safety or accuracy.
     sq, sk, d, dv, batch, heads, kv_heads, seed
         As in `random_qkv`; the logit pattern is the same for every batch entry and head,
         the noise is not.
@@ -168,7 +196,9 @@ def adversarial_qkv(family, sq, sk=None, d=64, dv=None, *, causal=True,
     amp = math.sqrt(peak / scale)
     # Noise: the cross term scale * amp * sigma * (w . z') has standard deviation ~1.
     sigma = 1.0 / (scale * amp)
-    w, u = _directions(family, sq, z_k.shape[-2], d, block_k, bool(causal), causal_align)
+    w, u = _directions(family, sq, z_k.shape[-2], d, block_k, bool(causal), causal_align, peak)
+    if family == "ties":  # identical keys: exact ties within every row
+        z_k = np.zeros_like(z_k)
     return amp * w + sigma * z, amp * u + sigma * z_k, v
 
 
@@ -240,6 +270,60 @@ def random_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096) -> list[Cas
             sq=sq, sk=sk, d=d, dv=dv, heads=heads, kv_heads=max(1, kv_heads),
             causal=mask > 0, causal_align="top_left" if mask == 2 else "bottom_right",
             block_q=int(rng.choice(BLOCK_SIZES)), block_k=int(rng.choice(BLOCK_SIZES)),
+            seed=seed * 1000 + c,
+        ))
+    return cases
+
+
+#: Key tile sizes of the differential run (`differential_cases`).
+DIFFERENTIAL_BLOCKS = (32, 64, 128, 256)
+
+
+def longest_row(sq: int, sk: int, causal: bool, causal_align: str) -> int:
+    """The most keys any query row sees (a prefix ``0 .. L-1`` under a causal mask)."""
+    if not causal or causal_align == "bottom_right":
+        return sk if sq else 0
+    return min(sq, sk)  # top_left: the last row sees keys 0 .. sq - 1
+
+
+def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: int = 64,
+                       min_len: int = 64) -> list[Case]:
+    """``n`` seeded cases of the differential run: head dim ``d``, lengths up to ``max_len``.
+
+    ``Sq, Sk`` log-uniform in ``min_len..max_len``; 1, 2 or 4 query heads sharing 1, 2 or
+    4 kv heads; no mask or causal in either alignment; ``block_q`` and ``block_k`` from
+    `DIFFERENTIAL_BLOCKS`, with ``block_k`` at most half the longest row, so that rows
+    cross at least two key tiles (three for the longest) and the rescale path runs.  The
+    first three cases pin the corners ``Sq = Sk = max_len``, ``Sq > Sk`` and ``Sq < Sk``.
+    """
+    n = _args.positive_int(n, "n")
+    max_len = _args.positive_int(max_len, "max_len")
+    d = _args.positive_int(d, "d")
+    min_len = _args.positive_int(min_len, "min_len")
+    if min_len > max_len or 2 * DIFFERENTIAL_BLOCKS[0] > min_len:
+        raise ValueError(f"min_len must be in [{2 * DIFFERENTIAL_BLOCKS[0]}, max_len], "
+                         f"got {min_len} with max_len {max_len}")
+    rng = np.random.default_rng(seed)
+    cases = []
+    for c in range(n):
+        sq, sk = (int(x) for x in np.exp(rng.uniform(np.log(min_len), np.log(max_len), 2)).round())
+        sq, sk = (min(max(x, min_len), max_len) for x in (sq, sk))
+        if c == 0:
+            sq = sk = max_len
+        elif c == 1:
+            sq, sk = max_len, max(min_len, max_len // 3)
+        elif c == 2:
+            sq, sk = max(min_len, max_len // 5), max_len
+        mask = int(rng.integers(3))
+        causal, align = mask > 0, "top_left" if mask == 2 else "bottom_right"
+        longest = longest_row(sq, sk, causal, align)
+        fitting = [b for b in DIFFERENTIAL_BLOCKS if 2 * b <= longest]
+        heads = int(rng.choice((1, 2, 4)))
+        kv_heads = heads // int(rng.choice((1, 2, heads))) if heads > 1 else 1
+        cases.append(Case(
+            sq=sq, sk=sk, d=d, dv=d, heads=heads, kv_heads=max(1, kv_heads),
+            causal=causal, causal_align=align,
+            block_q=int(rng.choice(DIFFERENTIAL_BLOCKS)), block_k=int(rng.choice(fitting)),
             seed=seed * 1000 + c,
         ))
     return cases

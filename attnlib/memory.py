@@ -5,6 +5,15 @@ numpy reports its allocations to `tracemalloc`, so the traced peak of a call is 
 at a small size, so that BLAS buffers, imports and earlier runs do not pollute it.  The
 inputs are created before tracing starts; the peak therefore counts the call's working
 memory plus its output, and ``working_bytes`` subtracts the output.
+
+The RSS tool reports what the operating system sees: the total RSS growth from
+``memory_profiler`` and, on Linux, its split (from ``/proc/self/status``) into anonymous
+memory (what the process itself allocates) and file-backed pages (the pages of memmapped
+files that the kernel maps in as they are read: page cache, reclaimable and shared with the
+OS).  Where ``/proc`` has no such split, the split is reported as not measured (``None``).
+
+Every measurement process runs numpy in strict mode: division by zero, overflow and
+invalid operations raise (``np.seterr``) in the warm-up and the measured call.
 """
 
 from __future__ import annotations
@@ -56,6 +65,31 @@ def peak_memory(path: str, sq: int, sk: int | None = None, d: int = 64, *,
     return _in_subprocess(case, timeout)
 
 
+def rss_growth(path: str, sq: int, sk: int | None = None, d: int = 64, *,
+               causal: bool = True, block_q: int | None = None, block_k: int | None = None,
+               chunk: int = 65536, interval: float = 0.002, seed: int = 0,
+               timeout: float = 600.0) -> dict:
+    """Process RSS growth during one ``path`` call, in a fresh process after a warm-up.
+
+    The same case as `peak_memory` (same inputs, same warm-up), measured by the operating
+    system instead of tracemalloc (which is not running, so its bookkeeping does not count).
+
+    Returns a dict with ``rss_bytes`` (peak total RSS over the pre-call RSS, sampled by
+    ``memory_profiler`` every ``interval`` seconds), ``anon_bytes`` and ``file_bytes``
+    (peak growth of the anonymous and the file-backed RSS, sampled from
+    ``/proc/self/status`` over the level just before the call, and once more after it;
+    ``None`` where not measured), ``rss_split`` (where the split came from, or why it is
+    not measured), ``output_bytes``, ``input_bytes``, ``seconds`` and, for "stream",
+    ``cache_bytes``; and the samples: ``t``/``bytes`` (total) and ``split_t``/``anon``/
+    ``file``.
+    """
+    case = dict(tool="rss", path=path, sq=sq, sk=sq if sk is None else sk, d=d, causal=causal,
+                block_q=block_q, block_k=block_k, chunk=chunk, seed=seed, interval=interval)
+    result = _in_subprocess(case, timeout)
+    result["rss_bytes"] = result["peak_bytes"]
+    return result
+
+
 def memory_timeline(path: str, tool: str, n: int, d: int = 64, *, causal: bool = True,
                     interval: float = 0.005, seed: int = 0, timeout: float = 600.0) -> dict:
     """Memory over time during one ``path`` call on ``n x n`` random inputs.
@@ -64,7 +98,8 @@ def memory_timeline(path: str, tool: str, n: int, d: int = 64, *, causal: bool =
     just before it, so the inputs are not counted) from a thread every ``interval``
     seconds, and adds the exact traced peak.  ``tool="rss"`` samples the process's
     resident set size with ``memory_profiler.memory_usage`` and reports it relative to
-    the RSS just before the call (the inputs already resident).
+    the RSS just before the call (the inputs already resident), with its anonymous /
+    file-backed split as in `rss_growth` (``anon_bytes``, ``file_bytes``, ...).
 
     Returns a dict with ``t`` (seconds since the call started), ``bytes`` (samples),
     ``peak_bytes`` and ``output_bytes``.
@@ -124,22 +159,89 @@ def _traced(case, q, k, v, grad_inputs=None):
     current, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     samples.append((elapsed, current))
-    return result, peak, samples
+    return result, peak, samples, {}
 
 
-def _rss(case, q, k, v, grad_inputs=None):
-    """RSS samples (bytes over the pre-call RSS) from memory_profiler during the call."""
+#: Where the anonymous / file-backed split of the RSS is read (Linux >= 4.5).
+PROC_STATUS = "/proc/self/status"
+
+
+def rss_split() -> dict | None:
+    """This process's resident memory by kind, in bytes, or None where /proc lacks it.
+
+    ``anon``: ``RssAnon``, memory the process allocated (heap, mmap'd arrays, stacks);
+    ``file``: ``RssFile`` plus ``RssShmem``, pages of mapped files (``RssShmem`` holds
+    them when the file is on a tmpfs), i.e. page cache the kernel maps in as they are read.
+    """
+    try:
+        with open(PROC_STATUS) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        kib = {name: int(fields[name].split()[0]) * 1024
+               for name in ("RssAnon", "RssFile", "RssShmem")}
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    return {"anon": kib["RssAnon"], "file": kib["RssFile"] + kib["RssShmem"]}
+
+
+def _rss(case, q, k, v, grad_inputs=None, max_samples=1 << 16):
+    """RSS during the call: total from memory_profiler, anonymous and file-backed from /proc.
+
+    All are bytes over the level just before the call.  The /proc split is sampled from a
+    thread into buffers filled before its baseline is read, so that neither the thread's
+    stack nor its samples count as growth (past ``max_samples`` only the peaks are kept).
+    """
+    import threading
     import time
 
+    import numpy as np
     from memory_profiler import memory_usage
 
     mib = 2**20
+    buf = np.ones((3, max_samples))  # seconds, anon, file: resident before the baseline
+    state = {"n": 0, "base": None, "peak": [0, 0]}
+    done, started = threading.Event(), threading.Event()
+
+    def record(t0):
+        now, base = rss_split(), state["base"]
+        anon, file = now["anon"] - base["anon"], now["file"] - base["file"]
+        state["peak"] = [max(state["peak"][0], anon), max(state["peak"][1], file)]
+        if state["n"] < max_samples:
+            buf[:, state["n"]] = time.time() - t0, anon, file
+            state["n"] += 1
+
+    def sample(t0):
+        state["base"] = rss_split()
+        started.set()
+        while state["base"] is not None and not done.is_set():
+            record(t0)
+            done.wait(case["interval"])
+
+    def measured(t0):  # runs in this process while memory_profiler watches it
+        sampler = threading.Thread(target=sample, args=(t0,), daemon=True)
+        sampler.start()
+        started.wait()
+        try:
+            return _call(case, q, k, v, grad_inputs)
+        finally:
+            done.set()
+            sampler.join()
+            if state["base"] is not None:
+                record(t0)  # once more, with the result still alive
+
     base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
     t0 = time.time()
-    usage, result = memory_usage((_call, (case, q, k, v, grad_inputs), {}),
+    usage, result = memory_usage((measured, (t0,), {}),
                                  interval=case["interval"], timestamps=True, retval=True)
     samples = [(t - t0, (m - base) * mib) for m, t in usage]
-    return result, max(b for _, b in samples), samples
+    measured_split = state["base"] is not None
+    n = state["n"]
+    extra = {"rss_split": PROC_STATUS if measured_split else
+             f"not measured: {PROC_STATUS} has no RssAnon/RssFile/RssShmem here",
+             "anon_bytes": int(state["peak"][0]) if measured_split else None,
+             "file_bytes": int(state["peak"][1]) if measured_split else None,
+             "split_t": buf[0, :n].tolist(), "anon": buf[1, :n].astype(np.int64).tolist(),
+             "file": buf[2, :n].astype(np.int64).tolist()}
+    return result, max(b for _, b in samples), samples, extra
 
 
 def _memmap_cache(folder, sk, d, seed, step=1 << 16):
@@ -167,6 +269,9 @@ def _measure(case: dict) -> dict:
 
     from .inputs import random_qkv
 
+    # Strict mode: a division by zero, overflow or invalid operation raises, in the
+    # warm-up and in the measured call alike.
+    np.seterr(divide="raise", over="raise", invalid="raise")
     backward = case["path"].endswith("_backward")
 
     def grads_for(q, k, v, seed):  # forward results and an upstream gradient, made untraced
@@ -192,13 +297,14 @@ def _measure(case: dict) -> dict:
             in_memory += sum(x.nbytes for x in grad_inputs)
         run = _rss if case["tool"] == "rss" else _traced
         started = time.perf_counter()
-        result_arrays, peak, samples = run(case, q, k, v, grad_inputs)
+        result_arrays, peak, samples, extra = run(case, q, k, v, grad_inputs)
         seconds = time.perf_counter() - started
         cache = k.nbytes + v.nbytes
         del k, v
     output = sum(x.nbytes for x in result_arrays)  # (out, lse) or (dq, dk, dv)
     result = dict(case, peak_bytes=int(peak), output_bytes=output,
-                  working_bytes=int(peak) - output, input_bytes=in_memory, seconds=seconds)
+                  working_bytes=int(peak) - output, input_bytes=in_memory, seconds=seconds,
+                  numpy_errors=np.geterr(), **extra)
     if case["path"] == "stream":
         result["cache_bytes"] = cache
     if case["tool"] != "peak":

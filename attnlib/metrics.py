@@ -19,7 +19,7 @@ import numpy as np
 from .backward import attention_backward, reference_attention_backward
 from .inputs import FAMILIES, adversarial_qkv
 from .masks import MaskSpec
-from .reference import reference_attention, reference_scores
+from .reference import reference_attention
 from .tiled import attention
 
 #: The project's accuracy bound on `rel_error` against the float64 dense reference.
@@ -60,16 +60,18 @@ def normwise_error(out, ref) -> float:
     return err / size if size > 0 else err
 
 
-def reference_with_abs(q, k, v, **kwargs):
+def reference_with_abs(q, k, v, *, return_lse=False, **kwargs):
     """``(ref, P @ |V|)`` from one dense reference call on ``[v, |v|]`` stacked along Dv.
 
     Each output column depends only on its own value column, so stacking is exact.
-    ``kwargs`` are those of `reference_attention` (masking and scale).
+    ``kwargs`` are those of `reference_attention` (masking and scale); with
+    ``return_lse`` the reference's ``lse`` comes third.
     """
     v = np.asarray(v)
-    both = reference_attention(q, k, np.concatenate([v, np.abs(v)], axis=-1), **kwargs)
+    both, lse = reference_attention(q, k, np.concatenate([v, np.abs(v)], axis=-1),
+                                    return_lse=True, **kwargs)
     dv = v.shape[-1]
-    return both[..., :dv], both[..., dv:]
+    return (both[..., :dv], both[..., dv:]) + ((lse,) if return_lse else ())
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,12 @@ class Errors:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def of(cls, out, ref, ref_abs) -> "Errors":
+        """The figures of ``out`` against ``ref``, with ``ref_abs = P @ |V|``."""
+        return cls(rel_error=rel_error(out, ref, ref_abs), naive_rel_error=naive_rel_error(out, ref),
+                   max_abs_error=max_abs_error(out, ref), normwise_error=normwise_error(out, ref))
+
 
 def attention_errors(out, q, k, v, **kwargs) -> Errors:
     """Compare ``out`` with the dense float64 reference for ``(q, k, v, **kwargs)``.
@@ -96,13 +104,7 @@ def attention_errors(out, q, k, v, **kwargs) -> Errors:
     >>> attnlib.attention_errors(out, q, k, v, causal=True).rel_error < 1e-13
     True
     """
-    ref, ref_abs = reference_with_abs(q, k, v, **kwargs)
-    return Errors(
-        rel_error=rel_error(out, ref, ref_abs),
-        naive_rel_error=naive_rel_error(out, ref),
-        max_abs_error=max_abs_error(out, ref),
-        normwise_error=normwise_error(out, ref),
-    )
+    return Errors.of(out, *reference_with_abs(q, k, v, **kwargs))
 
 
 def gradient_errors(grads, q, k, v, dout, **kwargs) -> dict:
@@ -136,34 +138,6 @@ def log10_histogram(errors, lo: float = -18.0, hi: float = -6.0, bins_per_decade
         x = np.clip(np.log10(e), lo, hi)
     counts, _ = np.histogram(x, bins=edges)
     return edges, counts
-
-
-def run_case(case) -> dict:
-    """Run one `~attnlib.inputs.Case` through the tiled kernel and compare with the reference.
-
-    Returns a flat dict (the case's fields, then the `Errors` fields), ready for a table.
-    """
-    q, k, v = case.qkv()
-    out = attention(q, k, v, **case.mask_kwargs(), **case.tile_kwargs())
-    errors = attention_errors(out, q, k, v, **case.mask_kwargs())
-    return {**asdict(case), "mask": case.mask_name, **errors.as_dict()}
-
-
-def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, seed=0) -> dict:
-    """One adversarial family (see `~attnlib.inputs.FAMILIES`) through the tiled kernel.
-
-    Returns a flat dict: the family, its logit span over visible pairs, the `Errors`
-    fields and the kernel's rescale total.
-    """
-    q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
-    out, stats = attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
-                           return_stats=True)
-    s = reference_scores(q, k, causal=causal)
-    visible = s[np.isfinite(s)]
-    errors = attention_errors(out, q, k, v, causal=causal)
-    return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d,
-            "logit_min": float(visible.min()), "logit_max": float(visible.max()),
-            **errors.as_dict(), "total_rescales": stats.total_rescales}
 
 
 def _gradients_row(q, k, v, seed, tiles, **kwargs) -> dict:

@@ -59,7 +59,7 @@ class Table:
 
 
 FORWARD_ERRORS = {
-    "rel_error": "rel_error (the gate: |out - ref| / (P @ |V|))",
+    "rel_error": "rel_error: |out - ref| / (P @ |V|)",
     "normwise_error": "normwise: max|out - ref| / max|ref|",
     "naive_rel_error": "naive elementwise |out - ref| / |ref|",
 }
@@ -87,6 +87,36 @@ def error_histogram(rows, bound=BOUND, series=None, lo=-18.0, hi=-6.0, title=Non
     ax.set_ylabel("cases")
     ax.set_title(title or f"Tiled vs dense float64 reference, {len(rows)} random shapes")
     ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def gate_power(rows, defects):
+    """Each case's ratio to the gate (error / tolerance, the larger of out and lse), for the
+    real kernel and for each injected defect, on a log10 axis with the gate at 1.
+
+    ``rows``: `~attnlib.differential.run_case` rows with a ``"defects"`` entry; cases a
+    defect leaves unchanged (e.g. an off-by-one causal mask on an unmasked case) are drawn
+    hollow.  A ratio of 0 or inf is drawn at the axis edge.
+    """
+    lo, hi = -6.0, 16.0
+    labels = ["real kernel"] + list(defects)
+    fig, ax = _figure(figsize=(8, 0.42 * len(labels) + 1.4))
+    for y, label in enumerate(labels):
+        for r in rows:
+            j = r if label == "real kernel" else r["defects"][label]
+            ratio = max(j["out_ratio"], j["lse_ratio"])
+            same = label != "real kernel" and j["rel_error"] == r["rel_error"] and j["lse_error"] == r["lse_error"]
+            with np.errstate(divide="ignore"):
+                x = float(np.clip(np.log10(ratio), lo, hi))
+            ax.plot(x, y, "o", ms=4, alpha=0.6, mfc="none" if same else None,
+                    color="tab:green" if ratio <= 1 else "crimson")
+    ax.axvline(0.0, color="black", lw=1.5, label="gate: error = tolerance")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(lo - 0.3, hi + 0.3)
+    ax.set_xlabel("log10(error / gate tolerance), per case   (green: passes, red: fails)")
+    ax.set_title(f"The gate's power: the real kernel and {len(defects)} injected defects, {len(rows)} cases")
+    ax.legend(fontsize=8, loc="lower right")
     return fig
 
 
@@ -213,6 +243,62 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
     ax.set_xlabel("n = Sq = Sk")
     ax.set_ylabel("peak MiB over inputs")
     ax.set_title(title)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def decode_memory(traced, rss, cap_bytes):
+    """The streaming decode over a memmapped cache: what tracemalloc and the OS see.
+
+    ``traced``/``rss`` are `attnlib.memory.peak_memory` / `attnlib.memory.rss_growth`
+    results for the same decode runs, in the same order.  Left: the RSS over time of the
+    run with the most queries, total and split into anonymous and file-backed (where
+    ``/proc`` gives the split).  Right: per run, the traced working memory, the anonymous
+    and the file-backed RSS growth against the cache size and the cap.
+    """
+    fig, axes = _figure(1, 2, figsize=(12, 4.4))
+    ax = axes[0]
+    last = rss[-1]
+    ax.plot(last["t"], np.asarray(last["bytes"]) / MIB, "-", color="grey", lw=5, alpha=0.45,
+            label=f"total RSS (memory_profiler): peak {last['rss_bytes'] / MIB:,.1f} MiB")
+    if last.get("anon_bytes") is not None:
+        ax.plot(last["split_t"], np.asarray(last["file"]) / MIB, "-", color="#457b9d", lw=1.5,
+                label=f"file-backed RSS (memmapped cache pages): peak {last['file_bytes'] / MIB:,.1f} MiB")
+        ax.plot(last["split_t"], np.asarray(last["anon"]) / MIB, "-", color="#2a9d8f", lw=2,
+                label=f"anonymous RSS: peak {last['anon_bytes'] / MIB:,.2f} MiB")
+    else:
+        ax.text(0.02, 0.5, "anonymous / file-backed split: not measured\n" + last.get("rss_split", ""),
+                transform=ax.transAxes, fontsize=8)
+    ax.axhline(last["cache_bytes"] / MIB, color="black", ls=":",
+               label=f"KV cache on disk, {last['cache_bytes'] / MIB:,.0f} MiB")
+    ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label=f"cap, {cap_bytes / MIB:.0f} MiB")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds since the call started")
+    ax.set_ylabel("MiB over the pre-call level")
+    ax.set_title(f"RSS during the decode of {last['sq']} queries over {last['sk']:,} keys", fontsize=10)
+    ax.legend(fontsize=8, loc="center right")
+
+    ax = axes[1]
+    x = np.arange(len(traced))
+    series = [("traced working (tracemalloc)", [r["working_bytes"] for r in traced], "#e9c46a"),
+              ("anonymous RSS growth", [r.get("anon_bytes") for r in rss], "#2a9d8f"),
+              ("file-backed RSS growth", [r.get("file_bytes") for r in rss], "#457b9d")]
+    width = 0.8 / len(series)
+    for i, (label, values, color) in enumerate(series):
+        shown = [(j, v) for j, v in zip(x, values) if v is not None]
+        if shown:
+            ax.bar([j + (i - 1) * width for j, _ in shown], [max(v, 1) / MIB for _, v in shown],
+                   width, color=color, label=label)
+    ax.axhline(traced[0]["cache_bytes"] / MIB, color="black", ls=":", label="KV cache on disk")
+    ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label="cap")
+    ax.axhline(traced[0]["cache_bytes"] / 100 / MIB, color="grey", ls="-.", label="1% of the cache")
+    ax.set_xticks(x, [str(r["sq"]) for r in traced])
+    ax.set_xlabel("decode queries")
+    ax.set_yscale("log")
+    ax.set_ylabel("MiB")
+    ax.set_title("Per run: traced working vs RSS growth by kind", fontsize=10)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig

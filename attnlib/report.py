@@ -10,6 +10,27 @@ Each notebook's defaults live in its cell tagged ``parameters``; the checks for 
 values live here (`NOTEBOOKS`), and the notebook's next cell calls `check_params`, so a
 bad value fails with the same message in the notebook and in the runner (which checks
 before it starts anything).
+
+Runs never pass for what they are not:
+
+* ``reports/`` holds the committed full runs at the notebooks' defaults.  A run with
+  ``--quick``, any ``-p`` or other notebooks (``--notebooks``) writes to the git-ignored
+  ``reports-local/`` unless ``--out`` says otherwise; ``--out reports`` is refused for
+  such a run unless ``--allow-nondefault-reports`` is given too.  Every report whose
+  parameters differ from the defaults carries a NON-DEFAULT PARAMETERS banner under its
+  title and in the index, and its results JSON records ``default_params`` and
+  ``overrides`` (``{name: {"default": ..., "actual": ...}}``).
+* A notebook that fails (an exception in a cell, or a dead kernel, e.g. killed for
+  memory) keeps its previous report; ``<out>/<name>.status.json`` records the error, the
+  index shows it as ERROR with the notebook and cell, and the executed notebook with the
+  traceback is kept as ``<out>/failed/<name>.ipynb``.  A later successful run clears both.
+* The notebooks call `strict` in their setup cell: every numpy operation of the notebook
+  process then runs under `STRICT` (``np.errstate(divide='raise', over='raise',
+  invalid='raise')``); `save_results` records whether it did, and only then does the
+  verdict say so.
+* `stage` in a notebook prints a progress line on the runner's terminal (through a file
+  named by ``$ATTNLIB_REPORT_PROGRESS``: the kernel's own stdout and stderr end up in the
+  report).  Progress goes to stdout; errors, FAIL and ERROR lines to stderr.
 """
 
 from __future__ import annotations
@@ -22,10 +43,15 @@ import math
 import numbers
 import os
 import platform
+import contextlib
+import logging
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +63,50 @@ from .oracle import ORACLE_PRECISION
 from .plots import Table
 
 ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "reports"  # the committed full runs, at the notebooks' defaults
+LOCAL_REPORTS = ROOT / "reports-local"  # git-ignored: --quick and -p runs
+PROGRESS_ENV = "ATTNLIB_REPORT_PROGRESS"  # the file `stage` appends its lines to
+
+
+# -- strict floating point and progress, called from the notebooks ---------------------------
+
+#: The contract's strict floating-point mode: a division by zero, an overflow or an invalid
+#: operation (inf - inf, 0 / 0, ...) raises instead of leaving an inf or a NaN behind.
+STRICT = dict(divide="raise", over="raise", invalid="raise")
+STRICT_TEXT = "np.errstate(" + ", ".join(f"{k}={v!r}" for k, v in STRICT.items()) + ")"
+
+
+def strict() -> None:
+    """Put this process under `STRICT` (``np.seterr``): every later kernel call runs in it.
+
+    attnlib's worker threads carry the caller's errstate, so threaded calls do too.  Code
+    that legitimately makes an inf or a NaN (``log10(0)`` for a histogram) says so locally
+    with ``np.errstate(...="ignore")``.
+    """
+    np.seterr(**STRICT)
+
+
+def is_strict() -> bool:
+    """Whether numpy's current error handling is at least `STRICT`."""
+    current = np.geterr()
+    return all(current[key] == value for key, value in STRICT.items())
+
+
+def stage(text: str) -> None:
+    """Announce a long stage of a notebook on the terminal of ``python -m attnlib report``.
+
+    The kernel's stdout and stderr are captured into the report (and its fd 2 is echoed
+    there too), so the runner names a file in ``$ATTNLIB_REPORT_PROGRESS`` and prints the
+    lines appended to it as they come.  Outside the runner this does nothing.
+    """
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(" ".join(str(text).split()) + "\n")
+    except OSError:  # progress is a courtesy; it never fails a report
+        pass
 
 
 # -- parameter checks ----------------------------------------------------------------------
@@ -115,11 +185,14 @@ class Notebook:
 NOTEBOOKS = {
     "equivalence": Notebook(
         "Equivalence: tiled attention equals the dense float64 reference",
-        {"n_cases": positive, "seed": non_negative, "max_len": positive,
+        {"n_cases": positive, "seed": non_negative, "max_len": positive, "d": positive,
+         "broad_cases": positive, "broad_max_len": positive,
          "adversarial_n": positive, "adversarial_d": positive,
-         "block_q": positive, "block_k": positive, "results_json": text},
-        {"n_cases": 6, "max_len": 300, "adversarial_n": 256},
-        (("max_len", 4), ("adversarial_n", 1))),
+         "block_q": positive, "block_k": positive, "oracle_max_n": non_negative, "results_json": text},
+        {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "adversarial_n": 256,
+         "oracle_max_n": 256},
+        # The reference holds [v, |v|] outputs and the gate a (Sq, Sk) size matrix besides.
+        (("max_len", 8), ("broad_max_len", 8), ("adversarial_n", 2))),
     "rescales": Notebook(
         "Rescales: where the online softmax's running max grows",
         {"n": positive, "d": positive, "block_q": positive, "block_k": positive,
@@ -133,7 +206,7 @@ NOTEBOOKS = {
          "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
          "decode_queries": sizes, "results_json": text},
         {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
-         "decode_keys": 65536, "decode_queries": [1, 16]},
+         "decode_keys": 262144, "decode_queries": [1, 16]},
         (("dense_max_n", 1),)),
     "gradients": Notebook(
         "Gradients: the tiled backward pass equals the dense float64 gradient",
@@ -187,6 +260,9 @@ def check_params(notebook: str, **values) -> dict:
         if ORACLE_PRECISION["method"] != "longdouble":
             raise ValueError("the numerics report needs a long double of >= 64 mantissa bits, which "
                              "this platform's numpy lacks (the decimal oracle takes small shapes only)")
+    if notebook == "equivalence" and params["max_len"] < 64:
+        raise ValueError("parameter max_len must be >= 64: the differential run's lengths are "
+                         "drawn from 64..max_len, so that rows cross two key tiles")
     if notebook in ("memory", "gradients") and params["dense_max_n"] > params["sweep"][-1]:
         raise ValueError("parameter dense_max_n must not exceed the largest sweep size")
     return params
@@ -260,22 +336,33 @@ class Verdict:
 
     passed: bool | None
     line: str
+    strict: bool = False  # the notebook ran under `STRICT`
 
     @property
     def label(self) -> str:
         return {True: "PASS", False: "FAIL", None: "INFO"}[self.passed]
 
+    @property
+    def mode(self) -> str:
+        """What the verdict may claim of the floating-point mode ("" when not strict)."""
+        return f"all kernel calls under {STRICT_TEXT}" if self.strict else ""
+
     def _repr_markdown_(self):
-        return f"**{self.label}**: {self.line}"
+        mode = f" — {self.mode.replace(STRICT_TEXT, f'`{STRICT_TEXT}`')}" if self.strict else ""
+        return f"**{self.label}**: {self.line}{mode}"
 
 
 def save_results(results_json: str, notebook: str, params: dict, passed, line: str,
                  figures: dict) -> Verdict:
-    """Write a notebook's figures and verdict as JSON (when ``results_json`` is set)."""
-    verdict = Verdict(None if passed is None else bool(passed), line)
+    """Write a notebook's figures and verdict as JSON (when ``results_json`` is set).
+
+    ``strict`` records whether numpy's error handling is `STRICT` now, as `strict` sets it.
+    """
+    verdict = Verdict(None if passed is None else bool(passed), line, is_strict())
     if results_json:
         data = {"notebook": notebook, "passed": verdict.passed, "verdict": line,
-                "params": params, "environment": environment(), "figures": figures}
+                "strict": verdict.strict, "params": params, "environment": environment(),
+                "figures": figures}
         Path(results_json).write_text(json.dumps(data, indent=1, default=_jsonable))
     return verdict
 
@@ -292,6 +379,22 @@ def _jsonable(x):
 
 class ReportError(Exception):
     """A report run that cannot start (bad arguments or parameters)."""
+
+
+class NotebookError(ReportError):
+    """A notebook that started and did not run to the end, or wrote no results.
+
+    ``cell`` is ``"cell N ('first line')"`` (N counted in the stored notebook) or "" when
+    unknown; ``error`` is ``"ExcName: message"``; ``executed`` is where the executed
+    notebook, traceback included, was kept (None: not kept).
+    """
+
+    def __init__(self, notebook: str, cell: str, error: str, dead: bool = False):
+        self.notebook, self.cell, self.error, self.dead = notebook, cell, error, dead
+        self.executed = None
+        where = f" in {cell}" if cell else ""
+        what = "lost its kernel" if dead else "failed"
+        super().__init__(f"{notebook} {what}{where}: {error}")
 
 
 def _parse_value(raw: str):
@@ -317,6 +420,11 @@ def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, 
     ``overrides`` are ``"key=value"`` (every selected notebook that declares ``key``) or
     ``"notebook.key=value"`` strings; a key no selected notebook declares is refused.
     """
+    return [(name, path, params) for name, path, params, _ in _plan(names, overrides, quick, nb_dir)]
+
+
+def _plan(names, overrides, quick, nb_dir) -> list[tuple[str, Path, dict, dict]]:
+    """`plan`, with each notebook's declared defaults as a fourth item."""
     nb_dir = Path(nb_dir) if nb_dir else ROOT / "notebooks"
     names = list(NOTEBOOKS) if not names else list(names)
     for name in names:
@@ -350,104 +458,313 @@ def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, 
             params = check_params(name, **values)
         except (TypeError, ValueError) as e:
             raise ReportError(f"{name}: {e}") from None
-        runs.append((name, path, params))
+        runs.append((name, path, params, defaults))
     return runs
 
 
+def overridden(params: dict, defaults: dict) -> dict:
+    """``{name: {"default": ..., "actual": ...}}`` for each parameter not at its default."""
+    return {name: {"default": defaults[name], "actual": value} for name, value in params.items()
+            if name != "results_json" and name in defaults and value != defaults[name]}
+
+
+def _describe(overrides: dict) -> str:
+    return ", ".join(f"{name}={o['actual']!r} (default {o['default']!r})" for name, o in overrides.items())
+
+
 def _failed_cell(executed: Path) -> str:
-    """``cell N ('first line')`` of the failing cell, N counted in the stored notebook."""
+    """``cell N ('first line')`` of the failing cell, N counted in the stored notebook.
+
+    The cell with an error output, else (a dead kernel leaves none) the last cell papermill
+    started; "" when the executed notebook is missing or no cell started.
+    """
     import nbformat
 
     added = {"injected-parameters", "papermill-error-cell-tag"}  # cells papermill inserts
-    nb = nbformat.read(str(executed), as_version=4)
+    try:
+        nb = nbformat.read(str(executed), as_version=4)
+    except Exception:  # never written (the kernel did not start) or cut short
+        return ""
     cells = [c for c in nb.cells if not added & set(c.metadata.get("tags", []))]
-    for index, cell in enumerate(cells):
-        if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
-            first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
-            return f"cell {index} ({first!r})"
-    return "an unknown cell"
+    failed = [i for i, c in enumerate(cells)
+              if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    started = [i for i, c in enumerate(cells) if c.metadata.get("papermill", {}).get("start_time")]
+    if not failed and not started:
+        return ""
+    index = (failed or started)[0 if failed else -1]
+    source = cells[index].source.strip()
+    return f"cell {index} ({source.splitlines()[0] if source else ''!r})"
 
 
-def render_html(executed: Path, target: Path) -> None:
-    """Executed notebook -> self-contained HTML, written atomically (tmp file + rename)."""
+def _banner(overrides: dict) -> str:
+    """The NON-DEFAULT PARAMETERS banner put under a report's title."""
+    return ('<div style="border: 3px solid #c0392b; background: #fdecea; padding: .6em 1em; '
+            'margin: .5em 0; font-size: 1.1em"><b>NON-DEFAULT PARAMETERS</b>: '
+            f"{html.escape(_describe(overrides))}. This is not the report of the notebook's "
+            "defaults, which <code>reports/</code> holds.</div>")
+
+
+def render_html(executed: Path, target: Path, banner: str = "") -> None:
+    """Executed notebook -> self-contained HTML, written atomically (tmp file + rename).
+
+    ``banner`` (HTML) is shown under the notebook's first cell, its title.
+    """
     import nbformat
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="offline",
                             extra_template_basedirs=[str(Path(__file__).parent / "templates")])
-    body, _ = exporter.from_notebook_node(nbformat.read(str(executed), as_version=4))
+    nb = nbformat.read(str(executed), as_version=4)
+    if banner:
+        nb.cells.insert(1, nbformat.v4.new_markdown_cell(banner, metadata={"tags": ["attnlib-banner"]}))
+    body, _ = exporter.from_notebook_node(nb)
     tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(body, encoding="utf-8")
     os.replace(tmp, target)
 
 
-def execute(path: Path, params: dict, target: Path) -> dict:
+def _kernel_options() -> dict:
+    """papermill keyword arguments for a quiet, private kernel connection.
+
+    Where jupyter_client can provision CurveZMQ keys (and pyzmq has CURVE), the kernel's
+    sockets are encrypted: ipykernel then has no reason to warn that it runs over plain TCP.
+    """
+    try:
+        import zmq
+        from jupyter_client.manager import KernelManager
+        from traitlets.config import Config
+    except ImportError:
+        return {}
+    if "transport_encryption" not in KernelManager.class_trait_names() or not zmq.has("curve"):
+        return {}
+    return {"config": Config({"KernelManager": {"transport_encryption": "auto"}})}
+
+
+class _Reported(logging.Filter):
+    """Drops papermill's log records of errors the runner reports itself, more precisely."""
+
+    def filter(self, record):
+        return "Kernel died while waiting for execute reply" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _kernel_environment(progress_file: Path | None):
+    """The kernel's environment and the runner's filters while papermill runs a notebook.
+
+    * ``PYDEVD_DISABLE_FILE_VALIDATION=1``: no debugpy warning about frozen modules at
+      kernel start (papermill's own CLI sets it too);
+    * ``$ATTNLIB_REPORT_PROGRESS``: the file `stage` writes to (or unset);
+    * RuntimeWarnings raised in the kernel transport (zmq, jupyter_client, nbclient), e.g.
+      about event loops at shutdown, are ignored; warnings from anywhere else still show.
+    """
+    saved = {key: os.environ.get(key) for key in ("PYDEVD_DISABLE_FILE_VALIDATION", PROGRESS_ENV)}
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    if progress_file is None:
+        os.environ.pop(PROGRESS_ENV, None)
+    else:
+        os.environ[PROGRESS_ENV] = str(progress_file)
+    reported = _Reported()
+    papermill_log = logging.getLogger("papermill")
+    papermill_log.addFilter(reported)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=RuntimeWarning,
+                                    module=r"(zmq|jupyter_client|nbclient)(\.|$)")
+            yield
+    finally:
+        papermill_log.removeFilter(reported)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _progress_pump(progress_file: Path | None, progress):
+    """Calls ``progress(line)`` for each line `stage` appends to ``progress_file``."""
+    if progress_file is None or progress is None:
+        yield
+        return
+    progress_file.write_bytes(b"")
+    stop = threading.Event()
+
+    def pump():
+        offset = 0
+        while True:
+            done = stop.wait(0.2)
+            try:
+                with open(progress_file, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                chunk = b""
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode("utf-8", "replace").splitlines():
+                progress(line)
+            if done:
+                return
+
+    thread = threading.Thread(target=pump, name="attnlib-report-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def execute(path: Path, params: dict, target: Path, *, banner: str = "", progress=None,
+            keep_failed: Path | None = None) -> dict:
     """Run one notebook with papermill and render it to ``target``; returns its results JSON.
 
     ``results_json`` is added to ``params`` (a temporary file the notebook writes).  Raises
-    `ReportError` naming the failed cell, or when the notebook wrote no results; ``target``
-    is then left as it was.
+    `NotebookError` (a `ReportError`) naming the failed cell, when the kernel dies or does
+    not start, or when the notebook wrote no results; ``target`` is then left as it was,
+    and the executed notebook, traceback included, is copied to ``keep_failed`` if given.
+    ``progress(line)`` receives the notebook's `stage` lines as they come; ``banner``
+    (HTML) goes under the report's title.
     """
     import papermill
 
     with tempfile.TemporaryDirectory(prefix=f"attnlib-{path.stem}-") as tmp:
         executed = Path(tmp) / path.name
         results = Path(tmp) / f"{path.stem}.json"
+        progress_file = Path(tmp) / "progress.txt" if progress is not None else None
+        failure = None
         try:
-            papermill.execute_notebook(
-                str(path), str(executed), parameters={**params, "results_json": str(results)},
-                kernel_name="python3", progress_bar=False, cwd=str(path.parent),
-            )
+            with _kernel_environment(progress_file), _progress_pump(progress_file, progress):
+                papermill.execute_notebook(
+                    str(path), str(executed), parameters={**params, "results_json": str(results)},
+                    kernel_name="python3", progress_bar=False, cwd=str(path.parent),
+                    **_kernel_options(),
+                )
         except papermill.PapermillExecutionError as e:
-            raise ReportError(f"{path.name} failed in {_failed_cell(executed)}: {e.ename}: {e.evalue}") from None
-        if not results.exists():
-            raise ReportError(f"{path.name} ran but wrote no results JSON")
+            failure = NotebookError(path.name, _failed_cell(executed), f"{e.ename}: {e.evalue}")
+        except Exception as e:  # the kernel died (killed, e.g. out of memory) or never started
+            dead = type(e).__name__ == "DeadKernelError"
+            error = f"{type(e).__name__}: {e}".rstrip(": ")
+            if dead:
+                error += " (the notebook's process was killed, e.g. for lack of memory)"
+            failure = NotebookError(path.name, _failed_cell(executed), error, dead=dead)
+        else:
+            if not results.exists():
+                failure = NotebookError(path.name, "", "it ran but wrote no results JSON")
+        if failure is not None:
+            if keep_failed is not None and executed.exists():
+                keep_failed.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(executed, keep_failed)
+                failure.executed = keep_failed
+            raise failure
         data = json.loads(results.read_text())
-        render_html(executed, target)
+        render_html(executed, target, banner)
     return data
 
 
-def run_one(name: str, path: Path, params: dict, out_dir: Path) -> tuple[bool, str]:
-    """Execute one notebook and render it; the previous report stays unless this succeeds."""
+def _write_json(target: Path, data: dict) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=_jsonable))
+    os.replace(tmp, target)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict | None = None,
+            progress=None) -> tuple[bool, str]:
+    """Execute one notebook and render it; the previous report stays unless this succeeds.
+
+    Returns ``(ran, message)``.  On success the results JSON records ``default_params`` and
+    ``overrides`` against ``defaults`` (the notebook's declared values; None: not known, taken
+    as default) and any error marker of an earlier run is cleared.  On failure
+    ``<name>.status.json`` records the error and ``failed/<name>.ipynb`` keeps the executed
+    notebook.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
+    overrides = overridden(params, defaults or {})
+    status_file, kept = out_dir / f"{name}.status.json", out_dir.resolve() / "failed" / f"{name}.ipynb"
     started = time.perf_counter()
+
+    def stage(line):
+        progress(f"{line} ({time.perf_counter() - started:.0f} s in)")
+
     try:
-        data = execute(path, params, out_dir / f"{name}.html")
-    except ReportError as e:
-        return False, str(e)
+        data = execute(path, params, out_dir / f"{name}.html", banner=_banner(overrides) if overrides else "",
+                       progress=stage if progress else None, keep_failed=kept)
+    except NotebookError as e:
+        _write_json(status_file, {
+            "notebook": e.notebook, "status": "ERROR", "cell": e.cell, "error": e.error,
+            "kernel_died": e.dead, "executed": str(e.executed) if e.executed else None,
+            "date (UTC)": _now(), "params": {**params, "results_json": ""},
+            "default_params": not overrides, "overrides": overrides})
+        kept_line = f"; the executed notebook is kept in {e.executed}" if e.executed else ""
+        return False, f"ERROR: {e}{kept_line}"
     elapsed = time.perf_counter() - started
     data["seconds"] = round(elapsed, 1)
     data["params"] = {**data["params"], "results_json": ""}
-    json_tmp = out_dir / f"{name}.json.tmp"
-    json_tmp.write_text(json.dumps(data, indent=1))
-    os.replace(json_tmp, out_dir / f"{name}.json")
+    data["default_params"], data["overrides"] = not overrides, overrides
+    _write_json(out_dir / f"{name}.json", data)
+    status_file.unlink(missing_ok=True)
+    kept.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # only when empty
+        kept.parent.rmdir()
     label = Verdict(data["passed"], data["verdict"]).label
-    return True, f"{label}: {data['verdict']} ({elapsed:.1f} s)"
+    marker = f" [NON-DEFAULT PARAMETERS: {', '.join(overrides)}]" if overrides else ""
+    return True, f"{label}: {data['verdict']} ({elapsed:.1f} s){marker}"
+
+
+def _index_item(name: str, title: str, out_dir: Path) -> str:
+    results, page = out_dir / f"{name}.json", out_dir / f"{name}.html"
+    status_file = out_dir / f"{name}.status.json"
+    data = json.loads(results.read_text()) if results.exists() and page.exists() else None
+    status = json.loads(status_file.read_text()) if status_file.exists() else None
+    lines = []
+    if status is not None:
+        where = f"{status['notebook']}, {status['cell']}" if status.get("cell") else status["notebook"]
+        previous = (f"the report below is the previous successful run, of {data.get('environment', {}).get('date (UTC)', '?')} UTC"
+                    if data is not None else "there is no earlier report")
+        kept = (f" (the executed notebook is kept locally as failed/{html.escape(name)}.ipynb)"
+                if status.get("executed") else "")
+        lines.append(f'<span class="error">ERROR</span> in {html.escape(where)}: '
+                     f'{html.escape(status["error"])} ({html.escape(status.get("date (UTC)", "?"))} UTC) — '
+                     f"{previous}{kept}")
+    if data is None:
+        if status is None:
+            return f"<li><b>{html.escape(title)}</b>: not run yet</li>"
+        return f"<li><b>{html.escape(title)}</b><br>{lines[0]}</li>"
+    env = data.get("environment", {})
+    verdict = Verdict(data["passed"], data["verdict"], bool(data.get("strict")))
+    badge = verdict.label.lower()
+    mode = f" — {html.escape(verdict.mode)}" if verdict.strict else ""
+    lines.append(f'<span class="{badge}">{badge.upper()}</span> '
+                 f'<a href="{name}.html">{html.escape(title)}</a>')
+    if data.get("overrides"):
+        lines.append(f'<span class="nondefault">NON-DEFAULT PARAMETERS</span> '
+                     f'{html.escape(_describe(data["overrides"]))}')
+    lines.append(f'{html.escape(data["verdict"])}{mode}')
+    lines.append(f'<small>{data.get("seconds", "?")} s, {html.escape(env.get("date (UTC)", "?"))} UTC, '
+                 f'commit {html.escape(env.get("git commit", "?"))}, attnlib {html.escape(env.get("attnlib", "?"))}, '
+                 f'numpy {html.escape(env.get("numpy", "?"))}</small>')
+    return "<li>" + "<br>".join(lines) + "</li>"
 
 
 def write_index(out_dir: Path) -> Path:
-    """``index.html`` linking every report in ``out_dir`` with its verdict line."""
-    items = []
-    for name, title in ((n, nb.title) for n, nb in NOTEBOOKS.items()):
-        results = out_dir / f"{name}.json"
-        if not (out_dir / f"{name}.html").exists() or not results.exists():
-            items.append(f"<li><b>{html.escape(title)}</b>: not run yet</li>")
-            continue
-        data = json.loads(results.read_text())
-        env = data.get("environment", {})
-        badge = Verdict(data["passed"], data["verdict"]).label.lower()
-        items.append(
-            f'<li><span class="{badge}">{badge.upper()}</span> '
-            f'<a href="{name}.html">{html.escape(title)}</a><br>'
-            f'{html.escape(data["verdict"])}<br><small>{data.get("seconds", "?")} s, '
-            f'{html.escape(env.get("date (UTC)", "?"))} UTC, commit {html.escape(env.get("git commit", "?"))}, '
-            f'attnlib {html.escape(env.get("attnlib", "?"))}, numpy {html.escape(env.get("numpy", "?"))}</small></li>')
+    """``index.html`` linking every report in ``out_dir`` with its verdict line.
+
+    A notebook whose last run failed shows ERROR with the notebook, the cell and the error,
+    above its previous report (if any); reports made at non-default parameters are marked.
+    """
+    items = [_index_item(name, nb.title, out_dir) for name, nb in NOTEBOOKS.items()]
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>attnlib reports</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 52em; margin: 2em auto; line-height: 1.5; }}
-li {{ margin-bottom: 1em; }} .pass, .fail, .info {{ font-weight: bold; padding: 0 .4em; border-radius: 3px; color: white; }}
-.pass {{ background: #2a9d8f; }} .fail {{ background: #c0392b; }} .info {{ background: #6c757d; }} small {{ color: #555; }}
+li {{ margin-bottom: 1em; }}
+.pass, .fail, .info, .error, .nondefault {{ font-weight: bold; padding: 0 .4em; border-radius: 3px; color: white; }}
+.pass {{ background: #2a9d8f; }} .fail, .error {{ background: #c0392b; }} .info {{ background: #6c757d; }}
+.nondefault {{ background: #d35400; }} small {{ color: #555; }}
 </style></head><body>
 <h1>attnlib: the evidence</h1>
 <p>Exact, memory-tiled attention in numpy, checked against a dense float64 reference.
@@ -464,45 +781,87 @@ Each report below was produced by running its notebook with papermill
     return index
 
 
-def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print) -> int:
+def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print, error=None,
+        allow_nondefault_reports=False) -> int:
     """Run the selected notebooks and write their reports; returns an exit status.
 
     0: every notebook ran and passed its checks (or, measuring only, reported INFO);
     1: a notebook failed (its previous report is kept) or its verdict is FAIL; 2: bad
     arguments, nothing was run.
+
+    ``log`` receives progress lines, ``error`` (default: ``log``) the errors and the FAIL
+    and ERROR lines.  ``out_dir`` defaults to `REPORTS` for a run of the default notebooks
+    at their defaults and to `LOCAL_REPORTS` for any other (``quick``, ``overrides`` or
+    ``nb_dir``); such a run into `REPORTS` needs ``allow_nondefault_reports``.
     """
-    out_dir = Path(out_dir) if out_dir else ROOT / "reports"
+    error = error or log
     try:
-        runs = plan(names, overrides, quick, nb_dir)
+        runs = _plan(names, overrides, quick, nb_dir)
     except ReportError as e:
-        log(f"error: {e}")
+        error(f"error: {e}")
         return 2
+    other_notebooks = nb_dir is not None and Path(nb_dir).resolve() != (ROOT / "notebooks").resolve()
+    nondefault = bool(quick or overrides or other_notebooks)
+    if out_dir is None:
+        out_dir = LOCAL_REPORTS if nondefault else REPORTS
+    out_dir = Path(out_dir)
+    if nondefault and out_dir.resolve() == REPORTS.resolve() and not allow_nondefault_reports:
+        error(f"error: {REPORTS} holds the full runs at the notebooks' defaults; a --quick, -p or "
+              f"--notebooks run writes to {LOCAL_REPORTS.name}/ (or give --out elsewhere, or add "
+              "--allow-nondefault-reports to write there anyway, marked NON-DEFAULT)")
+        return 2
+    if nondefault:
+        log(f"non-default run: reports go to {out_dir}")
     status = 0
-    for i, (name, path, params) in enumerate(runs, 1):
-        log(f"[{i}/{len(runs)}] {name}: running {path.name} ...")
-        ok, message = run_one(name, path, params, out_dir)
-        log(f"[{i}/{len(runs)}] {name}: {message}")
+    for i, (name, path, params, defaults) in enumerate(runs, 1):
+        prefix = f"[{i}/{len(runs)}] {name}:"
+        log(f"{prefix} running {path.name} ...")
+        ok, message = run_one(name, path, params, out_dir, defaults,
+                              progress=lambda line, prefix=prefix: log(f"{prefix}   {line}"))
         if not ok or message.startswith("FAIL"):
             status = 1
+            error(f"{prefix} {message}")
+        else:
+            log(f"{prefix} {message}")
     index = write_index(out_dir)
     log(f"index: {index}")
     return status
 
 
+_EPILOG = """\
+output: a run of the notebooks at their defaults writes to reports/ (the committed
+reports); --quick, -p or --notebooks write to reports-local/ (git-ignored) unless --out
+says otherwise, and into reports/ only with --allow-nondefault-reports.  Reports made at
+non-default parameters are marked NON-DEFAULT PARAMETERS in their header and the index.
+A failed notebook keeps its previous report; the index shows ERROR with the notebook and
+cell, and the executed notebook is kept in <out>/failed/.
+
+Progress goes to stdout; errors and the FAIL and ERROR lines to stderr.
+exit status: 0 all passed (or INFO), 1 a notebook failed or its verdict is FAIL,
+2 bad arguments (nothing was run).
+"""
+
+
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m attnlib report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m attnlib report", description=__doc__.split("\n\n")[0],
+                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", action="append", choices=list(NOTEBOOKS), metavar="NAME",
                         help=f"run only this notebook (repeatable): {', '.join(NOTEBOOKS)}")
     parser.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override a parameter (KEY or NOTEBOOK.KEY); values are Python literals")
     parser.add_argument("--quick", action="store_true", help="tiny parameters, for a smoke run")
-    parser.add_argument("--out", default=None, help="output folder (default: reports/)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: reports/ at the defaults, reports-local/ otherwise)")
+    parser.add_argument("--allow-nondefault-reports", action="store_true",
+                        help="let a --quick, -p or --notebooks run write into reports/ (marked NON-DEFAULT)")
     parser.add_argument("--notebooks", default=None, help="notebook folder (default: notebooks/)")
     args = parser.parse_args(argv)
     return run(args.only, args.param, args.quick, args.out, args.notebooks,
-               log=lambda m: print(m, flush=True))
+               log=lambda m: print(m, flush=True),
+               error=lambda m: print(m, file=sys.stderr, flush=True),
+               allow_nondefault_reports=args.allow_nondefault_reports)
 
 
 if __name__ == "__main__":

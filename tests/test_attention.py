@@ -9,6 +9,7 @@ from attnlib import (BOUND, FAMILIES, FULL, PARTIAL, SKIP, adversarial_qkv, atte
                      reference_scores)
 
 CASES = attnlib.random_cases(50, seed=0)
+EPS = np.finfo(np.float64).eps
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +21,21 @@ def differential():
 def test_differential_50_random_shapes(differential):
     worst = max(differential, key=lambda r: r["rel_error"])
     assert worst["rel_error"] < BOUND, worst
+    # BOUND is the contract; on these O(1) logits float64 rounding alone gives a few eps
+    # (measured: worst 10 eps at this seed, at most 17 eps over seeds 0-3, 200 cases), so a
+    # real defect of 1e-13 relative, far under BOUND, must still fail here.
+    assert worst["rel_error"] < 64 * EPS, worst
     # The corners the cases promise: long, non-multiple, every head dim, every mask.
     assert any(r["sq"] == r["sk"] == 4096 for r in differential)
     assert {r["d"] for r in differential} == set(attnlib.inputs.HEAD_DIMS)
     assert {r["mask"] for r in differential} == {"none", "causal/bottom_right", "causal/top_left"}
     assert any(r["sq"] % r["block_q"] for r in differential)
     assert {r["heads"] // r["kv_heads"] for r in differential} >= {1, 2, 4}
+    # The report's histogram: the worst error lands in the highest non-empty bin (the counts
+    # always sum to 50, since out-of-range values are clipped in, so that checks nothing).
     edges, counts = attnlib.log10_histogram([r["rel_error"] for r in differential])
-    assert counts.sum() == 50 and edges[-1] <= -6
+    top = np.flatnonzero(counts).max()
+    assert edges[top] <= np.log10(worst["rel_error"]) < edges[top + 1], (edges[top], worst)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -41,6 +49,8 @@ def test_adversarial_families_at_4096_in_strict_mode(family, strict):
     finite = s[np.isfinite(s)]
     if family == "negative":  # all logits near -1e4
         assert -10100 < finite.min() and finite.max() < -9900
+    elif FAMILIES[family].purpose == "accuracy":  # plateau, ramp (+2 per tile), ties: near +1e4
+        assert 9900 < finite.min() and finite.max() < 10000 + 2 * 4096 / 64 + 100
     else:  # one logit per row near +1e4 above O(1) noise: a span of at least 1e4
         assert finite.max() - finite.min() >= 1e4
     ref_lse = reference_attention(q, k, v, causal=True, return_lse=True)[1]
@@ -121,29 +131,35 @@ def test_two_dimensional_inputs_and_layout():
     out, lse = attention(q, k, v, causal=True, block_q=32, block_k=32, return_lse=True)
     assert out.shape == (70, 5) and lse.shape == (70,)
     ref, ref_lse = reference_attention(q, k, v, causal=True, return_lse=True)
-    np.testing.assert_allclose(out, ref, atol=1e-14)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-14)  # measured 2.8 eps
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-13)  # measured 1 eps relative
 
 
 def test_gqa_and_mqa_equal_repeated_kv():
     q, k, v = random_qkv(40, 50, 8, 6, batch=(2, 3), heads=6, kv_heads=2, seed=5)
     out = attention(q, k, v, causal=True, block_q=16, block_k=16)
     rep = reference_attention(q, np.repeat(k, 3, axis=-3), np.repeat(v, 3, axis=-3), causal=True)
-    np.testing.assert_allclose(out, rep, atol=1e-14)
+    np.testing.assert_allclose(out, rep, rtol=0, atol=1e-14)  # measured 4 eps
     q1, k1, v1 = random_qkv(40, 50, 8, batch=(2,), heads=4, kv_heads=1, seed=6)
     out1 = attention(q1, k1, v1, block_q=16, block_k=16)
     rep1 = reference_attention(q1, np.repeat(k1, 4, axis=-3), np.repeat(v1, 4, axis=-3))
-    np.testing.assert_allclose(out1, rep1, atol=1e-14)
+    np.testing.assert_allclose(out1, rep1, rtol=0, atol=1e-14)
 
 
 def test_return_order():
     q, k, v = random_qkv(10, d=4, seed=7)
-    assert isinstance(attention(q, k, v), np.ndarray)
+    plain = attention(q, k, v)
+    assert isinstance(plain, np.ndarray)
     out, lse = attention(q, k, v, return_lse=True)
     out2, stats = attention(q, k, v, return_stats=True)
     out3, lse3, stats3 = attention(q, k, v, return_lse=True, return_stats=True)
     assert isinstance(stats, attnlib.AttentionStats) and isinstance(stats3, attnlib.AttentionStats)
     assert lse.shape == lse3.shape == (10,)
-    np.testing.assert_array_equal(out, out3)
+    for o in (plain, out2, out3):
+        np.testing.assert_array_equal(out, o)
+    np.testing.assert_array_equal(lse, lse3)
+    np.testing.assert_array_equal(stats.rescales, stats3.rescales)
+    np.testing.assert_array_equal(stats.tile_kind, stats3.tile_kind)
 
 
 def test_float32_inputs_are_computed_in_float64():

@@ -5,8 +5,10 @@ import pytest
 
 import attnlib
 from attnlib import (BOUND, attention, attention_backward, attention_vjp, gradient_errors, random_qkv,
-                     reference_attention, reference_attention_backward)
+                     reference_attention, reference_attention_backward, reference_scores)
 from attnlib.memory import CAP_BYTES, peak_memory
+
+EPS = np.finfo(np.float64).eps
 
 FEATURES = [
     dict(),
@@ -42,7 +44,18 @@ def test_dense_gradient_matches_central_differences(kw):
             x[idx] = orig
             fd[idx] = (up - down) / (2 * h)
         scale = max(np.abs(g).max(), 1e-3)
-        assert np.abs(fd - g).max() / scale < 1e-6, (kw, np.abs(fd - g).max())
+        # Central differences err by h**2 times the third derivative (~1e-12) plus the loss's
+        # rounding over h, eps * |loss| / h (~1e-9): measured at most 1.9e-9 here, so 1e-8
+        # (1e-6 would pass a gradient wrong by 1e-7 relative).
+        assert np.abs(fd - g).max() / scale < 1e-8, (kw, np.abs(fd - g).max())
+
+
+def largest_logit(q, k, **kw):
+    """``max(1, max |s|)`` over the visible scores: float64 rounds each logit by about
+    ``eps * |s|``, which moves its softmax weight by as much, relatively."""
+    s = reference_scores(q, k, **kw)
+    visible = np.abs(s[np.isfinite(s)])
+    return max(1.0, float(visible.max())) if visible.size else 1.0
 
 
 def run_backward(q, k, v, dout, block_q=32, block_k=48, **kw):
@@ -50,7 +63,12 @@ def run_backward(q, k, v, dout, block_q=32, block_k=48, **kw):
         out, lse = attention(q, k, v, return_lse=True, **kw)
         grads = attention_backward(q, k, v, out, lse, dout, block_q=block_q, block_k=block_k, **kw)
         errors = gradient_errors(grads, q, k, v, dout, **kw)
-    assert max(errors["dq"], errors["dk"], errors["dv"]) < BOUND, (kw, errors)
+    worst = max(errors["dq"], errors["dk"], errors["dv"])
+    assert worst < BOUND, (kw, errors)
+    # BOUND is the contract; float64 rounding justifies far less, a few eps per unit of the
+    # largest logit (measured: at most 2.4 eps * max|s| over this file), so a gradient wrong
+    # by 1e-12 relative, which BOUND lets through, fails here.
+    assert worst < 32 * EPS * largest_logit(q, k, **kw), (kw, errors)
     for g, x in zip(grads, (q, k, v)):
         assert g.shape == x.shape and g.dtype == np.float64
     return grads, errors

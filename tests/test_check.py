@@ -215,7 +215,7 @@ def test_unusable_inputs(tmp_path, capsys, qkv):
     assert run(tmp_path, capsys, ok)[0] == 0
     code = check.main(["--q", str(tmp_path / "missing.npy"), "--k", str(tmp_path / "k.npy"),
                        "--v", str(tmp_path / "v.npy"), "--out", str(tmp_path / "out.npy")])
-    assert code == 2 and "--q " in capsys.readouterr().err and True
+    assert code == 2 and f"--q {tmp_path / 'missing.npy'}: no such file" in capsys.readouterr().err
     code, text = run(tmp_path, capsys, ok | dict(k=k[..., :16]))
     assert code == 2 and "k has head dim 16, q has 32" in text
     code, text = run(tmp_path, capsys, ok | dict(v=(v * 100).astype(np.int32)))

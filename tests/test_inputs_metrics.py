@@ -28,6 +28,13 @@ def test_families_have_the_documented_structure(family, causal, align):
     if family == "negative":
         assert np.all(np.abs(s[np.isfinite(s)] + 1e4) < 20)
         return
+    if family in ("plateau", "ramp", "ties"):  # 1e4 (+ 2 per key tile for the ramp) + O(1) noise
+        ramp = 2.0 * np.arange(sk) / bk if family == "ramp" else np.zeros(sk)
+        noise = np.where(np.isfinite(s), s - 1e4 - ramp, 0.0)
+        assert np.abs(noise).max() < 10 and np.abs(noise).max() > 0.1
+        if family == "ties":  # identical keys: a row's visible logits are all the same number
+            assert all(np.unique(s[i][np.isfinite(s[i])]).size == 1 for i in np.flatnonzero(rows))
+        return
     if family == "growing":  # peak * (b + 1) / n_tiles at the row's last tile b
         expect = 1e4 * (last[rows] // bk + 1) / -(-sk // bk)
         np.testing.assert_allclose(row_max[rows], expect, atol=10)
@@ -60,8 +67,9 @@ def test_family_validation():
         adversarial_qkv("growing", 8, peak=-1.0)
     with pytest.raises(ValueError, match="heads must be a multiple of kv_heads"):
         random_qkv(4, heads=3, kv_heads=2)
-    for fam in FAMILIES.values():
-        assert fam.stresses and fam.letter in "abcd"
+    # The letters, one each, in order ("" in "abcd" and "ab" in "abcd" both hold).
+    assert [fam.letter for fam in FAMILIES.values()] == [chr(ord("a") + i) for i in range(len(FAMILIES))]
+    assert all(fam.stresses for fam in FAMILIES.values())
 
 
 def test_metrics_by_hand():
@@ -93,9 +101,16 @@ def test_reference_with_abs_is_p_times_abs_v():
 
 
 def test_log10_histogram_counts_everything():
-    edges, counts = log10_histogram([0.0, 1e-20, 1e-15, 3e-12, 1e-3], lo=-18, hi=-6, bins_per_decade=1)
-    assert len(edges) == 13 and counts.sum() == 5
-    assert counts[0] == 2 and counts[-1] == 1
+    # Every value in its own bin, not just a total (which clipping makes 7 by construction):
+    # 0 and 1e-20 clip into the first bin, 1e-3 into the last, 1e-6 = 10**hi is the last
+    # bin's closed right edge, 1e-15 = 10**-15 opens bin 3 and 9e-16 just misses it.
+    values = [0.0, 1e-20, 9e-16, 1e-15, 3e-12, 1e-6, 1e-3]
+    edges, counts = log10_histogram(values, lo=-18, hi=-6, bins_per_decade=1)
+    np.testing.assert_array_equal(edges, np.arange(-18, -5))
+    np.testing.assert_array_equal(counts, [2, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 2])
+    # Default bins are quarter decades: log10(3e-12) = -11.52 falls in [-11.75, -11.5).
+    edges, counts = log10_histogram([3e-12])
+    assert len(edges) == 49 and np.flatnonzero(counts).tolist() == [25] and edges[25] == -11.75
 
 
 def test_random_cases_are_seeded_and_cover_the_corners():

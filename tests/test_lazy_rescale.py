@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib import (FAMILIES, OnlineSoftmax, adversarial_qkv, attention, attention_errors, random_qkv,
-                     reference_rescales, reference_scores)
+from attnlib import (BOUND, FAMILIES, OnlineSoftmax, adversarial_qkv, attention, attention_errors,
+                     random_qkv, reference_rescales, reference_scores, reference_with_abs, rel_error)
+
+EPS = np.finfo(np.float64).eps
 
 
 @pytest.mark.parametrize("tau", [0.0, 1.0, 8.0, 20.0])
@@ -16,9 +18,13 @@ def test_lazy_equals_eager(tau, kw, strict):
     eager, eager_lse = attention(q, k, v, block_q=64, block_k=32, return_lse=True, **kw)
     lazy, lazy_lse, stats = attention(q, k, v, block_q=64, block_k=32, rescale_threshold=tau,
                                       return_lse=True, return_stats=True, **kw)
-    assert attention_errors(lazy, q, k, v, **kw).rel_error < 1e-12
-    np.testing.assert_allclose(lazy, eager, rtol=0, atol=1e-12 * np.abs(v).max())
-    np.testing.assert_allclose(lazy_lse, eager_lse, rtol=1e-13)
+    # Against the dense reference: logits of order 10 put float64's own rounding at ~100 eps
+    # (measured: at most 126 eps, lazy or eager alike).
+    assert attention_errors(lazy, q, k, v, **kw).rel_error < 1e-13
+    # Lazy differs from eager only in the reference point of its exponents, so only in the
+    # last bits (measured: at most 4.6 eps * max|v| for out, 1.1 eps for lse).
+    np.testing.assert_allclose(lazy, eager, rtol=0, atol=32 * EPS * np.abs(v).max())
+    np.testing.assert_allclose(lazy_lse, eager_lse, rtol=8 * EPS)
     # The kernel's applied rescales equal an independent count with the same threshold.
     s = reference_scores(q, k, **kw)
     np.testing.assert_array_equal(stats.rescales, reference_rescales(s, 64, 32, threshold=tau))
@@ -38,7 +44,13 @@ def test_lazy_rescaling_is_safe_on_adversarial_families(family, tau, strict):
     q, k, v = adversarial_qkv(family, 1024, d=64, block_k=64, seed=0)
     out, stats = attention(q, k, v, causal=True, block_q=64, block_k=64, rescale_threshold=tau,
                            return_stats=True)
-    assert attention_errors(out, q, k, v, causal=True).rel_error < 1e-9
+    ref, ref_abs = reference_with_abs(q, k, v, causal=True)
+    assert rel_error(out, ref, ref_abs) < BOUND
+    # Against the eager kernel on the same tiles (the same logits, bit for bit), a stale max
+    # changes only the last bits: measured 0 where one key takes all the weight, at most
+    # 2.4 eps where it is spread; BOUND alone would pass a lazy path wrong by 1e-10.
+    eager = attention(q, k, v, causal=True, block_q=64, block_k=64)
+    assert rel_error(out, eager, ref_abs) < 16 * EPS
     if family == "growing":  # each tile's max grows by 1e4 / 16 = 625 > tau: every one applied
         assert stats.total_rescales == attnlib.max_rescales(1024, 1024, 64, 64, causal=True).sum()
 

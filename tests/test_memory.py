@@ -1,8 +1,13 @@
-"""Peak memory, traced exactly (tracemalloc), each call in a fresh process after a warm-up."""
+"""Peak memory, traced exactly (tracemalloc), and RSS by kind, each call in a fresh process
+after a warm-up."""
 
 import pytest
 
-from attnlib.memory import CAP_BYTES, peak_memory
+from attnlib import memory, random_qkv
+from attnlib.memory import CAP_BYTES, peak_memory, rss_growth
+
+STRICT = {"divide": "raise", "over": "raise", "invalid": "raise"}
+DECODE_KEYS = 131072  # a 128 MiB memmapped cache: 1% of it is 1.28 MiB
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +48,43 @@ def test_only_key_tile_bookkeeping_grows_with_n(peaks):
 def test_unknown_path_is_refused():
     with pytest.raises(ValueError, match="path must be one of"):
         peak_memory("sparse", 16)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    kw = dict(d=64, causal=True, block_k=512)
+    return peak_memory("stream", 1, DECODE_KEYS, **kw), rss_growth("stream", 1, DECODE_KEYS, **kw)
+
+
+def test_measurement_processes_run_numpy_in_strict_mode(peaks, decode):
+    for result in (peaks["tiled", 4096], peaks["dense", 4096], *decode):
+        assert {k: result["numpy_errors"][k] for k in STRICT} == STRICT, result["path"]
+
+
+def test_decode_traced_and_rss_side_by_side(decode):
+    traced, rss = decode
+    cache = 2 * DECODE_KEYS * 64 * 8
+    assert traced["cache_bytes"] == rss["cache_bytes"] == cache
+    assert traced["working_bytes"] < min(CAP_BYTES, cache / 100)
+    if memory.rss_split() is None:
+        assert rss["anon_bytes"] is None and rss["rss_split"].startswith("not measured")
+        pytest.skip("no RssAnon/RssFile in /proc/self/status here")
+    assert rss["rss_split"] == memory.PROC_STATUS
+    # What the process allocates stays small; what grows is the memmapped cache's pages.
+    assert 0 <= rss["anon_bytes"] < min(CAP_BYTES, cache / 100)
+    # One causal decode query at the end reads every key: the whole cache is mapped in.
+    assert 0.95 * cache <= rss["file_bytes"] <= 1.05 * cache
+    # memory_profiler's total RSS counts those file-backed pages too.
+    assert rss["rss_bytes"] >= 0.95 * cache
+    assert len(rss["split_t"]) == len(rss["anon"]) == len(rss["file"]) >= 2
+    assert max(rss["anon"]) == rss["anon_bytes"] and max(rss["file"]) == rss["file_bytes"]
+
+
+def test_rss_split_degrades_to_not_measured_without_proc(monkeypatch):
+    monkeypatch.setattr(memory, "PROC_STATUS", "/nonexistent/status")
+    assert memory.rss_split() is None
+    case = dict(tool="rss", path="tiled", causal=True, block_q=None, block_k=None, interval=0.01)
+    result, peak, samples, extra = memory._rss(case, *random_qkv(64, 64, 16, seed=0))
+    assert result[0].shape == (64, 16) and samples
+    assert extra["anon_bytes"] is None and extra["file_bytes"] is None
+    assert extra["rss_split"].startswith("not measured") and extra["anon"] == []

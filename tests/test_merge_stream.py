@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib import (BOUND, attention, attention_errors, attention_stream, merge_attention, random_qkv,
+from attnlib import (attention, attention_errors, attention_stream, merge_attention, random_qkv,
                      reference_attention)
 from attnlib.memory import peak_memory
 
@@ -59,7 +59,7 @@ def test_kv_splits_equal_unsplit(splits, kw, strict):
     out_s, lse_s, stats = attention(q, k, v, return_lse=True, return_stats=True, block_q=32,
                                     block_k=16, kv_splits=splits, **kw)
     assert attention_errors(out_s, q, k, v, **kw).rel_error < 1e-13
-    np.testing.assert_allclose(out_s, out, atol=1e-14)
+    np.testing.assert_allclose(out_s, out, rtol=0, atol=1e-14)  # measured 3 eps
     np.testing.assert_array_equal(np.isneginf(lse_s), np.isneginf(lse))
     fin = np.isfinite(lse)
     np.testing.assert_allclose(lse_s[fin], lse[fin], rtol=1e-13)
@@ -79,7 +79,9 @@ def test_stream_equals_attention(kw, total, sq, strict):
     chunks = ((k[..., a:b, :], v[..., a:b, :]) for a, b in zip(edges[:-1], edges[1:]))
     extra = dict(total_keys=1000) if total else {}
     out, lse = attention_stream(q, chunks, return_lse=True, block_q=32, block_k=64, **kw, **extra)
-    assert attention_errors(out, q, k, v, **kw).rel_error < BOUND
+    # 1e-13 as for the other paths here (measured: at most 2.6 eps); BOUND (1e-9) would pass
+    # a chunk seam handled wrong by 1e-10.
+    assert attention_errors(out, q, k, v, **kw).rel_error < 1e-13
     ref_lse = reference_attention(q, k, v, return_lse=True, **kw)[1]
     fin = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isneginf(lse), ~fin)

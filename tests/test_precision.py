@@ -24,7 +24,11 @@ def test_flash_attention_rule(dtype, kw, n, logit_scale, strict):
     tiled_err = float(np.abs(tiled.astype(np.float64) - oracle).max())
     naive_err = float(np.abs(naive.astype(np.float64) - oracle).max())
     assert tiled_err <= 2 * naive_err + prec.eps, (tiled_err, naive_err)
-    assert naive_err > 10 * np.finfo(np.float64).eps  # the precision really was lowered
+    # The precision really was lowered in both: most entries differ from the correctly
+    # rounded result (measured: at least 55%), as a float64 computation cast to the dtype at
+    # the end would not (nor would it fail "naive_err > 10 float64 eps", the old check).
+    rounded = oracle.astype(prec.compute)
+    assert np.mean(naive != rounded) > 0.25 and np.mean(tiled != rounded) > 0.25
 
 
 def test_float32_state_and_lse():
@@ -33,7 +37,10 @@ def test_float32_state_and_lse():
                                 return_stats=True, block_q=32, block_k=32)
     assert out.dtype == np.float16 and lse.dtype == np.float32
     ref_lse = reference_attention(q, k, v, causal=True, return_lse=True)[1]
-    np.testing.assert_allclose(lse, ref_lse, rtol=1e-2)
+    # q and k rounded to float16 move the logits, hence lse, by about eps16 * |s| (measured:
+    # 3.2e-4 = 0.33 eps16 here); rtol=1e-2 (~0.05 absolute) passed a bfloat16-rounded lse.
+    eps16 = float(np.finfo(np.float16).eps)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=2 * eps16)
     assert stats.total_rescales > 0
 
 

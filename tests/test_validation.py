@@ -76,7 +76,8 @@ def test_bad_options(kw, exc, match):
 
 def test_numpy_integer_block_sizes_are_fine():
     q, k, v = random_qkv(5, 6, 4, seed=0)
-    attention(q, k, v, block_q=np.int64(2), block_k=np.int32(3))
+    out = attention(q, k, v, block_q=np.int64(2), block_k=np.int32(3))
+    assert out.tobytes() == attention(q, k, v, block_q=2, block_k=3).tobytes()
 
 
 def test_unknown_alignment_refused_even_without_causal():

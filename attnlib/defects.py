@@ -1,0 +1,173 @@
+"""Injected defects: small, realistic bugs in the tiled kernel, to measure a gate's power.
+
+A verdict is only as good as the smallest real bug it catches.  Each `Defect` here is a
+context manager that swaps one piece of the tiled kernel (`attnlib.tiled` and
+`attnlib.online`, never the dense reference) for a subtly wrong copy while it is active::
+
+    with DEFECTS["exp_1e-11x"].active():
+        out, lse = attnlib.attention(q, k, v, return_lse=True)   # the defective kernel
+
+The equivalence report runs every defect through the same gate as the real kernel and
+tabulates which ones it catches.  They range from "off in the 12th digit" (a perturbed
+``exp``, a matmul off by a relative 1e-12, an LSE shifted by 1e-12) to the classic
+structural bugs (a forgotten rescale, an off-by-one causal mask, a dropped key tile).
+Patching is process-wide while active: not for use with other threads running attnlib.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import tiled
+from .online import OnlineSoftmax, _shift
+
+
+def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, round_p=None):
+    """A copy of `OnlineSoftmax.update` (eager rule, float64) with hooks for one mutation.
+
+    ``exp``: the exponential used for ``alpha`` and ``p``; ``alpha_l``: whether ``l`` is
+    rescaled; ``alpha_acc``: a factor on the ``alpha`` that rescales ``acc`` (0: never
+    rescaled); ``pv_factor``: a factor on ``p @ v``; ``round_p``: rounds ``p`` everywhere.
+    """
+
+    def update(self, s, v, **_):  # the kernel's keyword options (buffers, threshold 0) unused
+        s = np.array(s, dtype=self.acc.dtype)
+        m_new = np.maximum(self.m, s.max(axis=-1))
+        rescaled = np.isfinite(self.m) & (m_new > self.m)
+        shift = _shift(m_new)
+        alpha = exp(self.m - shift)
+        p = exp(s - shift[..., None])
+        if round_p is not None:
+            p = round_p(p)
+        if alpha_l:
+            self.l *= alpha
+        self.l += p.sum(axis=-1)
+        if alpha_acc:
+            self.acc *= (alpha * alpha_acc)[..., None]
+        self.acc += (p @ v) * pv_factor
+        self.m = m_new
+        return rescaled
+
+    return update
+
+
+def _exp_times(rel):
+    """``exp(x) * (1 + rel * x)``: an exp whose relative error grows with ``|x|``."""
+    def exp(x):
+        with np.errstate(invalid="ignore"):  # -inf * rel: the weight is 0 either way
+            return np.exp(x) * np.where(np.isfinite(x), 1 + rel * x, 1.0)
+    return exp
+
+
+def _scores_times(factor):
+    """`tiled.tile_scores` whose ``q k^T`` product is off by a relative ``factor - 1``."""
+    real = tiled.tile_scores
+
+    def tile_scores(q_i, k_j, *args, **kwargs):
+        return real(q_i * factor, k_j, *args, **kwargs)
+    return tile_scores
+
+
+def _off_by_one_mask():
+    """`tiled.tile_scores` that masks PARTIAL tiles with the key index shifted by one."""
+    real = tiled.tile_scores
+
+    def tile_scores(q_i, k_j, spec, rows, cols, *args, **kwargs):
+        return real(q_i, k_j, spec, rows, cols - 1, *args, **kwargs)
+    return tile_scores
+
+
+def _drop_last_tile():
+    """`tiled.absorb` that leaves out each query tile's last key tile when it has several."""
+    real = tiled.absorb
+
+    def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, *args, **kwargs):
+        if len(k0s) > 1:
+            k0s, k1s, kinds = k0s[:-1], k1s[:-1], kinds[:-1]
+        events = real(state, q_i, k, v, spec, q0, k0s, k1s, kinds, *args, **kwargs)
+        if events is not None:  # keep the stats' shape: the dropped tile counts no events
+            events = np.concatenate([events, np.zeros(events.shape[:-1] + (1,), events.dtype)], -1)
+        return events
+    return absorb
+
+
+def _lse_plus(shift):
+    """`OnlineSoftmax.finalize` whose ``lse`` is off by ``shift``."""
+    real = OnlineSoftmax.finalize
+
+    def finalize(self):
+        out, lse = real(self)
+        return out, lse + shift
+    return finalize
+
+
+@dataclass(frozen=True)
+class Defect:
+    """One injected bug: its name, what it does, and ``(owner, attribute, factory)`` patches."""
+
+    name: str
+    description: str
+    patches: tuple  # ((object, attribute name, zero-argument factory of the replacement), ...)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Swap the defective pieces in; the originals come back on exit, even on error."""
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in self.patches]
+        try:
+            for owner, attr, make in self.patches:
+                setattr(owner, attr, make())
+            yield self
+        finally:
+            for owner, attr, original in reversed(saved):
+                setattr(owner, attr, original)
+
+
+def _update(**mutation) -> tuple:
+    return ((OnlineSoftmax, "update", lambda: _mutated_update(**mutation)),)
+
+
+def _f32(p):
+    return p.astype(np.float32).astype(np.float64)
+
+
+DEFECTS: dict[str, Defect] = {d.name: d for d in (
+    Defect("exp_1e-11x", "every exp(x) the kernel takes is off by a relative 1e-11 * x",
+           _update(exp=_exp_times(1e-11))),
+    Defect("exp_1e-12x", "every exp(x) off by a relative 1e-12 * x",
+           _update(exp=_exp_times(1e-12))),
+    Defect("qk_matmul_3e-12", "the score matmul q k^T off by a relative 3e-12",
+           ((tiled, "tile_scores", lambda: _scores_times(1 + 3e-12)),)),
+    Defect("pv_matmul_3e-12", "the p @ v matmul off by a relative 3e-12",
+           _update(pv_factor=1 + 3e-12)),
+    Defect("pv_matmul_1e-12", "the p @ v matmul off by a relative 1e-12",
+           _update(pv_factor=1 + 1e-12)),
+    Defect("lse_1e-11", "lse = m + log(l) off by 1e-11",
+           ((OnlineSoftmax, "finalize", lambda: _lse_plus(1e-11)),)),
+    Defect("lse_1e-12", "lse off by 1e-12",
+           ((OnlineSoftmax, "finalize", lambda: _lse_plus(1e-12)),)),
+    Defect("rescale_acc_1e-12", "acc rescaled by alpha * (1 + 1e-12) (l by alpha)",
+           _update(alpha_acc=1 + 1e-12)),
+    Defect("no_l_rescale", "the running sum l is never rescaled by alpha",
+           _update(alpha_l=False)),
+    Defect("no_acc_rescale", "the accumulator acc is never rescaled by alpha",
+           _update(alpha_acc=0.0)),
+    Defect("p_float32", "the weights p are rounded to float32 (a precision leak)",
+           _update(round_p=_f32)),
+    Defect("off_by_one_mask", "PARTIAL tiles mask with key index j - 1: one key too many",
+           ((tiled, "tile_scores", _off_by_one_mask),)),
+    Defect("drop_last_tile", "each query tile skips its last visible key tile",
+           ((tiled, "absorb", _drop_last_tile),)),
+)}
+
+
+def run_with(defect: Defect | None, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``defect`` active (None: the real kernel)."""
+    with (defect.active() if defect is not None else contextlib.nullcontext()):
+        return fn(*args, **kwargs)
+
+
+__all__ = ["Defect", "DEFECTS", "run_with"]

@@ -1,0 +1,142 @@
+"""The differential run: cases through the tiled kernel, judged by the gate against the
+dense reference, with and without injected defects.
+
+`run_case` and `run_family` return one flat row per problem for the equivalence report's
+tables; `power_table` folds the defect results of many rows into one line per defect: the
+gate's power.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+
+from .defects import DEFECTS
+from .gate import Gate
+from .inputs import FAMILIES, adversarial_qkv
+from .metrics import Errors, _visible_keys_per_row
+from .reference import reference_attention, reference_scores
+from .tiled import attention
+
+
+def _judge_defects(gate, defects, call) -> dict:
+    """``{name: judged}`` for each defect: the gate's figures on ``call()`` with it active.
+
+    A defect that makes the kernel raise (e.g. an overflow under strict mode) counts as
+    caught: the kernel did not return a result that passes.
+    """
+    judged = {}
+    for name in defects:
+        try:
+            with DEFECTS[name].active():
+                out, lse = call()
+            result = gate.judge(out, lse)
+            result["raised"] = None
+        except (FloatingPointError, ValueError) as e:
+            result = {"rel_error": np.inf, "lse_error": np.inf, "out_ratio": np.inf,
+                      "lse_ratio": np.inf, "passed": False, "raised": f"{type(e).__name__}: {e}"}
+        judged[name] = result
+    return judged
+
+
+def crossing_fraction(sq, sk, block_k, causal, causal_align) -> float:
+    """The fraction of query rows whose visible keys span at least two key tiles."""
+    if sq == 0:
+        return 0.0
+    return float(np.mean(_visible_keys_per_row(sq, sk, causal, causal_align) > block_k))
+
+
+def run_case(case, defects=()) -> dict:
+    """One `~attnlib.inputs.Case` through the tiled kernel, judged by the gate.
+
+    Returns a flat dict: the case's fields, the `~attnlib.metrics.Errors` fields, the
+    gate's ``lse_error``, ``out_ratio``, ``lse_ratio`` and ``passed``, the rescale total
+    and the fraction of rows crossing two key tiles; with ``defects`` (names in
+    `~attnlib.defects.DEFECTS`), ``"defects": {name: judged}`` against the same reference.
+    """
+    q, k, v = case.qkv()
+    gate = Gate(q, k, v, block_k=case.block_k, **case.mask_kwargs())
+
+    def call(stats=False):
+        return attention(q, k, v, **case.mask_kwargs(), **case.tile_kwargs(), return_lse=True,
+                         return_stats=stats)
+
+    out, lse, stats = call(stats=True)
+    row = {**asdict(case), "mask": case.mask_name,
+           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse),
+           "total_rescales": stats.total_rescales,
+           "crossing_fraction": crossing_fraction(case.sq, case.sk, case.block_k, case.causal,
+                                                  case.causal_align)}
+    if defects:
+        row["defects"] = _judge_defects(gate, defects, call)
+    return row
+
+
+def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
+               oracle=False, defects=()) -> dict:
+    """One adversarial family (see `~attnlib.inputs.FAMILIES`) through the tiled kernel.
+
+    Returns a flat dict: the family, its purpose, its logit span over visible pairs, the
+    `~attnlib.metrics.Errors` fields and the gate's figures against the dense reference,
+    the rescale total; with ``oracle``, ``oracle_tiled_ratio`` and ``oracle_dense_ratio``
+    (and ``oracle_tiled_error``, ``oracle_dense_error``): each implementation against the
+    extended-precision oracle, judged by one implementation's tolerance.
+    """
+    q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
+    gate = Gate(q, k, v, block_k=block_k, causal=causal)
+
+    def call(stats=False):
+        return attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                         return_lse=True, return_stats=stats)
+
+    out, lse, stats = call(stats=True)
+    s = reference_scores(q, k, causal=causal)
+    visible = s[np.isfinite(s)]
+    del s
+    info = FAMILIES[family]
+    row = {"family": family, "letter": info.letter, "purpose": info.purpose, "n": n, "d": d,
+           "logit_min": float(visible.min()), "logit_max": float(visible.max()),
+           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse),
+           "total_rescales": stats.total_rescales}
+    if oracle:
+        against = Gate(q, k, v, block_k=block_k, causal=causal, oracle=True)
+        tiled, dense = against.judge(out, lse), against.judge(*reference_attention(
+            q, k, v, causal=causal, return_lse=True))
+        row.update(oracle_tiled_error=tiled["rel_error"], oracle_dense_error=dense["rel_error"],
+                   oracle_tiled_ratio=max(tiled["out_ratio"], tiled["lse_ratio"]),
+                   oracle_dense_ratio=max(dense["out_ratio"], dense["lse_ratio"]),
+                   oracle_passed=tiled["passed"] and dense["passed"])
+    if defects:
+        row["defects"] = _judge_defects(gate, defects, call)
+    return row
+
+
+def power_table(rows, defects=None) -> list[dict]:
+    """One row per defect over the ``"defects"`` results of `run_case`/`run_family` rows.
+
+    ``affected``: cases where the defect changed the output at all (an off-by-one causal
+    mask cannot change an unmasked case); ``caught``: cases the gate failed;
+    ``worst rel_error`` and ``max ratio`` (the larger of the out and lse ratios to the
+    gate): its size; ``verdict``: "caught" when at least one case fails (the report's
+    verdict is then FAIL), else "MISSED".
+    """
+    names = list(DEFECTS) if defects is None else list(defects)
+    table = []
+    for name in names:
+        results = [(r, r["defects"][name]) for r in rows if name in r.get("defects", {})]
+        affected = sum(j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]
+                       for r, j in results)
+        caught = sum(not j["passed"] for _, j in results)
+        table.append({
+            "defect": name, "description": DEFECTS[name].description, "cases": len(results),
+            "affected": affected, "caught": caught,
+            "worst rel_error": max((j["rel_error"] for _, j in results), default=0.0),
+            "worst lse_error": max((j["lse_error"] for _, j in results), default=0.0),
+            "max ratio": max((max(j["out_ratio"], j["lse_ratio"]) for _, j in results), default=0.0),
+            "verdict": "caught" if caught else "MISSED",
+        })
+    return table
+
+
+__all__ = ["run_case", "run_family", "power_table", "crossing_fraction"]
