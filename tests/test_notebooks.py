@@ -117,7 +117,9 @@ def test_numerics_figures(quick_reports):
     data = results(quick_reports[1], "numerics")
     figs = data["figures"]
     assert data["passed"] is True
-    assert all(r["tiled_eps"] < 1e3 for r in figs["float64"])
+    # Both float64 paths within one implementation's share of the rounding gate, against the oracle.
+    assert all(max(r["dense_gate_ratio"], r["tiled_gate_ratio"]) <= 1 for r in figs["float64"])
+    assert all(r["tiled_eps"] > 0 for r in figs["float64"])  # measured, not vacuous
     assert {r["dtype"] for r in figs["low_precision"]} == {"float32", "float16", "bfloat16"}
     random = {r["tau"]: r["rescales"] for r in figs["lazy"] if r["inputs"] == "random" and r["dtype"] == "float64"}
     assert random[8.0] < random[0.0]
