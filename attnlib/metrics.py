@@ -24,17 +24,21 @@ from .tiled import attention
 
 #: The project's accuracy bound on `rel_error` against the float64 dense reference.
 BOUND = 1e-9
+#: The smallest positive normal float64 (2**-1022): `rel_error`'s floor on ``P @ |V|``.
+TINY = float(np.finfo(np.float64).tiny)
 
 
 def rel_error(out, ref, ref_abs) -> float:
-    """``max |out - ref| / (P @ |V|)``; entries where ``P @ |V| = 0`` use ``|out - ref|``.
+    """``max |out - ref| / max(P @ |V|, TINY)``; entries where ``P @ |V| = 0`` use ``|out - ref|``.
 
-    ``ref_abs`` is ``P @ |V|``, e.g. from `reference_with_abs`.
+    ``ref_abs`` is ``P @ |V|``, e.g. from `reference_with_abs`.  The floor `TINY` (the
+    smallest normal number): an entry whose size is subnormal cannot carry a relative
+    precision in float64, only an absolute one of about ``2**-1074``.
     """
     err = np.abs(np.asarray(out, dtype=np.float64) - ref)
     if err.size == 0:
         return 0.0
-    scaled = np.divide(err, ref_abs, out=err.copy(), where=ref_abs > 0)
+    scaled = np.divide(err, np.maximum(ref_abs, TINY), out=err.copy(), where=ref_abs > 0)
     return float(scaled.max())
 
 

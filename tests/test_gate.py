@@ -162,3 +162,68 @@ def test_accuracy_families_spread_their_weight():
     assert np.all(np.diff(tile_max) > 0)  # the max grows in every tile
     for name in ("first_tile", "last_tile", "growing"):
         assert FAMILIES[name].purpose == "overflow safety"
+
+
+def _key_by_key(q, k, v, scale):
+    """A textbook float64 attention that sums key after key (one query row)."""
+    s = scale * (q @ k.T)[0]
+    m = s.max()
+    p = np.exp(s - m)
+    acc, l = np.zeros(v.shape[1]), 0.0
+    for j in range(len(p)):
+        acc += p[j] * v[j]
+        l += p[j]
+    return (acc / l)[None], np.array([m + np.log(l)])
+
+
+def test_sequential_sums_on_structured_data_pass():
+    # All weights but one just under u: a key-by-key sum stagnates and loses n * u of mass,
+    # all with one sign.  The gate counts sequential steps at their worst case (review F1).
+    n, gap = 4096, -np.log(0.99 * 2.0 ** -53)
+    q = np.array([[1.0]])
+    k = np.full((n, 1), -gap / 2)
+    k[0, 0] = gap / 2
+    v = np.full((n, 2), -0.49)
+    v[0] = 1.0
+    v[:, 1], v[0, 1] = 0.5, 1.0
+    gate = Gate(q, k, v, block_k=1, scale=1.0)
+    for out, lse in (_key_by_key(q, k, v, 1.0),
+                     attention(q, k, v, block_k=1, scale=1.0, return_lse=True)):
+        judged = gate.judge(out, lse)
+        assert judged["passed"] and judged["rel_error"] > 100 * U, judged  # a real, large error
+
+
+def test_subnormal_weights_are_judged_absolutely():
+    # Column 0 lives only on keys ~744 below the max: its weights are subnormal, and no
+    # float64 code can give it a relative precision (review F2).
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((4, 64))
+    q[:, 0] = 8.0
+    k = rng.standard_normal((512, 64)) * 1e-3
+    k[:256, 0], k[256:, 0] = -744.2 + 0.3 * rng.random(256), 0.0
+    v = rng.standard_normal((512, 3))
+    v[:256, 0] *= 1e6
+    v[256:, 0] = 0.0
+    gate, out, lse = _judge(q, k, v, block_k=256)
+    judged = gate.judge(out, lse)
+    assert 0 < np.abs(gate.ref[:, 0]).max() < attnlib.metrics.TINY  # subnormal outputs
+    assert judged["passed"] and judged["rel_error"] < attnlib.BOUND, judged
+    bad = out.copy()
+    bad[:, 1] *= 1 + 1e-8  # a normal column keeps its relative tolerance (~1e-11 at logits ~744)
+    assert not gate.judge(bad, lse)["passed"]
+
+
+def test_position_form_alibi_passes():
+    # s + slope j - slope (i + o) equals -slope |i + o - j| on causal rows (BLOOM's form); its
+    # rounding grows with the position, not the distance (review F3).
+    n, slope = 4096, 2.0 ** (-8 / 12)
+    q, k, v = attnlib.random_qkv(64, n, 32, seed=3)
+    gate = Gate(q, k, v, block_k=64, causal=True, window=(128, None), alibi_slopes=[slope])
+    s = attnlib.reference_scores(q, k, causal=True, window=(128, None))
+    i, j = np.arange(64)[:, None] + (n - 64), np.arange(n)[None, :]
+    s = s + slope * j - slope * i
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    judged = gate.judge((p @ v) / l, (m + np.log(l))[:, 0])
+    assert judged["passed"], judged
