@@ -13,7 +13,7 @@ the verdict gate).
 
 from . import check  # attnlib.check.check_kernel: the verdict on your kernel
 from .backward import attention_backward, attention_vjp, reference_attention_backward
-from .inputs import FAMILIES, Case, adversarial_qkv, differential_cases, random_cases, random_qkv
+from .inputs import FAMILIES, Case, adversarial_qkv, differential_cases, feature_cases, random_cases, random_qkv
 from .masks import FULL, PARTIAL, SKIP, MaskSpec, mask_specs
 from .metrics import (
     BOUND,
@@ -46,7 +46,7 @@ __all__ = [
     "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",
-    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "run_case", "run_family", "power_table", "Gate", "run_case_gradients",
+    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "feature_cases", "run_case", "run_family", "power_table", "Gate", "run_case_gradients",
     "run_family_gradients",
     "expected_rescales", "max_rescales",
     "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",

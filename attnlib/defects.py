@@ -17,7 +17,7 @@ Patching is process-wide while active: not for use with other threads running at
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -26,16 +26,21 @@ from . import tiled
 from .online import OnlineSoftmax, _shift
 
 
-def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, round_p=None):
+def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, round_p=None,
+                    skip_below=None):
     """A copy of `OnlineSoftmax.update` (eager rule, float64) with hooks for one mutation.
 
     ``exp``: the exponential used for ``alpha`` and ``p``; ``alpha_l``: whether ``l`` is
     rescaled; ``alpha_acc``: a factor on the ``alpha`` that rescales ``acc`` (0: never
-    rescaled); ``pv_factor``: a factor on ``p @ v``; ``round_p``: rounds ``p`` everywhere.
+    rescaled); ``pv_factor``: a factor on ``p @ v``; ``round_p``: rounds ``p`` everywhere;
+    ``skip_below``: a tile whose max is more than this far below every row's running max
+    is skipped (a speculative block-sparse shortcut).
     """
 
     def update(self, s, v, **_):  # the kernel's keyword options (buffers, threshold 0) unused
         s = np.array(s, dtype=self.acc.dtype)
+        if skip_below is not None and np.all(s.max(axis=-1) < self.m - skip_below):
+            return np.zeros(self.m.shape, dtype=bool)
         m_new = np.maximum(self.m, s.max(axis=-1))
         rescaled = np.isfinite(self.m) & (m_new > self.m)
         shift = _shift(m_new)
@@ -78,6 +83,41 @@ def _off_by_one_mask():
 
     def tile_scores(q_i, k_j, spec, rows, cols, *args, **kwargs):
         return real(q_i, k_j, spec, rows, cols - 1, *args, **kwargs)
+    return tile_scores
+
+
+def _window_edge():
+    """`tiled.tile_scores` whose sliding window reaches one key further left."""
+    real = tiled.tile_scores
+
+    def tile_scores(q_i, k_j, spec, *args, **kwargs):
+        if spec.left is not None:
+            spec = replace(spec, window=(spec.left + 1, spec.right))
+        return real(q_i, k_j, spec, *args, **kwargs)
+    return tile_scores
+
+
+def _alibi_signed():
+    """`tiled.tile_scores` that adds ALiBi with the signed ``i + o - j``, not its absolute value."""
+    real = tiled.tile_scores
+
+    def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, **kwargs):
+        s, th = real(q_i, k_j, spec, rows, cols, kind, cap, None, **kwargs)
+        if slopes is not None:  # -inf stays -inf
+            s -= slopes[..., None, None] * (rows[:, None] + spec.offset - cols[None, :])
+        return s, th
+    return tile_scores
+
+
+def _softcap_after_mask():
+    """`tiled.tile_scores` that caps after masking: an invisible pair gets ``-cap``, not ``-inf``."""
+    real = tiled.tile_scores
+
+    def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, **kwargs):
+        s, th = real(q_i, k_j, spec, rows, cols, kind, None, slopes, **kwargs)
+        if cap is not None:
+            np.multiply(np.tanh(s / cap), cap, out=s)
+        return s, th
     return tile_scores
 
 
@@ -161,6 +201,14 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
            ((tiled, "tile_scores", _off_by_one_mask),)),
     Defect("drop_last_tile", "each query tile skips its last visible key tile",
            ((tiled, "absorb", _drop_last_tile),)),
+    Defect("skip_far_tiles", "a key tile more than 20 below every row's running max is skipped",
+           _update(skip_below=20.0)),
+    Defect("window_edge", "the sliding window reaches one key too far left",
+           ((tiled, "tile_scores", _window_edge),)),
+    Defect("alibi_signed", "ALiBi uses the signed i + o - j instead of |i + o - j|",
+           ((tiled, "tile_scores", _alibi_signed),)),
+    Defect("softcap_after_mask", "the softcap is applied after masking (-inf becomes -cap)",
+           ((tiled, "tile_scores", _softcap_after_mask),)),
 )}
 
 

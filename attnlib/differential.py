@@ -59,11 +59,11 @@ def run_case(case, defects=()) -> dict:
     gate = Gate(q, k, v, block_k=case.block_k, **case.mask_kwargs())
 
     def call(stats=False):
-        return attention(q, k, v, **case.mask_kwargs(), **case.tile_kwargs(), return_lse=True,
+        return attention(q, k, v, **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
                          return_stats=stats)
 
     out, lse, stats = call(stats=True)
-    row = {**asdict(case), "mask": case.mask_name,
+    row = {**asdict(case), "mask": case.mask_name, "features": case.features,
            **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse),
            "total_rescales": stats.total_rescales,
            "crossing_fraction": crossing_fraction(case.sq, case.sk, case.block_k, case.causal,
@@ -112,30 +112,38 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     return row
 
 
-def power_table(rows, defects=None) -> list[dict]:
+def power_table(groups, defects=None) -> list[dict]:
     """One row per defect over the ``"defects"`` results of `run_case`/`run_family` rows.
 
-    ``affected``: cases where the defect changed the output at all (an off-by-one causal
-    mask cannot change an unmasked case); ``caught``: cases the gate failed;
-    ``worst rel_error`` and ``max ratio`` (the larger of the out and lse ratios to the
-    gate): its size; ``verdict``: "caught" when at least one case fails (the report's
-    verdict is then FAIL), else "MISSED".
+    ``groups`` maps a run's name to its rows (a plain list is one group, "cases").  Per
+    group, ``"<group>"`` is ``"caught/affected"``: problems the gate failed, of those where
+    the defect changed the output at all (an off-by-one causal mask cannot change an
+    unmasked problem, a window defect one without a window).  ``worst rel_error``,
+    ``worst lse_error`` and ``max ratio`` (the larger of the out and lse ratios to the gate)
+    over all groups give its size, ``judged`` and ``caught`` the totals; ``verdict`` is "caught" when at least one problem fails
+    (the report's verdict is then FAIL), else "MISSED".
     """
+    groups = {"cases": groups} if isinstance(groups, list) else dict(groups)
     names = list(DEFECTS) if defects is None else list(defects)
     table = []
     for name in names:
-        results = [(r, r["defects"][name]) for r in rows if name in r.get("defects", {})]
-        affected = sum(j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]
-                       for r, j in results)
-        caught = sum(not j["passed"] for _, j in results)
-        table.append({
-            "defect": name, "description": DEFECTS[name].description, "cases": len(results),
-            "affected": affected, "caught": caught,
+        entry = {"defect": name, "description": DEFECTS[name].description}
+        results, caught = [], 0
+        for group, rows in groups.items():
+            judged = [(r, r["defects"][name]) for r in rows if name in r.get("defects", {})]
+            hit = sum(not j["passed"] for _, j in judged)
+            affected = sum(j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]
+                           for r, j in judged)
+            entry[group] = f"{hit}/{affected}"
+            results += judged
+            caught += hit
+        entry.update({
+            "judged": len(results), "caught": caught,
             "worst rel_error": max((j["rel_error"] for _, j in results), default=0.0),
             "worst lse_error": max((j["lse_error"] for _, j in results), default=0.0),
             "max ratio": max((max(j["out_ratio"], j["lse_ratio"]) for _, j in results), default=0.0),
-            "verdict": "caught" if caught else "MISSED",
-        })
+            "verdict": "caught" if caught else "MISSED"})
+        table.append(entry)
     return table
 
 

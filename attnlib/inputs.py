@@ -17,7 +17,7 @@ are large; see `FAMILIES`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -116,6 +116,11 @@ FAMILIES = {
                "Every key is the same vector (no key noise), so each row's logits, near "
                "+peak, tie exactly across all its tiles: no rescale after the first tile, "
                "and the output is the plain mean of the visible values.", "accuracy"),
+        Family("sink", "h",
+               "An attention sink: key 0 at peak + 25, every other key near +peak (plus "
+               "O(1) noise). The sink holds the max, yet the other keys' weights, each "
+               "about exp(-25) ~ 1e-11, add up to a share float64 resolves: a kernel that "
+               "skips tiles far below the running max is caught here.", "accuracy"),
     )
 }
 
@@ -141,9 +146,11 @@ def _directions(family, sq, sk, d, block_k, causal, causal_align, peak):
     if family == "negative":
         w[:, 0] = 1.0
         u[:, 0] = -1.0
-    elif family in ("plateau", "ties"):
+    elif family in ("plateau", "ties", "sink"):
         w[:, 0] = 1.0
         u[:, 0] = 1.0
+        if family == "sink":
+            u[0, 0] += 25.0 / peak
     elif family == "ramp":  # + 2 logit units per key tile on top of peak
         w[:, 0] = 1.0
         u[:, 0] = 1.0 + (2.0 / peak) * np.arange(sk) / block_k
@@ -171,8 +178,8 @@ def adversarial_qkv(family, sq, sk=None, d=64, dv=None, *, causal=True,
 
     Parameters
     ----------
-    family : {"first_tile", "last_tile", "growing", "negative", "plateau", "ramp", "ties"}
-        Families (a)-(g); ``FAMILIES[family].stresses`` says what each one tests and
+    family : {"first_tile", "last_tile", "growing", "negative", "plateau", "ramp", "ties", "sink"}
+        Families (a)-(h); ``FAMILIES[family].stresses`` says what each one tests and
         ``.purpose`` whether it measures overflow safety or accuracy.
     sq, sk, d, dv, batch, heads, kv_heads, seed
         As in `random_qkv`; the logit pattern is the same for every batch entry and head,
@@ -218,6 +225,15 @@ class Case:
     block_k: int
     batch: tuple = ()
     seed: int = 0
+    # The contract's other options (`feature_cases` sets them; None / 0 / 1: off).
+    window: tuple | None = None
+    softcap: float | None = None
+    alibi_slopes: tuple | None = None
+    kv_lengths: tuple | None = None
+    q_lengths: tuple | None = None
+    documents: int = 0  # > 0: q and k packed with this many documents (segment ids)
+    kv_splits: int = 1
+    rescale_threshold: float = 0.0
 
     def qkv(self):
         """The case's ``(q, k, v)`` from `random_qkv`."""
@@ -225,15 +241,49 @@ class Case:
                           heads=self.heads, kv_heads=self.kv_heads, seed=self.seed)
 
     def mask_kwargs(self) -> dict:
-        """Keyword arguments shared by `attention` and `reference_attention`."""
-        return dict(causal=self.causal, causal_align=self.causal_align)
+        """Keyword arguments shared by `attention` and `reference_attention`: the masks and
+        score options of the contract (only those the case sets besides the causal ones)."""
+        kwargs = dict(causal=self.causal, causal_align=self.causal_align)
+        for name in ("window", "softcap", "alibi_slopes", "kv_lengths", "q_lengths"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if self.documents:
+            kwargs["q_segment_ids"], kwargs["kv_segment_ids"] = self.segment_ids()
+        return kwargs
+
+    def segment_ids(self):
+        """``(q_ids (*batch, sq), kv_ids (*batch, sk))``: ``documents`` sorted documents each,
+        with seeded random boundaries."""
+        rng = np.random.default_rng(self.seed + 7)
+
+        def ids(s):
+            cuts = np.sort(rng.integers(0, s + 1, (*self.batch, self.documents - 1)), axis=-1)
+            return (np.arange(s) >= cuts[..., None]).sum(axis=-2)
+
+        return ids(self.sq), ids(self.sk)
 
     def tile_kwargs(self) -> dict:
         return dict(block_q=self.block_q, block_k=self.block_k)
 
+    def kernel_kwargs(self) -> dict:
+        """The tiled kernel's own arguments: tiles, split-KV and the lazy-rescale threshold."""
+        return dict(self.tile_kwargs(), kv_splits=self.kv_splits,
+                    rescale_threshold=self.rescale_threshold)
+
     @property
     def mask_name(self) -> str:
         return f"causal/{self.causal_align}" if self.causal else "none"
+
+    @property
+    def features(self) -> str:
+        """The options the case sets, e.g. ``"window, alibi, kv_splits=4"`` ("-" for none)."""
+        names = [name for name, on in (
+            ("window", self.window is not None), ("softcap", self.softcap is not None),
+            ("alibi", self.alibi_slopes is not None), ("kv_lengths", self.kv_lengths is not None),
+            ("q_lengths", self.q_lengths is not None), (f"documents={self.documents}", self.documents),
+            (f"kv_splits={self.kv_splits}", self.kv_splits > 1),
+            (f"lazy tau={self.rescale_threshold:g}", self.rescale_threshold > 0)) if on]
+        return ", ".join(names) or "-"
 
 
 HEAD_DIMS = (16, 32, 59, 64, 128, 256)
@@ -325,5 +375,43 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
             causal=causal, causal_align=align,
             block_q=int(rng.choice(DIFFERENTIAL_BLOCKS)), block_k=int(rng.choice(fitting)),
             seed=seed * 1000 + c,
+        ))
+    return cases
+
+
+#: The options `feature_cases` cycles through, each on in every ``len(FEATURES)``-th case.
+FEATURES = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "documents", "kv_splits", "lazy")
+
+
+def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Case]:
+    """``n`` seeded random cases that exercise the contract's options, several at a time.
+
+    Shapes as `random_cases` but lengths log-uniform in ``32..max_len`` and a batch of 1
+    or 2 (GQA, both causal alignments, ragged tiles), and on top: a sliding window, a softcap, ALiBi slopes, key
+    and query padding, packed documents, split-KV and lazy rescaling.  Case ``c`` always
+    sets feature ``FEATURES[c % len(FEATURES)]`` and each other one with probability 1/3,
+    so every option is exercised and most in combination.
+    """
+    n = _args.positive_int(n, "n")
+    max_len = _args.positive_int(max_len, "max_len")
+    rng = np.random.default_rng(seed)
+    cases = []
+    for c in range(n):
+        base = random_cases(4, seed=seed * 7919 + c, max_len=max_len)[3]  # past the pinned corners
+        sq, sk = (int(x) for x in np.exp(rng.uniform(np.log(32), np.log(max(32, max_len)), 2)).round())
+        batch = (int(rng.integers(1, 3)),)
+        on = {f for f in FEATURES if rng.random() < 1 / 3} | {FEATURES[c % len(FEATURES)]}
+        w = int(rng.integers(1, max(2, sk // 2)))
+        cases.append(replace(
+            base, sq=sq, sk=sk, batch=batch, seed=seed * 1000 + c,
+            window=(w, None if base.causal else int(rng.integers(0, w + 1))) if "window" in on else None,
+            softcap=float(rng.choice((5.0, 30.0))) if "softcap" in on else None,
+            alibi_slopes=tuple(2.0 ** (-8 * (np.arange(base.heads) + 1) / base.heads))
+            if "alibi" in on else None,
+            kv_lengths=tuple(int(x) for x in rng.integers(1, sk + 1, batch)) if "kv_lengths" in on else None,
+            q_lengths=tuple(int(x) for x in rng.integers(1, sq + 1, batch)) if "q_lengths" in on else None,
+            documents=int(rng.integers(2, 5)) if "documents" in on else 0,
+            kv_splits=int(rng.integers(2, 5)) if "kv_splits" in on else 1,
+            rescale_threshold=float(rng.choice((2.0, 8.0))) if "lazy" in on else 0.0,
         ))
     return cases

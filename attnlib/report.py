@@ -186,13 +186,14 @@ NOTEBOOKS = {
     "equivalence": Notebook(
         "Equivalence: tiled attention equals the dense float64 reference",
         {"n_cases": positive, "seed": non_negative, "max_len": positive, "d": positive,
-         "broad_cases": positive, "broad_max_len": positive,
+         "broad_cases": positive, "broad_max_len": positive, "feature_cases": positive,
+         "feature_max_len": positive,
          "adversarial_n": positive, "adversarial_d": positive,
          "block_q": positive, "block_k": positive, "oracle_max_n": non_negative, "results_json": text},
-        {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "adversarial_n": 256,
-         "oracle_max_n": 256},
+        {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "feature_cases": 8,
+         "feature_max_len": 256, "adversarial_n": 256, "oracle_max_n": 256},
         # The reference holds [v, |v|] outputs and the gate a (Sq, Sk) size matrix besides.
-        (("max_len", 8), ("broad_max_len", 8), ("adversarial_n", 2))),
+        (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("adversarial_n", 2))),
     "rescales": Notebook(
         "Rescales: where the online softmax's running max grows",
         {"n": positive, "d": positive, "block_q": positive, "block_k": positive,

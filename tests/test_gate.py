@@ -91,21 +91,32 @@ def causal_problem():
     return q, k, v, Gate(q, k, v, block_k=64, causal=True)
 
 
-def _run(q, k, v):
+def _run(q, k, v, **options):
     with np.errstate(**STRICT):
-        return attention(q, k, v, causal=True, block_q=64, block_k=64, return_lse=True)
+        return attention(q, k, v, block_q=64, block_k=64, return_lse=True, **(options or dict(causal=True)))
+
+
+#: The problem options a defect needs to show at all (default: causal).
+NEEDS = {"window_edge": dict(causal=True, window=(50, None)),
+         "alibi_signed": dict(alibi_slopes=[0.5, 0.25]),
+         "softcap_after_mask": dict(causal=True, softcap=5.0)}
 
 
 @pytest.mark.parametrize("name", sorted(DEFECTS))
 def test_every_defect_fails_the_gate(name, causal_problem):
-    q, k, v, gate = causal_problem
-    assert gate.judge(*_run(q, k, v))["passed"]
+    if name == "skip_far_tiles":  # shows only where tiles sit far below an attention sink
+        q, k, v = adversarial_qkv("sink", 320, d=64, block_k=64, heads=2, seed=11)
+        options = dict(causal=True)
+    else:
+        q, k, v = causal_problem[:3]
+        options = NEEDS.get(name, dict(causal=True))
+    gate = Gate(q, k, v, block_k=64, **options)
+    assert gate.judge(*_run(q, k, v, **options))["passed"]
     with DEFECTS[name].active():
-        judged = gate.judge(*_run(q, k, v))
+        judged = gate.judge(*_run(q, k, v, **options))
     assert not judged["passed"], (name, judged)
     # ... and the real kernel is back, to the bit.
-    out, lse = _run(q, k, v)
-    assert gate.judge(out, lse)["passed"]
+    assert gate.judge(*_run(q, k, v, **options))["passed"]
 
 
 def test_defect_restores_the_kernel_after_an_error(causal_problem):
@@ -140,7 +151,28 @@ def test_run_case_and_power_table():
     assert power["lse_1e-12"]["caught"] == 1 and power["lse_1e-12"]["verdict"] == "caught"
     assert power["lse_1e-12"]["worst lse_error"] == pytest.approx(1e-12, rel=0.01)
     expect = 1 if case.causal else 0  # an off-by-one causal mask cannot touch an unmasked case
-    assert power["off_by_one_mask"]["affected"] == expect == power["off_by_one_mask"]["caught"]
+    assert power["off_by_one_mask"]["cases"] == f"{expect}/{expect}" and power["off_by_one_mask"]["judged"] == 1
+    assert power["off_by_one_mask"]["caught"] == expect
+    grouped = attnlib.power_table({"a": [row], "b": [row, row]}, ["lse_1e-12"])[0]
+    assert (grouped["a"], grouped["b"], grouped["caught"]) == ("1/1", "2/2", 3)
+
+
+def test_feature_cases_exercise_every_option_and_pass():
+    cases = attnlib.inputs.feature_cases(16, seed=2, max_len=256)
+    labels = {"documents": "documents=", "kv_splits": "kv_splits=", "lazy": "lazy tau="}
+    for i, feature in enumerate(attnlib.inputs.FEATURES):  # case c always has FEATURES[c % 8]
+        assert labels.get(feature, feature) in cases[i].features
+    for case in cases:
+        row = attnlib.run_case(case, defects=["window_edge", "alibi_signed", "softcap_after_mask"])
+        assert row["passed"], row
+        for name, judged in row["defects"].items():
+            changed = judged["rel_error"] != row["rel_error"] or judged["lse_error"] != row["lse_error"]
+            assert judged["passed"] != changed or judged["rel_error"] < 1e-12, (name, case.features)
+
+
+def test_sink_family_catches_a_block_sparse_shortcut():
+    row = attnlib.run_family("sink", 512, 64, defects=["skip_far_tiles"])
+    assert row["passed"] and not row["defects"]["skip_far_tiles"]["passed"], row
 
 
 def test_accuracy_families_spread_their_weight():

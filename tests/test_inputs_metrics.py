@@ -28,8 +28,11 @@ def test_families_have_the_documented_structure(family, causal, align):
     if family == "negative":
         assert np.all(np.abs(s[np.isfinite(s)] + 1e4) < 20)
         return
-    if family in ("plateau", "ramp", "ties"):  # 1e4 (+ 2 per key tile for the ramp) + O(1) noise
+    if family in ("plateau", "ramp", "ties", "sink"):  # 1e4 (+ 2 per key tile for the ramp) + O(1) noise
         ramp = 2.0 * np.arange(sk) / bk if family == "ramp" else np.zeros(sk)
+        if family == "sink":  # key 0: the sink, 25 above the rest; it holds every row's max
+            ramp[0] = 25.0
+            assert np.all(arg[rows] == 0)
         noise = np.where(np.isfinite(s), s - 1e4 - ramp, 0.0)
         assert np.abs(noise).max() < 10 and np.abs(noise).max() > 0.1
         if family == "ties":  # identical keys: a row's visible logits are all the same number

@@ -43,14 +43,15 @@ def test_equivalence_figures(quick_reports):
     figs = data["figures"]
     assert len(figs["cases"]) == report.NOTEBOOKS["equivalence"].quick["n_cases"]
     assert len(figs["broad"]) == report.NOTEBOOKS["equivalence"].quick["broad_cases"]
-    everything = figs["cases"] + figs["broad"] + figs["adversarial"]
+    assert len(figs["features"]) == report.NOTEBOOKS["equivalence"].quick["feature_cases"]
+    everything = figs["cases"] + figs["broad"] + figs["features"] + figs["adversarial"]
     assert all(c["passed"] and c["rel_error"] < BOUND for c in everything)
     # The gate is far tighter than the contract's 1e-9, and the real kernel far inside it.
     assert max(max(c["out_ratio"], c["lse_ratio"]) for c in everything) < 0.1
     assert all(c["d"] == 64 and c["crossing_fraction"] > 0 and c["total_rescales"] >= 1 for c in figs["cases"])
     assert {a["family"] for a in figs["adversarial"]} == set(attnlib.FAMILIES)
     accuracy = [a for a in figs["adversarial"] if a["purpose"] == "accuracy"]
-    assert len(accuracy) == 4 and all(a["oracle_passed"] for a in accuracy)
+    assert len(accuracy) == 5 and all(a["oracle_passed"] for a in accuracy)
     assert [p["defect"] for p in figs["power"]] == list(DEFECTS)
     assert all(p["verdict"] == "caught" and p["caught"] >= 1 for p in figs["power"])
     assert data["params"]["n_cases"] == 6 and data["seconds"] > 0 and data["strict"] is True
