@@ -23,6 +23,10 @@ ALIGNS = ("bottom_right", "top_left")
 _FINITE_CHUNK = 1 << 16
 
 
+#: The contract's strict floating-point mode: a division by zero, an overflow or an invalid
+#: operation (inf - inf, 0 / 0, ...) raises instead of leaving an inf or a NaN behind.
+STRICT = dict(divide="raise", over="raise", invalid="raise")
+
 def as_float_array(x, name: str) -> np.ndarray:
     """``x`` as an ndarray of a real floating dtype (no copy for arrays)."""
     arr = np.asarray(x)

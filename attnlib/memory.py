@@ -43,7 +43,9 @@ def _in_subprocess(case: dict, timeout: float) -> dict:
         capture_output=True, text=True, timeout=timeout,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"memory measurement {case} failed:\n{proc.stderr}")
+        how = (f"killed by signal {-proc.returncode} (e.g. out of memory)" if proc.returncode < 0
+               else f"exit status {proc.returncode}")
+        raise RuntimeError(f"memory measurement {case} failed ({how}):\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -271,7 +273,9 @@ def _measure(case: dict) -> dict:
 
     # Strict mode: a division by zero, overflow or invalid operation raises, in the
     # warm-up and in the measured call alike.
-    np.seterr(divide="raise", over="raise", invalid="raise")
+    from ._args import STRICT
+
+    np.seterr(**STRICT)
     backward = case["path"].endswith("_backward")
 
     def grads_for(q, k, v, seed):  # forward results and an upstream gradient, made untraced

@@ -36,6 +36,7 @@ Runs never pass for what they are not:
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime as _dt
 import html
 import json
@@ -43,7 +44,6 @@ import math
 import numbers
 import os
 import platform
-import contextlib
 import logging
 import shutil
 import subprocess
@@ -70,9 +70,7 @@ PROGRESS_ENV = "ATTNLIB_REPORT_PROGRESS"  # the file `stage` appends its lines t
 
 # -- strict floating point and progress, called from the notebooks ---------------------------
 
-#: The contract's strict floating-point mode: a division by zero, an overflow or an invalid
-#: operation (inf - inf, 0 / 0, ...) raises instead of leaving an inf or a NaN behind.
-STRICT = dict(divide="raise", over="raise", invalid="raise")
+STRICT = _args.STRICT  # the contract's strict floating-point mode
 STRICT_TEXT = "np.errstate(" + ", ".join(f"{k}={v!r}" for k, v in STRICT.items()) + ")"
 
 
@@ -208,7 +206,7 @@ NOTEBOOKS = {
          "decode_queries": sizes, "results_json": text},
         {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
          "decode_keys": 262144, "decode_queries": [1, 16]},
-        (("dense_max_n", 1),)),
+        (("n", 1), ("dense_max_n", 1))),
     "gradients": Notebook(
         "Gradients: the tiled backward pass equals the dense float64 gradient",
         {"n_cases": positive, "seed": non_negative, "max_len": positive,
@@ -311,7 +309,7 @@ def environment() -> dict:
     return {
         "attnlib": __version__,
         "git commit": _git_commit(),
-        "date (UTC)": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "date (UTC)": _now(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "BLAS": _blas(),
@@ -437,6 +435,9 @@ def _plan(names, overrides, quick, nb_dir) -> list[tuple[str, Path, dict, dict]]
         if not sep or not key:
             raise ReportError(f"parameters are given as key=value, got {item!r}")
         target, _, key = key.rpartition(".")
+        if key == "results_json":
+            raise ReportError("results_json is where the runner collects a notebook's figures, "
+                              "not a parameter to set")
         if target and target not in names:
             raise ReportError(f"parameter {item!r} names notebook {target!r}, which is not selected")
         if not any(key in NOTEBOOKS[n].parameters for n in ([target] if target else names)):
@@ -519,26 +520,28 @@ def render_html(executed: Path, target: Path, banner: str = "") -> None:
     if banner:
         nb.cells.insert(1, nbformat.v4.new_markdown_cell(banner, metadata={"tags": ["attnlib-banner"]}))
     body, _ = exporter.from_notebook_node(nb)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(body, encoding="utf-8")
-    os.replace(tmp, target)
+    _write_atomic(target, body)
 
 
 def _kernel_options() -> dict:
-    """papermill keyword arguments for a quiet, private kernel connection.
+    """papermill keyword arguments for a quiet kernel with a private connection.
 
     Where jupyter_client can provision CurveZMQ keys (and pyzmq has CURVE), the kernel's
     sockets are encrypted: ipykernel then has no reason to warn that it runs over plain TCP.
     """
+    # The kernel's own log (e.g. "KeyboardInterrupt caught in kernel" when the runner stops it
+    # at the end) goes to the user's terminal: only critical lines.  A notebook's errors reach
+    # the runner through the cells' outputs, not this log.
+    options = {"extra_arguments": ["--IPKernelApp.log_level=CRITICAL"]}
     try:
         import zmq
         from jupyter_client.manager import KernelManager
         from traitlets.config import Config
     except ImportError:
-        return {}
+        return options
     if "transport_encryption" not in KernelManager.class_trait_names() or not zmq.has("curve"):
-        return {}
-    return {"config": Config({"KernelManager": {"transport_encryption": "auto"}})}
+        return options
+    return {**options, "config": Config({"KernelManager": {"transport_encryption": "auto"}})}
 
 
 class _Reported(logging.Filter):
@@ -663,10 +666,22 @@ def execute(path: Path, params: dict, target: Path, *, banner: str = "", progres
     return data
 
 
+def _write_atomic(target: Path, text: str) -> None:
+    """Write ``text`` to a uniquely named file beside ``target``, then rename it over ``target``:
+    a reader sees the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _write_json(target: Path, data: dict) -> None:
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=_jsonable))
-    os.replace(tmp, target)
+    _write_atomic(target, json.dumps(data, indent=1, default=_jsonable))
 
 
 def _now() -> str:
@@ -674,17 +689,18 @@ def _now() -> str:
 
 
 def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict | None = None,
-            progress=None) -> tuple[bool, str]:
+            progress=None, marks: dict | None = None) -> tuple[bool, str]:
     """Execute one notebook and render it; the previous report stays unless this succeeds.
 
     Returns ``(ran, message)``.  On success the results JSON records ``default_params`` and
     ``overrides`` against ``defaults`` (the notebook's declared values; None: not known, taken
     as default) and any error marker of an earlier run is cleared.  On failure
     ``<name>.status.json`` records the error and ``failed/<name>.ipynb`` keeps the executed
-    notebook.
+    notebook.  ``marks`` are further ``{name: {"default": ..., "actual": ...}}`` entries that
+    make the run non-default (e.g. a notebook from another folder).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    overrides = overridden(params, defaults or {})
+    overrides = {**overridden(params, defaults or {}), **(marks or {})}
     status_file, kept = out_dir / f"{name}.status.json", out_dir.resolve() / "failed" / f"{name}.ipynb"
     started = time.perf_counter()
 
@@ -692,8 +708,11 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict |
         progress(f"{line} ({time.perf_counter() - started:.0f} s in)")
 
     try:
-        data = execute(path, params, out_dir / f"{name}.html", banner=_banner(overrides) if overrides else "",
-                       progress=stage if progress else None, keep_failed=kept)
+        try:
+            data = execute(path, params, out_dir / f"{name}.html", banner=_banner(overrides) if overrides else "",
+                           progress=stage if progress else None, keep_failed=kept)
+        except OSError as e:  # the notebook ran, but its report could not be rendered or written
+            raise NotebookError(path.name, "", f"writing its report failed: {type(e).__name__}: {e}") from e
     except NotebookError as e:
         _write_json(status_file, {
             "notebook": e.notebook, "status": "ERROR", "cell": e.cell, "error": e.error,
@@ -724,7 +743,8 @@ def _index_item(name: str, title: str, out_dir: Path) -> str:
     lines = []
     if status is not None:
         where = f"{status['notebook']}, {status['cell']}" if status.get("cell") else status["notebook"]
-        previous = (f"the report below is the previous successful run, of {data.get('environment', {}).get('date (UTC)', '?')} UTC"
+        previous = (f"the report below is from the previous run that completed, of "
+                    f"{data.get('environment', {}).get('date (UTC)', '?')} UTC, and is not this run's"
                     if data is not None else "there is no earlier report")
         kept = (f" (the executed notebook is kept locally as failed/{html.escape(name)}.ipynb)"
                 if status.get("executed") else "")
@@ -776,9 +796,7 @@ Each report below was produced by running its notebook with papermill
 </ul></body></html>
 """
     index = out_dir / "index.html"
-    tmp = out_dir / "index.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, index)
+    _write_atomic(index, page)
     return index
 
 
@@ -806,27 +824,56 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
     if out_dir is None:
         out_dir = LOCAL_REPORTS if nondefault else REPORTS
     out_dir = Path(out_dir)
-    if nondefault and out_dir.resolve() == REPORTS.resolve() and not allow_nondefault_reports:
+    inside_reports = out_dir.resolve() == REPORTS.resolve() or REPORTS.resolve() in out_dir.resolve().parents
+    if nondefault and inside_reports and not allow_nondefault_reports:
         error(f"error: {REPORTS} holds the full runs at the notebooks' defaults; a --quick, -p or "
               f"--notebooks run writes to {LOCAL_REPORTS.name}/ (or give --out elsewhere, or add "
               "--allow-nondefault-reports to write there anyway, marked NON-DEFAULT)")
         return 2
     if nondefault:
         log(f"non-default run: reports go to {out_dir}")
-    status = 0
-    for i, (name, path, params, defaults) in enumerate(runs, 1):
-        prefix = f"[{i}/{len(runs)}] {name}:"
-        log(f"{prefix} running {path.name} ...")
-        ok, message = run_one(name, path, params, out_dir, defaults,
-                              progress=lambda line, prefix=prefix: log(f"{prefix}   {line}"))
-        if not ok or message.startswith("FAIL"):
-            status = 1
-            error(f"{prefix} {message}")
-        else:
-            log(f"{prefix} {message}")
-    index = write_index(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir) as locked:
+        if not locked:
+            error(f"error: another report run is writing to {out_dir}; wait for it or use --out")
+            return 2
+        status = 0
+        for i, (name, path, params, defaults) in enumerate(runs, 1):
+            prefix = f"[{i}/{len(runs)}] {name}:"
+            log(f"{prefix} running {path.name} ...")
+            marks = ({"notebook": {"default": f"notebooks/{name}.ipynb", "actual": str(path)}}
+                     if other_notebooks else None)
+            ok, message = run_one(name, path, params, out_dir, defaults, marks=marks,
+                                  progress=lambda line, prefix=prefix: log(f"{prefix}   {line}"))
+            if not ok or message.startswith("FAIL"):
+                status = 1
+                error(f"{prefix} {message}")
+            else:
+                log(f"{prefix} {message}")
+        index = write_index(out_dir)
     log(f"index: {index}")
     return status
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path):
+    """An exclusive lock on ``out_dir/.lock`` while a run writes there; yields False when
+    another run holds it (POSIX ``flock``; where that does not exist, no lock)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
+    with open(out_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _EPILOG = """\

@@ -306,7 +306,7 @@ def test_failed_notebook_is_an_error_in_the_index_until_it_runs_again(tmp_path):
     assert status_json["status"] == "ERROR" and status_json["error"] == "RuntimeError: boom"
     index = (out / "index.html").read_text()
     assert ('<span class="error">ERROR</span> in rescales.ipynb, cell 3 (&#x27;raise RuntimeError'
-            in index and "the report below is the previous successful run" in index)
+            in index and "the report below is from the previous run that completed" in index)
     assert 'href="rescales.html"' in index  # still linked
 
     tiny_notebook(nb_dir)  # fixed: the next run clears the marker and the kept notebook
@@ -392,3 +392,48 @@ def test_equivalence_report_fails_with_a_defect_in_the_kernel(tmp_path, monkeypa
     data = results(tmp_path / "out", "equivalence")
     assert data["passed"] is False and any("equivalence: FAIL" in line for line in lines), lines
     assert not any(c["passed"] for c in data["figures"]["cases"])
+
+
+def test_runs_that_cannot_be_honest_are_refused_or_marked(tmp_path, monkeypatch):
+    nb_dir, out = tmp_path / "nb", tmp_path / "out"
+    tiny_notebook(nb_dir)
+    # results_json is the runner's, never a parameter
+    status, _, errors = run_tiny(overrides=["results_json='/tmp/x.json'"], out_dir=out)
+    assert status == 2 and "results_json" in errors[0]
+    # a notebook from another folder is marked even at its own defaults
+    status, lines, errors = run_tiny(nb_dir=nb_dir, out_dir=out)
+    assert status == 0, (lines, errors)
+    data = results(out, "rescales")
+    assert data["default_params"] is False and data["overrides"]["notebook"]["actual"] == str(nb_dir / "rescales.ipynb")
+    assert "NON-DEFAULT PARAMETERS" in (out / "index.html").read_text()
+    # a subfolder of reports/ counts as reports/
+    monkeypatch.setattr(report, "REPORTS", tmp_path / "reports")
+    status, _, errors = run_tiny(nb_dir=nb_dir, out_dir=tmp_path / "reports" / "sub")
+    assert status == 2 and "allow-nondefault-reports" in errors[0]
+
+
+def test_a_report_that_cannot_be_written_is_an_error(tmp_path, monkeypatch):
+    nb_dir, out = tmp_path / "nb", tmp_path / "out"
+    tiny_notebook(nb_dir)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "render_html", full_disk)
+    status, _, errors = run_tiny(nb_dir=nb_dir, out_dir=out)
+    assert status == 1 and "writing its report failed" in errors[0] and "No space left" in errors[0]
+    assert json.loads((out / "rescales.status.json").read_text())["status"] == "ERROR"
+    assert "ERROR" in (out / "index.html").read_text()
+
+
+def test_one_run_at_a_time_per_folder(tmp_path):
+    import fcntl
+
+    nb_dir, out = tmp_path / "nb", tmp_path / "out"
+    tiny_notebook(nb_dir)
+    out.mkdir()
+    with open(out / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        status, _, errors = run_tiny(nb_dir=nb_dir, out_dir=out)
+    assert status == 2 and "another report run" in errors[0]
+    assert run_tiny(nb_dir=nb_dir, out_dir=out)[0] == 0  # released
