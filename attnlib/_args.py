@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,13 +28,34 @@ _FINITE_CHUNK = 1 << 16
 #: operation (inf - inf, 0 / 0, ...) raises instead of leaving an inf or a NaN behind.
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 
+# Floating types of ml_dtypes (bfloat16, float8): not numpy floating subtypes, but real
+# floating values all the same, converted to float64 exactly.
+_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2",
+              "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu", "float6_e2m3fn",
+              "float6_e3m2fn", "float4_e2m1fn")
+
+
+def _is_ml_float(dtype: np.dtype) -> bool:
+    ml_dtypes = sys.modules.get("ml_dtypes")  # an array of its types means it is imported
+    if ml_dtypes is None:
+        return False
+    return any(dtype == np.dtype(t) for t in (getattr(ml_dtypes, n, None) for n in _ML_FLOATS)
+               if t is not None)
+
+
 def as_float_array(x, name: str) -> np.ndarray:
-    """``x`` as an ndarray of a real floating dtype (no copy for arrays)."""
+    """``x`` as an ndarray of a real floating dtype (no copy for numpy float arrays).
+
+    Arrays of the ml_dtypes floating types (bfloat16, float8) are converted to float64
+    (exactly): numpy does not count them as floating, but they are real floats.
+    """
     arr = np.asarray(x)
     if not np.issubdtype(arr.dtype, np.floating):
+        if _is_ml_float(arr.dtype):
+            return arr.astype(np.float64)
         kind = "complex" if np.iscomplexobj(arr) else str(arr.dtype)
         raise TypeError(
-            f"{name} must have a real floating dtype (float16/32/64), got {kind}"
+            f"{name} must have a real floating dtype (float16/32/64, bfloat16), got {kind}"
         )
     return arr
 
@@ -53,6 +75,35 @@ def check_finite(x: np.ndarray, name: str) -> None:
                 f"{name} contains NaN or inf (first at index {tuple(int(w) for w in where)});"
                 " pass check_finite=False to skip this check"
             )
+
+
+def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.float64) -> bool:
+    """Whether some score ``scale * q_i . k_j`` might overflow ``dtype``, from an O(n) bound.
+
+    ``|scale * q_i . k_j| <= D * max|q| * max|k| * |scale|``; the bound used,
+    ``D * max|q| * max(1, max|k|) * max(1, |scale|)``, also covers ``scale * q`` and the
+    unscaled product (low precisions scale after the matmul), with a margin of 16 for the
+    order of the additions.  False means no score can overflow, so the kernels skip their
+    per-tile check; True only means they make it (see `overflow_message`).  Inputs holding
+    NaN or inf (passed with ``check_finite=False``) are not checked: their scores are
+    non-finite by the caller's choice.
+    """
+    if q.size == 0 or k.size == 0:
+        return False
+    q_max = max(abs(float(q.max())), abs(float(q.min())))  # reductions: no |q| copy
+    k_max = max(abs(float(k.max())), abs(float(k.min())))
+    if not (math.isfinite(q_max) and math.isfinite(k_max)):
+        return False  # non-finite inputs (check_finite=False): the caller gets what they asked for
+    bound = q.shape[-1] * q_max * max(k_max, 1.0) * max(abs(float(scale)), 1.0)  # inf if huge
+    return not bound < float(np.finfo(dtype).max) / 16
+
+
+def overflow_message(dtype) -> str:
+    """The error for finite q and k whose scores overflow ``dtype``."""
+    dtype = np.dtype(dtype)
+    return (f"scores overflow {dtype}: |scale * q . k| exceeds {float(np.finfo(dtype).max):.3g} "
+            "for a visible pair of q and k (their softmax is undefined in this precision); "
+            "scale q or k down")
 
 
 def positive_int(x, name: str) -> int:
@@ -111,9 +162,27 @@ class Precision:
         return np.asarray(x).astype(self.compute).astype(self.accumulate)
 
 
+_PRECISIONS = ("float64", "float32", "float16", "bfloat16")
+
+
 def precision(x) -> Precision:
-    """``compute_dtype``: None/"float64", "float32", "float16" or "bfloat16" (needs ml_dtypes)."""
-    name = "float64" if x is None else str(np.dtype(x)) if not isinstance(x, str) else x
+    """``compute_dtype``: None/"float64", "float32", "float16" or "bfloat16" (needs ml_dtypes).
+
+    A numpy dtype or type of those names is taken too; anything else is a ValueError
+    naming the choices.
+    """
+    if x is None:
+        name = "float64"
+    elif isinstance(x, str):
+        name = x
+    else:
+        try:
+            name = str(np.dtype(x))
+        except (TypeError, ValueError):
+            name = None
+    if name not in _PRECISIONS:
+        raise ValueError("compute_dtype must be one of None, 'float64', 'float32', 'float16', "
+                         f"'bfloat16', got {x!r}")
     if name == "float64":
         return Precision("float64", np.dtype(np.float64), np.dtype(np.float64), float(np.finfo(np.float64).eps))
     if name in ("float32", "float16"):
@@ -127,7 +196,7 @@ def precision(x) -> Precision:
                              "(pip install attnlib[lowp])") from None
         return Precision(name, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                          float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps))
-    raise ValueError(f"compute_dtype must be one of float64, float32, float16, bfloat16; got {x!r}")
+    raise AssertionError(name)  # unreachable: every name of _PRECISIONS is handled above
 
 
 def flag(x, name: str) -> bool:
@@ -233,20 +302,36 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
     return q5, k5, v5, problem
 
 
-def window(x):
-    """``(left, right)``: each a non-negative integer or None (unbounded); None = no window."""
+#: A window side this wide is unbounded for any array numpy can hold; mapping it to None keeps
+#: the mask arithmetic (``i + o + right`` in int64) far from wrapping around.
+_WINDOW_UNBOUNDED = 1 << 62
+
+
+def window(x, limit: int | None = None):
+    """``(left, right)``: each a non-negative integer or None (unbounded); None = no window.
+
+    A side ``>= limit`` (give ``Sq + Sk``: no pair is that far apart, whatever the
+    alignment) or ``>= 2**62`` is returned as None, since it bounds nothing: so that
+    ``window=(None, sys.maxsize)`` or ``(10**30, None)`` means exactly no window instead of
+    overflowing the int64 index arithmetic.
+    """
     if x is None:
         return (None, None)
     if not isinstance(x, (tuple, list)) or len(x) != 2:
         raise ValueError(f"window must be a pair (left, right) or None, got {x!r}")
+    sides = []
     for side, value in zip(("left", "right"), x):
         if value is None:
+            sides.append(None)
             continue
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
             raise ValueError(f"window {side} must be a non-negative integer or None, got {value!r}")
+        value = int(value)
         if value < 0:
             raise ValueError(f"window {side} must be a non-negative integer or None, got {value!r}")
-    return tuple(None if v is None else int(v) for v in x)
+        unbounded = value >= _WINDOW_UNBOUNDED or (limit is not None and value >= limit)
+        sides.append(None if unbounded else value)
+    return tuple(sides)
 
 
 def _integers(x, name):

@@ -204,15 +204,20 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     dq = np.zeros(q5.shape)
     dk = np.zeros(pb.batch + (pb.hk, pb.sk, pb.d))
     dv = np.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))
+    if pb.sq == 0 or pb.sk == 0:
+        # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way.
+        return _split_grads(pb, dq, dk, dv)
+    check = _args.scores_may_overflow(q5, k5, pb.scale)  # then every tile checks its scores
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
         _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale, spec,
                   tiles, cap, _args.for_entry(slopes, idx),
-                  dq[idx], dk[idx], dv[idx], workers)
+                  dq[idx], dk[idx], dv[idx], workers, check)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
     return _split_grads(pb, dq, dk, dv)
 
 
-def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1):
+def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1,
+              check=False):
     """Tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2.
 
     ``q, out, dout: (*lead, sq, .)`` and ``lse: (*lead, sq)`` with ``lead = (..., g)``;
@@ -228,8 +233,9 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     q_starts = np.arange(0, sq, bq)
     q_ends = np.minimum(q_starts + bq, sq)
     # The tile map, one byte a tile: (n_q_tiles, n_k_tiles).
-    kinds = np.stack([spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
-                      for q0, q1 in zip(q_starts, q_ends)])
+    kinds = np.zeros((q_starts.size, k_starts.size), dtype=np.int8)
+    for a, (q0, q1) in enumerate(zip(q_starts, q_ends)):
+        kinds[a] = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
     visible = kinds != SKIP
     # rank[a, b]: visible key tiles before b in query tile a, i.e. b's turn to add to dq_a.
     turns = _Turns(np.cumsum(visible, axis=1) - visible, threaded=workers > 1)
@@ -259,10 +265,11 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                     buffers[q1 - q0] = (np.empty(tile), np.empty(tile),
                                         np.empty(q.shape[:-2] + (q1 - q0, q.shape[-1])))
                 s_buf, ds, dq_ij = buffers[q1 - q0]
-                q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
+                with np.errstate(over="ignore") if check else contextlib.nullcontext():
+                    q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
                 dout_i = dout[..., q0:q1, :].astype(np.float64, copy=False)  # (..., g, bq, dv)
                 s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
-                                    slopes, keep_tanh=True, out=s_buf)
+                                    slopes, keep_tanh=True, out=s_buf, check=check)
                 s -= shift[..., q0:q1, None]
                 p = np.exp(s, out=s)  # (..., g, bq, bk): the forward's probabilities
                 dv_j += np.matmul(np.swapaxes(p, -1, -2), dout_i, out=dv_part)

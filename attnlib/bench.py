@@ -24,7 +24,7 @@ from .backward import attention_backward, reference_attention_backward
 from .inputs import random_qkv
 from .memory import dense_fits
 from .reference import reference_attention
-from .tiled import _one_blas_thread, attention
+from .tiled import _parallel_settings as _one_blas_thread, attention  # refcounted guard
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bo
     """
     causal = _args.flag(causal, "causal")
     causal_align = _args.causal_align(causal_align)
-    win = _args.window(window)
+    win = _args.window(window, limit=sq + sk)  # wider sides bound nothing: None
     q_len = _args.lengths(q_lengths, "q_lengths", batch, sq, "Sq")
     kv_len = _args.lengths(kv_lengths, "kv_lengths", batch, sk, "Sk")
     q_ids, kv_ids = _args.segment_ids(q_segment_ids, kv_segment_ids, batch, sq, sk)

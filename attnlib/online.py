@@ -132,6 +132,26 @@ class OnlineSoftmax:
         return out, lse
 
 
+def _real_float(x, name: str) -> np.ndarray:
+    """``x`` as float64; refused (TypeError) unless it holds real floating numbers.
+
+    Nested lists of Python floats are fine; strings, objects, integers, bools and complex
+    numbers (whose imaginary part a cast would drop) are not.  ml_dtypes floats (bfloat16)
+    are converted.
+    """
+    from ._args import _is_ml_float  # _args imports this module
+
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError):  # ragged nested lists and the like
+        arr = None
+    if arr is None or not (np.issubdtype(arr.dtype, np.floating) or _is_ml_float(arr.dtype)):
+        kind = ("nothing usable" if arr is None else "complex" if np.iscomplexobj(arr)
+                else "strings" if arr.dtype.kind in "US" else str(arr.dtype))
+        raise TypeError(f"{name} must be an array of real floating numbers, got {kind}")
+    return arr.astype(np.float64, copy=False)
+
+
 def merge_attention(outs, lses):
     """Combine attention results computed over disjoint key ranges (split-KV).
 
@@ -145,7 +165,13 @@ def merge_attention(outs, lses):
 
     Returns
     -------
-    out, lse : the result over the union of the key ranges.
+    out, lse : the result over the union of the key ranges (float64).
+
+    Raises
+    ------
+    TypeError
+        If an entry of ``outs`` or ``lses`` is not an array of real floating numbers
+        (strings, integers, complex: no silent conversion).
 
     Notes
     -----
@@ -159,8 +185,8 @@ def merge_attention(outs, lses):
                          f"got {len(outs)} and {len(lses)}")
     state = None
     for r, (out, lse) in enumerate(zip(outs, lses)):
-        out = np.asarray(out, dtype=np.float64)
-        lse = np.asarray(lse, dtype=np.float64)
+        out = _real_float(out, f"outs[{r}]")
+        lse = _real_float(lse, f"lses[{r}]")
         if out.shape[:-1] != lse.shape:
             raise ValueError(f"outs[{r}] {out.shape} and lses[{r}] {lse.shape} do not match "
                              "((..., Sq, Dv) and (..., Sq))")

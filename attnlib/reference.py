@@ -7,6 +7,8 @@ against hand-built cases.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import _args
@@ -29,7 +31,12 @@ def _scores(q5, k5, pb, *, dtype=np.float64, **options):
     visible, distance, cap, slopes = pair_terms(pb, **options)
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
     # computes the same function more precisely, not a different one.
-    s = dtype(pb.scale) * np.matmul(q5.astype(dtype), np.swapaxes(k5.astype(dtype), -1, -2))
+    may_overflow = _args.scores_may_overflow(q5, k5, pb.scale, dtype)
+    # An overflow is reported below, and only where a visible pair has it.
+    with np.errstate(over="ignore", invalid="ignore") if may_overflow else contextlib.nullcontext():
+        s = dtype(pb.scale) * np.matmul(q5.astype(dtype), np.swapaxes(k5.astype(dtype), -1, -2))
+    if may_overflow and (~np.isfinite(s) & visible).any():
+        raise ValueError(_args.overflow_message(s.dtype))
     if cap is not None:
         s = dtype(cap) * np.tanh(s / dtype(cap))
     s = np.where(visible, s, -np.inf)

@@ -7,6 +7,8 @@ far larger than memory.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import _args
@@ -80,6 +82,13 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
     q_arr = _args.as_float_array(q, "q")
     if check_finite and q_arr.ndim >= 2:
         _args.check_finite(q_arr, "q")
+    if total_keys is not None and q_arr.ndim >= 2:  # sides past Sq + Sk bound nothing
+        win = _args.window(window, limit=q_arr.shape[-2] + total_keys)
+    try:
+        kv_chunks = iter(kv_chunks)
+    except TypeError:
+        raise TypeError("kv_chunks must be an iterable of (k_chunk, v_chunk) pairs, got "
+                        f"{type(kv_chunks).__name__}") from None
     state = None
     position = 0  # absolute position of the next key
     for t, chunk in enumerate(kv_chunks):
@@ -104,6 +113,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             raise ValueError(f"the chunks hold more than total_keys={total_keys} keys")
         spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, causal,
                         causal_align, win)
+        check = _args.scores_may_overflow(q5, k5, pb.scale)  # then each tile checks its scores
         k0s = np.arange(position, end, tiles.block_k)
         k1s = np.minimum(k0s + tiles.block_k, end)
         for a, q0 in enumerate(range(0, pb.sq, tiles.block_q)):
@@ -111,9 +121,10 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             kinds = spec.tile_kind(q0, q1, k0s, k1s)  # (n_k_tiles of the chunk,)
             todo = np.flatnonzero(kinds != SKIP)
             if todo.size:
-                q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
+                with np.errstate(over="ignore") if check else contextlib.nullcontext():
+                    q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
                 absorb(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
-                       cap, slopes, key_offset=position)
+                       cap, slopes, key_offset=position, check=check)
         position = end
     if state is None:
         raise ValueError("kv_chunks is empty: give at least one (k_chunk, v_chunk), "

@@ -1,9 +1,21 @@
 """Reading the tensors a kernel under test saved: ``.npy``, ``.npz`` and ``.safetensors``.
 
-A tensor file must never run code: ``.npy``/``.npz`` are read with ``allow_pickle=False``,
-and ``.safetensors`` (a JSON header and raw little-endian bytes) is parsed here directly,
-so it needs no package and supports bfloat16.  A file holding several tensors is addressed
-as ``path:name``; one holding a single tensor needs no name.
+A tensor file must never run code, nor make the reader allocate what the file does not
+hold.  Nothing in a header is trusted: ``.npy`` headers (also inside ``.npz``) and
+``.safetensors`` headers are parsed here, without numpy's loader, and checked before a
+byte of data is read -- the dtype must be plain numeric (never an object/pickle or
+structured dtype), the shape a tuple of non-negative ints, and its size times the item
+size must equal exactly the bytes the file (or the ``.npz`` member, per the zip
+directory) holds.  Only then is the data read, in bounded chunks, into an array of
+exactly that size: reading a file allocates at most about twice its size (bfloat16 is
+widened to float32 on the fly) plus a fixed 1 MiB, whatever its header claims.  A
+deflated ``.npz`` member may hold more than its compressed size, but never more than
+deflate's maximal ratio (1032:1) allows, and decompression stops at the declared size.
+Every malformed file raises `TensorFileError` (a `ValueError`), whose one-line message
+names the argument, the file and the problem; the CLI turns it into exit code 2.
+
+A file holding several tensors is addressed as ``path:name``; one holding a single
+tensor needs no name.
 
 bfloat16 arrives in three disguises, all read exactly (a bfloat16 is the top half of a
 float32): safetensors ``BF16``; ``ml_dtypes.bfloat16`` saved with ``np.save`` (numpy
@@ -14,9 +26,11 @@ integers.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -24,6 +38,21 @@ import numpy as np
 FLOAT_KINDS = ("float64", "float32", "float16", "bfloat16")
 
 _SAFETENSORS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+#: Item sizes of the other safetensors dtypes: entries we do not read are still checked.
+_SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+                         "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+                         "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+#: Limits on headers: numpy's own default for .npy, safetensors' own for its JSON header.
+NPY_MAX_HEADER = 10_000
+SAFETENSORS_MAX_HEADER = 100_000_000
+MAX_NDIM = 32
+#: deflate never expands more than 1032:1; a member declaring more lies.
+_DEFLATE_MAX_RATIO = 1032
+#: Data is read through a buffer of at most this many bytes.
+_CHUNK = 1 << 18
+
+_NPY_MAGIC = b"\x93NUMPY"
 
 
 class TensorFileError(ValueError):
@@ -48,35 +77,52 @@ def load_tensor(spec: str, label: str, dtype: str | None = None) -> tuple[np.nda
     array : ndarray, float16, float32 or float64 (bfloat16 is returned as the float32 of
         equal value)
     kind : str, one of `FLOAT_KINDS`: the type the tensor was stored in
+
+    Raises
+    ------
+    TensorFileError
+        For every unusable file, whatever is wrong with it; never another exception.
     """
     path, key = split_spec(spec)
     where = f"{label} {spec}"
+    try:
+        return _load(path, key, where, dtype)
+    except TensorFileError as e:
+        raise TensorFileError(_one_line(str(e))) from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise TensorFileError(_one_line(f"{where}: not a readable tensor file ({e})")) from None
+    except (MemoryError, RecursionError) as e:  # not expected: every size is checked first
+        raise TensorFileError(_one_line(f"{where}: not a readable tensor file "
+                                        f"({type(e).__name__})")) from None
+    except Exception as e:  # a library's surprise on a hostile file: still one clean message
+        raise TensorFileError(_one_line(f"{where}: not a readable tensor file "
+                                        f"({type(e).__name__}: {e})")) from None
+
+
+def _one_line(message: str, limit: int = 600) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
+def _load(path, key, where, dtype):
     if not os.path.exists(path):
         raise TensorFileError(f"{where}: no such file")
     if os.path.isdir(path):
         raise TensorFileError(f"{where}: is a directory, not a tensor file")
+    if not os.path.isfile(path):
+        raise TensorFileError(f"{where}: not a regular file")
     suffix = os.path.splitext(path)[1].lower()
-    try:
-        if suffix == ".npy":
-            if key is not None:
-                raise TensorFileError(f"{where}: a .npy file holds one array; drop ':{key}'")
-            raw, stored = np.load(path, allow_pickle=False), None
-        elif suffix == ".npz":
-            raw, stored = _from_npz(path, key, where), None
-        elif suffix == ".safetensors":
-            raw, stored = _from_safetensors(path, key, where)
-        else:
-            raise TensorFileError(f"{where}: unknown file type {suffix!r} (expected .npy, .npz or .safetensors)")
-    except TensorFileError:
-        raise
-    except ValueError as e:
-        if "allow_pickle" in str(e) or "Object arrays" in str(e):
-            raise TensorFileError(f"{where}: holds pickled Python objects, refused (a tensor file "
-                                  "must not run code; save plain numeric arrays)") from None
-        raise TensorFileError(f"{where}: not a readable tensor file ({e})") from None
-    except (OSError, zipfile.BadZipFile, EOFError) as e:
-        raise TensorFileError(f"{where}: not a readable tensor file ({e})") from None
-    return _as_float(raw, stored, where, dtype)
+    if suffix == ".npy":
+        if key is not None:
+            raise TensorFileError(f"{where}: a .npy file holds one array; drop ':{key}'")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return _read_npy(f, size, where, "not an .npy file", dtype)
+    if suffix == ".npz":
+        return _from_npz(path, key, where, dtype)
+    if suffix == ".safetensors":
+        return _from_safetensors(path, key, where, dtype)
+    raise TensorFileError(f"{where}: unknown file type {suffix!r} (expected .npy, .npz or .safetensors)")
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:
@@ -98,68 +144,263 @@ def _pick(names, key, where):
     return next(iter(names))
 
 
-def _from_npz(path, key, where):
-    with np.load(path, allow_pickle=False) as archive:
-        return archive[_pick(archive.files, key, where)]
+def _is_count(x) -> bool:
+    """A non-negative int (bools, floats and strings are not)."""
+    return type(x) is int and x >= 0
 
 
-def _from_safetensors(path, key, where):
-    """Parse the format: 8-byte little-endian header size, a JSON header, raw bytes."""
+def _check_shape(shape, where):
+    if len(shape) > MAX_NDIM:
+        raise TensorFileError(f"{where}: shape has {len(shape)} dimensions (at most {MAX_NDIM})")
+    count = 1
+    for d in shape:
+        count *= d
+    bound = 1
+    for d in shape:  # even with a zero dimension numpy cannot index beyond int64
+        bound *= max(d, 1)
+    if bound >= 2 ** 62:
+        raise TensorFileError(f"{where}: shape {tuple(shape)} is impossibly large")
+    return count
+
+
+# -- .npy ------------------------------------------------------------------------------------
+
+def _read_npy(f, available, where, not_npy, dtype):
+    """Read one .npy from the stream ``f`` that holds exactly ``available`` bytes."""
+    magic = f.read(6)
+    if magic != _NPY_MAGIC:
+        what = "empty" if not magic else f"starts with {magic!r}, not numpy's \\x93NUMPY magic"
+        raise TensorFileError(f"{where}: {not_npy} ({what})")
+    version = f.read(2)
+    if len(version) != 2 or version[0] not in (1, 2, 3) or version[1] != 0:
+        raise TensorFileError(f"{where}: unknown .npy format version {tuple(version)}")
+    width = 2 if version[0] == 1 else 4
+    raw_len = f.read(width)
+    if len(raw_len) != width:
+        raise TensorFileError(f"{where}: truncated .npy header")
+    hlen = int.from_bytes(raw_len, "little")
+    preamble = 8 + width
+    if hlen > NPY_MAX_HEADER:
+        raise TensorFileError(f"{where}: .npy header of {hlen} bytes (at most {NPY_MAX_HEADER})")
+    if preamble + hlen > available:
+        raise TensorFileError(f"{where}: .npy header of {hlen} bytes exceeds the "
+                              f"{available}-byte file")
+    text = f.read(hlen)
+    if len(text) != hlen:
+        raise TensorFileError(f"{where}: truncated .npy header")
+    try:
+        header = ast.literal_eval(text.decode("utf-8" if version[0] == 3 else "latin1"))
+    except Exception as e:  # SyntaxError, ValueError, MemoryError, RecursionError, ...
+        raise TensorFileError(f"{where}: unreadable .npy header ({type(e).__name__})") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise TensorFileError(f"{where}: .npy header is not a dict of descr, fortran_order and "
+                              "shape")
+    descr, fortran, shape = header["descr"], header["fortran_order"], header["shape"]
+    if type(fortran) is not bool:
+        raise TensorFileError(f"{where}: .npy header's fortran_order is {fortran!r:.40}, not a bool")
+    if not isinstance(shape, tuple) or not all(_is_count(d) for d in shape):
+        raise TensorFileError(f"{where}: .npy header's shape {shape!r:.80} is not a tuple of "
+                              "non-negative ints")
+    if not isinstance(descr, str):
+        if isinstance(descr, list) and "O" in repr(descr):
+            raise _pickled(where)
+        raise TensorFileError(f"{where}: structured dtype {descr!r:.80} refused (save plain "
+                              "numeric arrays)")
+    try:
+        src = np.dtype(descr)
+    except Exception:
+        raise TensorFileError(f"{where}: unknown dtype {descr!r:.80}") from None
+    if src.hasobject:
+        raise _pickled(where)
+    if src.fields is not None or src.subdtype is not None or src.kind not in "biufcV" \
+            or src.itemsize == 0:
+        raise TensorFileError(f"{where}: dtype {descr!r:.80} is not a plain numeric type")
+    count = _check_shape(shape, where)
+    data = available - preamble - hlen
+    if count * src.itemsize != data:
+        raise TensorFileError(f"{where}: header declares shape {shape} of {src} "
+                              f"({count * src.itemsize} bytes) but the file holds {data} bytes "
+                              "of data")
+    mode, kind = _plan(src, None, where, dtype)
+    flat = _read_flat(f, src, count, mode, where)
+    return (flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)), kind
+
+
+def _pickled(where):
+    return TensorFileError(f"{where}: holds pickled Python objects, refused (a tensor file "
+                           "must not run code; save plain numeric arrays)")
+
+
+# -- .npz ------------------------------------------------------------------------------------
+
+def _from_npz(path, key, where, dtype):
+    try:
+        return _read_npz(path, key, where, dtype)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError) as e:
+        kind = "corrupt deflate stream" if isinstance(e, zlib.error) else "corrupt .npz (zip) archive"
+        raise TensorFileError(f"{where}: {kind} ({type(e).__name__}: {e})") from None
+
+
+def _read_npz(path, key, where, dtype):
     size = os.path.getsize(path)
+    with zipfile.ZipFile(path) as archive:
+        infos = {}
+        for info in archive.infolist():
+            if info.filename.endswith(".npy"):
+                infos[info.filename[:-4]] = info
+        others = [i.filename for i in archive.infolist() if not i.filename.endswith(".npy")]
+        if key is not None and key not in infos and key in others:
+            raise TensorFileError(f"{where}: member {key!r} is not an .npy array")
+        if not infos:
+            raise TensorFileError(f"{where}: holds no .npy arrays (members: {others[:8]})")
+        name = _pick(infos, key, where)
+        info = infos[name]
+        what = f"member {info.filename!r}"
+        if info.flag_bits & 0x1:
+            raise TensorFileError(f"{where}: {what} is encrypted")
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise TensorFileError(f"{where}: {what} uses compression method {info.compress_type} "
+                                  "(an .npz is stored or deflated)")
+        if info.header_offset + 30 + info.compress_size > size:
+            raise TensorFileError(f"{where}: {what} declares {info.compress_size} bytes beyond "
+                                  "the end of the file")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+            raise TensorFileError(f"{where}: stored {what} declares {info.file_size} bytes but "
+                                  f"occupies {info.compress_size}")
+        if info.file_size > _DEFLATE_MAX_RATIO * info.compress_size + 1024:
+            raise TensorFileError(f"{where}: {what} declares {info.file_size} bytes from "
+                                  f"{info.compress_size} compressed, beyond what deflate can do")
+        with archive.open(info) as member:
+            array, kind = _read_npy(member, info.file_size, f"{where}: {what}",
+                                    "not an .npy array", dtype)
+            if member.read(1):  # also makes zipfile check the CRC
+                raise TensorFileError(f"{where}: {what} holds more than its declared "
+                                      f"{info.file_size} bytes")
+    return array, kind
+
+
+# -- .safetensors ----------------------------------------------------------------------------
+
+def _from_safetensors(path, key, where, dtype):
+    """Parse the format: 8-byte little-endian header size, a JSON header, raw bytes."""
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) != 8:
             raise TensorFileError(f"{where}: too short to be a safetensors file")
         n = int.from_bytes(head, "little")
         if n > size - 8:
-            raise TensorFileError(f"{where}: header size {n} exceeds the file")
+            raise TensorFileError(f"{where}: header size {n} exceeds the {size}-byte file")
+        if n > SAFETENSORS_MAX_HEADER:
+            raise TensorFileError(f"{where}: header size {n} is over safetensors' limit "
+                                  f"({SAFETENSORS_MAX_HEADER})")
         try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TensorFileError(f"{where}: bad safetensors header ({e})") from None
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # JSON or UTF-8 errors, too deep nesting
+            raise TensorFileError(f"{where}: bad safetensors header ({type(e).__name__}: "
+                                  f"{str(e)[:120]})") from None
+        if not isinstance(header, dict):
+            raise TensorFileError(f"{where}: safetensors header is a JSON "
+                                  f"{type(header).__name__}, not an object")
         header.pop("__metadata__", None)
-        name = _pick(header, key, where)
-        entry = header[name]
-        kind = entry.get("dtype")
+        data_size = size - 8 - n
+        entries = {}
+        for name, entry in header.items():
+            entries[name] = _safetensors_entry(name, entry, data_size, where)
+        name = _pick(entries, key, where)
+        kind, shape, start, end = entries[name]
         if kind not in _SAFETENSORS:
             raise TensorFileError(f"{where}: tensor {name!r} has dtype {kind}; a kernel's tensors "
                                   f"must be floating point ({', '.join(_SAFETENSORS)})")
-        start, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        dt = np.dtype(_SAFETENSORS[kind])
-        if end - start != dt.itemsize * int(np.prod(shape, dtype=np.int64)):
-            raise TensorFileError(f"{where}: tensor {name!r} has {end - start} bytes for shape {shape}")
+        src = np.dtype(_SAFETENSORS[kind])
+        mode, stored = _plan(src, "bfloat16" if kind == "BF16" else None, where, dtype)
         f.seek(8 + n + start)
-        data = np.frombuffer(f.read(end - start), dtype=dt).reshape(shape)
-    return data, ("bfloat16" if kind == "BF16" else None)
+        flat = _read_flat(f, src, (end - start) // src.itemsize, mode, where)
+    return flat.reshape(shape), stored
 
 
-def _as_float(raw: np.ndarray, stored, where, dtype):
+def _safetensors_entry(name, entry, data_size, where):
+    what = f"{where}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise TensorFileError(f"{what}: entry is a JSON {type(entry).__name__}, not an object")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        raise TensorFileError(f"{what}: entry lacks {', '.join(missing)}")
+    kind, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(kind, str) or kind not in _SAFETENSORS_ITEMSIZE:
+        raise TensorFileError(f"{what}: unknown dtype {kind!r:.40}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise TensorFileError(f"{what}: shape {shape!r:.80} is not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise TensorFileError(f"{what}: data_offsets {offsets!r:.80} are not two non-negative ints")
+    start, end = offsets
+    if not start <= end <= data_size:
+        raise TensorFileError(f"{what}: data_offsets [{start}, {end}] are outside the "
+                              f"{data_size}-byte data section")
+    count = _check_shape(shape, what)
+    if end - start != count * _SAFETENSORS_ITEMSIZE[kind]:
+        raise TensorFileError(f"{what}: {end - start} bytes for shape {tuple(shape)} of {kind}")
+    return kind, tuple(shape), start, end
+
+
+# -- reading the data ------------------------------------------------------------------------
+
+def _plan(src: np.dtype, stored, where, dtype):
+    """How to read data of type ``src``: ``(mode, kind)``, decided before reading it."""
     if stored == "bfloat16":
-        return _bf16_bits_to_float32(raw), "bfloat16"
-    if raw.dtype.kind == "V" and raw.dtype.itemsize == 2:  # ml_dtypes 16-bit types via np.save
+        return "bf16", "bfloat16"
+    bits = False
+    if src.kind == "V" and src.itemsize == 2:  # ml_dtypes 16-bit types via np.save
         if dtype not in ("bfloat16", "float16"):
-            raise TensorFileError(f"{where}: holds raw 2-byte values ({raw.dtype}, how numpy saves "
+            raise TensorFileError(f"{where}: holds raw 2-byte values ({src}, how numpy saves "
                                   "ml_dtypes.bfloat16); pass --dtype bfloat16 (or float16)")
-        raw = raw.view(np.uint16)
-    if raw.dtype in (np.uint16, np.int16) and dtype in ("bfloat16", "float16"):
-        bits = raw.view(np.uint16)
-        if dtype == "float16":
-            return bits.view(np.float16), "float16"
-        return _bf16_bits_to_float32(bits), "bfloat16"
-    if raw.dtype.name in ("float64", "float32", "float16"):
-        return raw, raw.dtype.name
-    if raw.dtype.name == "bfloat16":  # an ml_dtypes array from an .npz written in-process
-        return raw.astype(np.float32), "bfloat16"
+        bits = True
+    if (bits or (src.kind in "ui" and src.itemsize == 2)) and dtype in ("bfloat16", "float16"):
+        return ("bf16", "bfloat16") if dtype == "bfloat16" else ("f16", "float16")
+    if src.kind == "f" and src.name in ("float64", "float32", "float16"):
+        return "raw", src.name
     hint = (" (if these are bfloat16 bits, pass --dtype bfloat16)"
-            if raw.dtype in (np.uint16, np.int16) else "")
-    raise TensorFileError(f"{where}: dtype {raw.dtype} is not a floating-point type "
+            if src.kind in "ui" and src.itemsize == 2 else "")
+    raise TensorFileError(f"{where}: dtype {src} is not a floating-point type "
                           f"(float16, bfloat16, float32, float64){hint}")
 
 
-def _bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns -> the float32 of exactly the same value."""
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+def _bits_dtype(src: np.dtype) -> np.dtype:
+    """The uint16 type of 2-byte data as stored (raw ``V2`` is little-endian)."""
+    return np.dtype("<u2") if src.kind == "V" else np.dtype(np.uint16).newbyteorder(src.byteorder)
+
+
+def _fill(f, buf: memoryview, where):
+    pos, total = 0, len(buf)
+    while pos < total:
+        got = f.readinto(buf[pos:pos + _CHUNK])
+        if not got:
+            raise TensorFileError(f"{where}: data ends after {pos} of {total} bytes")
+        pos += got
+
+
+def _read_flat(f, src: np.dtype, count: int, mode: str, where) -> np.ndarray:
+    """Read ``count`` items of ``src`` into a new 1-D array of exactly that size."""
+    if mode == "bf16":  # widen chunk by chunk: peak = the float32 result + one chunk
+        bits = _bits_dtype(src)
+        out = np.empty(count, np.uint32)
+        step = _CHUNK // 2
+        tmp = np.empty(min(count, step), bits)
+        for i in range(0, count, step):
+            m = min(step, count - i)
+            _fill(f, memoryview(tmp.view(np.uint8))[:2 * m], where)
+            part = out[i:i + m]
+            part[...] = tmp[:m]
+            part <<= 16
+        return out.view(np.float32)
+    arr = np.empty(count, src)
+    _fill(f, memoryview(arr.view(np.uint8)), where)
+    if mode == "f16":  # float16 bits
+        bits = _bits_dtype(src)
+        arr = arr.view(bits).view(np.dtype(np.float16).newbyteorder(bits.byteorder))
+    if not arr.dtype.isnative:  # big-endian floats: swap in place, no copy
+        arr = arr.byteswap(inplace=True).view(arr.dtype.newbyteorder("="))
+    return arr
 
 
 def save_safetensors(path: str, tensors: dict) -> None:

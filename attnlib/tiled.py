@@ -9,6 +9,7 @@ processed at once inside a tile by broadcasting matmul.  Working memory is a few
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -84,7 +85,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     q : array_like, shape ``(..., Hq, Sq, D)`` or ``(Sq, D)``
     k : array_like, shape ``(..., Hk, Sk, D)`` or ``(Sk, D)``
     v : array_like, shape ``(..., Hk, Sk, Dv)`` or ``(Sk, Dv)``
-        Real floating arrays (computed in float64); equal leading (batch) axes;
+        Real floating arrays (computed in float64; ml_dtypes' bfloat16 and float8 too,
+        converted exactly); equal leading (batch) axes;
         ``Hq % Hk == 0``: query head ``h`` reads kv head ``h // (Hq // Hk)`` (GQA, and
         MQA when ``Hk == 1``).  ``Dv`` may differ from ``D``; ``Sq`` or ``Sk`` may be 0.
     causal : bool
@@ -120,7 +122,12 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         Lazy rescaling (FlashAttention-4): a row keeps its stale running max until a tile's
         max exceeds it by more than this many natural-log units (``0 <= tau <= 100``);
         0 is the eager rule.  Same result up to rounding; ``stats`` then counts the
-        rescales actually applied.
+        rescales actually applied.  A stale max lets the weights reach ``exp(tau)``, so the
+        threshold used is clamped to the largest one the precision can hold (see
+        `_safe_threshold`): ``log(max_acc / (Sk * max(1, max|v|))) - log 2`` for the state
+        ``(l, acc)`` in the accumulate type (float32 unless float64: about
+        ``88.7 - log(Sk)``), and ``log(max_compute) - log 2 ~ 10.4`` for float16, whose
+        rounded ``p`` must stay finite.  In float64 with ordinary ``v`` nothing is clamped.
     compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
         The precision a kernel under test runs in: q, k, v and the weights ``p`` are
         rounded to it, the scores and ``(m, l, acc)`` kept in float32 (for the 16-bit types,
@@ -136,6 +143,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         Also return an `AttentionStats` (costs ``O(Hq * n_q_tiles * n_k_tiles)`` memory).
     check_finite : bool
         Refuse inputs holding NaN or inf (checked in chunks, within the memory bound).
+
+    Raises
+    ------
+    ValueError
+        Also if finite q and k give a score ``scale * q . k`` that overflows (float64, or
+        float32 for a lower ``compute_dtype``) for a visible pair: the softmax of such a
+        row is undefined in that precision.  Checked tile by tile only when an ``O(n)``
+        bound, ``D * max|q| * max|k| * |scale|``, says an overflow is possible.
 
     Returns
     -------
@@ -186,10 +201,15 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     cap = _args.softcap(softcap)
     slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
 
+    check = _args.scores_may_overflow(q5, k5, pb.scale, prec.accumulate)
+    if tau:
+        v_max = max(abs(float(v5.max())), abs(float(v5.min()))) if v5.size else 0.0
+        tau = _safe_threshold(tau, prec, pb.sk, v_max)
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), kv_splits)
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
-                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec)
+                     (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec,
+                     check)
                 for part in splits]
     if len(partials) == 1:
         out, lse = partials[0][:2]
@@ -207,8 +227,46 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     return result[0] if len(result) == 1 else tuple(result)
 
 
+def _safe_threshold(tau, prec, n_keys, v_max):
+    """The largest lazy-rescale threshold ``<= tau`` whose weights cannot overflow ``prec``.
+
+    With a stale max every weight is ``p = exp(s - m) <= exp(tau)``, and until the max
+    moves the state sums them: ``l <= n_keys * exp(tau)`` and
+    ``|acc| <= n_keys * exp(tau) * v_max``, in the accumulate type (float32 for the low
+    precisions: ``exp(100)`` alone overflows it).  With a 16-bit ``p`` (rounded to the
+    compute type before ``p @ v``) also ``exp(tau) <= max_compute`` (float16: 65504, so
+    ``tau <= 11.09``).  Both get a factor-2 margin for rounding::
+
+        tau <= log(max_acc) - log(n_keys) - log(max(1, v_max)) - log 2
+        tau <= log(max_compute) - log 2            (low precision only)
+
+    The result is clamped to ``[0, tau]``: 0 (eager) needs no bound, as its weights are
+    ``<= 1``.  ``prec`` is a `_args.Precision` or a ``compute_dtype`` value.  Clamping
+    changes only the reference point of the weights, not the result (up to rounding);
+    ``stats`` count the rescales done with the clamped threshold.
+    """
+    if not tau:
+        return tau
+    if not isinstance(prec, _args.Precision):
+        prec = _args.precision(prec)
+    margin = math.log(2.0)
+    bound = (math.log(float(_finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
+             - math.log(max(v_max, 1.0)) - margin)
+    if not prec.is_float64:
+        bound = min(bound, math.log(float(_finfo(prec.compute).max)) - margin)
+    return min(float(tau), max(0.0, bound))
+
+
+def _finfo(dtype):
+    try:
+        return np.finfo(dtype)
+    except ValueError:  # bfloat16: numpy does not know it as floating
+        import ml_dtypes
+        return ml_dtypes.finfo(dtype)
+
+
 def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
-         prec=None):
+         prec=None, check=False):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
 
     ``q: (*batch, hk, g, sq, d)``; one pass per entry of ``specs`` (all batch entries at
@@ -230,18 +288,19 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                  _args.for_entry(slopes, idx),
                  out[idx], lse[idx],
                  None if rescales is None else rescales[idx],
-                 None if kinds is None else kinds[idx], key_tiles, workers, tau, prec)
+                 None if kinds is None else kinds[idx], key_tiles, workers, tau, prec, check)
     return out, lse, rescales, kinds
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             workers=1, tau=0.0, prec=None):
+             workers=1, tau=0.0, prec=None, check=False):
     """The kernel for one mask: ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.
 
     Writes ``out (*lead, sq, dv)``, ``lse (*lead, sq)`` and, when given, the tile map
     ``kinds (..., nq, nk)`` and per-tile ``rescales (*lead, nq, nk)`` in place.  Query
     tiles are independent, so ``workers`` threads may take them in any order: each writes
     only its own rows, with the same arithmetic, so the result is bit-identical.
+    ``check`` has every tile's scores checked for overflow (see `tile_scores`).
     """
     bq, bk = tiles.block_q, tiles.block_k
     lead, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
@@ -257,7 +316,8 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
             kinds[..., a, :] = row_kinds
         if prec is None or prec.is_float64:
             # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
-            q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d)
+            with np.errstate(over="ignore") if check else contextlib.nullcontext():
+                q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d); inf: caught below
             state = OnlineSoftmax.empty(lead + (q1 - q0,), dv)
         else:  # rounded q; the scale goes on the float32 scores, as in low-precision kernels
             q_i = prec.round(q[..., q0:q1, :])
@@ -265,7 +325,8 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         todo = np.flatnonzero((row_kinds != SKIP) & in_range)
         events = absorb(state, q_i, k, v, spec, q0, k_starts[todo], k_ends[todo],
                         row_kinds[todo], cap, slopes, count=rescales is not None, threshold=tau,
-                        prec=prec, scale=scale, buffers=per_thread.__dict__.setdefault("buffers", {}))
+                        prec=prec, scale=scale, buffers=per_thread.__dict__.setdefault("buffers", {}),
+                        check=check)
         if rescales is not None:
             rescales[..., a, todo] = events
         out[..., q0:q1, :], lse[..., q0:q1] = state.finalize()
@@ -284,8 +345,8 @@ def run_tiles(fn, items, workers: int) -> None:
     numpy releases the GIL in matmul and ufuncs, so threads run tiles in parallel.  Two
     things do not cross into the threads by themselves and are carried over here: the
     caller's floating-point error state (numpy keeps it per thread, so strict mode would
-    silently not apply) and a BLAS limited to one thread (see `_one_blas_thread`); the
-    GIL switch interval is shortened meanwhile (see `_short_gil_switch`).  The first
+    silently not apply) and a BLAS limited to one thread; the GIL switch interval is
+    shortened meanwhile (both process-wide: see `_parallel_settings`).  The first
     exception in submission order that is not `Aborted` is re-raised.
     """
     items = list(items)
@@ -299,7 +360,7 @@ def run_tiles(fn, items, workers: int) -> None:
         with np.errstate(**errors):
             fn(item)
 
-    with _one_blas_thread(), _short_gil_switch(), ThreadPoolExecutor(max_workers=workers) as pool:
+    with _parallel_settings(), ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(task, item) for item in items]
     # Leaving the pool waited for every task, so each exception is known.
     failures = [f.exception() for f in futures if f.exception() is not None]
@@ -307,24 +368,19 @@ def run_tiles(fn, items, workers: int) -> None:
         raise next((e for e in failures if not isinstance(e, Aborted)), failures[0])
 
 
-@contextlib.contextmanager
-def _short_gil_switch(seconds=1e-6):
-    """Shorten Python's GIL switch interval (5 ms by default) while our workers run.
+#: The GIL switch interval while workers run (Python's default is 5 ms).  Between the
+#: large numpy calls that release the GIL, a tile does a dozen small ones (per-row max,
+#: alpha, rescale) that hold it; a thread that then asks for the GIL waits up to the switch
+#: interval for the other to let go.  Measured on (1, 1, 4096, 64) causal with 2 workers,
+#: median of 15 interleaved runs, two runs: 75-79 ms at 5 ms, 77-78 ms at 0.1 ms, 54-58 ms
+#: at 10 us, 50-57 ms at 1 us (1 worker: 81-102 ms); with 8 heads 502 ms at 0.1 ms and
+#: 473 ms at 1 us.
+_SWITCH_INTERVAL = 1e-6
 
-    Between the large numpy calls that release the GIL, a tile does a dozen small ones
-    (per-row max, alpha, rescale) that hold it; a thread that then asks for the GIL waits
-    up to the switch interval for the other to let go.  Measured on (1, 1, 4096, 64) causal
-    with 2 workers, median of 15 interleaved runs, two runs: 75-79 ms at 5 ms, 77-78 ms at
-    0.1 ms, 54-58 ms at 10 us, 50-57 ms at 1 us (1 worker: 81-102 ms); with 8 heads 502 ms
-    at 0.1 ms and 473 ms at 1 us.  The interval is process-wide; the old value is restored
-    afterwards.
-    """
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(min(old, seconds))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
+# The state of `_parallel_settings`, shared by every thread of the process.
+_settings_lock = threading.Lock()
+_settings_users = 0  # calls inside the guard now
+_settings_saved = None  # (switch interval, BLAS limiter or None) seen by the first entrant
 
 
 @lru_cache(maxsize=1)
@@ -336,20 +392,48 @@ def _blas_controller():
     return ThreadpoolController()
 
 
-def _one_blas_thread():
-    """Limit BLAS to one thread while our workers run, if threadpoolctl is installed.
+@contextlib.contextmanager
+def _parallel_settings():
+    """Process-wide settings for our worker threads, reference-counted across threads.
 
-    Our threads already keep the cores busy; a multithreaded BLAS inside each of them
-    oversubscribes the machine (measured: 2 workers were 1.5x slower than 1 with a
-    2-thread OpenBLAS, and 1.6x faster with a 1-thread one).  The limit is process-wide
-    for the duration of the call.
+    Two settings belong to the whole process, not to a call: the GIL switch interval is
+    shortened to `_SWITCH_INTERVAL` (see there), and BLAS is limited to one thread if
+    threadpoolctl is installed (our threads already keep the cores busy; a multithreaded
+    BLAS inside each of them oversubscribes the machine: 2 workers were 1.5x slower than 1
+    with a 2-thread OpenBLAS, and 1.6x faster with a 1-thread one).
+
+    Calls may overlap (threads each running ``attention(..., workers=2)``), so each cannot
+    simply restore what it saw on entry: the second would see the first one's settings
+    and put them back after the first had restored the originals, leaving them for the
+    rest of the process.  Instead, under one lock, the first entrant saves the originals
+    and applies the settings, later ones only count themselves in, and the last one out
+    restores the originals, exactly once.  Nesting in one thread works the same way.
     """
-    controller = _blas_controller()
-    return controller.limit(limits=1, user_api="blas") if controller else contextlib.nullcontext()
+    global _settings_users, _settings_saved
+    with _settings_lock:
+        if _settings_users == 0:
+            old = sys.getswitchinterval()
+            controller = _blas_controller()
+            limiter = controller.limit(limits=1, user_api="blas") if controller else None
+            sys.setswitchinterval(min(old, _SWITCH_INTERVAL))
+            _settings_saved = (old, limiter)
+        _settings_users += 1
+    try:
+        yield
+    finally:
+        with _settings_lock:
+            _settings_users -= 1
+            if _settings_users == 0:
+                old, limiter = _settings_saved
+                _settings_saved = None
+                sys.setswitchinterval(old)
+                if limiter is not None:
+                    limiter.restore_original_limits()
 
 
 def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
-           key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None):
+           key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None,
+           check=False):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
@@ -360,8 +444,9 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
     is rounded but unscaled, k and v are rounded per tile, ``scale`` multiplies the
     float32 scores and ``p`` is rounded before ``p @ v``.  ``buffers``, a dict the caller
     keeps (one per thread), lets the score and ``p @ v`` buffers be reused from one query
-    tile to the next.  Returns the rescale events per tile ``(..., n_tiles)`` when
-    ``count``, else None.
+    tile to the next.  ``check`` has each tile's scores checked for overflow (see
+    `tile_scores`).  Returns the rescale events per tile ``(..., n_tiles)`` when ``count``,
+    else None.
     """
     rows = np.arange(q0, q0 + q_i.shape[-2])
     events = np.zeros(state.m.shape[:-1] + (len(k0s),), dtype=np.int64) if count else None
@@ -382,7 +467,7 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
                               np.empty(state.acc.shape, dtype=state.acc.dtype))
         s_buf, pv_buf = buffers[shape]
         s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
-                           post_scale=scale if low else None)
+                           post_scale=scale if low else None, check=check)
         rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
                                 round_p=prec.round if low else None)  # s now holds p
         if count:
@@ -391,7 +476,7 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
 
 
 def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
-                post_scale=None):
+                post_scale=None, check=False):
     """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
 
     ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
@@ -399,11 +484,26 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     multiplies the product instead (low precision: q is rounded unscaled).  Returns
     ``(s, th)``: ``s: (..., bq, bk)`` with ``-inf`` on invisible pairs, and
     ``th = tanh(t / cap)`` of the pre-cap scores ``t`` when ``keep_tanh`` (the backward
-    pass needs ``1 - th**2``), else None.
+    pass needs ``1 - th**2``), else None.  ``check``: raise ValueError if a visible
+    pair's scaled product ``scale * q . k`` is not finite (callers ask for it only when
+    `_args.scores_may_overflow` says it may be, so the usual tile pays nothing).
     """
-    s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
-    if post_scale is not None:
-        s *= post_scale
+    if check:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow: reported below
+            s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
+            if post_scale is not None:
+                s *= post_scale
+        bad = ~np.isfinite(s)
+        if bad.any():
+            # Only a visible pair's score is used; an invisible one is set to 0 (masked
+            # below), which keeps softcap's tanh and its derivative finite.
+            if kind != PARTIAL or (bad & spec.visible(rows, cols)).any():
+                raise ValueError(_args.overflow_message(s.dtype))
+            s[bad] = 0.0
+    else:
+        s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
+        if post_scale is not None:
+            s *= post_scale
     th = None
     if cap is not None:  # softcap, before masking
         s /= cap
