@@ -90,12 +90,26 @@ def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.flo
     """
     if q.size == 0 or k.size == 0:
         return False
-    q_max = max(abs(float(q.max())), abs(float(q.min())))  # reductions: no |q| copy
-    k_max = max(abs(float(k.max())), abs(float(k.min())))
+    q_max, k_max = abs_max(q), abs_max(k)
     if not (math.isfinite(q_max) and math.isfinite(k_max)):
         return False  # non-finite inputs (check_finite=False): the caller gets what they asked for
     bound = q.shape[-1] * q_max * max(k_max, 1.0) * max(abs(float(scale)), 1.0)  # inf if huge
     return not bound < float(np.finfo(dtype).max) / 16
+
+
+def abs_max(x: np.ndarray) -> float:
+    """``max |x|`` from two reductions (no ``|x|`` copy); 0 for an empty array."""
+    return max(abs(float(x.max())), abs(float(x.min()))) if x.size else 0.0
+
+
+def finfo(dtype):
+    """``np.finfo``, or ``ml_dtypes.finfo`` for its types (bfloat16), which numpy does not know."""
+    try:
+        return np.finfo(dtype)
+    except ValueError:
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
 
 
 def overflow_message(dtype) -> str:
@@ -195,7 +209,7 @@ def precision(x) -> Precision:
             raise ValueError("compute_dtype='bfloat16' needs the ml_dtypes package "
                              "(pip install attnlib[lowp])") from None
         return Precision(name, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
-                         float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps))
+                         float(finfo(ml_dtypes.bfloat16).eps))
     raise AssertionError(name)  # unreachable: every name of _PRECISIONS is handled above
 
 

@@ -203,8 +203,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
 
     check = _args.scores_may_overflow(q5, k5, pb.scale, prec.accumulate)
     if tau:
-        v_max = max(abs(float(v5.max())), abs(float(v5.min()))) if v5.size else 0.0
-        tau = _safe_threshold(tau, prec, pb.sk, v_max)
+        tau = _safe_threshold(tau, prec, pb.sk, _args.abs_max(v5))
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), kv_splits)
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
@@ -250,19 +249,11 @@ def _safe_threshold(tau, prec, n_keys, v_max):
     if not isinstance(prec, _args.Precision):
         prec = _args.precision(prec)
     margin = math.log(2.0)
-    bound = (math.log(float(_finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
+    bound = (math.log(float(_args.finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
              - math.log(max(v_max, 1.0)) - margin)
     if not prec.is_float64:
-        bound = min(bound, math.log(float(_finfo(prec.compute).max)) - margin)
+        bound = min(bound, math.log(float(_args.finfo(prec.compute).max)) - margin)
     return min(float(tau), max(0.0, bound))
-
-
-def _finfo(dtype):
-    try:
-        return np.finfo(dtype)
-    except ValueError:  # bfloat16: numpy does not know it as floating
-        import ml_dtypes
-        return ml_dtypes.finfo(dtype)
 
 
 def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
@@ -488,11 +479,12 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     pair's scaled product ``scale * q . k`` is not finite (callers ask for it only when
     `_args.scores_may_overflow` says it may be, so the usual tile pays nothing).
     """
+    # An overflow (only possible when `check` is asked for) is reported below.
+    with np.errstate(over="ignore", invalid="ignore") if check else contextlib.nullcontext():
+        s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
+        if post_scale is not None:
+            s *= post_scale
     if check:
-        with np.errstate(over="ignore", invalid="ignore"):  # overflow: reported below
-            s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
-            if post_scale is not None:
-                s *= post_scale
         bad = ~np.isfinite(s)
         if bad.any():
             # Only a visible pair's score is used; an invisible one is set to 0 (masked
@@ -500,10 +492,6 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
             if kind != PARTIAL or (bad & spec.visible(rows, cols)).any():
                 raise ValueError(_args.overflow_message(s.dtype))
             s[bad] = 0.0
-    else:
-        s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
-        if post_scale is not None:
-            s *= post_scale
     th = None
     if cap is not None:  # softcap, before masking
         s /= cap
