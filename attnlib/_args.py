@@ -112,6 +112,25 @@ def finfo(dtype):
         return ml_dtypes.finfo(dtype)
 
 
+def check_representable(prec: "Precision", **arrays) -> None:
+    """ValueError naming the first array whose values round to inf in ``prec.compute``
+    (finite float64 inputs beyond float16's 65504, say): a kernel in that type cannot
+    hold them, and the result would be NaN."""
+    if prec.compute.itemsize >= 8:
+        return
+    for name, x in arrays.items():
+        if x.size == 0:
+            continue
+        extremes = np.array([x.max(), x.min()], dtype=np.float64)
+        with np.errstate(over="ignore"):
+            rounded = extremes.astype(prec.compute)
+        if np.isinf(rounded.astype(np.float64)).any():
+            raise ValueError(
+                f"{name} holds {float(extremes[np.argmax(np.abs(extremes))]):.4g}, beyond "
+                f"{prec.name}'s range (largest finite {float(finfo(prec.compute).max):.5g}): "
+                f"rounded to {prec.name} it is inf; scale {name} down or compute in a wider type")
+
+
 def overflow_message(dtype) -> str:
     """The error for finite q and k whose scores overflow ``dtype``."""
     dtype = np.dtype(dtype)
@@ -185,6 +204,8 @@ def precision(x) -> Precision:
     A numpy dtype or type of those names is taken too; anything else is a ValueError
     naming the choices.
     """
+    if isinstance(x, Precision):  # internal callers pass one, e.g. `extended_precision`
+        return x
     if x is None:
         name = "float64"
     elif isinstance(x, str):
@@ -211,6 +232,18 @@ def precision(x) -> Precision:
         return Precision(name, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                          float(finfo(ml_dtypes.bfloat16).eps))
     raise AssertionError(name)  # unreachable: every name of _PRECISIONS is handled above
+
+
+def extended_precision() -> Precision | None:
+    """``np.longdouble`` as a `Precision`, where it has at least 64 mantissa bits (x86-64
+    Linux and macOS, aarch64 Linux); None where it is plain float64.  Internal: the dense
+    references take it as ``compute_dtype`` for a reference more precise than float64
+    kernels (`attnlib.check`'s float64 gradients)."""
+    info = np.finfo(np.longdouble)
+    if info.nmant + 1 < 64:
+        return None
+    dt = np.dtype(np.longdouble)
+    return Precision("longdouble", dt, dt, float(info.eps))
 
 
 def flag(x, name: str) -> bool:
@@ -409,6 +442,16 @@ def alibi_slopes(x, pb: "Problem"):
             f"got {arr.shape}")
     if not np.isfinite(arr).all():
         raise ValueError("alibi_slopes must be finite")
+    # The bias slope * |i + o - j| has |i + o - j| <= Sq + Sk; it must be finite in every
+    # type the scores are kept in (float32 for the low precisions), with room to add it.
+    limit = float(np.finfo(np.float32).max) / 4
+    top = abs_max(arr) * (pb.sq + pb.sk)
+    if top > limit:
+        raise ValueError(
+            f"alibi_slopes up to {abs_max(arr):.3g} times distances up to Sq + Sk = {pb.sq + pb.sk} "
+            f"give biases of {top:.3g}, beyond {limit:.3g} (a quarter of float32's range, where "
+            "the scores are kept in low precision); such slopes put every weight on the nearest "
+            "key: use smaller slopes")
     return arr.astype(np.float64).reshape(arr.shape[:-1] + (pb.hk, pb.group))
 
 

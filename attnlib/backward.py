@@ -104,6 +104,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     prec = _args.precision(compute_dtype)
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
+    _args.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
@@ -117,7 +118,13 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     cap = _args.softcap(options.get("softcap"))
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
     if cap is not None:
-        factor = 1.0 - np.tanh(dtype(pb.scale) * (q5 @ np.swapaxes(k5, -1, -2)) / dtype(cap)) ** 2
+        # Only visible pairs matter (ds is 0 elsewhere).  A masked pair's product may
+        # overflow (the scores above refuse a visible one's), so it is taken as 0; a huge
+        # finite t / c is fine: tanh(+-inf) = +-1.
+        with np.errstate(over="ignore", invalid="ignore"):
+            t = dtype(pb.scale) * (q5 @ np.swapaxes(k5, -1, -2))
+            t[~np.isfinite(t)] = 0.0
+            factor = 1.0 - np.tanh(t / dtype(cap)) ** 2
 
     def grads(dout5, q5, k5, v5, jacobian):
         dv = rnd(np.swapaxes(p, -1, -2) @ dout5)  # (..., hk, g, sk, dv)

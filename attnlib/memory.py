@@ -335,7 +335,8 @@ def physical_memory() -> int:
         return 0
 
 
-def dense_fits(n: int, heads: int = 1) -> bool:
-    """Whether a dense ``n x n`` run stays well inside this machine's memory (half of it)."""
+def dense_fits(n: int, heads: int = 1, sk: int | None = None) -> bool:
+    """Whether a dense ``n x sk`` run (``sk`` default ``n``) stays well inside this
+    machine's memory (half of it)."""
     total = physical_memory()
-    return total == 0 or dense_bytes(n, n, heads) <= total // 2
+    return total == 0 or dense_bytes(n, n if sk is None else sk, heads) <= total // 2

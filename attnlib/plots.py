@@ -37,6 +37,8 @@ class Table:
     def _cell(self, row, col):
         value = row.get(col, "")
         fmt = self.formats.get(col)
+        if value is None:
+            return "n/a"
         if fmt is None:
             return f"{value:,}" if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else str(value)
         return fmt(value) if callable(fmt) else format(value, fmt)
@@ -364,64 +366,92 @@ def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None,
     return fig
 
 
-def kernel_error_heatmap(head_row_err, bound, max_columns=512):
-    """A kernel's max error over (query position, head), on a log colour scale.
+def kernel_error_heatmap(head_row_ratio, max_columns=512):
+    """A kernel's worst ``|err| / allowance`` over (query position, head), log colour scale.
 
-    Positions are grouped into at most ``max_columns`` bins (the max of each); entries above
-    the rule's ``bound`` are the failures.
+    Positions are grouped into at most ``max_columns`` bins (the max of each); cells above
+    1 (the cyan line) fail.  NaN/inf entries (ratio inf) are drawn at the top of the scale.
     """
     from matplotlib.colors import LogNorm
 
-    err = np.asarray(head_row_err, dtype=np.float64)  # (Hq, Sq)
-    sq = err.shape[1]
+    ratio = np.asarray(head_row_ratio, dtype=np.float64)  # (Hq, Sq)
+    sq = ratio.shape[1]
     groups = np.array_split(np.arange(sq), min(sq, max_columns))
-    binned = np.stack([err[:, g].max(axis=1) for g in groups], axis=1)
-    floor = max(float(bound) * 1e-4, 1e-300)
-    fig, ax = _figure(figsize=(9, 1.2 + 0.25 * err.shape[0]))
-    im = ax.imshow(np.maximum(binned, floor), aspect="auto", interpolation="nearest", cmap="magma",
-                   norm=LogNorm(vmin=floor, vmax=max(float(binned.max()), bound) * 1.01),
-                   extent=(0, sq, err.shape[0] - 0.5, -0.5))
+    binned = np.stack([ratio[:, g].max(axis=1) for g in groups], axis=1)
+    finite = binned[np.isfinite(binned)]
+    top = max(float(finite.max()) if finite.size else 1.0, 1.0) * 1.01
+    floor = 1e-4
+    fig, ax = _figure(figsize=(9, 1.2 + 0.25 * ratio.shape[0]))
+    im = ax.imshow(np.clip(binned, floor, top), aspect="auto", interpolation="nearest", cmap="magma",
+                   norm=LogNorm(vmin=floor, vmax=top), extent=(0, sq, ratio.shape[0] - 0.5, -0.5))
     cbar = fig.colorbar(im, ax=ax)
-    cbar.ax.axhline(bound, color="cyan", lw=2)
-    cbar.set_label("max |kernel - ref| (cyan: the bound)")
+    cbar.ax.axhline(1.0, color="cyan", lw=2)
+    cbar.set_label("max |kernel - ref| / allowance (cyan: 1)")
     ax.set_xlabel("query position")
     ax.set_ylabel("head")
-    ax.set_title(f"Kernel error by head and query position ({int((binned > bound).sum())} binned cells above the bound)")
+    ax.set_title(f"Kernel error by head and query position ({int((binned > 1).sum())} binned cells fail)")
     return fig
 
 
-def kernel_error_vs_position(row_err, row_naive, bound):
-    """Max error per query position: the kernel's, the naive baseline's, and the bound."""
+def kernel_error_vs_position(row_ratio, row_naive_ratio=None):
+    """Worst ``|err| / allowance`` per query position: the kernel's and, below float64,
+    the naive baseline's (at most 0.5 by the rule's construction); 1 is the limit."""
     fig, ax = _figure(figsize=(9, 4))
-    pos = np.arange(len(row_err))
-    floor = max(float(bound) * 1e-6, 1e-300)
-    ax.plot(pos, np.maximum(row_err, floor), lw=1, label="kernel")
-    ax.plot(pos, np.maximum(row_naive, floor), lw=1, alpha=0.8, label="naive, same precision")
-    ax.axhline(bound, color="crimson", lw=1.5, ls="--", label=f"bound {bound:.2e}")
+    pos = np.arange(len(row_ratio))
+    floor = 1e-6
+    ax.plot(pos, np.maximum(row_ratio, floor), lw=1, label="kernel")
+    if row_naive_ratio is not None:
+        ax.plot(pos, np.maximum(row_naive_ratio, floor), lw=1, alpha=0.8, label="naive, same precision")
+    ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="allowance")
     ax.set_yscale("log")
     ax.set_xlabel("query position")
-    ax.set_ylabel("max |x - ref| over batch, heads, dims")
+    ax.set_ylabel("max |x - ref| / allowance over batch, heads, dims")
     ax.set_title("Error along the query position")
     ax.legend(fontsize=8, loc="best")
     return fig
 
 
-def kernel_error_histogram(errors, naive_errors, bound):
-    """Distribution of |kernel - ref| against |naive - ref| over the same entries."""
-    both = np.concatenate([np.ravel(errors), np.ravel(naive_errors)])
+def kernel_error_histogram(ratios, naive_ratios=None):
+    """Distribution of ``|kernel - ref| / allowance`` (and the naive baseline's, same entries)."""
+    series = [(ratios, "kernel", dict(alpha=0.7))]
+    if naive_ratios is not None:
+        series.append((naive_ratios, "naive, same precision", dict(histtype="step", lw=2)))
+    both = np.concatenate([np.ravel(x) for x, _, _ in series])
     positive = both[both > 0]
-    hi = math.ceil(math.log10(max(float(both.max()), bound))) + 0.0 if both.size else 0.0
+    hi = math.ceil(math.log10(max(float(both.max()), 1.0))) + 0.0 if both.size else 0.0
     lo = math.floor(math.log10(positive.min())) if positive.size else hi - 6
     lo = max(lo, hi - 12)
     fig, ax = _figure(figsize=(8, 4))
-    for data, label, style in ((errors, "kernel", dict(alpha=0.7)),
-                               (naive_errors, "naive, same precision", dict(histtype="step", lw=2))):
+    for data, label, style in series:
         edges, counts = log10_histogram(data, lo, hi)
         ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
-    ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"bound {bound:.2e}")
+    ax.axvline(0.0, color="crimson", lw=2, label="allowance (ratio 1)")
     ax.set_yscale("log")
-    ax.set_xlabel(f"log10 |x - ref|   (zeros and values below 1e{lo:.0f} in the first bin)")
+    ax.set_xlabel(f"log10 (|x - ref| / allowance)   (zeros and values below 1e{lo:.0f} in the first bin)")
     ax.set_ylabel("entries")
-    ax.set_title(f"Errors of {np.size(errors):,} output entries")
+    ax.set_title(f"Errors of {np.size(ratios):,} output entries, in units of their allowance")
+    ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def check_rule_ratios(rows):
+    """Worst ``|err| / allowance`` per (precision, shape, kernel), over the seeds: correct
+    kernels must sit below 1, defective ones above it."""
+    precs = list(dict.fromkeys(r["precision"] for r in rows))
+    fig, ax = _figure(figsize=(9, 1.5 + 0.6 * len(precs)))
+    for kind, style in (("correct", dict(marker="o", color="tab:green")),
+                        ("defective", dict(marker="x", color="crimson"))):
+        pts = [(max(r["worst_out_ratio"], r["worst_lse_ratio"] or 0.0), precs.index(r["precision"]))
+               for r in rows if r["kind"] == kind]
+        if pts:
+            x, y = zip(*pts)
+            offset = -0.12 if kind == "correct" else 0.12
+            ax.scatter(np.maximum(x, 1e-6), np.array(y) + offset, s=22, alpha=0.7, label=f"{kind} kernels",
+                       **style)
+    ax.axvline(1.0, color="black", lw=1.5, ls="--", label="allowance (ratio 1)")
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(precs)), precs)
+    ax.set_xlabel("worst |kernel - ref| / allowance over the seeds (one point per shape and kernel)")
+    ax.set_title("The check rule: correct kernels below 1, defects above")
     ax.legend(fontsize=8, loc="best")
     return fig

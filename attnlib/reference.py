@@ -110,6 +110,7 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     q5, k5, v5, pb = _args.parse(q, k, v, scale=options.pop("scale", None),
                                  check_finite_inputs=check_finite)
     prec = _args.precision(compute_dtype)
+    _args.check_representable(prec, q=q5, k=k5, v=v5)
     if prec.is_float64:
         out, lse = _dense(q5, k5, v5, pb, np.float64, options)
     else:

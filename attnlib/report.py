@@ -165,6 +165,36 @@ def thresholds(name, x):
     return values
 
 
+def precisions(name, x):
+    """A non-empty list of distinct kernel precisions, as `check_kernel` takes them."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of precisions, got {x!r}")
+    values = [text(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    for v in values:
+        try:
+            _args.precision(v)
+        except ValueError:
+            raise ValueError(f"parameter {name}: {v!r} is not one of float64, float32, float16, "
+                             "bfloat16") from None
+    if len(set(values)) != len(values):
+        raise ValueError(f"parameter {name} must not repeat a precision, got {x!r}")
+    return values
+
+
+def check_shapes(name, x):
+    """A non-empty list of ``[batch, heads, seqlen_q, seqlen_k, headdim, causal]``."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of shapes, got {x!r}")
+    shapes = []
+    for i, shape in enumerate(x):
+        if not isinstance(shape, (list, tuple)) or len(shape) != 6:
+            raise ValueError(f"parameter {name}[{i}] must be [batch, heads, seqlen_q, seqlen_k, "
+                             f"headdim, causal], got {shape!r}")
+        dims = [positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(shape[:5])]
+        shapes.append(dims + [flag(f"{name}[{i}][5]", shape[5])])  # lists: papermill passes JSON
+    return shapes
+
+
 @dataclass(frozen=True)
 class Notebook:
     """What the runner knows of one evidence notebook (its defaults live in the notebook).
@@ -231,6 +261,11 @@ NOTEBOOKS = {
         {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
          "precision_ns": [64, 128], "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256}),
         # its dense runs are bounded by the oracle's sizes (check_params)
+    "check_rule": Notebook(
+        "Check rule: correct kernels pass, buggy kernels fail",
+        {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes, "results_json": text},
+        {"n_seeds": 1, "precisions": ["float64", "float32"],
+         "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]]}),
 }
 
 
@@ -252,6 +287,12 @@ def check_params(notebook: str, **values) -> dict:
             raise ValueError(
                 f"parameter {name}={params[name]} would run the dense reference out of memory "
                 "on this machine; choose a smaller value")
+    if notebook == "check_rule":
+        for shape in params["shapes"]:
+            b, h, sq, sk = shape[:4]
+            if not dense_fits(sq, heads=2 * b * h, sk=sk):  # the naive baseline and the exact answer
+                raise ValueError(f"parameter shapes: {list(shape)} would run the dense baseline out of "
+                                 "memory on this machine; choose a smaller shape")
     if notebook == "numerics":
         if max(params["ns"] + params["precision_ns"] + [params["precision_n"], params["lazy_n"]]) > 4096:
             raise ValueError("the long-double oracle has no BLAS: keep ns, precision_ns, precision_n "

@@ -201,6 +201,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     cap = _args.softcap(softcap)
     slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
 
+    _args.check_representable(prec, q=q5, k=k5, v=v5)
     check = _args.scores_may_overflow(q5, k5, pb.scale, prec.accumulate)
     if tau:
         tau = _safe_threshold(tau, prec, pb.sk, _args.abs_max(v5))

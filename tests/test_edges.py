@@ -262,6 +262,49 @@ def test_overflow_only_where_masked_is_harmless(strict):
     np.testing.assert_allclose(out, attnlib.reference_attention(q, k, v, **kw), rtol=1e-12, atol=1e-14)
 
 
+def test_softcap_gradient_with_overflow_only_where_masked(strict):
+    """The dense gradient's softcap derivative took tanh of every product, masked ones
+    included: an overflow there raised FloatingPointError under strict mode."""
+    q, k, v = attnlib.random_qkv(40, d=8, seed=0)
+    q, k = q.copy(), k.copy()
+    q[:3] *= 1e160  # rows 0-2 see keys 0-2 only (causal) ...
+    k[30:] *= 1e160  # ... and these keys are hidden from them
+    dout = np.ones((40, 8))
+    dense = reference_attention_backward(q, k, v, dout, causal=True, softcap=30.0)
+    out, lse = attnlib.attention(q, k, v, causal=True, softcap=30.0, return_lse=True)
+    tiled_grads = attention_backward(q, k, v, out, lse, dout, causal=True, softcap=30.0)
+    for a, b in zip(dense, tiled_grads):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("fn", ["attention", "reference_attention", "reference_backward"])
+@pytest.mark.parametrize("where", ["q", "v"])
+def test_finite_inputs_beyond_float16_are_refused(fn, where, strict):
+    """float64 values beyond 65504 round to inf in float16: NaN output before."""
+    q, k, v = attnlib.random_qkv(9, 11, 8, seed=4)
+    q, v = (q * 1e5, v) if where == "q" else (q, v * 1e5)
+    calls = {
+        "attention": lambda: attnlib.attention(q, k, v, compute_dtype="float16"),
+        "reference_attention": lambda: attnlib.reference_attention(q, k, v, compute_dtype="float16"),
+        "reference_backward": lambda: reference_attention_backward(q, k, v, np.ones((9, 8)),
+                                                                   compute_dtype="float16"),
+    }
+    with pytest.raises(ValueError, match=rf"^{where} holds .*beyond float16's range"):
+        calls[fn]()
+    # bfloat16 has float32's range: the same values are fine there.
+    assert np.isfinite(attnlib.attention(q, k, v, compute_dtype="bfloat16").astype(np.float64)).all()
+
+
+def test_alibi_biases_beyond_range_are_refused(strict):
+    q, k, v = attnlib.random_qkv(40, d=8, seed=0)
+    with pytest.raises(ValueError, match=r"alibi_slopes up to 1e\+307"):
+        attnlib.attention(q, k, v, alibi_slopes=[1e307])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        attnlib.reference_attention(q, k, v, alibi_slopes=[1e37])
+    assert np.isfinite(attnlib.attention(q, k, v, alibi_slopes=[1e30])).all()
+
+
 # -- 6. clearer errors --------------------------------------------------------------------------
 
 

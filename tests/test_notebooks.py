@@ -126,6 +126,17 @@ def test_numerics_figures(quick_reports):
     assert random[8.0] < random[0.0]
 
 
+def test_check_rule_figures(quick_reports):
+    data = results(quick_reports[1], "check_rule")
+    summary, rows = data["figures"]["summary"], data["figures"]["rows"]
+    assert data["passed"] is True
+    assert set(summary) == set(report.NOTEBOOKS["check_rule"].quick["precisions"])
+    for s in summary.values():
+        assert s["correct_runs"] > 0 and s["false_alarms"] == 0 and s["caught"] == s["defect_runs"] > 0
+    assert all(r["worst_out_ratio"] <= 1 for r in rows if r["kind"] == "correct")
+    assert all(r["worst_out_ratio"] > 1 for r in rows if r["kind"] == "defective")
+
+
 def test_html_is_self_contained_and_indexed(quick_reports):
     out = quick_reports[1]
     index = (out / "index.html").read_text()

@@ -1,0 +1,192 @@
+"""The rule, measured: how often correct kernels fail it, and which defects it catches.
+
+A false alarm is a correct kernel failing `check_kernel`; its rate over many seeds and
+shapes is what the rule promises its users.  The correct kernels are independent
+implementations of the contract in the kernel's precision (attnlib's tiled kernel with
+other tiles or split keys, the dense reference, the exact answer rounded once to the
+kernel's type, and PyTorch SDPA when torch is installed); the defective ones are the
+bugs the check exists for.  Everything goes through the check's own code path
+(`rule.expect`, `rule.judge_out`, `rule.judge_lse`), one reference per problem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _args
+from ..inputs import random_qkv
+from ..memory import dense_fits
+from ..oracle import ORACLE_PRECISION, oracle_attention
+from ..reference import reference_attention
+from ..tiled import attention
+from .rule import expect, judge_lse, judge_out
+
+#: (batch, heads, seqlen_q, seqlen_k, headdim, causal): prefill shapes and decode shapes.
+SHAPES = ((1, 1, 128, 128, 64, True), (2, 8, 1024, 1024, 64, True), (1, 4, 512, 512, 128, False),
+          (4, 8, 1, 4096, 128, False), (8, 32, 1, 1024, 128, True))
+
+
+#: The largest ``batch * Hq * Sq * Sk * D`` the long double "exact answer" runs at (~1 s).
+ORACLE_MAX_WORK = 1 << 28
+
+
+def _torch():
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None, None
+    return torch, F
+
+
+def _torch_dtype(torch, name):
+    return {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[name]
+
+
+def correct_kernels(prec_name: str) -> dict:
+    """``name -> fn(q, k, v, causal) -> (out, lse or None)``: bhsd arrays in the kernel's
+    type (float64 values), results as float64 values of the kernel's output type."""
+    prec = _args.precision(prec_name)
+    kernels = {
+        "attnlib tiled, 32 x 32 tiles": lambda q, k, v, c: attention(
+            q, k, v, causal=c, block_q=32, block_k=32, compute_dtype=prec_name, return_lse=True),
+        "attnlib tiled, keys split 4 ways (flash-decoding)": lambda q, k, v, c: attention(
+            q, k, v, causal=c, kv_splits=4, compute_dtype=prec_name, return_lse=True),
+        "dense, same precision": lambda q, k, v, c: reference_attention(
+            q, k, v, causal=c, compute_dtype=prec_name, return_lse=True),
+    }
+    if prec.is_float64 and ORACLE_PRECISION["method"] == "longdouble":
+        def exact(q, k, v, c):
+            if q.size // q.shape[-1] * k.shape[-2] * q.shape[-1] > ORACLE_MAX_WORK:
+                return None  # long double has no BLAS: too slow at this shape
+            return tuple(x.astype(np.float64) for x in oracle_attention(q, k, v, causal=c, return_lse=True))
+        kernels["exact answer rounded once to float64 (long double oracle)"] = exact
+    torch, F = _torch()
+    if torch is not None:
+        def sdpa(q, k, v, c):
+            t = [torch.from_numpy(x).to(_torch_dtype(torch, prec_name)) for x in (q, k, v)]
+            with torch.no_grad():
+                out = F.scaled_dot_product_attention(*t, is_causal=c and q.shape[-2] > 1)
+            return out.to(torch.float64).numpy(), None
+        kernels[f"torch {torch.__version__} SDPA"] = sdpa
+    return kernels
+
+
+def defective_kernels(prec_name: str, perturbation: float) -> dict:
+    """``name -> fn(q, k, v, causal) -> (out, None)``: the bugs the check must catch."""
+    def tiled(q, k, v, **kw):
+        return attention(q, k, v, compute_dtype=prec_name, **kw).astype(np.float64), None
+
+    def one_head(q, k, v, c):
+        out = attention(q, k, v, causal=c, compute_dtype=prec_name).astype(np.float64)
+        out[..., min(1, out.shape[-3] - 1), :, :] *= 1 + perturbation
+        return out, None
+
+    return {
+        "causal mask off by one": lambda q, k, v, c: tiled(
+            q, k, v, causal=False, window=(None, 1) if c else (None, 0)),
+        "softmax scale 1/D instead of 1/sqrt(D)": lambda q, k, v, c: tiled(
+            q, k, v, causal=c, scale=1.0 / q.shape[-1]),
+        f"one head off by {perturbation:g} (relative)": one_head,
+    }
+
+
+def _problem(shape, prec, seed):
+    b, h, sq, sk, d, causal = shape
+    q, k, v = random_qkv(sq, sk, d, batch=(b,), heads=h, seed=seed)
+    # As the kernel reads them: rounded to its type (float64 values).
+    q, k, v = (x.astype(prec.compute).astype(np.float64) for x in (q, k, v))
+    return q, k, v, causal
+
+
+def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None) -> list[dict]:
+    """One row per (shape, kernel): seeds run, failures and the worst ratios seen.
+
+    ``perturbation``: the one-head defect's relative size (default: 1e-9 for float64,
+    where the rule's allowance is ~1e-12 of ``P @ |V|``, else 64 eps of the type).
+    """
+    prec = _args.precision(prec_name)
+    if perturbation is None:
+        perturbation = 1e-9 if prec.is_float64 else 64 * prec.eps
+    good, bad = correct_kernels(prec_name), defective_kernels(prec_name, perturbation)
+    exact_bad = defective_kernels("float64", perturbation)  # does a defect change the problem?
+    rows = {}
+    for shape in map(tuple, shapes):
+        b, h, sq, sk, d, causal = shape
+        dense = dense_fits(sq, heads=b * h, sk=sk)
+        for seed in seeds:
+            q, k, v, causal = _problem(shape, prec, seed)
+            expected = expect(q, k, v, dict(causal=causal, causal_align="bottom_right", window=None,
+                                            softcap=None, scale=None, kv_lengths=None), prec, 1, dense)
+            for kind, kernels in (("correct", good), ("defective", bad)):
+                for name, fn in kernels.items():
+                    if kind == "defective" and np.array_equal(exact_bad[name](q, k, v, causal)[0],
+                                                              attention(q, k, v, causal=causal)):
+                        continue  # the defect changes nothing here (off by one in decode)
+                    result = fn(q, k, v, causal)
+                    if result is None:
+                        continue
+                    out, lse = result
+                    v_out = judge_out(np.asarray(out, dtype=np.float64), expected)[0]
+                    v_lse = None if lse is None else judge_lse(lse, expected, np.asarray(lse).dtype)
+                    key = (shape, name)
+                    row = rows.setdefault(key, dict(
+                        precision=prec_name, shape=f"({b}, {h}, {sq}, {sk}, {d})",
+                        causal=causal, kernel=name, kind=kind, seeds=0, failed=0,
+                        worst_out_ratio=0.0, worst_lse_ratio=None))
+                    failed = not v_out.passed or (v_lse is not None and not v_lse.passed)
+                    row["seeds"] += 1
+                    row["failed"] += int(failed)
+                    row["worst_out_ratio"] = max(row["worst_out_ratio"], v_out.ratio)
+                    if v_lse is not None:
+                        row["worst_lse_ratio"] = max(row["worst_lse_ratio"] or 0.0, v_lse.ratio)
+    return list(rows.values())
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per precision: false alarms (correct kernels failed / runs) and defects caught."""
+    out = {}
+    for r in rows:
+        s = out.setdefault(r["precision"], dict(correct_runs=0, false_alarms=0, worst_ratio=0.0,
+                                                defect_runs=0, caught=0))
+        if r["kind"] == "correct":
+            s["correct_runs"] += r["seeds"]
+            s["false_alarms"] += r["failed"]
+            s["worst_ratio"] = max(s["worst_ratio"], r["worst_out_ratio"],
+                                   r["worst_lse_ratio"] or 0.0)
+        else:
+            s["defect_runs"] += r["seeds"]
+            s["caught"] += r["failed"]
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m attnlib.check.calibration [--seeds N] [--precisions ...] [--json PATH]``."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m attnlib.check.calibration",
+                                description="Measure the check rule's false alarms and power.")
+    p.add_argument("--seeds", type=int, default=100)
+    p.add_argument("--precisions", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    rows = []
+    for prec in args.precisions:
+        rows += measure(prec, seeds=range(args.seeds))
+        for r in (r for r in rows if r["precision"] == prec):
+            lse = "" if r["worst_lse_ratio"] is None else f", lse {r['worst_lse_ratio']:.3g}"
+            print(f"{prec:9} {r['shape']:24} {r['kind']:9} {r['kernel'][:52]:52} failed "
+                  f"{r['failed']:3}/{r['seeds']:<3} worst ratio {r['worst_out_ratio']:.3g}{lse}", flush=True)
+    print(json.dumps(summary(rows), indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+__all__ = ["measure", "summary", "correct_kernels", "defective_kernels", "SHAPES"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

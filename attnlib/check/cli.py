@@ -1,0 +1,138 @@
+"""``python -m attnlib check``: tensor files in, a verdict and an exit code out."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..tensorio import TensorFileError, load_tensor, split_spec
+from .shapes import LAYOUTS, TENSORS, UnusableInput
+from .text import format_text
+from .verdict import KernelCheck, check_kernel
+
+#: What ``notebooks/kernel_check.ipynb`` declares, and `_run_notebook` passes.
+NOTEBOOK_PARAMETERS = TENSORS + ("dtype", "layout", "causal", "causal_align", "window", "softcap",
+                                 "scale", "kv_lengths", "workers", "results_json")
+
+
+def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", dtype="", **options) -> KernelCheck:
+    """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given)."""
+    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv)
+    arrays, kinds, names = {}, {}, {}
+    for name, spec in specs.items():
+        if spec:
+            arrays[name], kinds[name] = load_tensor(spec, f"--{name}", dtype or None)
+            names[name] = f"--{name} {spec}"
+    lse_dtype = _stored_dtype(kinds["lse"]) if "lse" in kinds else None
+    return check_kernel(**arrays, dtype=dtype or kinds["q"], names=names, lse_dtype=lse_dtype, **options)
+
+
+def _stored_dtype(kind: str):
+    """The numpy dtype of a stored kind ("bfloat16" needs ml_dtypes; float32 holds it exactly
+    otherwise, and its rounding is then not allowed for)."""
+    if kind == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            return "float32"
+        return ml_dtypes.bfloat16
+    return kind
+
+
+def save_json(path: str, check: KernelCheck) -> None:
+    """The verdict for the CLI: text, exit code and the headline figures."""
+    data = {"text": format_text(check), "exit_code": check.exit_code, "passed": check.passed,
+            "out_max_err": check.out.max_err, "out_ratio": check.out.ratio}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _window(values):
+    if values is None:
+        return None
+    left, right = (None if x < 0 else x for x in values)  # -1: unbounded (FlashAttention's)
+    return (left, right)
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m attnlib check",
+        description="Judge an attention kernel's saved output against attnlib's float64 reference. "
+                    "Below float64 the rule is FlashAttention's: |kernel - ref| <= 2 * max|naive - ref| "
+                    "+ atol per head (atol scaled with the output in the kernel's type); float64 "
+                    "kernels are judged by a float64 rounding bound per row. "
+                    "Exit code 0: pass, 1: fail, 2: unusable input.")
+    for name in TENSORS:
+        required = name in ("q", "k", "v", "out")
+        p.add_argument(f"--{name}", required=required, default="", metavar="FILE",
+                       help=f"{name} tensor: .npy, .npz or .safetensors (path or path:name)"
+                            + ("" if required else ", optional"))
+    p.add_argument("--layout", choices=LAYOUTS, default="bshd",
+                   help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
+                        "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right",
+                   help="causal alignment when seqlen_q != seqlen_k (default bottom_right, FlashAttention's)")
+    p.add_argument("--window", nargs=2, type=int, metavar=("L", "R"),
+                   help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
+    p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
+    p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
+    p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="valid keys per batch entry (padding)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"), default=None,
+                   help="the kernel's compute precision (default: the type q is stored in)")
+    p.add_argument("--workers", type=int, default=1, help="threads for the float64 reference")
+    p.add_argument("--html", default=None, metavar="PATH", help="also write the verdict as an HTML report")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
+                   window=_window(args.window), softcap=args.softcap or None, scale=args.scale,
+                   kv_lengths=args.kv_lengths, workers=args.workers)
+    files = {name: getattr(args, name) for name in TENSORS}
+    try:
+        if args.html:
+            text, code = _run_notebook(files, args.dtype or "", options, args.html)
+        else:
+            check = load_and_check(**files, dtype=args.dtype or "", **options)
+            text, code = format_text(check), check.exit_code
+    except (TensorFileError, UnusableInput) as e:
+        print(f"attnlib check: unusable input: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.html:
+        print(f"report: {args.html}")
+    return code
+
+
+def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
+    """Run the kernel-check notebook on the files and render it to ``target``."""
+    from ..report import ROOT, ReportError, execute
+
+    notebook = ROOT / "notebooks" / "kernel_check.ipynb"
+    if not notebook.exists():
+        raise UnusableInput(f"--html needs {notebook} (a source checkout of attnlib)")
+    # Fail fast, with the CLI's messages, on unusable files before starting a kernel.
+    for name, spec in files.items():
+        if spec:
+            load_tensor(spec, f"--{name}", dtype or None)
+
+    def absolute(spec):  # the notebook runs elsewhere: absolute paths, ":name" kept
+        path, key = split_spec(spec)
+        return os.path.abspath(path) + (f":{key}" if key else "")
+
+    params = {**{n: absolute(s) if s else "" for n, s in files.items()}, "dtype": dtype, **options,
+              "window": None if options["window"] is None else list(options["window"]),
+              "softcap": options["softcap"] or 0.0, "scale": options["scale"] or 0.0}
+    assert set(params) | {"results_json"} == set(NOTEBOOK_PARAMETERS)
+    try:
+        data = execute(notebook, params, Path(target))
+    except ReportError as e:
+        raise UnusableInput(f"the kernel check notebook failed: {e}") from None
+    return data["text"], int(data["exit_code"])

@@ -1,0 +1,213 @@
+"""Why an output fails: NaN and inf, empty rows, alternatives it matches, where errors start.
+
+Every finding is scored on rows (one query position of one head of one batch entry), so
+that a cause explaining most of the failing rows is named with its fraction, and the
+alternatives are tried on the batch entries that fail, not on the first one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .rule import expect, ratios
+from .shapes import AXES, other_layout, positions, shape_problem, to_bhsd, where
+
+#: At most this many failing batch entries are re-run under each alternative.
+MAX_ENTRIES = 8
+#: An alternative is named when it explains at least this fraction of the failing rows.
+MIN_FRACTION = 0.5
+
+
+def row_ratios(err, ratio, allowance):
+    """``(Sq,)``: the worst finite ``err / allowance`` per query position, over batch,
+    heads and dims, on entries with a positive allowance (NaN/inf and empty rows left out)."""
+    allowance = np.broadcast_to(allowance, err.shape)
+    finite = np.isfinite(ratio) & (allowance > 0)
+    r = np.where(finite, ratio, 0.0)
+    r = r.max(axis=-1)  # (..., H, S)
+    return r.reshape((-1, r.shape[-1])).max(axis=0) if r.ndim > 1 else r
+
+
+def trend(row_ratio) -> str:
+    """How the error runs along the query positions, in units of the allowance.
+
+    Rounding spreads evenly along the positions (the allowance already follows the
+    naive baseline's or the rounding bound's dependence on them); a bug shows as the
+    worst ratio of the last eighth of the positions 10x that of the first, or the reverse.
+    Ratios below 1e-3 count as 1e-3: far inside the allowance, noise.
+    """
+    if row_ratio.size < 16:
+        return "too few query positions to tell"
+    eighths = np.array_split(np.asarray(row_ratio), 8)
+    first, last = (max(float(e.max()), 1e-3) for e in (eighths[0], eighths[-1]))
+    words = f"error / allowance, worst per position: first eighth {first:.3g}, last eighth {last:.3g}"
+    if max(first, last) <= 1 and float(np.max(row_ratio)) <= 1:
+        return f"within the allowance at every position ({words})"
+    if last >= 10 * first:
+        return f"grows with the query position ({words})"
+    if first >= 10 * last:
+        return f"shrinks with the query position ({words})"
+    return f"no trend ({words})"
+
+
+def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given, prec, dense,
+             workers) -> list:
+    """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values)."""
+    found = []
+    finite_row = np.isfinite(kernel).all(axis=-1)  # (..., H, S)
+    row_bad = ratio.max(axis=-1, initial=0.0) > 1  # NaN/inf rows included (ratio inf)
+    empty = expected.empty
+    n_bad = int(row_bad.sum())
+    describe = positions()
+
+    # NaN and inf, by name, and whether they sit in rows with no visible key.
+    if not finite_row.all():
+        nan = int(np.isnan(kernel).sum())
+        inf = int(np.isinf(kernel).sum())
+        rows = ~finite_row
+        words = f"{nan} NaN and {inf} inf values in {int(rows.sum())} rows"
+        if (rows <= empty).all():
+            words += (": all in rows with no visible key, where the output must be 0 (typically "
+                      "0 / 0 in the final normalisation: a row whose running sum l is 0)")
+        elif (rows & empty).any():
+            words += f" ({int((rows & empty).sum())} of them rows with no visible key)"
+        if not (row_bad & finite_row).any():
+            words += "; every finite row is within the allowance"
+        found.append(words)
+
+    # Empty rows holding something other than 0: the mask sentinel's signature.
+    nonzero_empty = empty & finite_row & (kernel != 0).any(axis=-1)
+    if nonzero_empty.any():
+        words = (f"{int(nonzero_empty.sum())} rows without a visible key (every key masked for "
+                 "them) are not 0, as the contract and FlashAttention's reference have them")
+        if _rows_hold_mean_v(kernel, vh, nonzero_empty, prec):
+            words += ("; they hold the mean of v over all keys: the kernel masks with a finite "
+                      "value (e.g. -1e30 or the type's min) and then normalises a row of equal "
+                      "scores; zero rows whose running max is still the mask value")
+        found.append(words)
+
+    # Alternatives, re-run on the batch entries that fail.
+    todo = row_bad & finite_row & ~empty  # rows not already explained above
+    if todo.any():
+        found += _alternatives(kernel, qh, kh, vh, options, todo, shape, prec, dense, workers)
+        found += _tile_boundary(todo)
+    # The other layout, and axes swapped inside the output.
+    other = other_layout(layout)
+    if given["out"].ndim >= 3 and shape_problem(given, other)[0] is None:
+        q1, k1, v1, kern1 = (to_bhsd(given[n], other).astype(np.float64) for n in ("q", "k", "v", "out"))
+        try:
+            alt = expect(q1, k1, v1, options, prec, workers, dense)
+            if ratios(kern1, alt.ref, alt.allowance)[1].max(initial=0.0) <= 1:
+                found.append(f"read as --layout {other} {AXES[other]}, every tensor fits and the output "
+                             f"passes: the files are in {other}, not {layout}")
+        except ValueError:
+            pass
+    if shape["sq"] == shape["hq"] and given["out"].ndim >= 3:
+        swapped = np.swapaxes(kernel, -2, -3)
+        if ratios(swapped, expected.ref, expected.allowance)[1].max(initial=0.0) <= 1:
+            found.append(f"the output matches the reference with its seqlen and heads axes swapped: "
+                         f"the kernel writes {other} {AXES[other]}, not {layout}")
+    # One head, or a few.
+    if kernel.ndim >= 3:
+        head_bad = row_bad.reshape((-1,) + row_bad.shape[-2:]).any(axis=(0, 2))  # (H,)
+        if 0 < head_bad.sum() < head_bad.size:
+            found.append(f"only heads {np.flatnonzero(head_bad).tolist()} fail: look at the head "
+                         "indexing (GQA mapping, strides)")
+    if not found:
+        first = describe(tuple(np.argwhere(row_bad)[0]) + (0,)) if n_bad else None
+        found.append("no known cause matched; see the worst positions and the error along the "
+                     "query position" + (f" (first failing row: {_row_words(first)})" if first else ""))
+    return found
+
+
+def _row_words(p) -> str:
+    return where({k: v for k, v in p.items() if k != "dim"})
+
+
+def _rows_hold_mean_v(kernel, vh, rows, prec) -> bool:
+    """Whether every row in ``rows`` equals the mean of v over all keys of its head."""
+    mean = vh.mean(axis=-2)  # (..., Hk, Dv)
+    if kernel.ndim >= 3:
+        mean = np.repeat(mean, kernel.shape[-3] // mean.shape[-2], axis=-2)  # GQA: (..., Hq, Dv)
+        mean = np.broadcast_to(mean[..., None, :], kernel.shape)
+    else:
+        mean = np.broadcast_to(mean, kernel.shape)
+    tol = 4 * prec.eps * max(float(np.abs(vh).max(initial=0.0)), np.finfo(np.float64).tiny)
+    return bool((np.abs(kernel - mean).max(axis=-1) <= tol)[rows].all())
+
+
+def _alternatives(kernel, qh, kh, vh, options, todo, shape, prec, dense, workers) -> list:
+    """Other problems the failing rows match: scales, masks, alignment, padding."""
+    d = qh.shape[-1]
+    s0 = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(d)
+    log2e = 1.0 / math.log(2.0)
+    alternatives = [
+        (dict(scale=1.0), "scale 1 (the softmax scale is never applied)"),
+        (dict(scale=1.0 / d), f"scale 1/D = {1.0 / d:.4g} instead of {s0:.4g} (the scale applied twice, or 1/D for 1/sqrt(D))"),
+        (dict(scale=s0 * log2e), "scale x log2(e) (an exp2-based softmax given a pre-multiplied scale)"),
+        (dict(scale=s0 / log2e), "scale / log2(e) (an exp2-based softmax without the log2(e) factor)"),
+    ]
+    if options["causal"]:
+        alternatives.append((dict(causal=False), "no causal mask"))
+        left = (options["window"] or (None, None))[0]
+        alternatives.append((dict(causal=False, window=(left, 1)),
+                             "a causal mask that lets each query see one future key (off by one)"))
+        if shape["sq"] != shape["sk"]:
+            other = "top_left" if options["causal_align"] == "bottom_right" else "bottom_right"
+            alternatives.append((dict(causal_align=other), f"causal alignment {other} instead of {options['causal_align']}"))
+    else:
+        alternatives.append((dict(causal=True), "a causal mask (bottom_right) that was not asked for"))
+    if options["kv_lengths"] is not None:
+        alternatives.append((dict(kv_lengths=None), "kv_lengths ignored (padding keys attended)"))
+
+    # The failing batch entries (at most MAX_ENTRIES), whole: causal alignment needs full rows.
+    if kernel.ndim == 4:
+        entries = np.flatnonzero(todo.any(axis=(-1, -2)))[:MAX_ENTRIES]
+        pick = (lambda x: x[entries])  # noqa: E731
+        opts = dict(options)
+        if options["kv_lengths"] is not None:
+            opts["kv_lengths"] = np.broadcast_to(np.ravel(options["kv_lengths"]), (shape["batch"],))[entries]
+    else:
+        entries, opts = None, dict(options)
+        pick = (lambda x: x)  # noqa: E731
+    q, k, v, kern, failing = pick(qh), pick(kh), pick(vh), pick(kernel), pick(todo)
+    n_fail = int(failing.sum())
+    scored = []
+    for change, words in alternatives:
+        try:
+            alt = expect(q, k, v, opts | change, prec, workers, dense)
+        except ValueError:
+            continue
+        row_ok = ratios(kern, alt.ref, alt.allowance)[1].max(axis=-1, initial=0.0) <= 1
+        hits = int((failing & row_ok).sum())
+        if row_ok.all():
+            scored.append((2.0, f"the output matches attention with {words}"))
+        elif hits >= MIN_FRACTION * n_fail:
+            miss = np.argwhere(failing & ~row_ok)[0]
+            p = positions()(tuple(miss) + (0,))
+            if entries is not None:
+                p["batch"] = int(entries[p["batch"]])
+            scored.append((hits / n_fail,
+                           f"{hits / n_fail:.0%} of the failing rows ({hits} of {n_fail}) match "
+                           f"attention with {words}; the others do not (e.g. {_row_words(p)})"))
+    return [words for _, words in sorted(scored, key=lambda s: -s[0])]
+
+
+def _tile_boundary(todo) -> list:
+    """Rows right before a power-of-two position pass and the ones after fail: key tiles."""
+    bad_pos = np.flatnonzero(todo.reshape((-1, todo.shape[-1])).any(axis=0))
+    if not bad_pos.size or bad_pos[0] < 16:
+        return []
+    r = int(bad_pos[0])
+    tile = 1 << (r.bit_length() - 1)  # the largest power of two <= r
+    if r - tile >= tile // 2:
+        return []
+    return [f"every row before query position {r} is within the allowance, and {r} is just past "
+            f"{tile}: rows whose keys fit in one tile of {tile} are right, so the error comes "
+            "from combining key tiles (e.g. a missing rescale of the running sum and output "
+            "when a later tile raises the row max)"]
+
+
+__all__ = ["diagnose", "trend", "row_ratios"]

@@ -1,0 +1,312 @@
+"""The rule: how far a correct kernel's tensors may lie from attnlib's reference, per entry.
+
+Every entry of a tensor gets an *allowance*, the largest ``|kernel - ref|`` a correct
+kernel can show there, and the verdict is ``max |kernel - ref| / allowance <= 1`` (NaN and
+inf are failures).  How the allowance is built depends on the kernel's precision:
+
+*Below float64* (float32, float16, bfloat16) it is FlashAttention's test rule, per head::
+
+    allowance_h = 2 max_h |naive - ref| + atol_h
+    atol_h      = max(2 max_h |fl(fl(ref + 0.3) - 0.3) - ref|,  ulp(max_h |ref|))
+
+``ref`` is attnlib's float64 tiled reference, far more precise than the kernel; ``fl``
+rounds to the kernel's type.  ``naive`` is plain attention computed in the kernel's
+precision, in the two plain orders of summation, and ``|naive - ref|`` is the larger of
+their errors, entry by entry:
+
+* *blocked*: ``p @ v`` and the row sums as BLAS computes them (`reference_attention` with
+  ``compute_dtype``, or the tiled kernel in it where the dense one would not fit);
+* *sequential*: one key after another (the tiled kernel with one-key tiles; beyond
+  `SEQUENTIAL_STEPS` keys, that many sequential tile steps).
+
+Which order errs more depends on the shape and the library: on this project's machine,
+PyTorch SDPA's float32 ``p @ v`` over 4096 keys (one query, decode) erred twice as much as
+numpy's blocked BLAS, so a baseline in one order failed a correct kernel summing in the
+other in 14 of 20 seeds; with both orders, none in 100 (the check report measures it).  The first ``atol`` term is FlashAttention's: the rounding of
+values of the output's magnitude in the kernel's type, so the absolute term scales with
+the output instead of being a fixed epsilon.  The second makes sure that the correctly
+rounded answer always passes (its error is at most half an ulp of ``|ref|``).
+
+*float64* kernels make errors of the reference's own size, so "twice the naive error"
+would compare rounding noise with rounding noise (below one key tile the naive dense
+result is bit-identical to attnlib's and the bound collapses to ``atol``).  There the
+allowance is the verdict gate's (`attnlib.gate`): a first-order float64 rounding bound on
+how far two correct implementations can differ, per row, relative to ``P @ |V|``, with
+the kernel's tiling taken at its worst case (``block_k = 1``: any order of summation),
+capped by the contract's ``rel_error < 1e-9``.  It needs no naive baseline and is sound
+by derivation; the check report measures how far below it correct kernels sit.
+
+*lse*: the same two rules on the row's log-sum-exp (FlashAttention's ``atol`` taken in the
+state's type, float32 for 16-bit kernels), plus one ulp of ``|lse|`` in the type the
+kernel *stored* it in (an LSE kept in bfloat16 is off by up to half an ulp of bfloat16
+after an exact computation).  Rows with no visible key must be ``-inf`` (attnlib,
+PyTorch) or ``+inf`` (FlashAttention).
+
+*Gradients*: FlashAttention's rule for every precision; for float64 the reference is the
+dense gradient in ``np.longdouble`` (64 mantissa bits), more precise than the kernel, so
+that the naive float64 gradient's error is real.  Without a naive baseline (too long for
+the dense gradient) a gradient is reported, not judged.
+
+Rows with no visible key must be exactly 0 in ``out`` (the contract's and
+FlashAttention's ``attention_ref``): their allowance is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import _args
+from ..backward import attention_backward, reference_attention_backward
+from ..gate import tolerance
+from ..memory import dense_fits
+from ..metrics import BOUND, TINY
+from ..reference import reference_attention
+from ..tiled import attention
+from .shapes import positions, to_bhsd
+
+
+@dataclass
+class TensorVerdict:
+    """The rule applied to one tensor (``out``, ``lse``, ``dq``, ``dk`` or ``dv``)."""
+
+    name: str
+    max_err: float
+    median_err: float
+    ratio: float | None  # max |err| / allowance over entries (inf: NaN/inf or an error where 0 is allowed)
+    allowance: float | None  # the allowance at the worst entry
+    naive_max: float | None  # the naive baseline's max error (None: float64 gate, or no baseline)
+    passed: bool | None  # None: reported, not judged
+    heads: list = field(default_factory=list)  # per head: head, max, median, naive_max, ratio, passed
+    worst: list = field(default_factory=list)  # the worst entries by ratio: position, kernel, ref, err, allowance
+    nan: int = 0
+    inf: int = 0
+    nonfinite_at: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nan + self.inf
+
+
+@dataclass
+class Expected:
+    """A problem's reference output and what a correct kernel may differ from it by."""
+
+    ref: np.ndarray  # (..., Hq, Sq, Dv) float64
+    ref_lse: np.ndarray  # (..., Hq, Sq); -inf on rows with no visible key
+    allowance: np.ndarray  # (..., Hq, Sq, Dv): the largest |out - ref| a correct kernel has
+    lse_allowance: np.ndarray  # (..., Hq, Sq), absolute
+    naive_err: np.ndarray | None  # below float64: |naive - ref|, the larger of both orders
+    naive_lse_err: np.ndarray | None  # (..., Hq, Sq), 0 on rows with no visible key
+    baseline: str  # how the allowance was made, in words
+
+    @property
+    def empty(self) -> np.ndarray:
+        """``(..., Hq, Sq)``: rows with no visible key."""
+        return np.isneginf(self.ref_lse)
+
+
+#: The most sequential steps of the key-by-key naive baseline (more keys: tiles of
+#: ``ceil(Sk / SEQUENTIAL_STEPS)``, summed by BLAS inside), which bounds its cost.
+SEQUENTIAL_STEPS = 1024
+
+
+def per_head_max(x: np.ndarray) -> np.ndarray:
+    """``max |x|`` over every axis but the head axis (-3), kept as size-1 axes."""
+    if x.ndim < 3:
+        return np.max(x, keepdims=True, initial=0.0)
+    axes = tuple(a for a in range(x.ndim) if a != x.ndim - 3)
+    return np.max(x, axis=axes, keepdims=True, initial=0.0)
+
+
+def atol(ref: np.ndarray, dtype) -> np.ndarray:
+    """Per head: ``max(2 max |fl(fl(ref + 0.3) - 0.3) - ref|, ulp(max |ref|))`` in ``dtype``.
+
+    The first term is FlashAttention's ``fwd_atol`` (the rounding of values of the
+    output's size in the kernel's type); the second guarantees that the correctly rounded
+    answer, off by at most half an ulp, passes.
+    """
+    dtype = np.dtype(dtype)
+
+    def fl(x):
+        return x.astype(dtype).astype(np.float64)
+
+    with np.errstate(over="ignore", invalid="ignore"):  # beyond the type's range: inf, caught below
+        fa = 2 * per_head_max(np.abs(fl(fl(ref + 0.3) - 0.3) - ref))
+        top = np.minimum(per_head_max(np.abs(ref)), float(_args.finfo(dtype).max))
+        ulp = np.spacing(top.astype(dtype)).astype(np.float64)
+    return np.where(np.isfinite(fa), np.maximum(fa, ulp), ulp)
+
+
+def expect(qh, kh, vh, options, prec, workers, dense) -> Expected:
+    """The reference and the allowance for ``attention(qh, kh, vh, **options)`` (bhsd layout,
+    float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits."""
+    ref, ref_lse = attention(qh, kh, vh, return_lse=True, workers=workers, **options)
+    empty = np.isneginf(ref_lse)
+    if prec.is_float64:
+        # P @ |V| (the sizes the gate is relative to) by the same tiled kernel.
+        ref_abs = attention(qh, kh, np.abs(vh), workers=workers, **options)
+        tol = tolerance(qh, kh, vh, ref_lse, block_k=1, **options)
+        allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))
+        return Expected(ref, ref_lse, allowance, tol.lse, None, None,
+                        "float64 rounding bound (the verdict gate, any tiling)")
+    if dense:
+        blocked = reference_attention(qh, kh, vh, return_lse=True, compute_dtype=prec.name, **options)
+        baseline = f"{prec.name}, dense (BLAS order) and key by key"
+    else:
+        blocked = attention(qh, kh, vh, return_lse=True, compute_dtype=prec.name, workers=workers,
+                            **options)
+        baseline = f"{prec.name}, tiled (BLAS order; dense would not fit in memory) and key by key"
+    sk = kh.shape[-2]
+    sequential = attention(qh, kh, vh, return_lse=True, compute_dtype=prec.name, workers=workers,
+                           block_k=max(1, -(-sk // SEQUENTIAL_STEPS)), **options)
+    r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
+    naive_err = np.zeros(ref.shape)
+    naive_lse_err = np.zeros(ref_lse.shape)
+    for out, lse in (blocked, sequential):
+        np.maximum(naive_err, np.abs(out.astype(np.float64) - ref), out=naive_err)
+        np.maximum(naive_lse_err, np.abs(np.where(empty, 0.0, lse) - r), out=naive_lse_err)
+    allowance = 2 * per_head_max(naive_err) + atol(ref, prec.compute)
+    allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0
+    # lse as (..., H, S, 1) for the per-head maxima.
+    lse_allowance = (2 * per_head_max(naive_lse_err[..., None]) + atol(r[..., None], prec.accumulate))[..., 0]
+    lse_allowance = np.broadcast_to(lse_allowance, ref_lse.shape)
+    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline)
+
+
+def ratios(kernel, ref, allowance):
+    """``(err, ratio)``: ``|kernel - ref|`` (0 at NaN/inf) and ``err / allowance`` (inf at
+    NaN/inf and wherever an error meets a zero allowance)."""
+    finite = np.isfinite(kernel)
+    err = np.abs(np.where(finite, kernel, 0.0) - ref).astype(np.float64)
+    ratio = np.divide(err, allowance, out=np.where(err > 0, np.inf, 0.0), where=allowance > 0)
+    ratio[~finite] = np.inf
+    return err, ratio
+
+
+def judge(name, kernel, ref, allowance, naive_err, describe):
+    """The rule on one tensor ``(..., H, S, X)``: ``(verdict, err, ratio)``; ``naive_err``
+    is the naive baseline's ``|naive - ref|`` (None for the float64 rule)."""
+    err, ratio = ratios(kernel, ref, allowance)
+    allowance = np.broadcast_to(allowance, err.shape)
+    heads = []
+    if err.ndim >= 3:
+        def by_head(x):
+            return np.moveaxis(x, -3, 0).reshape(x.shape[-3], -1)
+        h_err, h_ratio = by_head(err), by_head(ratio)
+        h_naive = None if naive_err is None else by_head(naive_err)
+        for h in range(err.shape[-3]):
+            hr = float(h_ratio[h].max(initial=0.0))
+            heads.append({"head": h, "max": float(h_err[h].max(initial=0.0)),
+                          "median": float(np.median(h_err[h])) if h_err[h].size else 0.0,
+                          "naive_max": None if h_naive is None else float(h_naive[h].max(initial=0.0)),
+                          "ratio": hr, "passed": hr <= 1})
+    flat = ratio.ravel()
+    # The worst entries by ratio; by error when nothing is judged (an infinite allowance).
+    rank = flat if np.isfinite(allowance).any() else err.ravel()
+    top = np.argsort(rank)[::-1][:5] if rank.size <= 5 else np.argpartition(rank, -5)[-5:]
+    top = top[np.argsort(rank[top], kind="stable")[::-1]]
+    worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
+                  ref=float(ref.ravel()[i]), err=float(err.ravel()[i]),
+                  allowance=float(allowance.ravel()[i]), ratio=float(flat[i])) for i in top]
+    kern = np.asarray(kernel)
+    nan, inf = int(np.count_nonzero(np.isnan(kern))), int(np.count_nonzero(np.isinf(kern)))
+    max_ratio = float(flat.max()) if flat.size else 0.0
+    verdict = TensorVerdict(
+        name=name, max_err=float(err.max(initial=0.0)),
+        median_err=float(np.median(err)) if err.size else 0.0, ratio=max_ratio,
+        allowance=worst[0]["allowance"] if worst else None,
+        naive_max=None if naive_err is None else float(naive_err.max(initial=0.0)),
+        passed=max_ratio <= 1, heads=heads, worst=worst, nan=nan, inf=inf,
+        nonfinite_at=[describe(ix) for ix in np.argwhere(~np.isfinite(kern))[:5]])
+    return verdict, err, ratio
+
+
+def judge_out(out, expected: Expected):
+    """``out`` (bhsd, float64 values) against the expectation: ``(verdict, err, ratio)``."""
+    return judge("out", out, expected.ref, expected.allowance, expected.naive_err, positions())
+
+
+def judge_lse(lse, expected: Expected, stored) -> TensorVerdict:
+    """``lse`` against the expectation; ``stored``: the dtype the kernel stored it in.
+
+    Rows without a visible key have ``ref = -inf``; the kernel may write ``-inf``
+    (attnlib, PyTorch) or ``+inf`` (FlashAttention) there, nothing else.
+    """
+    ref_lse = expected.ref_lse
+    lse = np.asarray(lse, dtype=np.float64).reshape(ref_lse.shape)
+    empty = expected.empty
+    allowance = np.array(expected.lse_allowance, dtype=np.float64)
+    stored = np.dtype(stored)
+    if _args.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
+        with np.errstate(over="ignore"):
+            top = np.minimum(np.abs(np.where(empty, 0.0, ref_lse)), float(_args.finfo(stored).max))
+            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64))
+    # Empty rows are judged below, by what they hold: here they are 0 against 0.
+    k = np.where(empty, 0.0, lse)[..., None]
+    r = np.where(empty, 0.0, ref_lse)[..., None]
+    n = None if expected.naive_lse_err is None else expected.naive_lse_err[..., None]
+    k, r, allowance = (x[None] if x.ndim == 2 else x for x in (k, r, allowance[..., None]))
+    n = None if n is None else (n[None] if n.ndim == 2 else n)
+    verdict = judge("lse", k, r, allowance, n, positions())[0]
+    for w in verdict.worst:
+        w.pop("dim")
+    for p in verdict.nonfinite_at:
+        p.pop("dim")
+    nan_empty = int(np.count_nonzero(empty & np.isnan(lse)))
+    finite_empty = int(np.count_nonzero(empty & np.isfinite(lse)))
+    if nan_empty or finite_empty:
+        verdict.passed = False
+        verdict.ratio = float("inf")
+        verdict.nan += nan_empty
+        parts = ([f"{nan_empty} hold NaN"] if nan_empty else []) + (
+            [f"{finite_empty} hold a finite value"] if finite_empty else [])
+        verdict.notes.append(f"rows without a visible key must have lse -inf (or +inf): "
+                             f"{' and '.join(parts)}")
+    return verdict
+
+
+def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, layout, shape,
+                workers) -> dict:
+    """FlashAttention's rule on each given gradient (see the module docstring)."""
+    heads = shape["batch"] * shape["hq"]
+    sq, sk = shape["sq"], shape["sk"]
+    naive_grads = None
+    if prec.is_float64:
+        ext = _args.extended_precision()
+        # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays
+        # (measured: 528 MiB against 384 MiB at n = 4096); long double doubles that.
+        if ext is not None and dense_fits(sq, heads=4 * heads, sk=sk):
+            ref_grads = dict(zip(("dq", "dk", "dv"), reference_attention_backward(
+                qh, kh, vh, douth, compute_dtype=ext, **options)))
+            naive_grads = dict(zip(("dq", "dk", "dv"), reference_attention_backward(
+                qh, kh, vh, douth, **options)))
+        else:
+            ref_grads = dict(zip(("dq", "dk", "dv"), attention_backward(
+                qh, kh, vh, ref, ref_lse, douth, workers=workers, **options)))
+    else:
+        ref_grads = dict(zip(("dq", "dk", "dv"), attention_backward(
+            qh, kh, vh, ref, ref_lse, douth, workers=workers, **options)))
+        if dense_fits(sq, heads=2 * heads, sk=sk):
+            naive_grads = dict(zip(("dq", "dk", "dv"), reference_attention_backward(
+                qh, kh, vh, douth, compute_dtype=prec.name, **options)))
+    verdicts = {}
+    for name, g in kernel_grads.items():
+        if g is None:
+            continue
+        kernel = to_bhsd(g, layout).astype(np.float64)
+        describe = positions("query" if name == "dq" else "key")
+        if naive_grads is None:
+            v = judge(name, kernel, ref_grads[name], np.inf, None, describe)[0]
+            v.passed, v.ratio = None, None
+            v.notes.append("no verdict: the naive baseline is the dense gradient, which would not "
+                           "fit in memory at this length (or long double is float64 here)")
+        else:
+            r = ref_grads[name]
+            naive_err = np.abs(naive_grads[name] - r).astype(np.float64)
+            allowance = 2 * per_head_max(naive_err) + atol(r.astype(np.float64), prec.compute)
+            v = judge(name, kernel, r, allowance, naive_err, describe)[0]
+        verdicts[name] = v
+    return verdicts

@@ -1,0 +1,84 @@
+"""The verdict as the CLI prints it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .rule import TensorVerdict
+from .shapes import where
+from .verdict import KernelCheck
+
+
+def _fmt(x):
+    return "n/a" if x is None else f"{x:.2e}"
+
+
+def _ratio(x):
+    return "n/a" if x is None else ("inf" if x == float("inf") else f"{x:.3g}")
+
+
+def _verdict_word(passed):
+    return {True: "PASS", False: "FAIL", None: "INFO"}[passed]
+
+
+def rule_text(dtype: str) -> str:
+    """The rule in one line, for the kernel's precision."""
+    if dtype == "float64":
+        return ("rule: |kernel - ref| <= the float64 rounding bound of two correct implementations, "
+                "per row (relative to P @ |V|; any tiling)")
+    return ("rule: |kernel - ref| <= 2 * max|naive - ref| + atol per head, atol = FlashAttention's "
+            f"2 * max|fl(ref + 0.3) - 0.3 - ref| in {dtype} (at least one ulp of max|ref|)")
+
+
+def format_text(check: KernelCheck) -> str:
+    """The verdict as the CLI prints it."""
+    s, o = check.shape, check.options
+    mask = "causal (" + o["causal_align"] + ")" if o["causal"] else "no causal mask"
+    if o["window"] is not None:
+        mask += f", window {o['window']}"
+    extras = [f"softcap {o['softcap']}" if o["softcap"] else "", f"kv_lengths {list(np.ravel(o['kv_lengths']))}"
+              if o["kv_lengths"] is not None else ""]
+    dv = "" if s["dv"] == s["d"] else f" (v: {s['dv']})"
+    lines = [
+        "attnlib check: the kernel's output against attnlib's float64 reference",
+        f"  batch {s['batch']}, seqlen_q {s['sq']}, seqlen_k {s['sk']}, heads {s['hq']} (kv heads "
+        f"{s['hk']}), head dim {s['d']}{dv}; {mask}" + "".join(f", {e}" for e in extras if e),
+        f"  kernel precision {check.dtype}; "
+        + (f"allowance: {check.baseline}" if check.dtype == "float64" else f"naive baseline: {check.baseline}"),
+        f"  {rule_text(check.dtype)}",
+        "",
+    ]
+    for v in [check.out] + ([check.lse] if check.lse else []) + list(check.grads.values()):
+        lines += format_tensor(v)
+        if v is check.out:
+            lines.append(f"  error along the query position: {check.trend}")
+            lines += [f"  diagnosis: {d}" for d in check.diagnosis]
+        lines.append("")
+    lines.append(f"verdict: {'PASS' if check.passed else 'FAIL'} (exit {check.exit_code})")
+    return "\n".join(lines)
+
+
+def format_tensor(v: TensorVerdict) -> list:
+    naive = "" if v.naive_max is None else f", naive {_fmt(v.naive_max)}"
+    lines = [f"{v.name}: {_verdict_word(v.passed)}  max |err| {_fmt(v.max_err)}{naive}, median "
+             f"{_fmt(v.median_err)}; worst err / allowance {_ratio(v.ratio)}"]
+    if v.nonfinite:
+        at = "; ".join(where(p) for p in v.nonfinite_at)
+        lines.append(f"  {v.nan} NaN and {v.inf} inf values" + (f", first at {at}" if at else ""))
+    lines += [f"  note: {n}" for n in v.notes]
+    if len(v.heads) > 1:
+        show_naive = any(h["naive_max"] is not None for h in v.heads)
+        lines.append("  head   max |err|  median     " + ("naive max  " if show_naive else "")
+                     + "err/allow  verdict")
+        shown = v.heads if len(v.heads) <= 16 else sorted(v.heads, key=lambda h: -h["ratio"])[:16]
+        for h in shown:
+            lines.append(f"  {h['head']:<5}  {h['max']:.2e}   {h['median']:.2e}   "
+                         + (f"{_fmt(h['naive_max'])}   " if show_naive else "")
+                         + f"{_ratio(h['ratio']):<9}  {_verdict_word(h['passed'] if v.passed is not None else None)}")
+        if len(v.heads) > 16:
+            lines.append(f"  ({len(v.heads) - 16} more heads; the 16 worst shown)")
+    if v.worst and (v.max_err > 0 or v.nonfinite):
+        lines.append("  worst: " + "; ".join(
+            f"{where(w)}: kernel {w['kernel']:.9g}, ref {w['ref']:.9g}, err {w['err']:.2e}"
+            + ("" if v.passed is None else f", allowance {w['allowance']:.2e}") for w in v.worst[:3]))
+    return lines

@@ -1,0 +1,176 @@
+"""`check_kernel`: the verdict on a kernel from the tensors it read and wrote."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _args
+from ..memory import dense_fits
+from .diagnosis import diagnose, row_ratios, trend
+from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
+from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
+
+#: Entries kept for the histograms (a random sample beyond it).
+SAMPLE = 200_000
+
+
+@dataclass
+class KernelCheck:
+    """Everything `check_kernel` found; `~attnlib.check.format_text` prints it."""
+
+    shape: dict
+    options: dict
+    dtype: str
+    eps: float
+    baseline: str  # how the allowance was made
+    out: TensorVerdict
+    lse: TensorVerdict | None
+    grads: dict
+    row_err: np.ndarray  # (Sq,) max |kernel - ref| per query position (finite entries)
+    row_ratio: np.ndarray  # (Sq,) max |kernel - ref| / allowance per query position
+    row_naive_ratio: np.ndarray | None  # (Sq,) the naive baseline's (below float64)
+    head_row_ratio: np.ndarray  # (Hq, Sq) max ratio per head and query position (inf: NaN/inf)
+    ratios: np.ndarray  # a sample of the kernel's |out - ref| / allowance (for histograms)
+    naive_ratios: np.ndarray | None  # the naive baseline's, same entries
+    trend: str
+    diagnosis: list
+
+    @property
+    def passed(self) -> bool:
+        judged = [self.out] + ([self.lse] if self.lse else []) + list(self.grads.values())
+        return all(v.passed is not False for v in judged)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+
+def _as_float(x, name):
+    """``(array, stored dtype)`` for a numpy float or ml_dtypes float array, else UnusableInput."""
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+        return x, x.dtype
+    if isinstance(x, np.ndarray) and _args._is_ml_float(x.dtype):
+        return x.astype(np.float32), x.dtype  # bfloat16, float8: exact in float32
+    raise UnusableInput(f"{name}: expected a floating-point array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
+def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
+                 layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
+                 window=None, softcap=None, scale=None, kv_lengths=None, workers=1,
+                 names=None, lse_dtype=None) -> KernelCheck:
+    """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
+
+    The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
+    ``|kernel - ref| <= 2 max|naive - ref| + atol`` with ``atol`` scaled with the output
+    in the kernel's type; for float64 kernels, the verdict gate's float64 rounding bound
+    per row (any tiling).  ``ref`` is attnlib's float64 tiled kernel: any length, bounded
+    memory.
+
+    Parameters
+    ----------
+    q, k, v : ndarray
+        The kernel's inputs, as it read them: ``(batch, seqlen, nheads, headdim)`` for
+        ``layout="bshd"`` (FlashAttention's), ``(batch, nheads, seqlen, headdim)`` for
+        ``"bhsd"`` (PyTorch SDPA's); 3-D without the batch axis, 2-D ``(seqlen, headdim)``.
+        numpy floating arrays or ml_dtypes ones (bfloat16, float8).
+    out : ndarray
+        The kernel's output, in the layout of ``q`` with ``headdim`` of ``v``.  NaN or inf
+        in it is a failure, reported with its positions.
+    lse : ndarray, optional
+        ``(batch, nheads, seqlen_q)`` in both layouts (as FlashAttention and PyTorch return
+        it); rows without a visible key may hold ``-inf`` or ``+inf``.
+    dout, dq, dk, dv : ndarray, optional
+        The upstream gradient and the kernel's gradients (layouts of out, q, k, v).
+    layout : {"bshd", "bhsd"}
+    dtype : {None, "float64", "float32", "float16", "bfloat16"}
+        The kernel's compute precision; default: the type ``q`` is held in.
+    causal, causal_align, window, softcap, scale, kv_lengths
+        The attention the kernel computes, as in `attention`.
+    workers : int
+        Threads for the float64 reference.
+    names : dict, optional
+        How messages name each tensor (e.g. ``{"q": "--q q.npy"}``).
+    lse_dtype : dtype, optional
+        The type the kernel stored ``lse`` in, when ``lse`` was converted on the way (a
+        bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
+
+    Returns
+    -------
+    KernelCheck
+
+    Raises
+    ------
+    UnusableInput
+        Inconsistent shapes (with a hint when the layout looks swapped), non-float data,
+        NaN or inf in the inputs.
+    """
+    names = {n: n for n in TENSORS} | (names or {})
+    if layout not in LAYOUTS:
+        raise UnusableInput(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    given, stored = {}, {}
+    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv).items():
+        if x is not None:
+            given[n], stored[n] = _as_float(x, names[n])
+    shape = check_shapes(given, layout, names)
+    for n in ("q", "k", "v", "dout"):
+        if n in given and not np.isfinite(given[n]).all():
+            bad = np.argwhere(~np.isfinite(given[n]))[:3].tolist()
+            raise UnusableInput(f"{names[n]}: holds NaN or inf (first at {bad}); the inputs must be finite")
+    if any(n in given for n in ("dq", "dk", "dv")) and "dout" not in given:
+        raise UnusableInput("gradients were given without dout (the upstream gradient they answer)")
+    try:
+        prec = _args.precision(dtype if dtype is not None else stored["q"].name)
+    except ValueError as e:
+        raise UnusableInput(str(e)) from None
+    options = dict(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
+                   scale=scale, kv_lengths=kv_lengths)
+    qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
+    dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
+    try:
+        expected = expect(qh, kh, vh, options, prec, workers, dense)
+    except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
+        raise UnusableInput(str(e)) from None
+    kernel = to_bhsd(given["out"], layout).astype(np.float64)
+    verdict, err, ratio = judge_out(kernel, expected)
+    row_ratio = row_ratios(err, ratio, expected.allowance)
+    head_row_ratio = ratio.max(axis=-1, initial=0.0)
+    head_row_ratio = head_row_ratio.reshape((-1,) + head_row_ratio.shape[-2:]).max(axis=0) \
+        if head_row_ratio.ndim >= 2 else head_row_ratio[None]  # (Hq, Sq)
+    naive_ratio = _naive_ratio(expected)
+    diagnosis = []
+    if verdict.passed is False:
+        diagnosis = diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
+                             prec, dense, workers)
+    lse_verdict = None
+    if lse is not None:
+        lse_verdict = judge_lse(given["lse"], expected, lse_dtype or stored["lse"])
+    grads = {}
+    if "dout" in given and any(n in given for n in ("dq", "dk", "dv")):
+        grads = judge_grads({n: given.get(n) for n in ("dq", "dk", "dv")}, qh, kh, vh, expected.ref,
+                            expected.ref_lse, to_bhsd(given["dout"], layout).astype(np.float64), prec,
+                            options, layout, shape, workers)
+    finite = np.where(np.isfinite(ratio), ratio, 0.0)
+    sample = slice(None)
+    if err.size > SAMPLE:
+        sample = np.random.default_rng(0).choice(err.size, size=SAMPLE, replace=False)
+    row_err = err.max(axis=-1, initial=0.0)
+    row_err = row_err.reshape((-1, row_err.shape[-1])).max(axis=0) if row_err.ndim > 1 else row_err
+    return KernelCheck(
+        shape=shape, options=options, dtype=prec.name, eps=prec.eps, baseline=expected.baseline,
+        out=verdict, lse=lse_verdict, grads=grads, row_err=row_err, row_ratio=row_ratio,
+        row_naive_ratio=None if naive_ratio is None else row_ratios(naive_ratio[0], naive_ratio[1], expected.allowance),
+        head_row_ratio=head_row_ratio, ratios=finite.ravel()[sample],
+        naive_ratios=None if naive_ratio is None else naive_ratio[1].ravel()[sample],
+        trend=trend(row_ratio), diagnosis=diagnosis)
+
+
+def _naive_ratio(expected: Expected):
+    """``(err, ratio)`` of the naive baseline (below float64), else None."""
+    if expected.naive_err is None:
+        return None
+    err = expected.naive_err
+    allowance = np.broadcast_to(expected.allowance, err.shape)
+    return err, np.divide(err, allowance, out=np.zeros_like(err), where=allowance > 0)

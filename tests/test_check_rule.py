@@ -1,0 +1,202 @@
+"""The check's rule holds for every precision, float64 included, and its diagnoses name what
+is wrong (issue 13): each case here failed, or was misdiagnosed, under the earlier rule
+``2 * naive + eps``."""
+
+import math
+
+import ml_dtypes  # the test extra installs it
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib import check
+from attnlib.check import calibration
+from attnlib.check.rule import SEQUENTIAL_STEPS, atol
+from attnlib.oracle import oracle_attention
+
+
+def verdict(out, q, k, v, **kw):
+    return check.check_kernel(q, k, v, out, layout="bhsd", **kw)
+
+
+def text(result):
+    return check.format_text(result)
+
+
+# -- float64: correct kernels pass ----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_float64_exact_answer_and_other_orders_pass(seed):
+    """The old rule's bound collapsed to 2.2e-16 below one key tile: the exact answer rounded
+    once to float64 failed on out and lse, as did PyTorch SDPA (4.4e-16)."""
+    q, k, v = attnlib.random_qkv(128, d=64, batch=(1,), heads=2, seed=seed)
+    exact, exact_lse = (x.astype(np.float64) for x in oracle_attention(q, k, v, causal=True, return_lse=True))
+    for out, lse in [(exact, exact_lse),
+                     attnlib.attention(q, k, v, causal=True, block_k=1, return_lse=True),  # key by key
+                     attnlib.reference_attention(q, k, v, causal=True, return_lse=True)]:
+        r = verdict(out, q, k, v, lse=lse, causal=True)
+        assert r.passed, text(r)
+        assert r.out.ratio < 0.05 and r.lse.ratio < 0.05  # far inside the rounding bound
+
+
+def test_float64_correctly_rounded_answer_passes_decimal():
+    """Exact products and exp, rounded once (the decimal oracle): error <= half an ulp."""
+    q, k, v = attnlib.random_qkv(24, 40, 8, batch=(1,), heads=2, seed=3)
+    out, lse = oracle_attention(q, k, v, causal=True, return_lse=True, method="decimal")
+    r = verdict(out, q, k, v, lse=lse, causal=True)
+    assert r.passed, text(r)
+
+
+def test_float64_rule_keeps_its_power():
+    """Off by one, a wrong scale and one head off by 1e-10 still fail; the allowance is the
+    rounding bound, ~1e-13 of P @ |V| here, not the contract's 1e-9."""
+    q, k, v = attnlib.random_qkv(256, d=64, batch=(2,), heads=4, seed=0)
+    good = attnlib.attention(q, k, v, causal=True)
+    head = good.copy()
+    head[:, 1] *= 1 + 1e-10
+    for out, words in [(attnlib.attention(q, k, v, window=(None, 1)), "one future key (off by one)"),
+                       (attnlib.attention(q, k, v, causal=True, scale=1 / 64), "scale 1/D"),
+                       (head, "only heads [1] fail")]:
+        r = verdict(out, q, k, v, causal=True)
+        assert not r.passed and any(words in d for d in r.diagnosis), text(r)
+
+
+# -- below float64: FlashAttention's rule, both summation orders --------------------------------
+
+def sequential_decode(q, k, v, dtype=np.float32):
+    """A float32 kernel as PyTorch's math path writes it: q and k each scaled by
+    sqrt(scale), p @ v summed one key after another in float32."""
+    c = dtype(math.sqrt(1 / math.sqrt(q.shape[-1])))
+    qf, kf = ((x.astype(dtype) * c).astype(dtype) for x in (q, k))
+    vf = v.astype(dtype)
+    s = qf @ np.swapaxes(kf, -1, -2)  # (..., 1, Sk)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    acc = np.zeros(q.shape[:-1] + (v.shape[-1],), dtype)
+    for j in range(k.shape[-2]):
+        acc += p[..., j:j + 1] * vf[..., j:j + 1, :]
+    return (acc / p.sum(axis=-1, keepdims=True, dtype=dtype)).astype(np.float64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_float32_decode_summed_key_by_key_passes(seed):
+    """Decode (one query, long keys): a kernel summing key by key errs ~2x BLAS's order; a
+    baseline in one order alone failed such kernels."""
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in attnlib.random_qkv(
+        1, 2048, 128, batch=(2,), heads=4, seed=seed))
+    r = verdict(sequential_decode(q, k, v), q, k, v, dtype="float32")
+    assert r.passed, text(r)
+
+
+def test_atol_scales_with_the_output_and_covers_correct_rounding():
+    ref = np.array([[[[0.001, -0.002]]], [[[30.0, 1.5]]]]).reshape(1, 2, 1, 2)  # two heads
+    a = atol(ref, np.float32)
+    assert a.shape == (1, 2, 1, 1)
+    assert a[0, 1, 0, 0] >= np.spacing(np.float32(30.0)) > 100 * a[0, 0, 0, 0]
+    assert a[0, 0, 0, 0] >= np.spacing(np.float32(0.002))
+
+
+def test_empty_rows_must_be_zero_in_low_precision_too():
+    q, k, v = (x.astype(np.float32) for x in attnlib.random_qkv(64, d=16, batch=(2,), heads=2, seed=0))
+    out = attnlib.attention(q, k, v, kv_lengths=[64, 0], compute_dtype="float32").astype(np.float32)
+    assert verdict(out, q, k, v, kv_lengths=[64, 0]).passed
+    out[1] = 1e-6  # tiny, but the contract says 0
+    r = verdict(out, q, k, v, kv_lengths=[64, 0])
+    assert not r.passed and any("rows without a visible key" in d for d in r.diagnosis), text(r)
+
+
+# -- lse: its storage type's rounding ------------------------------------------------------------
+
+def test_lse_stored_in_bfloat16_is_judged_with_its_rounding():
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in attnlib.random_qkv(128, d=64, batch=(1,), heads=2, seed=0))
+    out, lse = attnlib.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True, return_lse=True,
+                                 compute_dtype="bfloat16")
+    stored = lse.astype(ml_dtypes.bfloat16)  # the exact LSE rounded, as XLA keeps it
+    r = check.check_kernel(q, k, v, out.astype(ml_dtypes.bfloat16), lse=stored, layout="bhsd", causal=True)
+    assert r.passed and r.lse.passed, text(r)
+    two_ulps = (stored.astype(np.float32) + 2 * np.spacing(stored).astype(np.float32)).astype(ml_dtypes.bfloat16)
+    r = check.check_kernel(q, k, v, out.astype(ml_dtypes.bfloat16), lse=two_ulps, layout="bhsd", causal=True)
+    assert not r.lse.passed
+
+
+def test_nan_lse_on_an_empty_row_is_named_nan():
+    q, k, v = attnlib.random_qkv(32, d=16, batch=(2,), heads=1, seed=0)
+    out, lse = attnlib.attention(q, k, v, kv_lengths=[32, 0], return_lse=True)
+    lse[1, 0, 3] = np.nan
+    r = verdict(out, q, k, v, lse=lse, kv_lengths=[32, 0])
+    assert not r.lse.passed and r.lse.nan == 1
+    assert "1 hold NaN" in text(r) and "finite" not in r.lse.notes[0]
+
+
+# -- diagnoses ----------------------------------------------------------------------------------
+
+def test_single_nan_is_named_not_a_missing_rescale():
+    q, k, v = attnlib.random_qkv(300, d=32, batch=(1,), heads=2, seed=0)
+    out = attnlib.attention(q, k, v, causal=True)
+    out[0, 1, 200, 5] = np.nan
+    r = verdict(out, q, k, v, causal=True)
+    assert not r.passed and r.out.nan == 1
+    assert r.diagnosis[0].startswith("1 NaN and 0 inf values in 1 rows")
+    assert "every finite row is within the allowance" in r.diagnosis[0]
+    assert not any("rescale" in d for d in r.diagnosis), r.diagnosis
+
+
+def test_mask_sentinel_rows_are_named():
+    """A finite mask value (-1e30) turns a row with no visible key into the mean of v."""
+    q, k, v = attnlib.random_qkv(48, 40, 16, batch=(2,), heads=2, seed=1)
+    out = attnlib.attention(q, k, v, kv_lengths=[40, 0])
+    out[1] = v[1].mean(axis=-2)[:, None, :]
+    r = verdict(out, q, k, v, kv_lengths=[40, 0])
+    d = " ".join(r.diagnosis)
+    assert "rows without a visible key" in d and "mean of v over all keys" in d
+    assert "rescale" not in d, r.diagnosis
+
+
+def test_alternatives_are_tried_on_the_failing_batch_entry():
+    """Batch 0 right, batch 1 with a wrong scale: the old check tried batch 0 only and said
+    "kv_lengths ignored" (batch 0 has no padding)."""
+    q, k, v = attnlib.random_qkv(64, 300, 32, batch=(2,), heads=2, seed=0)
+    out = attnlib.attention(q, k, v, kv_lengths=[300, 200])
+    out[1] = attnlib.attention(q[1:], k[1:], v[1:], kv_lengths=[200], scale=1.0)[0]
+    r = verdict(out, q, k, v, kv_lengths=[300, 200])
+    d = " ".join(r.diagnosis)
+    assert "the output matches attention with scale 1" in d and "kv_lengths ignored" not in d, r.diagnosis
+
+
+def test_partial_match_is_named_with_its_fraction():
+    """Off by one everywhere except a few rows that are wrong another way."""
+    q, k, v = attnlib.random_qkv(256, d=32, batch=(1,), heads=2, seed=0)
+    out = attnlib.attention(q, k, v, causal=False, window=(None, 1))
+    rows = np.arange(63, 255, 64)
+    out[..., rows, :] *= 1.5
+    r = verdict(out, q, k, v, causal=True)
+    failing = 2 * 255  # every row but the last sees a future key
+    assert any(d.startswith(f"{(failing - 2 * rows.size) / failing:.0%} of the failing rows "
+                            f"({failing - 2 * rows.size} of {failing}) match attention with a causal "
+                            "mask that lets each query see one future key") for d in r.diagnosis), r.diagnosis
+
+
+def test_trend_never_divides_by_a_zero_baseline():
+    """float64 below one key tile: the naive error was 0 and the trend printed 2e+292x."""
+    q, k, v = attnlib.random_qkv(128, d=32, batch=(1,), heads=1, seed=0)
+    out = attnlib.attention(q, k, v, causal=True)
+    out[..., 64:, :] *= 1 + 1e-9
+    r = verdict(out, q, k, v, causal=True)
+    assert not r.passed and r.trend.startswith("grows with the query position"), r.trend
+    assert "e+2" not in r.trend and "e+3" not in r.trend
+
+
+# -- the measurement ----------------------------------------------------------------------------
+
+def test_calibration_counts_false_alarms_and_catches_defects():
+    shapes = ((1, 2, 64, 64, 32, True), (2, 2, 1, 300, 32, False))
+    for prec in ("float64", "float32", "bfloat16"):
+        rows = calibration.measure(prec, shapes=shapes, seeds=range(2))
+        s = calibration.summary(rows)[prec]
+        assert s["correct_runs"] > 0 and s["false_alarms"] == 0, rows
+        assert s["caught"] == s["defect_runs"] > 0, rows
+        # off by one changes nothing in decode (bottom-right): left out, not counted as caught
+        assert not any(r["shape"].startswith("(2, 2, 1,") and "off by one" in r["kernel"] for r in rows)
+
+
+def test_sequential_baseline_steps_are_bounded():
+    assert SEQUENTIAL_STEPS == 1024
