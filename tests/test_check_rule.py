@@ -200,3 +200,25 @@ def test_calibration_counts_false_alarms_and_catches_defects():
 
 def test_sequential_baseline_steps_are_bounded():
     assert SEQUENTIAL_STEPS == 1024
+
+
+# -- gradients ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gradients_in_other_orders_pass_and_a_perturbed_one_fails(dtype):
+    """float64/float32 gradients are judged by a rounding bound on their componentwise size:
+    FlashAttention's 2x rule failed PyTorch SDPA's correct gradients (up to 3x numpy's)."""
+    from attnlib.backward import attention_backward, reference_attention_backward
+    rnd = (lambda x: x.astype(np.float32).astype(np.float64)) if dtype == "float32" else (lambda x: x)
+    q, k, v = (rnd(x) for x in attnlib.random_qkv(96, 130, 32, batch=(2,), heads=4, kv_heads=2, seed=5))
+    dout = rnd(np.random.default_rng(5).standard_normal((2, 4, 96, 32)))
+    out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True)
+    for grads in (attention_backward(q, k, v, out, lse, dout, causal=True, block_q=16, block_k=16),
+                  reference_attention_backward(q, k, v, dout, causal=True, compute_dtype=dtype)):
+        grads = [rnd(np.asarray(g, dtype=np.float64)) for g in grads]
+        r = verdict(rnd(out), q, k, v, dout=dout, dq=grads[0], dk=grads[1], dv=grads[2], causal=True, dtype=dtype)
+        assert all(g.passed for g in r.grads.values()), text(r)
+    bad = grads[1].copy()
+    bad[1, 0, 7] *= 1 + (1e-9 if dtype == "float64" else 1e-2)
+    r = verdict(rnd(out), q, k, v, dout=dout, dk=bad, causal=True, dtype=dtype)
+    assert not r.grads["dk"].passed and r.grads["dk"].worst[0]["key"] == 7, text(r)

@@ -42,10 +42,13 @@ kernel *stored* it in (an LSE kept in bfloat16 is off by up to half an ulp of bf
 after an exact computation).  Rows with no visible key must be ``-inf`` (attnlib,
 PyTorch) or ``+inf`` (FlashAttention).
 
-*Gradients*: FlashAttention's rule for every precision; for float64 the reference is the
-dense gradient in ``np.longdouble`` (64 mantissa bits), more precise than the kernel, so
-that the naive float64 gradient's error is real.  Without a naive baseline (too long for
-the dense gradient) a gradient is reported, not judged.
+*Gradients* of float32 and float64 kernels: a first-order rounding bound in the gate's
+terms (`gradient_rounding`), ``2 e_g`` times each entry's componentwise size (what it sums,
+with ``|dout|, |q|, |k|, |v|`` and ``|dp| + |D|``), against the dense float64 gradient.
+FlashAttention's rule failed correct gradients there: PyTorch SDPA's float64 and float32
+gradients erred up to 3x numpy's dense ones.  16-bit kernels (and softcap, where no bound
+is derived): FlashAttention's rule, for float64 against a long double gradient.  Without
+the dense gradient (too long) a gradient is reported, not judged.
 
 Rows with no visible key must be exactly 0 in ``out`` (the contract's and
 FlashAttention's ``attention_ref``): their allowance is 0.
@@ -53,13 +56,14 @@ FlashAttention's ``attention_ref``): their allowance is 0.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import _args
 from ..backward import attention_backward, reference_attention_backward
-from ..gate import tolerance
+from ..gate import C_EXP, LAMBDA, row_stats, tolerance
 from ..memory import dense_fits
 from ..metrics import BOUND, TINY
 from ..reference import reference_attention
@@ -107,6 +111,10 @@ class Expected:
         """``(..., Hq, Sq)``: rows with no visible key."""
         return np.isneginf(self.ref_lse)
 
+
+#: The largest ``batch * Hq * Sq * Sk * D`` of the long double gradient reference (numpy's
+#: long double matmul runs at ~0.4 GFLOP/s: about a minute at this size).
+EXTENDED_MAX_WORK = 1 << 31
 
 #: The most sequential steps of the key-by-key naive baseline (more keys: tiles of
 #: ``ceil(Sk / SEQUENTIAL_STEPS)``, summed by BLAS inside), which bounds its cost.
@@ -268,45 +276,84 @@ def judge_lse(lse, expected: Expected, stored) -> TensorVerdict:
     return verdict
 
 
+def gradient_rounding(qh, kh, vh, options, prec) -> float:
+    """``e_g``: a first-order bound on one implementation's gradient error, relative to the
+    gradient's componentwise size (`reference_attention_backward` with ``return_abs``).
+
+    In the verdict gate's terms (`attnlib.gate`), with ``u`` the unit roundoff of the
+    kernel's type, ``N = max(Sq, Sk)`` and ``delta`` the largest exponent error of any row:
+    ``p`` is off by ``2 delta + C_EXP u + h`` relative (``h = g(N) + 2 N u``, the row sum,
+    its sequential steps at the worst case), ``dp = dout . v`` by ``g(Dv)``, ``D`` by
+    ``p``'s error plus ``h + g(Dv)``, ``ds = p (dp - D)`` by the sum of those relative to
+    ``p (|dp| + |D|)``, and ``ds @ k`` (or ``ds^T @ q``, ``p^T @ dout``) adds ``h`` and a
+    rounding::
+
+        e_g = 4 delta + 2 C_EXP u + 4 g(N) + 8 N u + 2 g(Dv) + 3 u
+
+    Two implementations (the kernel and the dense reference) differ by ``2 e_g`` times the
+    size.  Not derived for softcap, whose derivative ``1 - tanh^2`` loses its relative
+    accuracy where it is small.
+    """
+    u = float(np.finfo(prec.accumulate).eps) / 2
+    masks = {key: options[key] for key in ("causal", "causal_align", "window", "kv_lengths")}
+    sigma, _ = row_stats(qh, kh, scale=options["scale"], **masks)
+    sigma = float(sigma.max(initial=0.0))
+
+    def g(n):
+        return LAMBDA * math.sqrt(n) * u
+
+    n, d, dv = max(qh.shape[-2], kh.shape[-2]), qh.shape[-1], vh.shape[-1]
+    delta = g(d + 1) * sigma + 3 * u * sigma
+    return 4 * delta + 2 * C_EXP * u + 4 * g(n) + 8 * n * u + 2 * g(dv) + 3 * u
+
+
 def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, layout, shape,
                 workers) -> dict:
-    """FlashAttention's rule on each given gradient (see the module docstring)."""
+    """The gradients' rule (see the module docstring) on each given gradient."""
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
-    naive_grads = None
-    if prec.is_float64:
-        ext = _args.extended_precision()
-        # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays
-        # (measured: 528 MiB against 384 MiB at n = 4096); long double doubles that.
-        if ext is not None and dense_fits(sq, heads=4 * heads, sk=sk):
-            ref_grads = dict(zip(("dq", "dk", "dv"), reference_attention_backward(
-                qh, kh, vh, douth, compute_dtype=ext, **options)))
-            naive_grads = dict(zip(("dq", "dk", "dv"), reference_attention_backward(
-                qh, kh, vh, douth, **options)))
-        else:
-            ref_grads = dict(zip(("dq", "dk", "dv"), attention_backward(
-                qh, kh, vh, ref, ref_lse, douth, workers=workers, **options)))
+    names = ("dq", "dk", "dv")
+    # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays (measured:
+    # 528 MiB against 384 MiB at n = 4096); with its sizes, or in long double, twice that.
+    dense = dense_fits(sq, heads=4 * heads, sk=sk)
+    allowances, naive_errs = None, {}
+    why = "the dense gradient the rule needs would not fit in memory at this length"
+    if dense and not prec.compute.itemsize < 4 and options["softcap"] is None:
+        # float32 and float64: the first-order rounding bound on the componentwise size.
+        ref_grads, sizes = reference_attention_backward(qh, kh, vh, douth, return_abs=True, **options)
+        ref_grads, sizes = dict(zip(names, ref_grads)), dict(zip(names, sizes))
+        e_g = gradient_rounding(qh, kh, vh, options, prec)
+        allowances = {n: 2 * e_g * sizes[n] for n in names}
+        naive_errs = dict.fromkeys(names)
     else:
-        ref_grads = dict(zip(("dq", "dk", "dv"), attention_backward(
-            qh, kh, vh, ref, ref_lse, douth, workers=workers, **options)))
-        if dense_fits(sq, heads=2 * heads, sk=sk):
-            naive_grads = dict(zip(("dq", "dk", "dv"), reference_attention_backward(
-                qh, kh, vh, douth, compute_dtype=prec.name, **options)))
+        ref_grads = dict(zip(names, attention_backward(qh, kh, vh, ref, ref_lse, douth, workers=workers,
+                                                       **options)))
+        base = prec
+        if prec.is_float64:  # softcap: against a long double reference, so the naive errs for real
+            ext = _args.extended_precision()
+            if ext is None or heads * sq * sk * qh.shape[-1] > EXTENDED_MAX_WORK:
+                dense = False
+                why = ("float64 softcap gradients are judged against a long double dense gradient, "
+                       "which this platform lacks or which has no BLAS at this size")
+            elif dense:
+                ref_grads = dict(zip(names, reference_attention_backward(
+                    qh, kh, vh, douth, compute_dtype=ext, **options)))
+        if dense:
+            naive = reference_attention_backward(qh, kh, vh, douth, compute_dtype=base.name, **options)
+            naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
+            allowances = {n: 2 * per_head_max(naive_errs[n]) + atol(ref_grads[n].astype(np.float64),
+                                                                    prec.compute) for n in names}
     verdicts = {}
     for name, g in kernel_grads.items():
         if g is None:
             continue
         kernel = to_bhsd(g, layout).astype(np.float64)
         describe = positions("query" if name == "dq" else "key")
-        if naive_grads is None:
+        if allowances is None:
             v = judge(name, kernel, ref_grads[name], np.inf, None, describe)[0]
             v.passed, v.ratio = None, None
-            v.notes.append("no verdict: the naive baseline is the dense gradient, which would not "
-                           "fit in memory at this length (or long double is float64 here)")
+            v.notes.append(f"no verdict: {why}")
         else:
-            r = ref_grads[name]
-            naive_err = np.abs(naive_grads[name] - r).astype(np.float64)
-            allowance = 2 * per_head_max(naive_err) + atol(r.astype(np.float64), prec.compute)
-            v = judge(name, kernel, r, allowance, naive_err, describe)[0]
+            v = judge(name, kernel, ref_grads[name], allowances[name], naive_errs[name], describe)[0]
         verdicts[name] = v
     return verdicts

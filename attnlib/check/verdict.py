@@ -123,8 +123,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("gradients were given without dout (the upstream gradient they answer)")
     try:
         prec = _args.precision(dtype if dtype is not None else stored["q"].name)
-    except ValueError as e:
-        raise UnusableInput(str(e)) from None
+    except ValueError:
+        given_as = f"{dtype!r}" if dtype is not None else f"q's storage type {stored['q'].name}"
+        raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
+                            f"float16, bfloat16; got {given_as} (pass dtype=/--dtype)") from None
     options = dict(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
                    scale=scale, kv_lengths=kv_lengths)
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
