@@ -65,7 +65,7 @@ def test_float32_kernel_passes(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, causal=True)), "--causal")
     assert code == 0, text
-    assert "out: PASS" in text and "naive baseline: float32, dense (BLAS order) and key by key" in text and "verdict: PASS (exit 0)" in text
+    assert "out: PASS" in text and "naive baseline: float32: BLAS order; BLAS order, q and k scaled by sqrt(scale) first; key by key" in text and "verdict: PASS (exit 0)" in text
     assert "within the allowance at every position" in text
 
 
@@ -101,7 +101,8 @@ def test_forgotten_rescale_fails_with_diagnosis(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=no_rescale_kernel(q, k, v)), "--causal")
     assert code == 1 and "out: FAIL" in text
-    assert "is just past 32: rows whose keys fit in one tile of 32 are right" in text
+    assert "every row that sees at most 32 keys is within the allowance, and the failing rows see more" in text
+    assert "rows whose keys fit in one tile of 32 are right" in text
     assert "missing rescale" in text
     assert "grows with the query position" in text
 

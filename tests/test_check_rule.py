@@ -222,3 +222,98 @@ def test_gradients_in_other_orders_pass_and_a_perturbed_one_fails(dtype):
     bad[1, 0, 7] *= 1 + (1e-9 if dtype == "float64" else 1e-2)
     r = verdict(rnd(out), q, k, v, dout=dout, dk=bad, causal=True, dtype=dtype)
     assert not r.grads["dk"].passed and r.grads["dk"].worst[0]["key"] == 7, text(r)
+
+
+# -- found by review ------------------------------------------------------------------------------
+
+def test_one_head_without_the_scale_is_diagnosed_not_a_crash():
+    """An alternative explaining every failing row while the passing rows differ from it
+    raised IndexError (a traceback and exit 1 from the CLI)."""
+    q, k, v = attnlib.random_qkv(32, d=16, batch=(1,), heads=4, seed=0)
+    out = attnlib.attention(q, k, v)
+    out[:, 1] = attnlib.attention(q[:, 1], k[:, 1], v[:, 1], scale=1.0)
+    r = verdict(out, q, k, v)
+    assert not r.passed
+    assert any(d.startswith("every failing row (32) matches attention with scale 1") for d in r.diagnosis), r.diagnosis
+    assert any("only heads [1] fail" in d for d in r.diagnosis)
+
+
+def test_float16_naive_overflow_is_left_out_not_nan():
+    """Scores beyond 65504 overflow a float16 naive that stores them; a kernel keeping them
+    in float32 (as FlashAttention does) is correct and passes."""
+    q, k, v = attnlib.random_qkv(64, d=32, batch=(1,), heads=2, seed=1)
+    q = q.copy()
+    q[..., :8, :] *= 1000
+    k = k * 50
+    q, k, v = (x.astype(np.float16).astype(np.float64) for x in (q, k, v))
+    out = attnlib.attention(q, k, v, compute_dtype="float16")  # float32 scores
+    with np.errstate(divide="raise", over="raise", invalid="raise"):
+        r = verdict(out.astype(np.float64), q, k, v, dtype="float16")
+    assert r.passed and np.isfinite(r.out.allowance), text(r)
+    assert "BLAS order;" not in r.baseline  # the dense float16 naive overflowed and was left out
+
+
+def test_tile_boundary_story_needs_rows_that_see_fewer_keys():
+    """Every row sees every key (no mask): no "rows whose keys fit in one tile" story; nor
+    from rows that see no key at all."""
+    q, k, v = attnlib.random_qkv(128, 96, 32, batch=(1,), heads=2, seed=0)
+    out = attnlib.attention(q, k, v)
+    out[..., 70:, :] *= 1.001
+    r = verdict(out, q, k, v)
+    assert not r.passed and not any("tile of" in d for d in r.diagnosis), r.diagnosis
+    q, k, v = attnlib.random_qkv(48, 32, 16, batch=(1,), heads=1, seed=0)
+    out = attnlib.attention(q, k, v, causal=True) * 1.001  # rows 0-15 see no key (bottom right)
+    r = verdict(out, q, k, v, causal=True)
+    assert not r.passed and not any("tile of" in d for d in r.diagnosis), r.diagnosis
+
+
+def test_marginal_failure_is_called_marginal_not_an_indexing_bug():
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in attnlib.random_qkv(
+        64, d=32, batch=(1,), heads=2, seed=0))
+    good = verdict(attnlib.attention(q, k, v, compute_dtype="float32").astype(np.float64), q, k, v, dtype="float32")
+    ref = attnlib.attention(q, k, v)
+    out = ref.copy()
+    out[0, 0, 5, 3] += 2 * good.out.allowance  # about twice an entry's allowance
+    r = verdict(out, q, k, v, dtype="float32")
+    assert not r.passed and 1 < r.out.ratio <= 4
+    assert r.diagnosis[0].startswith("marginal: the worst finite error is")
+    assert not any("head indexing" in d for d in r.diagnosis), r.diagnosis
+
+
+def test_a_batch_entry_with_large_values_does_not_hide_another_entrys_error():
+    """The naive error is pooled over a head in units of each entry's size: batch 1 with v
+    x 1000 no longer lends its rounding to batch 0 computed in float16."""
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in attnlib.random_qkv(
+        256, d=64, batch=(2,), heads=2, seed=0))
+    v = v.copy()
+    v[1] *= 1000
+    out = attnlib.attention(q, k, v, causal=True, compute_dtype="float32").astype(np.float64)
+    assert verdict(out, q, k, v, causal=True, dtype="float32").passed
+    out[0] = attnlib.attention(q[:1], k[:1], v[:1], causal=True, compute_dtype="float16")[0]
+    r = verdict(out, q, k, v, causal=True, dtype="float32")
+    assert not r.passed and r.out.worst[0]["batch"] == 0, text(r)
+
+
+@pytest.mark.parametrize("cut", ["sq", "batch", "heads"])
+def test_empty_problems_are_unusable_not_a_crash(cut):
+    q, k, v = attnlib.random_qkv(8, d=4, batch=(2,), heads=2, seed=0)
+    sl = {"sq": (slice(None), slice(None), slice(0, 0)), "batch": (slice(0, 0),),
+          "heads": (slice(None), slice(0, 0))}[cut]
+    with pytest.raises(check.UnusableInput):
+        check.check_kernel(q[sl], k[sl] if cut != "sq" else k, v[sl] if cut != "sq" else v, q[sl], layout="bhsd")
+
+
+def test_no_keys_at_all_is_judged():
+    q, k, v = attnlib.random_qkv(8, d=4, batch=(1,), heads=2, seed=0)
+    assert verdict(np.zeros_like(q), q, k[..., :0, :], v[..., :0, :]).passed
+    r = verdict(np.ones_like(q), q, k[..., :0, :], v[..., :0, :])
+    assert not r.passed and "rows without a visible key" in r.diagnosis[0]
+
+
+def test_alternatives_name_their_scope_beyond_the_entries_tried():
+    from attnlib.check.diagnosis import MAX_ENTRIES
+    b = MAX_ENTRIES + 2
+    q, k, v = attnlib.random_qkv(16, d=8, batch=(b,), heads=1, seed=0)
+    out = attnlib.attention(q, k, v, scale=1.0)
+    r = verdict(out, q, k, v)
+    assert any(f"in the first {MAX_ENTRIES} failing batch entries (of {b})" in d for d in r.diagnosis), r.diagnosis

@@ -64,12 +64,17 @@ def correct_kernels(prec_name: str) -> dict:
         kernels["exact answer rounded once to float64 (long double oracle)"] = exact
     torch, F = _torch()
     if torch is not None:
-        def sdpa(q, k, v, c):
-            t = [torch.from_numpy(x).to(_torch_dtype(torch, prec_name)) for x in (q, k, v)]
-            with torch.no_grad():
-                out = F.scaled_dot_product_attention(*t, is_causal=c and q.shape[-2] > 1)
-            return out.to(torch.float64).numpy(), None
-        kernels[f"torch {torch.__version__} SDPA"] = sdpa
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa(backend):
+            def run(q, k, v, c):
+                t = [torch.from_numpy(x).to(_torch_dtype(torch, prec_name)) for x in (q, k, v)]
+                with torch.no_grad(), sdpa_kernel(backend):
+                    out = F.scaled_dot_product_attention(*t, is_causal=c and q.shape[-2] > 1)
+                return out.to(torch.float64).numpy(), None
+            return run
+        kernels[f"torch {torch.__version__} SDPA, flash backend"] = sdpa(SDPBackend.FLASH_ATTENTION)
+        kernels[f"torch {torch.__version__} SDPA, math backend"] = sdpa(SDPBackend.MATH)
     return kernels
 
 
@@ -100,16 +105,23 @@ def _problem(shape, prec, seed):
     return q, k, v, causal
 
 
-def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None) -> list[dict]:
+def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, kernels=None,
+            defects=True) -> list[dict]:
     """One row per (shape, kernel): seeds run, failures and the worst ratios seen.
 
     ``perturbation``: the one-head defect's relative size (default: 1e-9 for float64,
     where the rule's allowance is ~1e-12 of ``P @ |V|``, else 64 eps of the type).
+    ``kernels``: substrings; only correct kernels whose name holds one run (default all);
+    ``defects``: run the defective kernels too.
     """
     prec = _args.precision(prec_name)
     if perturbation is None:
         perturbation = 1e-9 if prec.is_float64 else 64 * prec.eps
     good, bad = correct_kernels(prec_name), defective_kernels(prec_name, perturbation)
+    if kernels:
+        good = {name: fn for name, fn in good.items() if any(s in name for s in kernels)}
+    if not defects:
+        bad = {}
     exact_bad = defective_kernels("float64", perturbation)  # does a defect change the problem?
     rows = {}
     for shape in map(tuple, shapes):
@@ -170,11 +182,14 @@ def main(argv=None) -> int:
                                 description="Measure the check rule's false alarms and power.")
     p.add_argument("--seeds", type=int, default=100)
     p.add_argument("--precisions", nargs="+", default=["float64", "float32", "bfloat16", "float16"])
+    p.add_argument("--kernels", nargs="+", default=None, metavar="TEXT",
+                   help="only the correct kernels whose name holds one of these (e.g. torch exact)")
+    p.add_argument("--no-defects", action="store_true", help="leave the defective kernels out")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
     rows = []
     for prec in args.precisions:
-        rows += measure(prec, seeds=range(args.seeds))
+        rows += measure(prec, seeds=range(args.seeds), kernels=args.kernels, defects=not args.no_defects)
         for r in (r for r in rows if r["precision"] == prec):
             lse = "" if r["worst_lse_ratio"] is None else f", lse {r['worst_lse_ratio']:.3g}"
             print(f"{prec:9} {r['shape']:24} {r['kind']:9} {r['kernel'][:52]:52} failed "

@@ -49,6 +49,8 @@ def shape_problem(given, layout):
         return "k", f"k has head dim {dk}, q has {d} ({layout} shapes q {q.shape}, k {k.shape})"
     if (sv, hv) != (sk, hk):
         return "v", f"v {v.shape} must have the seqlen and heads of k {k.shape} ({layout})"
+    if hq == 0 or hk == 0:
+        return "q", f"q and k need at least one head, got {hq} and {hk} ({layout} shapes q {q.shape}, k {k.shape})"
     if hq % hk:
         return "q", f"q has {hq} heads, not a multiple of k's {hk} ({layout} shapes q {q.shape}, k {k.shape})"
     dims = dict(batch=int(np.prod(bq, dtype=np.int64)), sq=sq, sk=sk, hq=hq, hk=hk, d=d, dv=dv,

@@ -26,8 +26,9 @@ def rule_text(dtype: str) -> str:
     if dtype == "float64":
         return ("rule: |kernel - ref| <= the float64 rounding bound of two correct implementations, "
                 "per row (relative to P @ |V|; any tiling)")
-    return ("rule: |kernel - ref| <= 2 * max|naive - ref| + atol per head, atol = FlashAttention's "
-            f"2 * max|fl(ref + 0.3) - 0.3 - ref| in {dtype} (at least one ulp of max|ref|)")
+    return ("rule: |kernel - ref| <= 2 * max|naive - ref| + atol per head (the naive error in units "
+            "of each entry's P @ |V|), atol = FlashAttention's 2 * max|fl(ref + 0.3) - 0.3 - ref| in "
+            f"{dtype} (at least one ulp of max|ref|)")
 
 
 def format_text(check: KernelCheck) -> str:

@@ -53,8 +53,10 @@ def _as_float(x, name):
         return x, x.dtype
     if isinstance(x, np.ndarray) and _args._is_ml_float(x.dtype):
         return x.astype(np.float32), x.dtype  # bfloat16, float8: exact in float32
-    raise UnusableInput(f"{name}: expected a floating-point array, got "
-                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, np.ndarray):
+        raise UnusableInput(f"{name}: expected a numpy array, got {type(x).__module__}.{type(x).__name__}"
+                            " (convert it first, e.g. a torch tensor with .float().cpu().numpy())")
+    raise UnusableInput(f"{name}: expected a floating-point array, got {x.dtype}")
 
 
 def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
@@ -115,6 +117,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
     shape = check_shapes(given, layout, names)
+    empty_dims = [n for n in ("batch", "sq") if shape[n] == 0]
+    if empty_dims:
+        raise UnusableInput(f"{names['q']}: the problem is empty ({', '.join(empty_dims)} = 0): there "
+                            "is no output to judge")
     for n in ("q", "k", "v", "dout"):
         if n in given and not np.isfinite(given[n]).all():
             bad = np.argwhere(~np.isfinite(given[n]))[:3].tolist()
