@@ -317,3 +317,15 @@ def test_alternatives_name_their_scope_beyond_the_entries_tried():
     out = attnlib.attention(q, k, v, scale=1.0)
     r = verdict(out, q, k, v)
     assert any(f"in the first {MAX_ENTRIES} failing batch entries (of {b})" in d for d in r.diagnosis), r.diagnosis
+
+
+@pytest.mark.parametrize("claimed, actual", [("float32", "bfloat16"), ("float64", "float32")])
+def test_a_kernel_in_a_lower_precision_is_named(claimed, actual):
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in attnlib.random_qkv(
+        128, d=64, batch=(1,), heads=2, seed=0))
+    out = attnlib.attention(q, k, v, causal=True, compute_dtype=actual).astype(np.float64)
+    r = verdict(out, q, k, v, causal=True, dtype=claimed)
+    assert not r.passed
+    assert r.diagnosis == [f"judged as a {actual} kernel the output passes: the kernel computes in {actual}, "
+                           f"not {claimed}; check its input casts and matmul precision settings, or pass "
+                           f"--dtype {actual}"]

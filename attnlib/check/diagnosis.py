@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from .. import _args
 from ..gate import row_stats
 from ..tiled import attention
 from .rule import expect, ratios
@@ -127,11 +128,34 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
         if 0 < head_bad.sum() < head_bad.size:
             found.append(f"only heads {np.flatnonzero(head_bad).tolist()} fail: look at the head "
                          "indexing (GQA mapping, strides)")
+    if todo.any() and not marginal and len(found) == 0:
+        found += _lower_precision(kernel, qh, kh, vh, options, prec, workers, dense)
     if not found:
         first = describe(tuple(np.argwhere(row_bad)[0]) + (0,)) if n_bad else None
         found.append("no known cause matched; see the worst positions and the error along the "
                      "query position" + (f" (first failing row: {_row_words(first)})" if first else ""))
     return found
+
+
+#: Lower precisions a kernel may compute in without saying so (TF32 has float16's mantissa).
+_LOWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
+
+
+def _lower_precision(kernel, qh, kh, vh, options, prec, workers, dense) -> list:
+    """Whether the output passes when judged as a kernel of a lower precision."""
+    for name in _LOWER.get(prec.name, ()):
+        try:
+            low = _args.precision(name)
+            alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
+                         low.round(vh).astype(np.float64), options, low, workers, dense)
+        except ValueError:  # bfloat16 without ml_dtypes, or inputs beyond float16's range
+            continue
+        if ratios(kernel, alt.ref, alt.allowance)[1].max(initial=0.0) <= 1:
+            tf32 = " (or TF32, whose 10-bit mantissa is float16's)" if name == "float16" else ""
+            return [f"judged as a {name} kernel the output passes: the kernel computes in {name}{tf32}, "
+                    f"not {prec.name}; check its input casts and matmul precision settings, or pass "
+                    f"--dtype {name}"]
+    return []
 
 
 def _row_words(p) -> str:
