@@ -124,7 +124,7 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
                          f"the kernel writes {other} {AXES[other]}, not {layout}")
     # One head, or a few.
     if kernel.ndim >= 3 and not marginal:
-        head_bad = row_bad.reshape((-1,) + row_bad.shape[-2:]).any(axis=(0, 2))  # (H,)
+        head_bad = todo.reshape((-1,) + todo.shape[-2:]).any(axis=(0, 2))  # (H,): finite failures
         if 0 < head_bad.sum() < head_bad.size:
             found.append(f"only heads {np.flatnonzero(head_bad).tolist()} fail: look at the head "
                          "indexing (GQA mapping, strides)")
