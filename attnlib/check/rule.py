@@ -22,7 +22,7 @@ entry:
 * ``q`` and ``k`` each multiplied by ``sqrt(scale)`` and rounded first, BLAS order
   (PyTorch's math path);
 * the same, summed one key after another (the tiled kernel with one-key tiles; beyond
-  `SEQUENTIAL_STEPS` keys, that many sequential tile steps).
+  a cost budget, `SEQUENTIAL_WORK`, tiles of a few keys).
 
 The baseline's error is pooled over a head in units of each entry's size ``P @ |V|``
 (``allowance = 2 max_h(|naive - ref| / P@|V|) P@|V| + atol_h``), so that a batch entry or
@@ -73,7 +73,7 @@ from ..gate import C_EXP, LAMBDA, row_stats, tolerance
 from ..memory import dense_fits
 from ..metrics import BOUND, TINY
 from ..reference import reference_attention
-from ..tiled import attention
+from ..tiled import DEFAULT_TILES, attention
 from .shapes import UnusableInput, positions, to_bhsd
 
 
@@ -122,9 +122,11 @@ class Expected:
 #: long double matmul runs at ~0.4 GFLOP/s: about a minute at this size).
 EXTENDED_MAX_WORK = 1 << 31
 
-#: The most sequential steps of the key-by-key naive baseline (more keys: tiles of
-#: ``ceil(Sk / SEQUENTIAL_STEPS)``, summed by BLAS inside), which bounds its cost.
-SEQUENTIAL_STEPS = 1024
+#: The key-by-key naive baseline's budget of (query tile, key step) pairs: within it every
+#: key is its own step; beyond it, key tiles of ``ceil(query tiles * Sk / SEQUENTIAL_WORK)``
+#: keys (summed by BLAS inside) bound its cost.  Decode (one query tile) is key by key up
+#: to 262,144 keys; prefill up to n = 2048.
+SEQUENTIAL_WORK = 1 << 18
 
 
 def per_head_max(x: np.ndarray) -> np.ndarray:
@@ -202,9 +204,10 @@ def _naive_errors(qh, kh, vh, options, prec, workers, dense, ref, ref_lse):
         candidates = {order: blocked(qh, kh, **options)}
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             candidates[f"{order}, q and k scaled by sqrt(scale) first"] = blocked(q_s, k_s, scale=1.0, **plain)
+            q_tiles = -(-qh.shape[-2] // DEFAULT_TILES.block_q)
             candidates["key by key, q and k scaled first"] = attention(
                 q_s, k_s, vh, return_lse=True, compute_dtype=prec.name, workers=workers, scale=1.0,
-                block_k=max(1, -(-sk // SEQUENTIAL_STEPS)), **plain)
+                block_k=max(1, -(-q_tiles * sk // SEQUENTIAL_WORK)), **plain)
     empty = np.isneginf(ref_lse)
     r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
     naive_err = np.zeros(ref.shape)
