@@ -14,7 +14,7 @@ import numpy as np
 from .. import _args
 from ..gate import row_stats
 from ..tiled import attention
-from .rule import expect, ratios
+from .rule import expect, per_head_max, ratios
 from .shapes import AXES, other_layout, positions, shape_problem, to_bhsd, where
 
 #: At most this many failing batch entries are re-run under each alternative.
@@ -207,9 +207,7 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
 
     allowance = np.broadcast_to(expected.allowance, kernel.shape)
     # Rows with no visible key have allowance 0; under an alternative they may see keys.
-    allowance = np.where(allowance > 0, allowance, np.broadcast_to(
-        np.max(allowance, axis=tuple(a for a in range(kernel.ndim) if a != kernel.ndim - 3),
-               keepdims=True) if kernel.ndim >= 3 else allowance.max(), kernel.shape))
+    allowance = np.where(allowance > 0, allowance, per_head_max(allowance))
     # The failing batch entries (at most MAX_ENTRIES), whole: causal alignment needs full rows.
     scope = ""
     if kernel.ndim == 4:
