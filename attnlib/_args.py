@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +62,19 @@ def as_float_array(x, name: str) -> np.ndarray:
 
 
 def check_finite(x: np.ndarray, name: str) -> None:
-    """Raise ValueError if ``x`` holds NaN or inf, scanning the sequence axis in chunks."""
+    """Raise ValueError if ``x`` holds NaN or inf.
+
+    Two reductions, no temporary: ``min`` and ``max`` propagate NaN and show inf, so finite
+    extremes prove the whole array finite, and give ``max |x|`` for `scores_may_overflow`
+    on the way (kept for the rest of this call in this thread, see `abs_max`).  Only an array that fails is
+    scanned again, along the sequence axis in chunks, to name the first bad entry.
+    """
     if x.size == 0:
+        return
+    low, high = float(x.min()), float(x.max())
+    if math.isfinite(low) and math.isfinite(high):
+        if _identity(x) is not None:
+            _seen.maxima[_identity(x)] = max(abs(low), abs(high))
         return
     per_row = x.size // x.shape[-2] if x.shape[-2] else 1
     step = max(1, _FINITE_CHUNK // max(per_row, 1))
@@ -97,9 +109,33 @@ def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.flo
     return not bound < float(np.finfo(dtype).max) / 16
 
 
+class _Seen(threading.local):
+    """``max |x|`` of the arrays `check_finite` passed in this thread's current call."""
+
+    def __init__(self):
+        self.maxima = {}
+
+
+_seen = _Seen()
+
+
+def _identity(x: np.ndarray):
+    """The elements a C-contiguous array holds, for its reshaped views alike (``q`` and its
+    grouped ``q5``): start, size and type fix them.  None for any other array, whose
+    start and size do not (``X[:4]`` and ``X[::2]`` share both)."""
+    if not x.flags.c_contiguous:
+        return None
+    return x.__array_interface__["data"][0], x.size, x.dtype.str
+
+
 def abs_max(x: np.ndarray) -> float:
-    """``max |x|`` from two reductions (no ``|x|`` copy); 0 for an empty array."""
-    return max(abs(float(x.max())), abs(float(x.min()))) if x.size else 0.0
+    """``max |x|`` from two reductions (no ``|x|`` copy); 0 for an empty array.  Free when
+    `check_finite` has just scanned the same memory in this call (see `parse`)."""
+    if not x.size:
+        return 0.0
+    key = _identity(x)
+    known = None if key is None else _seen.maxima.get(key)
+    return known if known is not None else max(abs(float(x.max())), abs(float(x.min())))
 
 
 def finfo(dtype):
@@ -157,11 +193,22 @@ def count(x, name: str) -> int:
     return int(x)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def workers(x) -> int:
-    """Thread count: a positive integer, or -1 for every CPU (SciPy's convention)."""
+    """Thread count: a positive integer; None or -1 for every available CPU (the default
+    of the kernels; -1 is SciPy's spelling)."""
+    if x is None:
+        return available_cpus()
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral) or not (x >= 1 or x == -1):
-        raise ValueError(f"workers must be a positive integer or -1 (all CPUs), got {x!r}")
-    return (os.cpu_count() or 1) if x == -1 else int(x)
+        raise ValueError(f"workers must be a positive integer, -1 or None (all CPUs), got {x!r}")
+    return available_cpus() if x == -1 else int(x)
 
 
 def threshold(x) -> float:
@@ -304,6 +351,7 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
             "q, k and v must have the same number of dimensions, got shapes "
             f"q {q.shape}, k {k.shape}, v {v.shape}"
         )
+    _seen.maxima = {}  # a new call: what earlier calls saw may have changed since
     if check_finite_inputs:
         for x, name in ((q, "q"), (k, "k"), (v, "v")):
             check_finite(x, name)

@@ -144,7 +144,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
-                       workers=1, check_finite=True, **options):
+                       workers=None, check_finite=True, **options):
     """Tiled float64 gradients ``(dq, dk, dv)``: the FlashAttention-2 backward pass.
 
     Parameters
@@ -161,10 +161,11 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         As in `attention`, and equal to the forward's.
     block_q, block_k : int, optional
         Tile sizes (default `DEFAULT_TILES`).
-    workers : int
-        Threads that take key tiles in parallel (-1: one per CPU).  The result is
-        bit-identical to ``workers=1``: each key tile owns its ``dk``/``dv`` rows, and the
-        additions to each ``dq`` tile are made in ascending key-tile order.
+    workers : int, optional
+        Threads that take key tiles in parallel; default (None, or -1): one per available
+        CPU, with BLAS held to one thread.  The result is bit-identical for every thread
+        count: each key tile owns its ``dk``/``dv`` rows, and the additions to each ``dq``
+        tile are made in ascending key-tile order.
 
     Returns
     -------

@@ -37,8 +37,9 @@ def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, roun
     is skipped (a speculative block-sparse shortcut).
     """
 
-    def update(self, s, v, **_):  # the kernel's keyword options (buffers, threshold 0) unused
-        s = np.array(s, dtype=self.acc.dtype)
+    def update(self, s, v, keys_first=False, **_):  # other options (buffers, threshold 0) unused
+        # A copy of the tile, in rows-first layout: (..., rows, bk).
+        s = np.array(np.swapaxes(s, -1, -2) if keys_first else s, dtype=self.acc.dtype)
         if skip_below is not None and np.all(s.max(axis=-1) < self.m - skip_below):
             return np.zeros(self.m.shape, dtype=bool)
         m_new = np.maximum(self.m, s.max(axis=-1))
@@ -104,7 +105,8 @@ def _alibi_signed():
     def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, **kwargs):
         s, th = real(q_i, k_j, spec, rows, cols, kind, cap, None, **kwargs)
         if slopes is not None:  # -inf stays -inf
-            s -= slopes[..., None, None] * (rows[:, None] + spec.offset - cols[None, :])
+            signed = rows[:, None] + spec.offset - cols[None, :]  # (bq, bk)
+            s -= slopes[..., None, None] * (signed.T if kwargs.get("keys_first") else signed)
         return s, th
     return tile_scores
 

@@ -91,18 +91,31 @@ class MaskSpec:
         return (self.banded or self.rows < self.sq or self.keys < self.sk
                 or self.q_segments is not None)
 
-    def visible(self, i, j) -> np.ndarray:
-        """Boolean ``(len(i), len(j))``: may query ``i`` see key ``j``?"""
-        i = np.asarray(i)[:, None]
-        j = np.asarray(j)[None, :]
-        vis = (i < self.rows) & (j < self.keys)
+    def visible(self, i, j, keys_first: bool = False) -> np.ndarray:
+        """Boolean ``(len(i), len(j))``: may query ``i`` see key ``j``?  ``keys_first``: the
+        transposed grid ``(len(j), len(i))``.  Only the rules in force are evaluated (a
+        causal tile costs one comparison)."""
+        i, j = np.asarray(i), np.asarray(j)
+        shape = (j.size, i.size) if keys_first else (i.size, j.size)
+        i, j = (i[None, :], j[:, None]) if keys_first else (i[:, None], j[None, :])
+        vis = None
+
+        def both(rule):
+            return rule if vis is None else vis & rule
+
+        if i.size and i.max() >= self.rows:
+            vis = both(i < self.rows)
+        if j.size and j.max() >= self.keys:
+            vis = both(j < self.keys)
         o = self.offset
         if self.left is not None:
-            vis &= j >= i + o - self.left
+            vis = both(j >= i + o - self.left)
         if self.right is not None:
-            vis &= j <= i + o + self.right
+            vis = both(j <= i + o + self.right)
         if self.q_segments is not None:
-            vis &= self.q_segments[i] == self.kv_segments[j]
+            vis = both(self.q_segments[i] == self.kv_segments[j])
+        if vis is None or vis.shape != shape:
+            vis = np.broadcast_to(True if vis is None else vis, shape).copy()
         return vis
 
     def distance(self, i, j) -> np.ndarray:

@@ -14,6 +14,11 @@ OS).  Where ``/proc`` has no such split, the split is reported as not measured (
 
 Every measurement process runs numpy in strict mode: division by zero, overflow and
 invalid operations raise (``np.seterr``) in the warm-up and the measured call.
+
+The kernels run with ``workers=1`` here: each worker thread holds its own tile buffers
+(the default, every CPU, multiplies the working memory by the thread count, still
+independent of the sequence length), and whether two threads' buffers are alive at the
+same moment depends on timing, which would make a peak a matter of chance.
 """
 
 from __future__ import annotations
@@ -120,17 +125,18 @@ def _call(case, q, k, v, grad_inputs=None):
     if case["path"] == "tiled_backward":
         out, lse, dout = grad_inputs
         return attention_backward(q, k, v, out, lse, dout, causal=case["causal"],
-                                  block_q=case["block_q"], block_k=case["block_k"])
+                                  block_q=case["block_q"], block_k=case["block_k"], workers=1)
     if case["path"] == "dense_backward":
         return reference_attention_backward(q, k, v, grad_inputs[2], causal=case["causal"])
     if case["path"] == "stream":
         sk, step = k.shape[-2], case.get("chunk", 65536)
         chunks = ((k[..., i:i + step, :], v[..., i:i + step, :]) for i in range(0, max(sk, 1), step))
         return attention_stream(q, chunks, causal=case["causal"], total_keys=sk,
-                                block_q=case["block_q"], block_k=case["block_k"], return_lse=True)
+                                block_q=case["block_q"], block_k=case["block_k"], return_lse=True,
+                                workers=1)
     if case["path"] == "tiled":
         return attention(q, k, v, causal=case["causal"], block_q=case["block_q"],
-                         block_k=case["block_k"], return_lse=True)
+                         block_k=case["block_k"], return_lse=True, workers=1)
     return reference_attention(q, k, v, causal=case["causal"], return_lse=True)
 
 

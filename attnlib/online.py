@@ -55,18 +55,25 @@ class OnlineSoftmax:
         self.m, self.l, self.acc = m, l, acc
 
     @classmethod
-    def empty(cls, rows_shape: tuple, dv: int, dtype=np.float64) -> "OnlineSoftmax":
-        """The state of rows that have seen no key: ``m = -inf``, ``l = 0``, ``acc = 0``."""
+    def empty(cls, rows_shape: tuple, dv: int, dtype=np.float64,
+              keys_first: bool = False) -> "OnlineSoftmax":
+        """The state of rows that have seen no key: ``m = -inf``, ``l = 0``, ``acc = 0``.
+
+        ``keys_first`` stores ``acc`` column by column, ``(..., dv, rows)`` in memory
+        (``acc`` is still the ``(..., rows, dv)`` view): then ``update(keys_first=True)``
+        forms ``p @ v`` as ``v^T p``, whose BLAS call is the faster one for a
+        ``(bk, rows)`` tile (about 15% at 256 x 256 x 64, measured).
+        """
         rows_shape = tuple(rows_shape)
-        return cls(
-            np.full(rows_shape, -np.inf, dtype=dtype),
-            np.zeros(rows_shape, dtype=dtype),
-            np.zeros(rows_shape + (dv,), dtype=dtype),
-        )
+        if keys_first:
+            acc = np.swapaxes(np.zeros(rows_shape[:-1] + (dv,) + rows_shape[-1:], dtype=dtype), -1, -2)
+        else:
+            acc = np.zeros(rows_shape + (dv,), dtype=dtype)
+        return cls(np.full(rows_shape, -np.inf, dtype=dtype), np.zeros(rows_shape, dtype=dtype), acc)
 
     def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,
                overwrite_s: bool = False, pv: np.ndarray | None = None,
-               round_p=None) -> np.ndarray:
+               round_p=None, keys_first: bool = False) -> np.ndarray:
         """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
 
         Masked pairs carry ``s = -inf``.  ``threshold`` (natural-log units) makes the
@@ -78,13 +85,20 @@ class OnlineSoftmax:
         (as SciPy's ``overwrite_a``: faster, and ``s`` is garbage afterwards); ``pv``, if
         given, is a ``(..., rows, dv)`` buffer for ``p @ v``; ``round_p``, if given, rounds
         ``p`` before ``p @ v`` (a low compute precision: ``l`` sums the unrounded ``p``, as
-        FlashAttention's kernels do).  Returns a boolean
-        ``(..., rows)`` array marking the rescale events of this tile: rows whose max was
-        finite and was moved up (so that ``acc`` and ``l`` were multiplied by ``alpha < 1``).
+        FlashAttention's kernels do).  ``keys_first``: ``s`` is the transposed tile
+        ``(..., bk, rows)``, as the kernels form it (``k_j @ q_i^T``): its per-row max,
+        shift and sum then run along the outer axis, which numpy vectorises over the
+        contiguous rows (about 1.5x faster than along a row of 256 keys, measured), the
+        sum is one BLAS product ``1^T p``, and ``pv`` (if given) is a ``(..., dv, rows)``
+        buffer for ``v^T p``.
+        Returns a boolean ``(..., rows)`` array marking the rescale events of this tile:
+        rows whose max was finite and was moved up (so that ``acc`` and ``l`` were
+        multiplied by ``alpha < 1``).
         """
         if not overwrite_s:
             s = np.array(s, dtype=self.acc.dtype)
-        m_tile = s.max(axis=-1)  # (..., rows)
+        key_axis = -2 if keys_first else -1
+        m_tile = s.max(axis=key_axis)  # (..., rows)
         if threshold:
             # -inf + threshold is -inf, so a row's first finite max is always taken.
             m_new = np.where(m_tile > self.m + threshold, m_tile, self.m)
@@ -93,12 +107,20 @@ class OnlineSoftmax:
         rescaled = np.isfinite(self.m) & (m_new > self.m)
         shift = _shift(m_new)
         alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
-        s -= shift[..., None]  # every exponent <= 0; -inf stays -inf
-        p = np.exp(s, out=s)  # (..., rows, bk)
+        s -= shift[..., None, :] if keys_first else shift[..., None]  # exponents <= 0; -inf stays
+        p = np.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
         self.l *= alpha
-        self.l += p.sum(axis=-1)
+        if keys_first:  # sum over the keys, (bk,) @ (..., bk, rows) -> (..., rows)
+            self.l += np.matmul(np.ones(p.shape[-2], dtype=p.dtype), p)
+        else:
+            self.l += p.sum(axis=-1)
         self.acc *= alpha[..., None]
-        self.acc += np.matmul(p if round_p is None else round_p(p), v, out=pv)
+        if round_p is not None:
+            p = round_p(p)
+        if keys_first:  # (..., dv, bk) @ (..., bk, rows): acc's own layout in memory
+            self.acc += np.swapaxes(np.matmul(np.swapaxes(v, -1, -2), p, out=pv), -1, -2)
+        else:
+            self.acc += np.matmul(p, v, out=pv)
         self.m = m_new
         return rescaled
 

@@ -247,11 +247,12 @@ NOTEBOOKS = {
         # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
         (("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2))),
     "performance": Notebook(
-        "Performance: the tiled kernel against dense numpy and PyTorch SDPA",
+        "Performance: attnlib against dense numpy and PyTorch SDPA",
         {"workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
-         "torch_max_n": positive, "full_cases": flag, "sweep_sizes": sizes, "results_json": text},
+         "torch_max_n": positive, "full_cases": flag, "mask_n": positive, "mask_memory": flag,
+         "sweep_sizes": sizes, "results_json": text},
         {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
-         "torch_max_n": 512, "full_cases": False, "sweep_sizes": [64, 128]},
+         "torch_max_n": 512, "full_cases": False, "mask_n": 512, "sweep_sizes": [64, 128]},
         (("dense_max_n", 1),)),
     "numerics": Notebook(
         "Numerics: float64 and low precisions against an extended-precision oracle; lazy rescaling",

@@ -14,12 +14,12 @@ import numpy as np
 from . import _args
 from .masks import SKIP, MaskSpec
 from .online import OnlineSoftmax
-from .tiled import DEFAULT_TILES, TileSizes, absorb
+from .tiled import DEFAULT_TILES, TileSizes, absorb, keys_first_for, run_tiles
 
 
 def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
                      softcap=None, alibi_slopes=None, scale=None, total_keys=None,
-                     block_q=None, block_k=None, return_lse=False, check_finite=True):
+                     block_q=None, block_k=None, workers=None, return_lse=False, check_finite=True):
     """Attention of ``q`` over keys that arrive in chunks, in order.
 
     Parameters
@@ -38,6 +38,10 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         attention need nothing but the chunks.
     block_q, block_k : int, optional
         Tile sizes inside a chunk (default `DEFAULT_TILES`).
+    workers : int, optional
+        Threads that take the query tiles of each chunk in parallel; default (None, or
+        -1): one per available CPU, with BLAS held to one thread.  Bit-identical for every
+        thread count.
     return_lse : bool
         Also return ``lse: (..., Hq, Sq)``.
     check_finite : bool
@@ -71,6 +75,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
     win = _args.window(window)
     cap = _args.softcap(softcap)
     return_lse = _args.flag(return_lse, "return_lse")
+    workers = _args.workers(workers)
     if total_keys is not None:
         total_keys = _args.count(total_keys, "total_keys")
     needs_offset = causal or win != (None, None) or alibi_slopes is not None
@@ -101,8 +106,8 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             _args.check_finite(v5, f"v of kv_chunks[{t}]")
         if state is None:
             slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
-            state = [OnlineSoftmax.empty(q5.shape[:-2] + (min(pb.sq, q0 + tiles.block_q) - q0,), pb.dv)
-                     for q0 in range(0, pb.sq, tiles.block_q)]
+            state = [OnlineSoftmax.empty(q5.shape[:-2] + (rows,), pb.dv, keys_first=keys_first_for(rows))
+                     for rows in (min(pb.sq, q0 + tiles.block_q) - q0 for q0 in range(0, pb.sq, tiles.block_q))]
             first = pb
         elif (pb.batch, pb.hk, pb.dv) != (first.batch, first.hk, first.dv):
             raise ValueError(
@@ -116,7 +121,9 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         check = _args.scores_may_overflow(q5, k5, pb.scale)  # then each tile checks its scores
         k0s = np.arange(position, end, tiles.block_k)
         k1s = np.minimum(k0s + tiles.block_k, end)
-        for a, q0 in enumerate(range(0, pb.sq, tiles.block_q)):
+
+        def query_tile(a, spec=spec, k0s=k0s, k1s=k1s, k5=k5, v5=v5, position=position, check=check):
+            q0 = a * tiles.block_q
             q1 = min(pb.sq, q0 + tiles.block_q)
             kinds = spec.tile_kind(q0, q1, k0s, k1s)  # (n_k_tiles of the chunk,)
             todo = np.flatnonzero(kinds != SKIP)
@@ -125,6 +132,9 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
                     q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
                 absorb(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
                        cap, slopes, key_offset=position, check=check)
+
+        # Each query tile's state is its own: threads take them in any order, bit-identically.
+        run_tiles(query_tile, range(len(state) - 1, -1, -1), workers)
         position = end
     if state is None:
         raise ValueError("kv_chunks is empty: give at least one (k_chunk, v_chunk), "

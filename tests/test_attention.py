@@ -190,3 +190,18 @@ def test_non_contiguous_inputs():
     v = rng.standard_normal((2, 60, 2, 8)).transpose(0, 2, 1, 3)
     out = attention(q, k, v, causal=True, block_q=16, block_k=16)
     assert attention_errors(out, q, k, v, causal=True).rel_error < 1e-14
+
+
+@pytest.mark.parametrize("sq, kw", [(1, dict()), (1, dict(kv_lengths=[300, 0, 41])), (3, dict(causal=True)),
+                                    (16, dict(causal=True, window=(30, None), softcap=15.0)),
+                                    (2, dict(kv_lengths=[100, 7, 300], causal_align="top_left", causal=True))])
+def test_gqa_decode_packs_heads_into_rows_exactly(sq, kw):
+    # With g * Sq rows per kv head in one tile, the g query heads sharing a kv head are packed
+    # into one tile's rows (tiled._forward); each head's output, lse and rescale counts stay its own.
+    q, k, v = random_qkv(sq, 300, 32, batch=(3,), heads=8, kv_heads=2, seed=4)
+    out, lse, stats = attention(q, k, v, block_k=64, return_lse=True, return_stats=True, **kw)
+    ref, ref_lse = reference_attention(q, k, v, return_lse=True, **kw)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-14, atol=0)
+    s = reference_scores(q, k, **kw)
+    np.testing.assert_array_equal(stats.rescales, reference_rescales(s, 256, 64))

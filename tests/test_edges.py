@@ -11,12 +11,7 @@ import attnlib
 from attnlib import tiled
 from attnlib.backward import attention_backward, attention_vjp, reference_attention_backward
 
-try:
-    import threadpoolctl
-except ImportError:  # optional (attnlib[fast]): only the BLAS half of the guard needs it
-    threadpoolctl = None
-
-needs_threadpoolctl = pytest.mark.skipif(threadpoolctl is None, reason="needs threadpoolctl")
+import threadpoolctl
 
 
 def _blas_threads():
@@ -55,7 +50,6 @@ def _overlapping_calls():
     assert not errors and not any(t.is_alive() for t in threads)
 
 
-@needs_threadpoolctl
 def test_overlapping_parallel_calls_restore_process_settings():
     old_interval = sys.getswitchinterval()
     with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
@@ -69,7 +63,6 @@ def test_overlapping_parallel_calls_restore_process_settings():
             sys.setswitchinterval(old_interval)
 
 
-@needs_threadpoolctl
 def test_many_threads_running_parallel_attention_restore_process_settings():
     q, k, v = attnlib.random_qkv(256, 256, 16, seed=0)
     expected = attnlib.attention(q, k, v, block_q=32, block_k=32)

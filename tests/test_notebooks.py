@@ -10,7 +10,7 @@ import papermill
 import pytest
 
 import attnlib
-from attnlib import BOUND, check, report
+from attnlib import BOUND, bench, check, report
 from attnlib.defects import DEFECTS
 from attnlib.memory import CAP_BYTES
 
@@ -107,10 +107,12 @@ def test_gradients_figures(quick_reports):
 def test_performance_figures(quick_reports):
     data = results(quick_reports[1], "performance")
     figs = data["figures"]
-    assert data["passed"] is None and "tiled/dense" in data["verdict"]
+    assert data["passed"] is None and "under load" in data["verdict"] and "roofline" in data["verdict"]
     assert [r["n"] for r in figs["time_vs_n"]] == report.NOTEBOOKS["performance"].quick["n_values"]
-    assert all(r["tiled s"] > 0 and r["roofline fraction"] > 0 for r in figs["ratios"])
-    assert {r["workers"] for r in figs["ratios"]} == {1, 2}
+    assert all(r["attnlib s"] > 0 and r["w=1 s"] > 0 and r["roofline fraction"] > 0 for r in figs["ratios"])
+    assert [r["case"] for r in figs["masks"]] == [c.name for c in bench.mask_cases(512)]
+    assert all(r["attnlib MiB"] is not None for r in figs["mask_memory"])
+    assert figs["phases"]["phases"][-1]["phase"].startswith("rest") and figs["load"]["slowdown"] > 0
     assert len(figs["sweep"]["seconds"]) == len(report.NOTEBOOKS["performance"].quick["sweep_sizes"])
 
 

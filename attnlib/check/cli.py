@@ -85,7 +85,8 @@ def _parser():
                    help="valid keys per batch entry (padding)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"), default=None,
                    help="the kernel's compute precision (default: the type q is stored in)")
-    p.add_argument("--workers", type=int, default=1, help="threads for the float64 reference")
+    p.add_argument("--workers", type=int, default=None,
+                   help="threads for the float64 reference (default: every available CPU)")
     p.add_argument("--html", default=None, metavar="PATH", help="also write the verdict as an HTML report")
     return p
 

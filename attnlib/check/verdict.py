@@ -61,7 +61,7 @@ def _as_float(x, name):
 
 def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
-                 window=None, softcap=None, scale=None, kv_lengths=None, workers=1,
+                 window=None, softcap=None, scale=None, kv_lengths=None, workers=None,
                  names=None, lse_dtype=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
@@ -91,8 +91,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         The kernel's compute precision; default: the type ``q`` is held in.
     causal, causal_align, window, softcap, scale, kv_lengths
         The attention the kernel computes, as in `attention`.
-    workers : int
-        Threads for the float64 reference.
+    workers : int, optional
+        Threads for the float64 reference; default: every available CPU.
     names : dict, optional
         How messages name each tensor (e.g. ``{"q": "--q q.npy"}``).
     lse_dtype : dtype, optional

@@ -1,0 +1,131 @@
+"""Where the tiled forward's time goes: a breakdown by phase.
+
+The kernel's steps for one tile (`tiled.tile_scores` and `OnlineSoftmax.update` with the
+keys-first layout) are replayed one at a time on a tile of the case's own data, on one
+thread, each timed over many repetitions; multiplied by the number of FULL and PARTIAL
+tiles the case processes, they predict the serial time of everything the kernel does with
+numpy.  What the measured serial time holds beyond the sum is the rest: Python's per-tile
+work, per-unit setup (tile classes, the query tile's copy, ``finalize``) and cache effects
+of running the steps back to back.  The replay is one head per tile; the kernel batches
+up to `tiled._UNIT_BYTES` of heads into one tile, which changes the Python work per
+head, not the numpy work.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..inputs import random_qkv
+from ..masks import FULL, PARTIAL, MaskSpec
+from ..online import OnlineSoftmax, _shift
+from ..tiled import DEFAULT_TILES, TileSizes, _parallel_settings, attention
+from .timing import seconds
+
+#: The phases, in the order the kernel runs them.
+PHASES = ("q k^T matmul", "mask (PARTIAL tiles)", "row max", "shift s - m", "exp",
+          "row sum", "rescale l, acc", "p @ v matmul")
+
+
+def _per_call(fn, budget=0.05, repeats=5) -> float:
+    """Median seconds of one ``fn()``, each sample a loop of about ``budget`` seconds."""
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < budget / 5:
+        fn()
+        calls += 1
+    loops = max(1, calls * 5)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        samples.append((time.perf_counter() - t0) / loops)
+    return float(np.median(samples))
+
+
+def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
+    """Seconds of each phase on one tile (``state`` is a row's mid-way state, reused)."""
+    s = np.empty((k_j.shape[0], q_i.shape[0]))
+    np.matmul(k_j, q_i.T, out=s)
+    invisible = ~spec.visible(rows, cols, keys_first=True)
+    if partial:
+        np.copyto(s, -np.inf, where=invisible)
+    scores = s.copy()  # the tile as the max sees it
+    m_new = np.maximum(state.m, scores.max(axis=-2))
+    shift = _shift(m_new)
+    shifted = scores - shift
+    p = np.exp(shifted)
+    ones = np.ones(k_j.shape[0])
+    pv = np.empty((v_j.shape[1], q_i.shape[0]))
+    acc, l = state.acc.copy(), state.l.copy()
+    # The tile's alpha, kept >= 0.999: applied thousands of times over, a smaller one would
+    # drive acc into subnormal numbers, whose arithmetic is many times slower.
+    alpha = np.maximum(np.exp(state.m - shift), 0.999)
+    work = np.empty_like(s)
+    phases = {
+        "q k^T matmul": _per_call(lambda: np.matmul(k_j, q_i.T, out=work)),
+        "mask (PARTIAL tiles)": (_per_call(lambda: np.copyto(work, -np.inf, where=~spec.visible(
+            rows, cols, keys_first=True))) if partial else 0.0),
+        "row max": _per_call(lambda: scores.max(axis=-2)),
+        "shift s - m": _per_call(lambda: np.subtract(scores, shift, out=work)),
+        "exp": _per_call(lambda: np.exp(shifted, out=work)),
+        "row sum": _per_call(lambda: np.matmul(ones, p)),
+        "rescale l, acc": _per_call(lambda: (np.maximum(state.m, state.m), np.isfinite(state.m),
+                                             _shift(state.m), np.exp(state.m - shift),
+                                             np.multiply(l, alpha, out=l),
+                                             np.multiply(acc, alpha[:, None], out=acc))),
+        "p @ v matmul": _per_call(lambda: np.add(acc, np.matmul(v_j.T, p, out=pv).T, out=acc)),
+    }
+    return phases
+
+
+def phase_breakdown(case, tiles: TileSizes = DEFAULT_TILES, repeats: int = 5, workers=None) -> dict:
+    """Predicted seconds per phase for ``case`` against its measured time.
+
+    Returns ``phases`` (rows of phase, seconds over the whole case on one thread, share of
+    the measured serial time), ``measured_serial`` (``workers=1``), ``measured`` (with
+    ``workers``; None: the default, every CPU), ``workers``, ``tiles`` (FULL and PARTIAL
+    tile counts over all heads) and ``rest`` (measured serial minus the phases' sum).
+    """
+    from .._args import workers as resolve
+
+    threads = resolve(workers)
+    bq, bk = tiles.block_q, tiles.block_k
+    q, k, v = random_qkv(case.n, d=case.d, batch=(case.b,), heads=case.h, seed=0)
+    spec = MaskSpec(case.n, case.n, case.causal)
+    kinds = spec.tile_kinds(bq, bk)
+    heads = case.b * case.h
+    counts = {"FULL": int((kinds == FULL).sum()) * heads, "PARTIAL": int((kinds == PARTIAL).sum()) * heads}
+    a = kinds.shape[0] - 1  # the last query tile sees every kind there is
+    q0, q1 = a * bq, min(case.n, (a + 1) * bq)
+    q_i = q[0, 0, q0:q1] * case.d ** -0.5
+    rows = np.arange(q0, q1)
+    with _parallel_settings():
+        state = OnlineSoftmax.empty((q1 - q0,), case.d, keys_first=True)  # acc as the kernel keeps it
+        state.update(k[0, 0, :bk] @ q_i.T, v[0, 0, :bk], keys_first=True)  # a mid-row state
+        per_kind = {}
+        for kind, name in ((FULL, "FULL"), (PARTIAL, "PARTIAL")):
+            found = np.flatnonzero(kinds[a] == kind)
+            if found.size and counts[name]:
+                b = int(found[-1])
+                k0, k1 = b * bk, min(case.n, (b + 1) * bk)
+                per_kind[name] = _tile_phases(q_i, k[0, 0, k0:k1], v[0, 0, k0:k1], spec, rows,
+                                              np.arange(k0, k1), state, kind == PARTIAL)
+        run = {1: lambda: attention(q, k, v, causal=case.causal, workers=1, block_q=bq, block_k=bk),
+               threads: lambda: attention(q, k, v, causal=case.causal, workers=threads, block_q=bq,
+                                          block_k=bk)}
+        for fn in run.values():
+            fn()  # warm-up
+        times = {w: [] for w in run}
+        for _ in range(repeats):  # interleaved
+            for w, fn in run.items():
+                times[w].append(seconds(fn, 1))
+    serial, measured = float(np.median(times[1])), float(np.median(times[threads]))
+    total = {p: sum(per_kind[kind][p] * counts[kind] for kind in per_kind) for p in PHASES}
+    rest = serial - sum(total.values())
+    phases = [{"phase": p, "seconds": total[p], "share": total[p] / serial} for p in PHASES]
+    phases.append({"phase": "rest (Python, setup, cache)", "seconds": rest, "share": rest / serial})
+    return {"case": case.name, "phases": phases, "measured_serial": serial, "measured": measured,
+            "workers": threads, "tiles": counts, "rest": rest,
+            "parallel_efficiency": serial / (threads * measured)}
