@@ -37,14 +37,14 @@ from .online import OnlineSoftmax, merge_attention
 from .oracle import ORACLE_PRECISION, oracle_attention
 from .reference import reference_attention, reference_rescales, reference_scores
 from .stream import attention_stream
-from .tiled import DEFAULT_TILES, AttentionStats, TileSizes, attention
+from .tiled import DEFAULT_TILES, LARGE_HEAD_TILES, AttentionStats, TileSizes, attention, default_tiles
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention", "attention_stream", "reference_attention", "oracle_attention", "ORACLE_PRECISION", "attention_backward",
     "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
-    "AttentionStats", "TileSizes", "DEFAULT_TILES", "OnlineSoftmax", "merge_attention",
+    "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",
     "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "feature_cases", "run_case", "run_family", "power_table", "Gate", "run_case_gradients",
     "run_family_gradients",

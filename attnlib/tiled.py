@@ -37,6 +37,19 @@ class TileSizes:
 
 
 DEFAULT_TILES = TileSizes()
+#: The forward's tiles for heads of ``D >= 128``: a ``(512, 128) @ (128, 512)`` score product
+#: runs closer to BLAS's peak, and four times fewer tiles mean less per-tile Python work.
+#: Measured on a 2-core Xeon, default workers, interleaved medians of 3 (256x256 -> 512x512):
+#: (1, 4, 8192, 128) causal 1.43 -> 1.24 s, full 2.64 -> 2.06 s; (2, 16, 2048, 128) causal
+#: 0.89 -> 0.89 s, full 1.46 -> 1.32 s.  At D = 64 the larger tiles lost: (1, 8, 4096, 64)
+#: causal 0.43 -> 0.55 s (the causal diagonal's wasted half grows with the tile).
+LARGE_HEAD_TILES = TileSizes(512, 512)
+
+
+def default_tiles(d: int) -> TileSizes:
+    """The forward's default tiles for head dimension ``d``: `DEFAULT_TILES`, or
+    `LARGE_HEAD_TILES` from ``d = 128`` on."""
+    return LARGE_HEAD_TILES if d >= 128 else DEFAULT_TILES
 
 
 @dataclass(frozen=True)
@@ -115,7 +128,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     scale : float, optional
         Score scale, ``1/sqrt(D)`` by default.
     block_q, block_k : int, optional
-        Tile sizes (default `DEFAULT_TILES`); the last tiles may be ragged.
+        Tile sizes; the last tiles may be ragged.  Default: `default_tiles` of ``D``
+        (256 x 256, and 512 x 512 for ``D >= 128``; ``stats`` says which were used).
     kv_splits : int
         Split the key tiles into this many contiguous ranges, attend to each separately and
         combine the partial results with `merge_attention` (split-KV / FlashDecoding).
@@ -187,10 +201,10 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     >>> attnlib.attention_errors(out, q, k, v, causal=True, window=(64, None)).rel_error < 1e-12
     True
     """
-    tiles = TileSizes(
-        DEFAULT_TILES.block_q if block_q is None else block_q,
-        DEFAULT_TILES.block_k if block_k is None else block_k,
-    )
+    if block_q is not None:
+        _args.positive_int(block_q, "block_q")
+    if block_k is not None:
+        _args.positive_int(block_k, "block_k")
     kv_splits = _args.positive_int(kv_splits, "kv_splits")
     workers = _args.workers(workers)
     tau = _args.threshold(rescale_threshold)
@@ -198,6 +212,9 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     return_lse = _args.flag(return_lse, "return_lse")
     return_stats = _args.flag(return_stats, "return_stats")
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
+    base = default_tiles(pb.d)
+    tiles = TileSizes(base.block_q if block_q is None else block_q,
+                      base.block_k if block_k is None else block_k)
     specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
@@ -676,4 +693,4 @@ def _stats(rescales, kinds, pb, tiles) -> AttentionStats:
     )
 
 
-__all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES"]
+__all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles"]

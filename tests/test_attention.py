@@ -205,3 +205,14 @@ def test_gqa_decode_packs_heads_into_rows_exactly(sq, kw):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-14, atol=0)
     s = reference_scores(q, k, **kw)
     np.testing.assert_array_equal(stats.rescales, reference_rescales(s, 256, 64))
+
+
+def test_default_tiles_follow_the_head_dimension():
+    # D >= 128 takes 512 x 512 tiles by default (measured faster); stats say which were used.
+    for d, tiles in ((64, attnlib.DEFAULT_TILES), (128, attnlib.LARGE_HEAD_TILES), (256, attnlib.LARGE_HEAD_TILES)):
+        q, k, v = random_qkv(600, 700, d, heads=2, seed=d)
+        out, stats = attention(q, k, v, causal=True, return_stats=True)
+        assert attnlib.default_tiles(d) == tiles and (stats.block_q, stats.block_k) == (tiles.block_q, tiles.block_k)
+        assert stats.tile_kind.shape == (-(-600 // tiles.block_q), -(-700 // tiles.block_k))
+        assert attention_errors(out, q, k, v, causal=True).rel_error < BOUND
+    assert attention(q, k, v, block_q=32, return_stats=True)[1].block_q == 32  # given sizes win

@@ -20,7 +20,7 @@ import numpy as np
 from ..inputs import random_qkv
 from ..masks import FULL, PARTIAL, MaskSpec
 from ..online import OnlineSoftmax, _shift
-from ..tiled import DEFAULT_TILES, TileSizes, _parallel_settings, attention
+from ..tiled import TileSizes, _parallel_settings, attention, default_tiles
 from .timing import seconds
 
 #: The phases, in the order the kernel runs them.
@@ -80,7 +80,7 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
     return phases
 
 
-def phase_breakdown(case, tiles: TileSizes = DEFAULT_TILES, repeats: int = 5, workers=None) -> dict:
+def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, workers=None) -> dict:
     """Predicted seconds per phase for ``case`` against its measured time.
 
     Returns ``phases`` (rows of phase, seconds over the whole case on one thread, share of
@@ -91,6 +91,7 @@ def phase_breakdown(case, tiles: TileSizes = DEFAULT_TILES, repeats: int = 5, wo
     from .._args import workers as resolve
 
     threads = resolve(workers)
+    tiles = default_tiles(case.d) if tiles is None else tiles  # the forward's own
     bq, bk = tiles.block_q, tiles.block_k
     q, k, v = random_qkv(case.n, d=case.d, batch=(case.b,), heads=case.h, seed=0)
     spec = MaskSpec(case.n, case.n, case.causal)

@@ -24,22 +24,24 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..tiled import DEFAULT_TILES, TileSizes, _parallel_settings
+from ..tiled import TileSizes, _parallel_settings, default_tiles
 
 
-def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, tiles: TileSizes = DEFAULT_TILES,
+def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, tiles: TileSizes | None = None,
                seconds: float = 0.2, repeats: int = 5) -> dict:
     """Throughput of the kernel's three tile operations on ``workers`` threads at once.
 
     Each operation runs on every thread concurrently for about ``seconds`` per repeat;
     the median of ``repeats`` gives the rate.  ``workers``: as the kernels take it (None:
-    every available CPU, the kernels' default).  Returns ``qk_gflops`` and ``pv_gflops``
+    every available CPU, the kernels' default); ``tiles``: default, the forward's own
+    (`tiled.default_tiles` of ``d``).  Returns ``qk_gflops`` and ``pv_gflops``
     (GFLOP/s over all threads), ``exp_gps`` (G exponentials/s over all threads), and the
     shapes measured.
     """
     from .._args import workers as resolve
 
     workers = resolve(workers)
+    tiles = default_tiles(d) if tiles is None else tiles
     dv = d if dv is None else dv
     bq, bk = tiles.block_q, tiles.block_k
     rng = np.random.default_rng(0)
