@@ -66,15 +66,17 @@ def check_finite(x: np.ndarray, name: str) -> None:
 
     Two reductions, no temporary: ``min`` and ``max`` propagate NaN and show inf, so finite
     extremes prove the whole array finite, and give ``max |x|`` for `scores_may_overflow`
-    on the way (kept for the rest of this call in this thread, see `abs_max`).  Only an array that fails is
-    scanned again, along the sequence axis in chunks, to name the first bad entry.
+    on the way (kept for the rest of this call in this thread, see `abs_max`).  Only an
+    array that fails is scanned again, along the sequence axis in chunks, to name the
+    first bad entry.
     """
     if x.size == 0:
         return
     low, high = float(x.min()), float(x.max())
     if math.isfinite(low) and math.isfinite(high):
-        if _identity(x) is not None:
-            _seen.maxima[_identity(x)] = max(abs(low), abs(high))
+        key = _identity(x)
+        if key is not None:
+            _seen.maxima[key] = max(abs(low), abs(high))
         return
     per_row = x.size // x.shape[-2] if x.shape[-2] else 1
     step = max(1, _FINITE_CHUNK // max(per_row, 1))

@@ -366,7 +366,7 @@ def _unit_of(arr, unit: tuple):
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau=0.0, prec=None, check=False, per_thread=None):
+             tau, prec, check, per_thread):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -395,7 +395,6 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                        n_q_tiles)
     if slopes is not None:
         slopes = np.broadcast_to(slopes, lead)  # (*lead,): one slope per head
-    per_thread = threading.local() if per_thread is None else per_thread
 
     def unit_tile(item):
         # The longest (last, under causal) query tiles go first so the threads finish together.
@@ -411,17 +410,15 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
             # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
             with np.errstate(over="ignore") if check else contextlib.nullcontext():
                 q_i = q_u[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d); inf: caught below
-            state = OnlineSoftmax.empty(q_i.shape[:-1], dv, keys_first=keys_first_for(q1 - q0))
+            dtype = np.float64
         else:  # rounded q; the scale goes on the float32 scores, as in low-precision kernels
             q_i = prec.round(q_u[..., q0:q1, :])
-            state = OnlineSoftmax.empty(q_i.shape[:-1], dv, prec.accumulate,
-                                        keys_first=keys_first_for(q1 - q0))
+            dtype = prec.accumulate
         rows = None
         if packed:  # (..., g, r, d) -> (..., g * r, d); the rows' positions repeat per head
-            state = OnlineSoftmax.empty(q_i.shape[:-3] + (g * (q1 - q0),), dv, state.acc.dtype,
-                                        keys_first=keys_first_for(g * (q1 - q0)))
             q_i = q_i.reshape(q_i.shape[:-3] + (g * (q1 - q0), q_i.shape[-1]))
             rows = np.tile(np.arange(q0, q1), g)
+        state = OnlineSoftmax.empty(q_i.shape[:-1], dv, dtype, keys_first=keys_first_for(q_i.shape[-2]))
         todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
         events = absorb(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],
                         tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],
