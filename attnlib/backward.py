@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 from . import _args
-from .masks import SKIP, mask_specs
+from .masks import PARTIAL, SKIP, mask_specs
 from .reference import _scores
 from .tiled import DEFAULT_TILES, Aborted, TileSizes, attention, run_tiles, tile_scores
 
@@ -255,6 +255,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     for q0, q1 in zip(q_starts, q_ends):
         delta[..., q0:q1] = np.sum(dout[..., q0:q1, :] * out[..., q0:q1, :], axis=-1)
     shift = np.where(np.isfinite(lse), lse, 0.0)  # (*lead, sq)
+    per_thread = threading.local()
 
     def key_tile(b):
         k0, k1 = k_starts[b], k_ends[b]
@@ -265,6 +266,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
         dv_j = np.zeros(q.shape[:-2] + v_j.shape[-2:])  # (..., g, bk, dv)
         dk_part, dv_part = np.empty_like(dk_j), np.empty_like(dv_j)
         buffers = {}  # per query-tile height: s/p, ds and dq_ij buffers, reused tile after tile
+        band_masks = per_thread.__dict__.setdefault("band masks", {})  # for tile_visible
         try:
             for a in np.flatnonzero(visible[:, b]):
                 q0, q1 = q_starts[a], q_ends[a]
@@ -276,10 +278,16 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 with np.errstate(over="ignore") if check else contextlib.nullcontext():
                     q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
                 dout_i = dout[..., q0:q1, :].astype(np.float64, copy=False)  # (..., g, bq, dv)
+                vis = (spec.tile_visible(np.arange(q0, q1), k0, k1, contiguous=True, cache=band_masks)
+                       if kinds[a, b] == PARTIAL else None)  # (bq, bk)
                 s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
-                                    slopes, keep_tanh=True, out=s_buf, check=check)
+                                    slopes, keep_tanh=True, out=s_buf, check=check, vis=vis)
                 s -= shift[..., q0:q1, None]
-                p = np.exp(s, out=s)  # (..., g, bq, bk): the forward's probabilities
+                # (..., g, bq, bk): the forward's probabilities; exp only where visible (see
+                # OnlineSoftmax.update), max(-inf, 0) = 0 elsewhere.
+                p = np.exp(s, out=s, where=True if vis is None else vis)
+                if vis is not None:
+                    np.maximum(p, 0.0, out=p)
                 dv_j += np.matmul(np.swapaxes(p, -1, -2), dout_i, out=dv_part)
                 np.matmul(dout_i, np.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
                 ds -= delta[..., q0:q1, None]

@@ -1,8 +1,9 @@
 """Injected defects: small, realistic bugs in the tiled kernel, to measure a gate's power.
 
 A verdict is only as good as the smallest real bug it catches.  Each `Defect` here is a
-context manager that swaps one piece of the tiled kernel (`attnlib.tiled` and
-`attnlib.online`, never the dense reference) for a subtly wrong copy while it is active::
+context manager that swaps one piece of the tiled kernel (`attnlib.tiled`,
+`attnlib.online` and the tile masks of `attnlib.masks.MaskSpec.tile_visible`, never the
+dense reference, which uses `MaskSpec.visible`) for a subtly wrong copy while it is active::
 
     with DEFECTS["exp_1e-11x"].active():
         out, lse = attnlib.attention(q, k, v, return_lse=True)   # the defective kernel
@@ -23,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from . import tiled
+from .masks import MaskSpec
 from .online import OnlineSoftmax, _shift
 
 
@@ -79,23 +81,33 @@ def _scores_times(factor):
 
 
 def _off_by_one_mask():
-    """`tiled.tile_scores` that masks PARTIAL tiles with the key index shifted by one."""
-    real = tiled.tile_scores
+    """`MaskSpec.tile_visible` (the PARTIAL tiles' mask) with the key index shifted by one."""
+    real = MaskSpec.tile_visible
 
-    def tile_scores(q_i, k_j, spec, rows, cols, *args, **kwargs):
-        return real(q_i, k_j, spec, rows, cols - 1, *args, **kwargs)
-    return tile_scores
+    def tile_visible(self, rows, k0, k1, *args, **kwargs):
+        return real(self, rows, k0 - 1, k1 - 1, *args, **kwargs)
+    return tile_visible
 
 
 def _window_edge():
-    """`tiled.tile_scores` whose sliding window reaches one key further left."""
-    real = tiled.tile_scores
+    """`MaskSpec.tile_visible` whose sliding window reaches one key further left."""
+    real = MaskSpec.tile_visible
 
-    def tile_scores(q_i, k_j, spec, *args, **kwargs):
-        if spec.left is not None:
-            spec = replace(spec, window=(spec.left + 1, spec.right))
-        return real(q_i, k_j, spec, *args, **kwargs)
-    return tile_scores
+    def tile_visible(self, *args, **kwargs):
+        if self.left is not None:
+            self = replace(self, window=(self.left + 1, self.right))
+        return real(self, *args, **kwargs)
+    return tile_visible
+
+
+def _ignore_visible():
+    """`OnlineSoftmax.update` that takes ``exp`` of every score, as a kernel with no mask
+    of its own in the softmax does (the mask lives in the scores alone)."""
+    real = OnlineSoftmax.update
+
+    def update(self, s, v, *, visible=None, **kwargs):
+        return real(self, s, v, **kwargs)
+    return update
 
 
 def _alibi_signed():
@@ -200,17 +212,17 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
     Defect("p_float32", "the weights p are rounded to float32 (a precision leak)",
            _update(round_p=_f32)),
     Defect("off_by_one_mask", "PARTIAL tiles mask with key index j - 1: one key too many",
-           ((tiled, "tile_scores", _off_by_one_mask),)),
+           ((MaskSpec, "tile_visible", _off_by_one_mask),)),
     Defect("drop_last_tile", "each query tile skips its last visible key tile",
            ((tiled, "absorb", _drop_last_tile),)),
     Defect("skip_far_tiles", "a key tile more than 20 below every row's running max is skipped",
            _update(skip_below=20.0)),
     Defect("window_edge", "the sliding window reaches one key too far left",
-           ((tiled, "tile_scores", _window_edge),)),
+           ((MaskSpec, "tile_visible", _window_edge),)),
     Defect("alibi_signed", "ALiBi uses the signed i + o - j instead of |i + o - j|",
            ((tiled, "tile_scores", _alibi_signed),)),
     Defect("softcap_after_mask", "the softcap is applied after masking (-inf becomes -cap)",
-           ((tiled, "tile_scores", _softcap_after_mask),)),
+           ((tiled, "tile_scores", _softcap_after_mask), (OnlineSoftmax, "update", _ignore_visible))),
 )}
 
 

@@ -73,7 +73,7 @@ class OnlineSoftmax:
 
     def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,
                overwrite_s: bool = False, pv: np.ndarray | None = None,
-               round_p=None, keys_first: bool = False) -> np.ndarray:
+               round_p=None, keys_first: bool = False, visible: np.ndarray | None = None) -> np.ndarray:
         """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
 
         Masked pairs carry ``s = -inf``.  ``threshold`` (natural-log units) makes the
@@ -90,7 +90,10 @@ class OnlineSoftmax:
         shift and sum then run along the outer axis, which numpy vectorises over the
         contiguous rows (about 1.5x faster than along a row of 256 keys, measured), the
         sum is one BLAS product ``1^T p``, and ``pv`` (if given) is a ``(..., dv, rows)``
-        buffer for ``v^T p``.
+        buffer for ``v^T p``.  ``visible``, a boolean array laid out as ``s`` (False
+        where ``s`` is ``-inf``), has ``exp`` evaluated only where it is True: numpy's
+        ``exp(-inf)`` takes a slow path, 6.8 ns per element against 1.1 ns for a finite
+        exponent (measured), and half of a diagonal tile is masked.
         Returns a boolean ``(..., rows)`` array marking the rescale events of this tile:
         rows whose max was finite and was moved up (so that ``acc`` and ``l`` were
         multiplied by ``alpha < 1``).
@@ -108,7 +111,11 @@ class OnlineSoftmax:
         shift = _shift(m_new)
         alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
         s -= shift[..., None, :] if keys_first else shift[..., None]  # exponents <= 0; -inf stays
-        p = np.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
+        if visible is None:
+            p = np.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
+        else:  # the invisible entries keep -inf, then max(-inf, 0) = 0 and p >= 0 stays
+            p = np.exp(s, out=s, where=visible)
+            np.maximum(p, 0.0, out=p)
         self.l *= alpha
         if keys_first:  # sum over the keys, (bk,) @ (..., bk, rows) -> (..., rows)
             self.l += np.matmul(np.ones(p.shape[-2], dtype=p.dtype), p)

@@ -586,13 +586,16 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
     rescale events per tile ``(..., n_tiles)`` (``(..., row_groups, n_tiles)`` when
     packed) when ``count``, else None.
     """
+    contiguous = rows is None  # a packed tile's rows repeat per head
     rows = np.arange(q0, q0 + q_i.shape[-2]) if rows is None else rows
     keys_first = keys_first_for(q_i.shape[-2])
     groups = (row_groups,) if row_groups > 1 else ()
     events = np.zeros(state.m.shape[:-1] + groups + (len(k0s),), dtype=np.int64) if count else None
     low = prec is not None and not prec.is_float64
-    # One score and one p @ v buffer per tile shape, reused tile after tile.
+    # One score and one p @ v buffer per tile shape, reused tile after tile, and the band
+    # masks of the PARTIAL tiles (`MaskSpec.tile_visible`).
     buffers = {} if buffers is None else buffers
+    band_masks = buffers.setdefault("band masks", {})
     for t, (k0, k1) in enumerate(zip(k0s, k1s)):
         a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
         if low:
@@ -609,18 +612,21 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
                               np.empty(pv, dtype=state.acc.dtype))  # (..., dv, bq) keys first
         s_buf, pv_buf = buffers[shape]
         # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
+        vis = (spec.tile_visible(rows, k0, k1, keys_first, contiguous=contiguous, cache=band_masks)
+               if kinds[t] == PARTIAL else None)  # laid out as s
         s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
-                           post_scale=scale if low else None, check=check, keys_first=keys_first)
+                           post_scale=scale if low else None, check=check, keys_first=keys_first,
+                           vis=vis)
         rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
                                 round_p=prec.round if low else None,
-                                keys_first=keys_first)  # s now holds p
+                                keys_first=keys_first, visible=vis)  # s now holds p
         if count:  # per head: a packed tile's rows are row_groups heads' rows
             events[..., t] = rescaled.reshape(rescaled.shape[:-1] + groups + (-1,)).sum(axis=-1)
     return events
 
 
 def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
-                post_scale=None, check=False, keys_first=False):
+                post_scale=None, check=False, keys_first=False, vis=None):
     """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
 
     ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
@@ -633,6 +639,8 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     ``keys_first``; BLAS reads ``q_i`` transposed in place).  ``check``: raise ValueError
     if a visible pair's scaled product ``scale * q . k`` is not finite (callers ask for it
     only when `_args.scores_may_overflow` says it may be, so the usual tile pays nothing).
+    ``vis``: a PARTIAL tile's visibility laid out as ``s``, if the caller has it
+    (`MaskSpec.tile_visible`); else it is evaluated here.
     """
     # An overflow (only possible when `check` is asked for) is reported below.
     with np.errstate(over="ignore", invalid="ignore") if check else contextlib.nullcontext():
@@ -646,12 +654,14 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     def pairs(grid):  # a (bq, bk) grid over the pairs, laid out as s
         return grid.T if keys_first else grid
 
+    if kind == PARTIAL and vis is None:
+        vis = spec.visible(rows, cols, keys_first)
     if check:
         bad = ~np.isfinite(s)
         if bad.any():
             # Only a visible pair's score is used; an invisible one is set to 0 (masked
             # below), which keeps softcap's tanh and its derivative finite.
-            if kind != PARTIAL or (bad & spec.visible(rows, cols, keys_first)).any():
+            if kind != PARTIAL or (bad & vis).any():
                 raise ValueError(_args.overflow_message(s.dtype))
             s[bad] = 0.0
     th = None
@@ -661,7 +671,7 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
         th = s.copy() if keep_tanh else None
         s *= cap
     if kind == PARTIAL:
-        np.copyto(s, -np.inf, where=~spec.visible(rows, cols, keys_first))  # laid out as s
+        np.copyto(s, -np.inf, where=~vis)
     if slopes is not None:  # ALiBi, after masking: -inf stays -inf
         s -= slopes[..., None, None] * pairs(spec.distance(rows, cols))
     return s, th

@@ -31,3 +31,83 @@ def test_causal_square_grid():
 def test_unknown_alignment_is_refused():
     with pytest.raises(ValueError, match="causal_align"):
         MaskSpec(3, 3, True, "top_right")
+
+
+# tile_visible: the fast per-tile mask must equal the contract's `visible` everywhere.
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnlib.masks import BAND_CACHE_BYTES
+
+
+@st.composite
+def masked_tiles(draw):
+    sq, sk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    side = st.one_of(st.none(), st.integers(0, 45))
+    options = dict(causal=draw(st.booleans()), causal_align=draw(st.sampled_from(["bottom_right", "top_left"])),
+                   window=(draw(side), draw(side)), q_len=draw(st.one_of(st.none(), st.integers(0, sq))),
+                   kv_len=draw(st.one_of(st.none(), st.integers(0, sk))))
+    if draw(st.booleans()):  # documents: ascending (packed) or in any order
+        n_docs = draw(st.integers(1, 5))
+        q_ids = np.array(draw(st.lists(st.integers(0, n_docs), min_size=sq, max_size=sq)))
+        kv_ids = np.array(draw(st.lists(st.integers(0, n_docs), min_size=sk, max_size=sk)))
+        if draw(st.booleans()):
+            q_ids, kv_ids = np.sort(q_ids), np.sort(kv_ids)
+        options.update(q_segments=q_ids, kv_segments=kv_ids)
+    # A second batch entry with other lengths (another alignment offset) shares the cache.
+    other = dict(options, q_len=draw(st.integers(0, sq)), kv_len=draw(st.integers(0, sk)))
+    specs = [MaskSpec(sq, sk, **options), MaskSpec(sq, sk, **other)]
+    bq, bk = draw(st.integers(1, sq)), draw(st.integers(1, sk))
+    return specs, bq, bk
+
+
+@given(masked_tiles(), st.booleans())
+def test_tile_visible_equals_visible(case, keys_first):
+    specs, bq, bk = case
+    cache = {}
+    for spec in specs + specs:  # the second round reads the band masks from the cache
+        for q0 in range(0, spec.sq, bq):
+            rows = np.arange(q0, min(spec.sq, q0 + bq))
+            for k0 in range(0, spec.sk, bk):
+                k1 = min(spec.sk, k0 + bk)
+                want = spec.visible(rows, np.arange(k0, k1), keys_first)
+                got = spec.tile_visible(rows, k0, k1, keys_first, contiguous=True, cache=cache)
+                np.testing.assert_array_equal(got, want)
+                # Rows that are not one run (a GQA-packed tile repeats them): no cache.
+                twice = np.tile(rows, 2)
+                np.testing.assert_array_equal(spec.tile_visible(twice, k0, k1, keys_first, cache=cache),
+                                              spec.visible(twice, np.arange(k0, k1), keys_first))
+
+
+def test_tile_visible_cache_is_shared_by_a_diagonal_and_bounded():
+    spec = MaskSpec(4096, 4096, causal=True, window=(100, None))
+    cache = {}
+    for q0 in range(0, 4096, 256):  # the diagonal tiles: one mask
+        spec.tile_visible(np.arange(q0, q0 + 256), q0, q0 + 256, True, contiguous=True, cache=cache)
+    assert len(cache) == 1
+    for d in range(64):  # many offsets (different windows): the cache never outgrows its bound
+        other = MaskSpec(4096, 4096, causal=True, window=(d, None))
+        other.tile_visible(np.arange(512, 768), 512, 768, True, contiguous=True, cache=cache)
+        assert sum(a.nbytes for a in cache.values()) <= BAND_CACHE_BYTES
+    # A cached mask cannot be changed by a caller by mistake.
+    assert not any(a.flags.writeable for a in cache.values())
+
+
+@given(masked_tiles(), st.data())
+def test_a_piece_sees_what_the_whole_sees(case, data):
+    """MaskSpec.piece: the rule of a (query range, key range) piece in its own positions."""
+    for spec in case[0]:
+        q0 = data.draw(st.integers(0, spec.sq - 1))
+        q1 = data.draw(st.integers(q0 + 1, spec.sq))
+        k0 = data.draw(st.integers(0, spec.sk - 1))
+        k1 = data.draw(st.integers(k0 + 1, spec.sk))
+        piece = spec.piece(q0, q1, k0, k1)
+        whole = spec.visible(np.arange(q0, q1), np.arange(k0, k1))
+        np.testing.assert_array_equal(piece.visible(np.arange(q1 - q0), np.arange(k1 - k0)), whole)
+        kind = SKIP if not whole.any() else FULL if whole.all() else PARTIAL
+        ranges = piece.kv_ranges(np.array([0]))
+        got = piece.tile_kind(0, q1 - q0, 0, k1 - k0, ranges)
+        # The closed form may call a tile with no visible pair PARTIAL (documents), never
+        # the other way round.
+        assert got == kind or (got == PARTIAL and kind == SKIP and spec.q_segments is not None)

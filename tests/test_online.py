@@ -68,3 +68,23 @@ def test_merge_is_associative_and_empty_is_neutral(strict):
         np.testing.assert_array_equal(x, y)
     out, lse = empty.merge(empty).finalize()
     assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_update_with_visible_equals_update_without():
+    """Evaluating exp only on the visible entries (update's ``visible``) changes nothing."""
+    rng = np.random.default_rng(3)
+    for keys_first in (False, True):
+        a = OnlineSoftmax.empty((2, 8), 5, keys_first=keys_first)
+        b = OnlineSoftmax.empty((2, 8), 5, keys_first=keys_first)
+        for t in range(4):
+            s = rng.normal(size=(2, 6, 8) if keys_first else (2, 8, 6)) * 10
+            vis = rng.random(s.shape) < 0.5
+            if t == 0:
+                vis[...] = False  # rows that see nothing yet
+            s[~vis] = -np.inf
+            v = rng.normal(size=(2, 6, 5))
+            ea = a.update(s.copy(), v, keys_first=keys_first)
+            eb = b.update(s.copy(), v, keys_first=keys_first, visible=vis)
+            np.testing.assert_array_equal(ea, eb)
+            for x, y in zip((a.m, a.l, a.acc), (b.m, b.l, b.acc)):
+                np.testing.assert_array_equal(x, y)

@@ -48,14 +48,23 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
     """Seconds of each phase on one tile (``state`` is a row's mid-way state, reused)."""
     s = np.empty((k_j.shape[0], q_i.shape[0]))
     np.matmul(k_j, q_i.T, out=s)
-    invisible = ~spec.visible(rows, cols, keys_first=True)
+    cache = {}  # the kernel's band masks (MaskSpec.tile_visible), built once per diagonal
+    visible = spec.tile_visible(rows, int(cols[0]), int(cols[-1]) + 1, True, contiguous=True, cache=cache)
     if partial:
-        np.copyto(s, -np.inf, where=invisible)
+        np.copyto(s, -np.inf, where=~visible)
     scores = s.copy()  # the tile as the max sees it
     m_new = np.maximum(state.m, scores.max(axis=-2))
     shift = _shift(m_new)
     shifted = scores - shift
-    p = np.exp(shifted)
+    p = np.maximum(np.exp(shifted, where=visible, out=np.full_like(shifted, -np.inf)), 0.0)
+
+    def exp():  # as OnlineSoftmax.update: exp only where visible, then -inf -> 0
+        if partial:
+            np.exp(shifted, out=work, where=visible)
+            np.maximum(work, 0.0, out=work)
+        else:
+            np.exp(shifted, out=work)
+
     ones = np.ones(k_j.shape[0])
     pv = np.empty((v_j.shape[1], q_i.shape[0]))
     acc, l = state.acc.copy(), state.l.copy()
@@ -65,11 +74,11 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
     work = np.empty_like(s)
     phases = {
         "q k^T matmul": _per_call(lambda: np.matmul(k_j, q_i.T, out=work)),
-        "mask (PARTIAL tiles)": (_per_call(lambda: np.copyto(work, -np.inf, where=~spec.visible(
-            rows, cols, keys_first=True))) if partial else 0.0),
+        "mask (PARTIAL tiles)": (_per_call(lambda: np.copyto(work, -np.inf, where=~spec.tile_visible(
+            rows, int(cols[0]), int(cols[-1]) + 1, True, contiguous=True, cache=cache))) if partial else 0.0),
         "row max": _per_call(lambda: scores.max(axis=-2)),
         "shift s - m": _per_call(lambda: np.subtract(scores, shift, out=work)),
-        "exp": _per_call(lambda: np.exp(shifted, out=work)),
+        "exp": _per_call(exp),
         "row sum": _per_call(lambda: np.matmul(ones, p)),
         "rescale l, acc": _per_call(lambda: (np.maximum(state.m, state.m), np.isfinite(state.m),
                                              _shift(state.m), np.exp(state.m - shift),
