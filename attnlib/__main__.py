@@ -1,8 +1,9 @@
-"""``python -m attnlib {report,bench,check} ...``: the command-line entry points."""
+"""``python -m attnlib {report,bench,check,reference} ...``: the command-line entry points."""
 
 import sys
 
-COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench", "check": "attnlib.check"}
+COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench", "check": "attnlib.check",
+            "reference": "attnlib.distributed.cli"}
 
 
 USAGE = f"""usage: python -m attnlib {{{','.join(COMMANDS)}}} [options]
@@ -10,6 +11,7 @@ USAGE = f"""usage: python -m attnlib {{{','.join(COMMANDS)}}} [options]
   report  run the evidence notebooks and render their HTML reports
   bench   time the tiled kernel against dense numpy (and torch, when installed)
   check   judge an attention kernel's saved tensors against the float64 reference
+  reference  write the float64 reference of saved q, k, v to a file, computed on a Dask cluster
 
 python -m attnlib COMMAND --help shows a command's options."""
 

@@ -274,6 +274,34 @@ class MaskSpec:
         kind = np.where(none, SKIP, np.where(every, FULL, PARTIAL)).astype(np.int8)
         return kind[()]
 
+    def any_visible(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether any query in ``[q0, q1)`` sees any key in ``[k0, k1)``: exact, where
+        `tile_kind` may call a tile with documents PARTIAL that has no visible pair.
+
+        Costs ``O((q1 - q0 + k1 - k0) log(k1 - k0))``, never a ``(q1 - q0, k1 - k0)`` mask:
+        each row's band ``[i + o - left, i + o + right]`` is looked up among the keys of
+        its own document, sorted by (document, position).
+        """
+        kind = self.tile_kind(q0, q1, k0, k1, self.kv_ranges(np.array([k0])) if
+                              self.q_segments is not None and k1 > k0 else None)
+        if kind == SKIP:
+            return False
+        if self.q_segments is None or kind == FULL:
+            return True  # without documents the closed form is exact (the bands are contiguous)
+        i = np.arange(q0, min(q1, self.rows))
+        j = np.arange(k0, min(k1, self.keys))
+        ids, code = np.unique(np.concatenate([self.q_segments[i], self.kv_segments[j]]), return_inverse=True)
+        q_code, kv_code = code[:i.size], code[i.size:]
+        width = j.size + 1
+        keyed = np.sort(kv_code * width + (j - k0))  # (document, position) as one sortable int
+        o = self.offset
+        lo = np.full(i.size, k0) if self.left is None else np.maximum(i + o - self.left, k0)
+        hi = np.full(i.size, j[-1]) if self.right is None else np.minimum(i + o + self.right, j[-1])
+        ok = lo <= hi
+        a = np.searchsorted(keyed, q_code * width + (lo - k0), side="left")
+        b = np.searchsorted(keyed, q_code * width + (hi - k0), side="right")
+        return bool(np.any(ok & (b > a)))
+
     def kv_ranges(self, k_starts):
         """``(kv_min, kv_max)``: the segment id range of each key tile (None without segments)."""
         if self.q_segments is None:

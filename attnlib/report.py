@@ -262,6 +262,13 @@ NOTEBOOKS = {
         {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
          "precision_ns": [64, 128], "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256}),
         # its dense runs are bounded by the oracle's sizes (check_params)
+    "scaleout": Notebook(
+        "Scale-out: the exact float64 oracle on a Dask cluster",
+        {"n": positive, "heads": positive, "d": positive, "block": positive, "workers": sizes,
+         "repeats": positive, "sweep": sizes, "project_n": positive, "project_heads": positive,
+         "project_d": positive, "project_machines": sizes, "project_cores": positive,
+         "results_json": text},
+        {"n": 1024, "heads": 2, "d": 16, "block": 256, "repeats": 1, "sweep": [512, 1024]}),
     "check_rule": Notebook(
         "Check rule: correct kernels pass, buggy kernels fail",
         {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes, "results_json": text},

@@ -111,3 +111,21 @@ def test_a_piece_sees_what_the_whole_sees(case, data):
         # The closed form may call a tile with no visible pair PARTIAL (documents), never
         # the other way round.
         assert got == kind or (got == PARTIAL and kind == SKIP and spec.q_segments is not None)
+
+
+@given(masked_tiles(), st.data())
+def test_any_visible_is_exact(case, data):
+    for spec in case[0]:
+        q0 = data.draw(st.integers(0, spec.sq - 1))
+        q1 = data.draw(st.integers(q0 + 1, spec.sq))
+        k0 = data.draw(st.integers(0, spec.sk - 1))
+        k1 = data.draw(st.integers(k0 + 1, spec.sk))
+        assert spec.any_visible(q0, q1, k0, k1) == spec.visible(np.arange(q0, q1), np.arange(k0, k1)).any()
+    # Single pairs and a short key range from every row: the edges of windows and documents.
+    spec, full = case[0][0], case[0][0].visible(np.arange(case[0][0].sq), np.arange(case[0][0].sk))
+    if spec.q_segments is not None:
+        for i in range(spec.sq):
+            for j in range(spec.sk):
+                assert spec.any_visible(i, i + 1, j, j + 1) == full[i, j]
+                assert spec.any_visible(i, i + 1, j, min(spec.sk, j + 3)) == full[i, j:j + 3].any()
+                assert spec.any_visible(i, i + 1, max(0, j - 2), j + 1) == full[i, max(0, j - 2):j + 1].any()

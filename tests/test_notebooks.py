@@ -139,6 +139,20 @@ def test_check_rule_figures(quick_reports):
     assert all(r["worst_out_ratio"] > 1 for r in rows if r["kind"] == "defective")
 
 
+def test_scaleout_figures(quick_reports):
+    data = results(quick_reports[1], "scaleout")
+    figs, quick = data["figures"], report.NOTEBOOKS["scaleout"].quick
+    assert data["passed"] is True
+    assert figs["equal_rel_error"] < 1e-13 and figs["equal_lse_diff"] < 1e-13
+    assert figs["timing"]["bitwise_identical"] is True
+    assert [r["n"] for r in figs["sweep"]] == quick["sweep"]
+    assert all(r["piece tasks"] > 0 and r["working = peak - left (MiB)"] > 0 for r in figs["sweep"])
+    assert figs["model"]["rate_flops_per_worker"] > 0
+    assert len(figs["projection"]) == len(report.NOTEBOOKS["scaleout"].quick.get(
+        "project_machines", [1, 8, 64, 512]))
+    assert all(p["hours"] > 0 for p in figs["projection"])
+
+
 def test_html_is_self_contained_and_indexed(quick_reports):
     out = quick_reports[1]
     index = (out / "index.html").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -88,6 +89,11 @@ def _parser():
     p.add_argument("--workers", type=int, default=None,
                    help="threads for the float64 reference (default: every available CPU)")
     p.add_argument("--html", default=None, metavar="PATH", help="also write the verdict as an HTML report")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                       help="compute the float64 reference on this Dask cluster (tcp://host:8786)")
+    where.add_argument("--distributed", action="store_true",
+                       help="compute the float64 reference on a Dask LocalCluster started for the run")
     return p
 
 
@@ -97,19 +103,45 @@ def main(argv=None) -> int:
                    window=_window(args.window), softcap=args.softcap or None, scale=args.scale,
                    kv_lengths=args.kv_lengths, workers=args.workers)
     files = {name: getattr(args, name) for name in TENSORS}
+    on_cluster = args.scheduler is not None or args.distributed
     try:
+        if args.html and on_cluster:
+            raise UnusableInput("--html runs the check in a notebook on this machine: it does not take "
+                                "--scheduler or --distributed (leave --html out)")
         if args.html:
             text, code = _run_notebook(files, args.dtype or "", options, args.html)
         else:
-            check = load_and_check(**files, dtype=args.dtype or "", **options)
+            with _cluster(args) as scheduler:
+                check = load_and_check(**files, dtype=args.dtype or "", scheduler=scheduler, **options)
             text, code = format_text(check), check.exit_code
     except (TensorFileError, UnusableInput) as e:
         print(f"attnlib check: unusable input: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the scheduler cannot be reached (TimeoutError is an OSError)
+        if not on_cluster:
+            raise
+        print(f"attnlib check: the Dask cluster failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(text)
     if args.html:
         print(f"report: {args.html}")
     return code
+
+
+@contextlib.contextmanager
+def _cluster(args):
+    """Where the reference runs: None (here), the ``--scheduler`` address, or a client of a
+    LocalCluster started for the run (``--distributed``)."""
+    if not args.distributed:
+        yield args.scheduler
+        return
+    from distributed import Client, LocalCluster
+
+    from .._args import available_cpus
+
+    with LocalCluster(n_workers=available_cpus(), threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        yield client
 
 
 def _run_notebook(files, dtype, options, target) -> tuple[str, int]:

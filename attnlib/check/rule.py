@@ -156,13 +156,21 @@ def atol(ref: np.ndarray, dtype) -> np.ndarray:
     return np.where(np.isfinite(fa), np.maximum(fa, ulp), ulp)
 
 
-def expect(qh, kh, vh, options, prec, workers, dense) -> Expected:
+def expect(qh, kh, vh, options, prec, workers, dense, scheduler=None) -> Expected:
     """The reference and the allowance for ``attention(qh, kh, vh, **options)`` (bhsd layout,
-    float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits."""
-    ref, ref_lse = attention(qh, kh, vh, return_lse=True, workers=workers, **options)
+    float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits.
+    ``scheduler`` (a Dask client or scheduler address): the float64 reference and
+    ``P @ |V|`` are computed on that cluster (`attnlib.distributed.attention`)."""
+    if scheduler is None:
+        ref, ref_lse = attention(qh, kh, vh, return_lse=True, workers=workers, **options)
+        # P @ |V|: the size of what each entry sums, by the same tiled kernel.
+        ref_abs = attention(qh, kh, np.abs(vh), workers=workers, **options)
+    else:
+        from ..distributed import attention as on_cluster
+
+        ref, ref_lse = on_cluster(qh, kh, vh, return_lse=True, client=scheduler, **options)
+        ref_abs = on_cluster(qh, kh, np.abs(vh), client=scheduler, **options)
     empty = np.isneginf(ref_lse)
-    # P @ |V|: the size of what each entry sums, by the same tiled kernel.
-    ref_abs = attention(qh, kh, np.abs(vh), workers=workers, **options)
     if prec.is_float64:
         tol = tolerance(qh, kh, vh, ref_lse, block_k=1, **options)
         allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))

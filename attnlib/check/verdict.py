@@ -62,7 +62,7 @@ def _as_float(x, name):
 def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
                  window=None, softcap=None, scale=None, kv_lengths=None, workers=None,
-                 names=None, lse_dtype=None) -> KernelCheck:
+                 names=None, lse_dtype=None, scheduler=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -98,6 +98,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     lse_dtype : dtype, optional
         The type the kernel stored ``lse`` in, when ``lse`` was converted on the way (a
         bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
+    scheduler : distributed.Client or str, optional
+        Compute the float64 reference (``out``, ``lse`` and ``P @ |V|``) on this Dask
+        cluster (a client or a scheduler address) with `attnlib.distributed.attention`,
+        for lengths one machine is too slow for; the rest of the check (the naive
+        baselines below float64, the float64 bound, the diagnosis) runs here.
 
     Returns
     -------
@@ -138,7 +143,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     try:
-        expected = expect(qh, kh, vh, options, prec, workers, dense)
+        expected = expect(qh, kh, vh, options, prec, workers, dense, scheduler)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
         raise UnusableInput(str(e)) from None
     kernel = to_bhsd(given["out"], layout).astype(np.float64)

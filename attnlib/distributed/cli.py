@@ -1,0 +1,91 @@
+"""``python -m attnlib reference``: the golden output of a long-context case, to a file.
+
+A kernel's own test suite then compares against the file, without computing the float64
+reference at test time::
+
+    python -m attnlib reference --q q.npy --k k.npy --v v.npy --causal \\
+        --out-file ref.npy --lse-file ref_lse.npy [--scheduler tcp://host:8786]
+
+``.npy`` inputs are read slice by slice by the tasks (from a path every worker can reach);
+``.npz`` and ``.safetensors`` tensors are loaded here first.  Without ``--scheduler`` the
+reference runs on a `LocalCluster` started for the call (one process per CPU); with it, on
+that cluster.  Exit code 0: written; 2: unusable input or a failed run (the message says
+which block).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+from ..tensorio import TensorFileError, load_tensor, split_spec
+
+
+def _window(values):
+    if values is None:
+        return None
+    return tuple(None if x < 0 else x for x in values)  # -1: unbounded (FlashAttention's)
+
+
+def _parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m attnlib reference",
+        description="Compute attnlib's exact float64 attention of saved q, k, v on a Dask cluster "
+                    "and write it (and its LSE) to .npy files, block by block.")
+    for name in ("q", "k", "v"):
+        p.add_argument(f"--{name}", required=True, metavar="FILE",
+                       help=f"{name}: .npy (read slice by slice), or .npz/.safetensors (path or path:name)")
+    p.add_argument("--out-file", required=True, metavar="FILE", help="where the output goes (.npy or a zarr path)")
+    p.add_argument("--lse-file", default=None, metavar="FILE", help="where the LSE goes, (..., H, S)")
+    p.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd",
+                   help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
+                        "bhsd: (batch, nheads, seqlen, headdim); the output is written in the same layout")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right")
+    p.add_argument("--window", nargs=2, type=int, metavar=("L", "R"),
+                   help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
+    p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
+    p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
+    p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N")
+    p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N")
+    p.add_argument("--block-q", type=int, default=None, help="query rows per task")
+    p.add_argument("--kv-block", type=int, default=None, help="keys per task")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="a Dask scheduler (tcp://host:8786); default: a LocalCluster for this run")
+    p.add_argument("--progress", action="store_true", help="show Dask's progress bar")
+    return p
+
+
+def _input(spec: str, label: str):
+    path, key = split_spec(spec)
+    if path.endswith(".npy") and key is None:
+        return path  # read by the tasks, slice by slice
+    return load_tensor(spec, label)[0]
+
+
+def main(argv=None) -> int:
+    from .engine import BlockError, attention
+
+    args = _parser().parse_args(argv)
+    options = dict(causal=args.causal, causal_align=args.align, window=_window(args.window),
+                   softcap=args.softcap or None, scale=args.scale, kv_lengths=args.kv_lengths,
+                   q_lengths=args.q_lengths, block_q=args.block_q, kv_block=args.kv_block,
+                   layout=args.layout, progress=args.progress)
+    try:
+        q, k, v = (_input(getattr(args, n), f"--{n}") for n in ("q", "k", "v"))
+        out = attention(q, k, v, client=args.scheduler, out=args.out_file, lse_out=args.lse_file,
+                        return_lse=args.lse_file is not None, **options)
+    except (TensorFileError, ValueError, TypeError, BlockError) as e:
+        print(f"attnlib reference: {e}", file=sys.stderr)
+        return 2
+    shape = (out[0] if isinstance(out, tuple) else out).shape
+    print(f"wrote {os.path.abspath(args.out_file)} {tuple(shape)} float64"
+          + (f" and {os.path.abspath(args.lse_file)}" if args.lse_file else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""`attention` on a Dask cluster: one task per visible piece, a merge tree per query block."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import uuid
+
+import numpy as np
+
+from .. import _args
+from ..masks import mask_specs
+from ..online import merge_attention
+from ..tiled import _run, default_tiles
+from .plan import MERGE_FANIN, make_plan
+from .sources import Input, materialize
+
+#: The default query block and key range of a piece: a task then does about
+#: 4096 * 4096 * (2 D + 2 Dv) flops (4.3 GFLOP at D = 64, seconds on one core), far more
+#: than Dask's per-task cost (about a millisecond), and holds a few MiB per head.
+DEFAULT_BLOCK = 4096
+
+
+class BlockError(RuntimeError):
+    """A task of `attention` failed (other than by losing its worker): names the piece."""
+
+
+def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label):
+    """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse (hq', bq))``."""
+    try:
+        q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
+        with np.errstate(divide="raise", over="raise", invalid="raise"):
+            q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=True)
+            slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
+            tiles = default_tiles(pb.d)
+            check = _args.scores_may_overflow(q5, k5, pb.scale)
+            n_k_tiles = -(-pb.sk // tiles.block_k)
+            # One thread per task: the cluster's workers are the parallelism.
+            out, lse, _, _ = _run(q5, k5, v5, pb, {(): spec}, tiles, cap, slopes, False,
+                                  (0, n_k_tiles), 1, check=check)
+        return pb.merge_heads(out, 2), pb.merge_heads(lse, 1)
+    except Exception as e:
+        raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
+
+
+def _merge(label, *parts):
+    """``merge_attention`` of partial results in the given (key) order."""
+    try:
+        with np.errstate(divide="raise", over="raise", invalid="raise"):
+            return merge_attention([p[0] for p in parts], [p[1] for p in parts])
+    except Exception as e:
+        raise BlockError(f"attnlib.distributed: merging {label} failed: {type(e).__name__}: {e}") from e
+
+
+def _write(result, target, index, lse_target, lse_index, bshd=False):
+    """Write one block's ``(out, lse)`` into the output files (``out`` as ``(..., S, H,
+    Dv)`` when ``bshd``); returns its row count."""
+    out, lse = result
+    _store(target, index, np.swapaxes(out, -2, -3) if bshd else out)
+    if lse_target is not None:
+        _store(lse_target, lse_index, lse)
+    return out.shape[-2]
+
+
+def _store(target, index, block):
+    if isinstance(target, str):  # a .npy file made by the caller: mapped read-write here
+        arr = np.load(target, mmap_mode="r+")
+        try:
+            arr[index] = block
+            arr.flush()
+        finally:
+            arr._mmap.close()
+    else:  # a zarr array, chunked along the blocks: no two tasks write one chunk
+        target[index] = block
+
+
+class _MergeChain:
+    """The merges of `plan.merge_groups`, submitted as the pieces are.
+
+    A group's merge is submitted right after its last piece, so it has an earlier priority
+    than the pieces after it: Dask merges partials as they complete instead of holding them.
+    """
+
+    def __init__(self, merge, fanin=MERGE_FANIN):
+        self.merge, self.fanin = merge, fanin
+        self.result, self.pending = None, []
+
+    def add(self, item):
+        self.pending.append(item)
+        if len(self.pending) == (self.fanin if self.result is None else self.fanin - 1):
+            self._merge_pending()
+
+    def _merge_pending(self):
+        group = self.pending if self.result is None else [self.result] + self.pending
+        self.result, self.pending = (group[0] if len(group) == 1 else self.merge(group)), []
+
+    def root(self):
+        """The merge of everything added (its last, partial group merged now)."""
+        if self.pending:
+            self._merge_pending()
+        return self.result
+
+
+@contextlib.contextmanager
+def _client(client):
+    """The given client, the current one, or an embedded `LocalCluster` for the call."""
+    from distributed import Client, LocalCluster, get_client
+
+    if isinstance(client, str):
+        with Client(client) as c:
+            yield c
+        return
+    if client is not None:
+        yield client
+        return
+    try:
+        current = get_client()
+    except ValueError:
+        current = None
+    if current is not None:
+        yield current
+        return
+    with LocalCluster(n_workers=_args.available_cpus(), threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster, Client(cluster) as c:
+        yield c
+
+
+def _output(path, shape, chunks, name):
+    """A zero-filled ``float64`` output of ``shape`` at ``path`` (``.npy`` or zarr, chunked
+    as ``chunks``: one output block per chunk, so no two tasks write one chunk), and its
+    handle for the tasks (the path, or the zarr array)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (.npy or a zarr store), got {type(path).__name__}")
+    path = os.fspath(path)
+    if path.endswith(".npy"):
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape)
+        return arr, path
+    try:
+        import zarr
+    except ImportError:
+        raise ValueError(f"{name}={path!r}: give a .npy path (zarr is not installed)") from None
+    arr = zarr.open_array(path, mode="w", shape=shape, chunks=chunks, dtype="float64", fill_value=0.0)
+    return arr, arr
+
+
+def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right", window=None,
+              q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
+              scale=None, softcap=None, alibi_slopes=None, block_q=None, kv_block=None,
+              heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
+              progress=False):
+    """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
+
+    Parameters
+    ----------
+    q, k, v : array-like, shapes ``(..., Hq, Sq, D)``, ``(..., Hk, Sk, D)``, ``(..., Hk, Sk, Dv)``
+        numpy arrays, ``np.memmap``\\ s or ``.npy`` paths, zarr arrays, or dask arrays.  Files
+        and zarr stores must be reachable from every worker: each task reads only its own
+        slice, and no input is gathered in one place or sent through the scheduler.
+    client : distributed.Client, str or None
+        The cluster: a client, a scheduler address, or None for the current client (if
+        there is one), else a `LocalCluster` started for the call, one process per CPU.
+    causal, causal_align, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale, softcap, alibi_slopes
+        As in `attnlib.attention`, on absolute positions.
+    block_q, kv_block : int, optional
+        The query block and key range of a piece (default `DEFAULT_BLOCK`): a task's memory
+        is bounded by them, whatever ``Sq`` and ``Sk``.
+    heads_per_task : int
+        kv heads per task (each with its ``Hq / Hk`` query heads).
+    return_lse : bool
+        Also return the log-sum-exp ``(..., Hq, Sq)``.
+    out, lse_out : path, optional
+        Write the output (and the LSE) block by block to a ``.npy`` file or a zarr array at
+        this path instead of returning it in memory; the result is then the file opened
+        read-only (an ``np.memmap`` or a zarr array).
+    layout : {"bhsd", "bshd"}
+        How q, k, v and ``out`` are stored: ``(..., H, S, D)``, attnlib's and PyTorch
+        SDPA's (default), or ``(..., S, H, D)``, FlashAttention's (read and written in place,
+        slice by slice).  The LSE is ``(..., H, S)`` either way, as FlashAttention's.
+    progress : bool
+        Show Dask's progress bar.
+
+    Returns
+    -------
+    out : ndarray ``(..., Hq, Sq, Dv)`` (or the opened ``out`` file), and ``lse`` with
+    ``return_lse``.
+
+    Notes
+    -----
+    One task per visible ``(batch entry, kv-head block, query block, key range)`` piece runs
+    the tiled kernel on its piece (`MaskSpec.piece`: the same rule in the piece's own
+    positions) with one thread; the pieces of a query block then merge by log-sum-exp in a
+    left-deep tree of at most `plan.MERGE_FANIN` partials per task, in key order
+    (`plan.merge_groups`: a worker's memory stays flat in ``n``).  SKIP pieces are
+    never tasks.  Each piece and each merge is deterministic, and the merge order is fixed,
+    so the result is the same bits on any cluster, any number of workers, any run.  A task
+    on a worker that dies is rerun by Dask (the result does not change); any other failure
+    raises `BlockError` naming the piece.
+    """
+    block_q = _args.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
+    kv_block = _args.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
+    heads_per_task = _args.positive_int(heads_per_task, "heads_per_task")
+    return_lse = _args.flag(return_lse, "return_lse")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    inputs = [Input(x, name, layout == "bshd") for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    # The contract's layout checks, on stand-ins of the right shapes (no data read).
+    stand_ins = [np.broadcast_to(np.zeros(()), x.shape) for x in inputs]
+    _, _, _, pb = _args.parse(*stand_ins, scale=scale, check_finite_inputs=False)
+    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
+                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    cap = _args.softcap(softcap)
+    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+    blocks = make_plan(pb.batch, pb.hk, pb.sq, pb.sk, specs, block_q, kv_block, heads_per_task)
+
+    squeeze, g = pb.squeeze, pb.group
+    bshd = layout == "bshd" and not squeeze
+    out_shape = ((pb.sq, pb.dv) if squeeze else pb.batch + (pb.sq, pb.hq, pb.dv) if bshd
+                 else pb.batch + (pb.hq, pb.sq, pb.dv))
+    lse_shape = (pb.sq,) if squeeze else pb.batch + (pb.hq, pb.sq)
+
+    def q_index(entry, h0, h1, q0, q1):
+        rows = (slice(q0, q1), slice(None))
+        return rows if squeeze else entry + (slice(h0 * g, h1 * g),) + rows
+
+    def kv_index(entry, h0, h1, k0, k1):
+        keys = (slice(k0, k1), slice(None))
+        return keys if squeeze else entry + (slice(h0, h1),) + keys
+
+    def out_index(b):
+        rows, heads = slice(b.q0, b.q1), slice(b.h0 * g, b.h1 * g)
+        if squeeze:
+            return rows, slice(None)
+        return b.entry + ((rows, heads) if bshd else (heads, rows)) + (slice(None),)
+
+    def lse_index(b):
+        return (slice(b.q0, b.q1),) if squeeze else b.entry + (slice(b.h0 * g, b.h1 * g), slice(b.q0, b.q1))
+
+    if out is None and lse_out is not None:
+        raise ValueError("lse_out= needs out= (both results go to files, or both come back)")
+    if out is not None and return_lse and lse_out is None:
+        raise ValueError("return_lse=True with out= needs lse_out=, a path for the LSE")
+    out_arr = lse_arr = out_target = lse_target = None
+    if out is not None:
+        heads = heads_per_task * g  # one chunk per output block
+        lead = (1,) * len(pb.batch)
+        chunks = ((block_q, max(pb.dv, 1)) if squeeze else lead + (block_q, heads, max(pb.dv, 1))
+                  if bshd else lead + (heads, block_q, max(pb.dv, 1)))
+        out_arr, out_target = _output(out, out_shape, chunks, "out")
+        if lse_out is not None:
+            lse_arr, lse_target = _output(lse_out, lse_shape, (block_q,) if squeeze else
+                                          lead + (heads, block_q), "lse_out")
+    else:
+        out_arr = np.zeros(out_shape)
+        lse_arr = np.empty(lse_shape) if return_lse else None
+    # Rows of blocks with no piece see no key: out = 0 (already), lse = -inf.
+    for b in blocks:
+        if not b.pieces and lse_arr is not None:
+            lse_arr[lse_index(b)] = -np.inf
+    if out is not None and hasattr(out_arr, "flush"):
+        out_arr.flush()
+        if lse_arr is not None and hasattr(lse_arr, "flush"):
+            lse_arr.flush()
+
+    token = uuid.uuid4().hex[:8]
+    with _client(client) as c:
+        # The stand-ins of every slice a piece reads: q by block, k and v by key range.
+        q_keys = sorted({(p.entry, p.h0, p.h1, p.q0, p.q1) for b in blocks for p in b.pieces})
+        kv_keys = sorted({(p.entry, p.h0, p.h1, p.k0, p.k1) for b in blocks for p in b.pieces})
+        q_parts = dict(zip(q_keys, inputs[0].parts(c, [q_index(*key) for key in q_keys])))
+        k_parts = dict(zip(kv_keys, inputs[1].parts(c, [kv_index(*key) for key in kv_keys])))
+        v_parts = dict(zip(kv_keys, inputs[2].parts(c, [kv_index(*key) for key in kv_keys])))
+        flow = _Flow(c, blocks, out_arr if out_target is None else None,
+                     lse_arr if out_target is None else None, out_index, lse_index, bshd)
+        try:
+            for n, b in enumerate(blocks):
+                if not b.pieces:
+                    continue
+                label = b.pieces[0].label.split(", keys")[0]
+                count = itertools.count()
+
+                def merge(group, label=label, n=n, count=count):
+                    future = c.submit(_merge, label, *group, pure=False,
+                                      key=f"attnlib-merge-{token}-{n}-{next(count)}")
+                    flow.track(future, pieces=sum(_is_piece(f) for f in group))
+                    return future
+
+                chain = _MergeChain(merge)
+                for p in b.pieces:
+                    flow.wait_for_room()
+                    block_slopes = None
+                    if slopes is not None:
+                        s = slopes if slopes.ndim == 2 else slopes[p.entry]
+                        block_slopes = np.ascontiguousarray(s[p.h0:p.h1]).reshape(-1)
+                    spec = (specs[()] if () in specs else specs[p.entry]).piece(p.q0, p.q1, p.k0, p.k1)
+                    flow.pieces += 1
+                    chain.add(c.submit(
+                        _piece, q_parts[(p.entry, p.h0, p.h1, p.q0, p.q1)],
+                        k_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)], v_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)],
+                        spec, pb.scale, cap, block_slopes, p.label,
+                        key=f"attnlib-piece-{token}-{n}-{p.k0}", pure=False))
+                final = chain.root()
+                if out_target is not None:
+                    final = c.submit(_write, final, out_target, out_index(b), lse_target,
+                                     lse_index(b) if lse_target is not None else None, bshd,
+                                     key=f"attnlib-write-{token}-{n}", pure=False)
+                flow.final(final, n, pieces=int(len(b.pieces) == 1))
+            if progress:
+                from distributed import progress as show
+
+                show(flow.pending_finals())
+            flow.drain()
+        except BaseException:
+            flow.cancel()
+            raise
+    if out is not None:
+        opened = _reopen(out)
+        lse_opened = _reopen(lse_out) if lse_out is not None else None
+        return (opened, lse_opened) if return_lse else opened
+    return (out_arr, lse_arr) if return_lse else out_arr
+
+
+def _is_piece(future) -> bool:
+    return str(future.key).startswith("attnlib-piece")
+
+
+class _Flow:
+    """Submitted merges and block results, settled as they complete, with a bound on the
+    pieces whose results no merge has consumed yet.
+
+    Dask runs the ready task with the earliest priority, but a merge waits for partials
+    from other workers while the workers go on with later pieces, so without a bound the
+    partial results waiting in the workers grew with ``n`` (measured: a worker's peak 6.5
+    MiB at n = 4096, 16.6 MiB at 32768).  `wait_for_room` holds the next piece back until
+    fewer than `limit` unmerged pieces are out: a merge's worth (`MERGE_FANIN`) plus two per
+    worker thread, one running and one ready, so that every thread stays busy.  Results are copied into the arrays (in memory) as their
+    blocks complete; the first failure cancels everything and is raised.  A result lost with
+    its worker is recomputed by Dask, and ``result()`` waits for it.
+    """
+
+    def __init__(self, client, blocks, out_arr, lse_arr, out_index, lse_index, bshd):
+        from distributed import as_completed
+
+        self.client, self.blocks = client, blocks
+        self.out_arr, self.lse_arr, self.out_index, self.lse_index, self.bshd = (
+            out_arr, lse_arr, out_index, lse_index, bshd)
+        self.done = as_completed()
+        self.frees = {}  # key of a merge or block result -> pieces its completion frees
+        self.finals = {}  # key of a block result -> block number
+        self.futures = {}  # key -> every future tracked and not settled, to cancel on failure
+        self.pieces = self.freed = 0  # pieces submitted; pieces whose consumer completed
+        threads = sum(w.get("nthreads", 1) for w in client.scheduler_info()["workers"].values())
+        self.limit = MERGE_FANIN + 2 * max(1, threads)
+
+    def track(self, future, pieces):
+        self.frees[future.key] = self.frees.get(future.key, 0) + pieces
+        self.futures[future.key] = future
+        self.done.add(future)
+
+    def final(self, future, n, pieces):
+        self.finals[future.key] = n
+        if future.key in self.frees:  # the block's last merge: already tracked
+            self.frees[future.key] += pieces
+        else:
+            self.track(future, pieces)
+
+    def wait_for_room(self):
+        """Settle completed merges until fewer than `limit` pieces are unmerged."""
+        while self.pieces - self.freed >= self.limit:
+            self._settle(next(self.done))
+
+    def pending_finals(self):
+        return [f for key, f in self.futures.items() if key in self.finals]
+
+    def drain(self):
+        for future in self.done:
+            self._settle(future)
+
+    def _settle(self, future):
+        n = self.finals.get(future.key)
+        b = self.blocks[n] if n is not None else None
+        try:
+            value = future.result()  # a task's own failure is a BlockError naming it
+        except BlockError:
+            raise
+        except Exception as e:  # cancelled elsewhere, or the cluster gave up on it
+            what = f"the block {b.pieces[0].label.split(', keys')[0]}" if b else f"task {future.key}"
+            raise BlockError(f"attnlib.distributed: {what} got no result: {type(e).__name__}: {e}") from e
+        self.freed += self.frees.pop(future.key, 0)
+        if b is not None and self.out_arr is not None:
+            o, lse = value
+            self.out_arr[self.out_index(b)] = np.swapaxes(o, -2, -3) if self.bshd else o
+            if self.lse_arr is not None:
+                self.lse_arr[self.lse_index(b)] = lse
+        # Settled: not held here any more.  Only a block's result is released outright; a
+        # merge's result stays alive through the chain (`_MergeChain.result`) until the
+        # next merge is submitted, which then keeps it in Dask until it runs.
+        del self.futures[future.key]
+        if b is not None:
+            future.release()
+
+    def cancel(self):
+        self.client.cancel(list(self.futures.values()))
+
+
+def _reopen(path):
+    path = os.fspath(path)
+    if path.endswith(".npy"):
+        return np.load(path, mmap_mode="r")
+    import zarr
+
+    return zarr.open_array(path, mode="r")

@@ -1,0 +1,355 @@
+"""attnlib.distributed on a real LocalCluster (two worker processes, started once)."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.masks import mask_specs
+from attnlib.metrics import rel_error
+
+import attnlib.distributed as ad
+import distributed  # the [distributed] extra; make test installs it
+import zarr
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+def _ids(n, docs, seed):
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n), docs - 1, replace=False))
+    return np.repeat(np.arange(docs), np.diff(np.concatenate([[0], cuts, [n]])))
+
+
+def _case(name):
+    """(q, k, v, options) of a named case: (B, H, S, D) small enough for the suite."""
+    if name == "causal":
+        q, k, v = attnlib.random_qkv(1500, 1500, 16, batch=(2,), heads=2, seed=1)
+        return q, k, v, dict(causal=True)
+    if name == "window":
+        q, k, v = attnlib.random_qkv(1800, 1800, 16, batch=(1,), heads=2, seed=2)
+        return q, k, v, dict(causal=True, window=(300, None))
+    if name == "gqa":
+        q, _, _ = attnlib.random_qkv(700, 0, 16, batch=(2,), heads=4, seed=3)
+        _, k, v = attnlib.random_qkv(0, 1300, 16, batch=(2,), heads=2, seed=4)
+        return q, k, v, dict(causal=True)  # bottom-right: Sq < Sk
+    if name == "padded":
+        q, k, v = attnlib.random_qkv(1200, 1200, 16, batch=(3,), heads=2, seed=5)
+        return q, k, v, dict(causal=True, q_lengths=[1200, 700, 0], kv_lengths=[1200, 900, 300])
+    if name == "segments":
+        q, k, v = attnlib.random_qkv(1600, 1600, 16, batch=(2,), heads=1, seed=6)
+        ids = np.stack([_ids(1600, 7, 0), _ids(1600, 3, 1)])
+        return q, k, v, dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    if name == "scores":  # softcap, ALiBi, a scale, top-left alignment, rows that see nothing
+        q, k, v = attnlib.random_qkv(1000, 600, 16, batch=(1,), heads=2, seed=7)
+        return q, k, v, dict(causal=True, causal_align="bottom_right", softcap=5.0,
+                             alibi_slopes=[0.5, 0.125], scale=0.3)
+    if name == "two_d":
+        q, k, v = attnlib.random_qkv(900, 1100, 16, seed=8)
+        return q, k, v, dict(window=(200, 100))
+    raise KeyError(name)
+
+
+CASES = ["causal", "window", "gqa", "padded", "segments", "scores", "two_d"]
+
+
+def _as(kind, x, tmp_path, name):
+    if kind == "memory":
+        return x
+    if kind in ("npy", "memmap"):
+        path = tmp_path / f"{name}.npy"
+        np.save(path, x)
+        return str(path) if kind == "npy" else np.load(path, mmap_mode="r")
+    if kind == "zarr":
+        z = zarr.open_array(str(tmp_path / f"{name}.zarr"), mode="w", shape=x.shape, dtype=x.dtype,
+                            chunks=tuple(min(n, 256) for n in x.shape))
+        z[...] = x
+        return z
+    if kind == "dask":
+        import dask.array as da
+
+        return da.from_array(x, chunks=tuple(min(n, 512) for n in x.shape))
+    raise KeyError(kind)
+
+
+def _check_equal(out, lse, q, k, v, options):
+    """The contract's rel_error against attnlib.attention < 1e-13, LSE within 1e-13."""
+    ref, ref_lse = attnlib.attention(q, k, v, return_lse=True, **options)
+    ref_abs = attnlib.attention(q, k, np.abs(v), **options)  # P @ |V|, tiled
+    assert out.shape == ref.shape and lse.shape == ref_lse.shape
+    assert rel_error(out, ref, ref_abs) < 1e-13
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+    seen = np.isfinite(ref_lse)
+    assert np.all(np.abs(lse[seen] - ref_lse[seen]) <= 1e-13 * np.maximum(1.0, np.abs(ref_lse[seen])))
+    assert np.all(out[~seen] == 0)
+
+
+@pytest.mark.parametrize("kind", ["npy", "memmap", "zarr"])
+@pytest.mark.parametrize("name", CASES)
+def test_equals_attention_from_files(client, tmp_path, name, kind):
+    q, k, v, options = _case(name)
+    qq, kk, vv = (_as(kind, x, tmp_path, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    out, lse = ad.attention(qq, kk, vv, client=client, block_q=256, kv_block=384, return_lse=True,
+                            **options)
+    _check_equal(out, lse, q, k, v, options)
+
+
+@pytest.mark.parametrize("kind", ["memory", "dask"])
+def test_equals_attention_in_memory_and_dask(client, tmp_path, kind):
+    q, k, v, options = _case("gqa")
+    out, lse = ad.attention(*(_as(kind, x, tmp_path, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                            client=client, block_q=200, kv_block=300, return_lse=True, **options)
+    _check_equal(out, lse, q, k, v, options)
+
+
+def test_long_context_32768(client, tmp_path):
+    """n = 32768, causal GQA from .npy memmaps and a sliding window from zarr."""
+    q, _, _ = attnlib.random_qkv(32768, 0, 8, batch=(1,), heads=2, seed=9)
+    _, k, v = attnlib.random_qkv(0, 32768, 8, batch=(1,), heads=1, seed=10)
+    for kind, options in (("memmap", dict(causal=True)), ("zarr", dict(causal=True, window=(2048, None)))):
+        qq, kk, vv = (_as(kind, x, tmp_path, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        out, lse = ad.attention(qq, kk, vv, client=client, block_q=8192, kv_block=8192,
+                                return_lse=True, **options)
+        _check_equal(out, lse, q, k, v, options)
+
+
+def _visible_pairs(q_shape, k_shape, block_q, kv_block, options):
+    """Independently of the plan: per entry and kv head, the (q block, key range) pairs
+    with a visible pair, from the contract's dense visibility."""
+    batch, hk, sq, sk = q_shape[:-3], k_shape[-3], q_shape[-2], k_shape[-2]
+    specs = mask_specs(batch, sq, sk, **{k: v for k, v in options.items()
+                                         if k not in ("softcap", "alibi_slopes", "scale")})
+    total = 0
+    for entry in np.ndindex(*batch):
+        vis = (specs[()] if () in specs else specs[entry]).visible(np.arange(sq), np.arange(sk))
+        for q0 in range(0, sq, block_q):
+            for k0 in range(0, sk, kv_block):
+                total += hk * bool(vis[q0:q0 + block_q, k0:k0 + kv_block].any())
+    return total
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_task_count_is_the_visible_pair_count(client, name):
+    q, k, v, options = _case(name)
+    want = _visible_pairs(q.shape if q.ndim > 2 else (1,) + q.shape,
+                          k.shape if k.ndim > 2 else (1,) + k.shape, 256, 384, options)
+    with distributed.get_task_stream(client=client) as stream:
+        ad.attention(q, k, v, client=client, block_q=256, kv_block=384, **options)
+    ran = [t["key"] for t in stream.data if str(t["key"]).startswith("attnlib-piece")]
+    assert len(ran) == len(set(ran)) == want
+
+
+def test_bitwise_identical_across_runs_and_worker_counts(client):
+    q, k, v, options = _case("segments")
+    runs = [ad.attention(q, k, v, client=client, block_q=256, kv_block=128, **options) for _ in range(2)]
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as one, distributed.Client(one) as c1:
+        runs.append(ad.attention(q, k, v, client=c1, block_q=256, kv_block=128, **options))
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
+
+
+def test_a_killed_worker_changes_nothing(client, tmp_path):
+    """One worker process is killed mid-run; Dask reruns its tasks; the result is identical."""
+    q, k, v = attnlib.random_qkv(6144, 6144, 32, batch=(1,), heads=2, seed=11)
+    paths = [_as("npy", x, tmp_path, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    options = dict(causal=True, block_q=512, kv_block=512)
+    want = ad.attention(*paths, client=client, **options)
+    result, errors = {}, []
+
+    def run():
+        try:
+            result["out"] = ad.attention(*paths, client=client, **options)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    # Wait until some pieces are done, then kill a worker that holds or runs work.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done = client.run_on_scheduler(lambda dask_scheduler: sum(
+            1 for ts in dask_scheduler.tasks.values()
+            if str(ts.key).startswith("attnlib-piece") and ts.state == "memory"))
+        if done >= 4:
+            break
+        time.sleep(0.05)
+    assert thread.is_alive(), "the run ended before a worker could be killed: make it longer"
+    victim = sorted(client.run(os.getpid).items())[0][1]
+    os.kill(victim, signal.SIGKILL)
+    thread.join(300)
+    assert not errors, errors
+    np.testing.assert_array_equal(result["out"], want)
+    client.wait_for_workers(2, timeout=60)  # the nanny restarts it for later tests
+
+
+def test_a_failing_piece_names_its_block(client, tmp_path):
+    q, k, v = attnlib.random_qkv(1024, 1024, 16, batch=(1,), heads=1, seed=12)
+    q[0, 0, 600, 3] = np.nan
+    with pytest.raises(ad.BlockError, match=r"query rows \[512, 768\).*non-finite|query rows \[512, 768\).*NaN"):
+        ad.attention(_as("npy", q, tmp_path, "q"), k, v, client=client, block_q=256, kv_block=256)
+
+
+def test_output_files_block_by_block(client, tmp_path):
+    q, k, v, options = _case("padded")
+    want, want_lse = ad.attention(q, k, v, client=client, block_q=256, kv_block=384, return_lse=True,
+                                  **options)
+    for out, lse_out in (("o.npy", "l.npy"), ("o.zarr", "l.zarr")):
+        o, lse = ad.attention(q, k, v, client=client, block_q=256, kv_block=384, return_lse=True,
+                              out=tmp_path / out, lse_out=tmp_path / lse_out, **options)
+        np.testing.assert_array_equal(np.asarray(o[...]), want)
+        np.testing.assert_array_equal(np.asarray(lse[...]), want_lse)
+
+
+def test_bad_arguments(client, tmp_path):
+    q, k, v = attnlib.random_qkv(64, 64, 8, seed=13)
+    with pytest.raises(TypeError, match="q must be"):
+        ad.attention(object(), k, v, client=client)
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"not a numpy file at all")
+    with pytest.raises(ValueError, match="k: .*not a readable .npy"):
+        ad.attention(q, str(bad), v, client=client)
+    ints = tmp_path / "ints.npy"
+    np.save(ints, np.zeros((64, 8), dtype=np.int64))
+    with pytest.raises(TypeError, match="v: .*int64"):
+        ad.attention(q, k, str(ints), client=client)
+    short = tmp_path / "short.npy"
+    np.save(short, k)
+    with open(short, "r+b") as f:
+        f.truncate(os.path.getsize(short) - 8)
+    with pytest.raises(ValueError, match="header promises"):
+        ad.attention(q, str(short), v, client=client)
+    with pytest.raises(ValueError, match="kv_block"):
+        ad.attention(q, k, v, client=client, kv_block=0)
+    with pytest.raises(ValueError, match="lse_out"):
+        ad.attention(q, k, v, client=client, out=tmp_path / "o.npy", return_lse=True)
+    with pytest.raises(ValueError, match="same head dim"):
+        ad.attention(q, k[:, :4], v, client=client)
+
+
+def test_no_client_starts_a_local_cluster_for_the_call():
+    """client=None with no current client: an embedded LocalCluster, closed afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, attnlib, attnlib.distributed as ad, distributed\n"
+        "q, k, v = attnlib.random_qkv(600, 600, 8, seed=14)\n"
+        "out = ad.attention(q, k, v, causal=True, block_q=200, kv_block=200)\n"
+        "assert np.abs(out - attnlib.attention(q, k, v, causal=True)).max() < 1e-14\n"
+        "try:\n"
+        "    distributed.get_client()\n"
+        "    raise SystemExit('a client was left behind')\n"
+        "except ValueError:\n"
+        "    print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_the_current_client_is_used(client):
+    q, k, v = attnlib.random_qkv(300, 300, 8, seed=15)
+    with distributed.get_task_stream(client=client) as stream:
+        out = ad.attention(q, k, v, block_q=100, kv_block=100)  # client=None: the current one
+    assert any(str(t["key"]).startswith("attnlib-piece") for t in stream.data)
+    np.testing.assert_allclose(out, attnlib.attention(q, k, v), rtol=0, atol=1e-14)
+
+
+def test_bshd_layout_reads_and_writes_in_place(client, tmp_path):
+    """FlashAttention's (B, S, H, D) files: read slice by slice, output written the same way."""
+    q, k, v, options = _case("gqa")
+    want, want_lse = ad.attention(q, k, v, client=client, block_q=200, kv_block=300, return_lse=True,
+                                  **options)
+    stored = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v)]  # (B, S, H, D)
+    for kind in ("npy", "zarr", "memory"):
+        qq, kk, vv = (_as(kind, x, tmp_path, f"{n}_{kind}") for x, n in zip(stored, "qkv"))
+        got, lse = ad.attention(qq, kk, vv, client=client, block_q=200, kv_block=300, return_lse=True,
+                                layout="bshd", **options)
+        np.testing.assert_array_equal(got, np.swapaxes(want, 1, 2))
+        np.testing.assert_array_equal(lse, want_lse)
+    o = ad.attention(*(_as("npy", x, tmp_path, f"{n}_f") for x, n in zip(stored, "qkv")), client=client,
+                     block_q=200, kv_block=300, layout="bshd", out=tmp_path / "o_bshd.npy", **options)
+    np.testing.assert_array_equal(np.asarray(o), np.swapaxes(want, 1, 2))
+
+
+def test_reference_command_writes_the_golden_files(client, tmp_path):
+    """python -m attnlib reference, on the suite's cluster (--scheduler), bshd files."""
+    from attnlib.__main__ import main
+
+    q, k, v = attnlib.random_qkv(700, 900, 16, batch=(2,), heads=2, seed=16)
+    files = {}
+    for name, x in zip("qkv", (q, k, v)):
+        files[name] = str(tmp_path / f"{name}.npy")
+        np.save(files[name], np.ascontiguousarray(np.swapaxes(x, 1, 2)))
+    address = client.scheduler.address
+    code = main(["reference", "--q", files["q"], "--k", files["k"], "--v", files["v"], "--causal",
+                 "--window", "300", "-1", "--kv-lengths", "900", "500", "--block-q", "256",
+                 "--kv-block", "256", "--out-file", str(tmp_path / "ref.npy"),
+                 "--lse-file", str(tmp_path / "ref_lse.npy"), "--scheduler", address])
+    assert code == 0
+    want, want_lse = attnlib.attention(q, k, v, causal=True, window=(300, None), kv_lengths=[900, 500],
+                                       return_lse=True)
+    ref = np.load(tmp_path / "ref.npy")
+    assert ref.shape == (2, 700, 2, 16)
+    assert rel_error(np.swapaxes(ref, 1, 2), want,
+                     attnlib.attention(q, k, np.abs(v), causal=True, window=(300, None),
+                                       kv_lengths=[900, 500])) < 1e-13
+    lse = np.load(tmp_path / "ref_lse.npy")
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-13, atol=0)
+    # Unusable input: exit code 2 and a message naming it.
+    assert main(["reference", "--q", files["q"], "--k", str(tmp_path / "nothing.npy"), "--v", files["v"],
+                 "--out-file", str(tmp_path / "x.npy"), "--scheduler", address]) == 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 16, 17, 21, 64, 70])
+def test_merges_as_submitted_are_the_planned_groups(n):
+    """_MergeChain (fed piece by piece) merges exactly the groups of plan.merge_groups."""
+    from attnlib.distributed.engine import _MergeChain
+
+    def merge(group):
+        return ("m", tuple(group))
+
+    chain = _MergeChain(merge)
+    for i in range(n):
+        chain.add(i)
+    want = None
+    for group in ad.merge_groups(n):
+        want = ("m", tuple(group) if want is None else (want,) + tuple(group))
+    assert chain.root() == (0 if n == 1 else want)  # the same nested groups, in key order
+    groups = ad.merge_groups(n)
+    assert [i for g in groups for i in g] == list(range(n if n > 1 else 0))
+    assert all(len(g) <= ad.MERGE_FANIN - (k > 0) for k, g in enumerate(groups))
+
+
+def test_check_computes_its_reference_on_the_cluster(client, tmp_path):
+    """check_kernel(scheduler=...) and `attnlib check --scheduler`: the same verdicts."""
+    from attnlib.__main__ import main
+    from attnlib.check import check_kernel
+
+    q, k, v = attnlib.random_qkv(600, 800, 16, batch=(2,), heads=2, seed=17)
+    options = dict(causal=True, window=(200, None), kv_lengths=[800, 500])
+    good = attnlib.attention(q, k, v, **options)
+    bad = good.copy()
+    bad[1, 0, 450] += 1e-9  # a float64 kernel's error far above its rounding
+    bhsd = dict(layout="bhsd", **options)
+    for out, passed in ((good, True), (bad, False)):
+        here = check_kernel(q, k, v, out, **bhsd)
+        there = check_kernel(q, k, v, out, scheduler=client, **bhsd)
+        assert here.passed is there.passed is passed
+        np.testing.assert_allclose(there.out.max_err, here.out.max_err, rtol=1e-6, atol=1e-15)
+    files = {}
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", good)):
+        files[name] = str(tmp_path / f"{name}.npy")
+        np.save(files[name], x)
+    args = ["check", "--layout", "bhsd", "--causal", "--window", "200", "-1", "--kv-lengths", "800", "500"]
+    args += [a for n in ("q", "k", "v", "out") for a in (f"--{n}", files[n])]
+    assert main(args + ["--scheduler", client.scheduler.address]) == 0
+    assert main(args + ["--scheduler", client.scheduler.address, "--html", str(tmp_path / "r.html")]) == 2
