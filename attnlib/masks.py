@@ -282,8 +282,11 @@ class MaskSpec:
         each row's band ``[i + o - left, i + o + right]`` is looked up among the keys of
         its own document, sorted by (document, position).
         """
-        kind = self.tile_kind(q0, q1, k0, k1, self.kv_ranges(np.array([k0])) if
-                              self.q_segments is not None and k1 > k0 else None)
+        ranges = None
+        if self.q_segments is not None and k1 > k0:  # the ids of keys [k0, k1) only
+            ids = self.kv_segments[k0:k1]
+            ranges = (ids.min(), ids.max())
+        kind = self.tile_kind(q0, q1, k0, k1, ranges)
         if kind == SKIP:
             return False
         if self.q_segments is None or kind == FULL:

@@ -353,3 +353,20 @@ def test_check_computes_its_reference_on_the_cluster(client, tmp_path):
     args += [a for n in ("q", "k", "v", "out") for a in (f"--{n}", files[n])]
     assert main(args + ["--scheduler", client.scheduler.address]) == 0
     assert main(args + ["--scheduler", client.scheduler.address, "--html", str(tmp_path / "r.html")]) == 2
+
+
+def test_relative_paths_and_writable_memmaps(client, tmp_path, monkeypatch):
+    """Paths are made absolute for the workers; a memmap with edits of its own is sent as data."""
+    q, k, v = attnlib.random_qkv(300, 300, 8, seed=18)
+    for name, x in zip("qkv", (q, k, v)):
+        np.save(tmp_path / f"{name}.npy", x)
+    monkeypatch.chdir(tmp_path)
+    out = ad.attention("q.npy", "k.npy", "v.npy", client=client, block_q=100, kv_block=100, out="o.npy")
+    np.testing.assert_allclose(np.asarray(out), attnlib.attention(q, k, v), rtol=0, atol=1e-14)
+    assert os.path.isabs(out.filename)
+    edited = np.load("k.npy", mmap_mode="c")
+    edited[...] *= 2.0  # copy-on-write: the file keeps the old values
+    got = ad.attention(q, edited, v, client=client, block_q=100, kv_block=100)
+    np.testing.assert_allclose(got, attnlib.attention(q, 2 * k, v), rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="different paths"):
+        ad.attention(q, k, v, client=client, out="x.npy", lse_out="x.npy", return_lse=True)

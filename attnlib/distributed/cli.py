@@ -78,8 +78,9 @@ def main(argv=None) -> int:
         q, k, v = (_input(getattr(args, n), f"--{n}") for n in ("q", "k", "v"))
         out = attention(q, k, v, client=args.scheduler, out=args.out_file, lse_out=args.lse_file,
                         return_lse=args.lse_file is not None, **options)
-    except (TensorFileError, ValueError, TypeError, BlockError) as e:
-        print(f"attnlib reference: {e}", file=sys.stderr)
+    except (TensorFileError, ValueError, TypeError, BlockError, OSError) as e:
+        print(f"attnlib reference: {type(e).__name__ + ': ' if isinstance(e, OSError) else ''}{e}",
+              file=sys.stderr)
         return 2
     shape = (out[0] if isinstance(out, tuple) else out).shape
     print(f"wrote {os.path.abspath(args.out_file)} {tuple(shape)} float64"

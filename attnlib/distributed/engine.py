@@ -132,7 +132,9 @@ def _output(path, shape, chunks, name):
     handle for the tasks (the path, or the zarr array)."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (.npy or a zarr store), got {type(path).__name__}")
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))  # the workers' working directory may differ
+    if path.lower().endswith((".npz", ".safetensors", ".pt")):
+        raise ValueError(f"{name}={path!r}: give a .npy path or a zarr store path")
     if path.endswith(".npy"):
         arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape)
         return arr, path
@@ -172,7 +174,10 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     out, lse_out : path, optional
         Write the output (and the LSE) block by block to a ``.npy`` file or a zarr array at
         this path instead of returning it in memory; the result is then the file opened
-        read-only (an ``np.memmap`` or a zarr array).
+        read-only (an ``np.memmap`` or a zarr array).  Neighbouring blocks of a ``.npy``
+        file share memory pages, which workers on several hosts writing through a network
+        file system may overwrite in each other: there, give a zarr path (one chunk per
+        block).  Relative paths are made absolute here.
     layout : {"bhsd", "bshd"}
         How q, k, v and ``out`` are stored: ``(..., H, S, D)``, attnlib's and PyTorch
         SDPA's (default), or ``(..., S, H, D)``, FlashAttention's (read and written in place,
@@ -193,9 +198,12 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     left-deep tree of at most `plan.MERGE_FANIN` partials per task, in key order
     (`plan.merge_groups`: a worker's memory stays flat in ``n``).  SKIP pieces are
     never tasks.  Each piece and each merge is deterministic, and the merge order is fixed,
-    so the result is the same bits on any cluster, any number of workers, any run.  A task
-    on a worker that dies is rerun by Dask (the result does not change); any other failure
-    raises `BlockError` naming the piece.
+    so the result is the same bits for any number of workers and any run (on workers with
+    the same numpy and BLAS).  A task on a worker that dies is rerun by Dask (the result
+    does not change) when its inputs can be read again (files, zarr, dask arrays; numpy
+    arrays are scattered, and are lost with their worker); any other failure raises
+    `BlockError` naming the piece.  Non-finite values are reported for the slices the
+    pieces read; values no piece reads are never read.
     """
     block_q = _args.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
     kv_block = _args.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
@@ -241,6 +249,9 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         raise ValueError("lse_out= needs out= (both results go to files, or both come back)")
     if out is not None and return_lse and lse_out is None:
         raise ValueError("return_lse=True with out= needs lse_out=, a path for the LSE")
+    if out is not None and lse_out is not None and \
+            os.path.abspath(os.fspath(out)) == os.path.abspath(os.fspath(lse_out)):
+        raise ValueError(f"out and lse_out must be different paths, both are {os.fspath(out)!r}")
     out_arr = lse_arr = out_target = lse_target = None
     if out is not None:
         heads = heads_per_task * g  # one chunk per output block
@@ -283,7 +294,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                 def merge(group, label=label, n=n, count=count):
                     future = c.submit(_merge, label, *group, pure=False,
                                       key=f"attnlib-merge-{token}-{n}-{next(count)}")
-                    flow.track(future, pieces=sum(_is_piece(f) for f in group))
+                    flow.track(future, pieces=sum(_is_piece(f) for f in group), n=n)
                     return future
 
                 chain = _MergeChain(merge)
@@ -348,13 +359,15 @@ class _Flow:
         self.done = as_completed()
         self.frees = {}  # key of a merge or block result -> pieces its completion frees
         self.finals = {}  # key of a block result -> block number
+        self.block_of = {}  # key of anything tracked -> its block number
         self.futures = {}  # key -> every future tracked and not settled, to cancel on failure
         self.pieces = self.freed = 0  # pieces submitted; pieces whose consumer completed
-        threads = sum(w.get("nthreads", 1) for w in client.scheduler_info()["workers"].values())
+        threads = sum(client.nthreads().values())  # every worker (scheduler_info may list a few)
         self.limit = MERGE_FANIN + 2 * max(1, threads)
 
-    def track(self, future, pieces):
+    def track(self, future, pieces, n):
         self.frees[future.key] = self.frees.get(future.key, 0) + pieces
+        self.block_of[future.key] = n
         self.futures[future.key] = future
         self.done.add(future)
 
@@ -363,7 +376,7 @@ class _Flow:
         if future.key in self.frees:  # the block's last merge: already tracked
             self.frees[future.key] += pieces
         else:
-            self.track(future, pieces)
+            self.track(future, pieces, n)
 
     def wait_for_room(self):
         """Settle completed merges until fewer than `limit` pieces are unmerged."""
@@ -385,8 +398,12 @@ class _Flow:
         except BlockError:
             raise
         except Exception as e:  # cancelled elsewhere, or the cluster gave up on it
-            what = f"the block {b.pieces[0].label.split(', keys')[0]}" if b else f"task {future.key}"
-            raise BlockError(f"attnlib.distributed: {what} got no result: {type(e).__name__}: {e}") from e
+            where = self.blocks[self.block_of[future.key]].pieces[0].label.split(", keys")[0]
+            raise BlockError(
+                f"attnlib.distributed: the block {where} got no result: {type(e).__name__}: {e} "
+                "(inputs given as numpy arrays are scattered, and Dask cannot recompute them when "
+                "a worker holding them is lost: give .npy files, zarr or dask arrays)") from e
+        self.block_of.pop(future.key, None)
         self.freed += self.frees.pop(future.key, 0)
         if b is not None and self.out_arr is not None:
             o, lse = value
@@ -405,7 +422,7 @@ class _Flow:
 
 
 def _reopen(path):
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     if path.endswith(".npy"):
         return np.load(path, mmap_mode="r")
     import zarr

@@ -8,10 +8,16 @@ gathered or shipped whole: each task reads its own ``(entry, heads, positions)``
   allocated; each task maps the file read-only and copies out its slice.  The path must
   be one every worker can reach (a shared file system).
 - A zarr array: each task reads its slice through zarr (the array travels to the worker
-  as a reference to its store, not as data).
+  as a reference to its store: a store on disk or object storage, not an in-memory one,
+  which would travel whole with every task).
 - A dask array: each slice is a task of the array's own graph, computed on the cluster.
-- A numpy array in this process: each slice is sent to one worker once (``scatter``,
-  straight to the worker, not through the scheduler).
+- A numpy array in this process (or a writable memmap, whose edits the file may not
+  hold): each slice is sent to one worker once (``Client.scatter``).  Dask cannot
+  recompute scattered data: if the worker holding a slice dies the call fails with a
+  `BlockError`; give files, zarr or dask arrays where workers may be lost.
+
+Values no piece reads (keys past a length, pieces a mask hides) are never read, so a NaN
+there goes unnoticed, unlike in `attnlib.attention`, which checks whole arrays.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ class NpyFile:
     @classmethod
     def open(cls, path, name: str) -> "NpyFile":
         """Read and check the header of the ``.npy`` file at ``path`` (argument ``name``)."""
-        path = os.fspath(path)
+        path = os.path.abspath(os.fspath(path))  # the workers' working directory may differ
         try:
             f = open(path, "rb")
         except OSError as e:
@@ -60,7 +66,8 @@ class NpyFile:
     def of_memmap(cls, x: np.memmap, name: str) -> "NpyFile":
         """The file behind a memmap of a whole file (not of a view into one)."""
         order_f = x.flags.f_contiguous and not x.flags.c_contiguous
-        return cls.checked(os.fspath(x.filename), int(x.offset), x.shape, x.dtype, order_f, name)
+        return cls.checked(os.path.abspath(os.fspath(x.filename)), int(x.offset), x.shape, x.dtype,
+                           order_f, name)
 
     @classmethod
     def checked(cls, path, offset, shape, dtype, fortran, name) -> "NpyFile":
@@ -137,11 +144,16 @@ class Input:
     def _classify(x, name):
         if isinstance(x, (str, os.PathLike)):
             return "file", NpyFile.open(x, name)
-        if isinstance(x, np.memmap) and isinstance(x.base, mmap.mmap) and x.filename:
+        # Read-only memmaps of a whole file are read from the file by the tasks; a writable
+        # or copy-on-write one may hold edits the file does not, so its data is sent.
+        if isinstance(x, np.memmap) and isinstance(x.base, mmap.mmap) and x.filename and x.mode == "r":
             return "file", NpyFile.of_memmap(x, name)
         if _is_zarr(x):
             return "zarr", Zarr(x)
         if _is_dask(x):
+            if any(isinstance(n, float) and n != n for n in x.shape):
+                raise ValueError(f"{name}: a dask array with unknown chunk sizes {x.shape}; call "
+                                 "its compute_chunk_sizes() first")
             return "dask", x
         if isinstance(x, np.ndarray):
             return "memory", x
@@ -158,7 +170,7 @@ class Input:
             x = self.source.swapaxes(-2, -3) if self.bshd else self.source
             return client.compute([x[index] for index in indices])
         x = np.swapaxes(self.source, -2, -3) if self.bshd else self.source  # a view
-        # In memory here: each block goes to a worker once, directly.  Keys of their own
+        # In memory here: each block goes to a worker once.  Keys of their own
         # (hash=False): content-hashed keys would be shared with an earlier call's blocks,
         # whose release may still be on its way to the scheduler and would drop these.
         return client.scatter([np.ascontiguousarray(x[index]) for index in indices], hash=False)
