@@ -370,3 +370,18 @@ def test_relative_paths_and_writable_memmaps(client, tmp_path, monkeypatch):
     np.testing.assert_allclose(got, attnlib.attention(q, 2 * k, v), rtol=0, atol=1e-14)
     with pytest.raises(ValueError, match="different paths"):
         ad.attention(q, k, v, client=client, out="x.npy", lse_out="x.npy", return_lse=True)
+
+
+def test_check_distributed_starts_a_local_cluster(tmp_path):
+    """`attnlib check --distributed`: the reference on a LocalCluster made for the run."""
+    import subprocess
+    import sys
+
+    q, k, v = attnlib.random_qkv(300, 300, 8, batch=(1,), heads=1, seed=19)
+    files = []
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", attnlib.attention(q, k, v, causal=True))):
+        np.save(tmp_path / f"{name}.npy", x)
+        files += [f"--{name}", str(tmp_path / f"{name}.npy")]
+    proc = subprocess.run([sys.executable, "-m", "attnlib", "check", "--layout", "bhsd", "--causal",
+                           "--distributed", *files], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
