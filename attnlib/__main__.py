@@ -1,4 +1,5 @@
-"""``python -m attnlib {report,bench,check,reference} ...``: the command-line entry points."""
+"""``attnlib {report,bench,check,reference} ...`` (the console command ``pip install``
+makes) or ``python -m attnlib ...``: the command-line entry points."""
 
 import sys
 
@@ -6,14 +7,14 @@ COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench", "check": "attn
             "reference": "attnlib.distributed.cli"}
 
 
-USAGE = f"""usage: python -m attnlib {{{','.join(COMMANDS)}}} [options]
+USAGE = f"""usage: attnlib {{{','.join(COMMANDS)}}} [options]   (or: python -m attnlib ...)
 
   report  run the evidence notebooks and render their HTML reports
   bench   time the tiled kernel against dense numpy (and torch, when installed)
   check   judge an attention kernel's saved tensors against the float64 reference
   reference  write the float64 reference of saved q, k, v to a file, computed on a Dask cluster
 
-python -m attnlib COMMAND --help shows a command's options."""
+attnlib COMMAND --help shows a command's options."""
 
 
 def main(argv=None) -> int:
@@ -23,7 +24,7 @@ def main(argv=None) -> int:
         return 0
     if not argv or argv[0] not in COMMANDS:
         if argv:
-            print(f"python -m attnlib: unknown command {argv[0]!r}", file=sys.stderr)
+            print(f"attnlib: unknown command {argv[0]!r}", file=sys.stderr)
         print(USAGE, file=sys.stderr)
         return 2
     import importlib

@@ -48,8 +48,14 @@ def as_float_array(x, name: str) -> np.ndarray:
     """``x`` as an ndarray of a real floating dtype (no copy for numpy float arrays).
 
     Arrays of the ml_dtypes floating types (bfloat16, float8) are converted to float64
-    (exactly): numpy does not count them as floating, but they are real floats.
+    (exactly): numpy does not count them as floating, but they are real floats.  torch
+    tensors (any device, any float type, with or without grad) are read exactly as well.
     """
+    torch = sys.modules.get("torch")  # a tensor means torch is imported; never import it here
+    if torch is not None and isinstance(x, torch.Tensor):
+        from .check.arrays import as_numpy  # bfloat16 and float8 exactly, any device
+
+        x = as_numpy(x, name)
     arr = np.asarray(x)
     if not np.issubdtype(arr.dtype, np.floating):
         if _is_ml_float(arr.dtype):
@@ -431,6 +437,14 @@ def window(x, limit: int | None = None):
     return tuple(sides)
 
 
+def cli_window(values):
+    """``--window L R`` of the command lines as `window` takes it: -1 is an unbounded side
+    (FlashAttention's convention); None stays None."""
+    if values is None:
+        return None
+    return tuple(None if x < 0 else x for x in values)
+
+
 def _integers(x, name):
     arr = np.asarray(x)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
@@ -477,6 +491,23 @@ def softcap(x):
     return float(x) if x > 0 else None
 
 
+def _per_head(x, name: str, pb: "Problem") -> np.ndarray:
+    """A finite real per query head, shape ``(Hq,)`` or ``(*batch, Hq)``, as given (float)."""
+    arr = as_float_array(x, name)
+    if arr.shape not in ((pb.hq,), pb.batch + (pb.hq,)):
+        raise ValueError(
+            f"{name} must have shape ({pb.hq},) or {pb.batch + (pb.hq,)} (Hq or batch axes + Hq), "
+            f"got {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} must be finite")
+    return arr
+
+
+def _grouped(arr: np.ndarray, pb: "Problem") -> np.ndarray:
+    """``(..., Hq)`` float64 with the head axis split like q's, ``(..., hk, g)``."""
+    return arr.astype(np.float64).reshape(arr.shape[:-1] + (pb.hk, pb.group))
+
+
 def alibi_slopes(x, pb: "Problem"):
     """ALiBi slopes of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals.
 
@@ -485,13 +516,7 @@ def alibi_slopes(x, pb: "Problem"):
     """
     if x is None:
         return None
-    arr = as_float_array(x, "alibi_slopes")
-    if arr.shape not in ((pb.hq,), pb.batch + (pb.hq,)):
-        raise ValueError(
-            f"alibi_slopes must have shape ({pb.hq},) or {pb.batch + (pb.hq,)} (Hq or batch axes + Hq), "
-            f"got {arr.shape}")
-    if not np.isfinite(arr).all():
-        raise ValueError("alibi_slopes must be finite")
+    arr = _per_head(x, "alibi_slopes", pb)
     # The bias slope * |i + o - j| has |i + o - j| <= Sq + Sk; it must be finite in every
     # type the scores are kept in (float32 for the low precisions), with room to add it.
     limit = float(np.finfo(np.float32).max) / 4
@@ -502,11 +527,46 @@ def alibi_slopes(x, pb: "Problem"):
             f"give biases of {top:.3g}, beyond {limit:.3g} (a quarter of float32's range, where "
             "the scores are kept in low precision); such slopes put every weight on the nearest "
             "key: use smaller slopes")
-    return arr.astype(np.float64).reshape(arr.shape[:-1] + (pb.hk, pb.group))
+    return _grouped(arr, pb)
+
+
+#: The largest ``|sink|``: the sink is a logit of the softmax, kept (like the running max)
+#: in float32 at the low precisions; beyond this a row's weights are all 0 or all the sink's.
+SINK_LIMIT = 1e30
+
+
+def sinks(x, pb: "Problem"):
+    """Attention-sink logits of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals.
+
+    Returned as float64 ``(hk, g)`` or ``(*batch, hk, g)`` like `alibi_slopes`; None if
+    ``x`` is None.
+    """
+    if x is None:
+        return None
+    arr = _per_head(x, "sinks", pb)
+    if abs_max(arr) > SINK_LIMIT:
+        raise ValueError(f"sinks must be within +-{SINK_LIMIT:g} (a softmax logit), got "
+                         f"{abs_max(arr):.3g}")
+    return _grouped(arr, pb)
+
+
+def per_entry(x, name: str, batch: int, hq: int):
+    """A per-head option of a layout whose entries run one at a time (varlen, paged):
+    ``(Hq,)`` for all or ``(batch, Hq)`` row by row; returns ``b -> values of entry b``
+    (None throughout when ``x`` is None)."""
+    if x is None:
+        return lambda b: None
+    arr = as_float_array(x, name)
+    if arr.shape == (hq,):
+        return lambda b: arr
+    if arr.shape == (batch, hq):
+        return lambda b: arr[b]
+    raise ValueError(f"{name} must have shape ({hq},) or ({batch}, {hq}) (Hq, or batch and Hq), got {arr.shape}")
 
 
 def for_entry(slopes, idx: tuple):
-    """The slopes of batch entry ``idx`` (all of them for ``idx = ()`` or per-head slopes)."""
+    """The slopes (or sinks) of batch entry ``idx`` (all of them for ``idx = ()`` or
+    per-head values)."""
     if slopes is None or slopes.ndim == 2:
         return slopes
     return slopes[idx]

@@ -11,6 +11,12 @@ With ``P = softmax(S)`` row by row and ``out = P V``, for an upstream gradient `
 where ``T = scale * Q K^T`` are the raw scores.  Masked pairs have ``P = 0`` and so no
 gradient; ALiBi is a constant bias and has none of its own.  With GQA, ``dK`` and ``dV``
 sum over the query heads that share a kv head.
+
+With attention sinks the softmax runs over ``[S_i, sink_h]`` with a value of 0 for the
+sink, so ``dP_sink = 0``, ``D_i`` is unchanged, ``P`` above is already normalised with the
+sink in its denominator (through ``lse``), and the sink's own gradient is::
+
+    dsink_h = sum_{b, i} P_sink_i (0 - D_i) = -sum_{b, i} exp(sink_h - lse_i) D_i
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from .tiled import DEFAULT_TILES, Aborted, TileSizes, attention, run_tiles, tile
 
 _MASKS = ("causal", "causal_align", "window", "kv_lengths", "q_lengths", "q_segment_ids",
           "kv_segment_ids")
-_OPTIONS = _MASKS + ("softcap", "alibi_slopes")
+_OPTIONS = _MASKS + ("softcap", "alibi_slopes", "sinks")
 
 
 def _check_options(options: dict) -> None:
@@ -57,12 +63,18 @@ def _grad_inputs(pb, check_finite, **arrays):
     return result
 
 
-def _split_grads(pb, dq5, dk4, dv4):
-    """Grouped ``(dq, dk, dv)`` back to the layout of q, k and v."""
+def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
+    """Grouped ``(dq, dk, dv)`` back to the layout of q, k and v; and ``dsinks``, in the
+    shape of the ``sinks`` given, when there are sinks."""
     dq = pb.merge_heads(dq5, 2)
-    if pb.squeeze:
-        return dq, dk4[0], dv4[0]
-    return dq, dk4, dv4
+    grads = (dq, dk4[0], dv4[0]) if pb.squeeze else (dq, dk4, dv4)
+    if sinks is None:
+        return grads
+    # (*batch, hk, g) -> (*batch, Hq), summed over the batch axes the sinks broadcast over.
+    dsink = dsink5.reshape(dsink5.shape[:-2] + (pb.hq,))
+    shape = np.shape(sinks)
+    dsink = dsink.sum(axis=tuple(range(dsink.ndim - len(shape))))
+    return grads + (dsink.reshape(shape),)
 
 
 def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
@@ -76,7 +88,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     dout : array_like, shape ``(..., Hq, Sq, Dv)``
         Gradient of the loss with respect to the output.
     scale, causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids,
-    kv_segment_ids, softcap, alibi_slopes
+    kv_segment_ids, softcap, alibi_slopes, sinks
         As in `attention`.
     return_abs : bool
         Also return the sizes of what each gradient entry sums, for the error metric
@@ -91,8 +103,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     Returns
     -------
     grads : ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v`` (float64, or
-        ``compute_dtype``)
-    sizes : ``(dq_abs, dk_abs, dv_abs)``, if ``return_abs``
+        ``compute_dtype``), and ``dsinks`` shaped like ``sinks`` when sinks are given
+    sizes : ``(dq_abs, dk_abs, dv_abs[, dsinks_abs])``, if ``return_abs``
 
     Notes
     -----
@@ -110,10 +122,19 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
+    sinks = options.pop("sinks", None)
+    sink = _args.sinks(sinks, pb)  # (..., hk, g) or None
     s = rnd(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
+        sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
+        m = np.maximum(m, sink)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
+        l = l + w_sink
+        p_sink = w_sink / l  # l >= 1: the sink's share of each row
     p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
     cap = _args.softcap(options.get("softcap"))
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
@@ -126,20 +147,23 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
             t[~np.isfinite(t)] = 0.0
             factor = 1.0 - np.tanh(t / dtype(cap)) ** 2
 
-    def grads(dout5, q5, k5, v5, jacobian):
+    def grads(dout5, q5, k5, v5, sign):
         dv = rnd(np.swapaxes(p, -1, -2) @ dout5)  # (..., hk, g, sk, dv)
         dp = rnd(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
-        ds = rnd(jacobian(dp, np.sum(p * dp, axis=-1, keepdims=True)) * factor)
+        d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
+        ds = rnd(p * (dp + sign * d) * factor)  # the softmax Jacobian (sign -1; +1: sizes)
         dq = rnd(dtype(pb.scale) * (ds @ k5))
         dk = rnd(dtype(pb.scale) * (np.swapaxes(ds, -1, -2) @ q5))
+        # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
+        dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
         # GQA: the query heads of a group share k and v, so their gradients add up.
-        grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)))
+        grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
         return tuple(g.astype(prec.compute) for g in grads)
 
-    result = grads(dout5, q5, k5, v5, lambda dp, d: p * (dp - d))  # the softmax Jacobian
+    result = grads(dout5, q5, k5, v5, -1.0)
     if not return_abs:
         return result
-    sizes = grads(np.abs(dout5), np.abs(q5), np.abs(k5), np.abs(v5), lambda dp, d: p * (dp + d))
+    sizes = grads(np.abs(dout5), np.abs(q5), np.abs(k5), np.abs(v5), 1.0)
     return result, sizes
 
 
@@ -157,8 +181,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     dout : array_like, shape ``(..., Hq, Sq, Dv)``
         Gradient of the loss with respect to ``out``.
     scale, causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids,
-    kv_segment_ids, softcap, alibi_slopes
-        As in `attention`, and equal to the forward's.
+    kv_segment_ids, softcap, alibi_slopes, sinks
+        As in `attention`, and equal to the forward's (``lse`` then includes the sinks).
     block_q, block_k : int, optional
         Tile sizes (default `DEFAULT_TILES`).
     workers : int, optional
@@ -170,6 +194,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     Returns
     -------
     dq : ndarray, shape of ``q``;  dk : shape of ``k``;  dv : shape of ``v`` (float64)
+    dsinks : ndarray, shape of ``sinks``, only when sinks are given:
+        ``-sum exp(sink_h - lse_i) D_i`` over the rows (and batch entries) of each sink
 
     Notes
     -----
@@ -209,19 +235,31 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     specs = mask_specs(pb.batch, pb.sq, pb.sk, **{n: options[n] for n in _MASKS if n in options})
     cap = _args.softcap(options.get("softcap"))
     slopes = _args.alibi_slopes(options.get("alibi_slopes"), pb)  # (..., hk, g)
+    sinks = options.get("sinks")
+    sink = _args.sinks(sinks, pb)  # (..., hk, g)
+    if sink is not None and check_finite and np.isneginf(lse5).any():
+        raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
+                         "pass the lse of attention(..., sinks=sinks, return_lse=True)")
     dq = np.zeros(q5.shape)
     dk = np.zeros(pb.batch + (pb.hk, pb.sk, pb.d))
     dv = np.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))
+    # dsink_h = -sum_i exp(sink_h - lse_i) D_i, per grouped head (*batch, hk, g).
+    dsink = None if sink is None else np.zeros(pb.batch + (pb.hk, pb.group))
     if pb.sq == 0 or pb.sk == 0:
-        # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way.
-        return _split_grads(pb, dq, dk, dv)
+        # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way
+        # (and D = dout . out = 0 for dsinks).
+        return _split_grads(pb, dq, dk, dv, dsink, sinks)
     check = _args.scores_may_overflow(q5, k5, pb.scale)  # then every tile checks its scores
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
-        _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale, spec,
-                  tiles, cap, _args.for_entry(slopes, idx),
-                  dq[idx], dk[idx], dv[idx], workers, check)
+        delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
+                          spec, tiles, cap, _args.for_entry(slopes, idx),
+                          dq[idx], dk[idx], dv[idx], workers, check)
+        if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
+            p_sink = np.exp(np.broadcast_to(_args.for_entry(sink, idx), delta.shape[:-1])[..., None]
+                            - lse5[idx])  # (*lead, sq)
+            dsink[idx] = -np.sum(p_sink * delta, axis=-1)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
-    return _split_grads(pb, dq, dk, dv)
+    return _split_grads(pb, dq, dk, dv, dsink, sinks)
 
 
 def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1,
@@ -233,7 +271,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     ``dk, dv: (..., sk, .)``); its contributions ``ds @ k_j`` are added to ``dq`` (unscaled)
     in ascending key-tile order whatever the number of ``workers``, so the result is
     bit-identical to the serial run (FlashAttention-2's deterministic backward orders its
-    dq additions the same way).
+    dq additions the same way).  Returns ``D = rowsum(dout * out)``, ``(*lead, sq)``.
     """
     bq, bk = tiles.block_q, tiles.block_k
     sq = q.shape[-2]
@@ -310,6 +348,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     # Key tiles are handed out in ascending order, so the lowest unfinished one never
     # waits: no deadlock.  Under causal masks the first key tiles are also the longest.
     run_tiles(key_tile, range(len(k_starts)), workers)
+    return delta
 
 
 class _Turns:
@@ -348,7 +387,7 @@ class _Turns:
 
 
 def attention_vjp(q, k, v, dout, **options):
-    """Forward and backward in one call: ``(out, (dq, dk, dv))``.
+    """Forward and backward in one call: ``(out, (dq, dk, dv))`` (``dsinks`` fourth with sinks).
 
     ``options`` are those of `attention_backward` (masks, score options, tiles,
     ``check_finite``), passed to both passes.

@@ -159,6 +159,47 @@ def _lse_plus(shift):
     return finalize
 
 
+def _sink_weight_dropped():
+    """`OnlineSoftmax.empty` whose sink sets the running max but adds no weight: ``l``
+    starts at 0, not ``exp(sink - m) = 1`` (the sink missing from the denominator)."""
+    real = OnlineSoftmax.empty.__func__
+
+    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None):
+        state = real(cls, rows_shape, dv, dtype, keys_first, sink)
+        if sink is not None:
+            state.l[...] = 0.0
+        return state
+    return classmethod(empty)
+
+
+class _SinkFirstTileUnscaled(OnlineSoftmax):
+    """A state whose first update leaves the sink's weight as it was: a kernel that skips
+    the rescale on its first tile, when the state "is still empty" (it is not, with a sink)."""
+
+    __slots__ = ("fresh",)
+
+    def update(self, s, v, **kwargs):
+        l0, m0 = self.l.copy(), self.m.copy()
+        rescaled = OnlineSoftmax.update(self, s, v, **kwargs)
+        if self.fresh:  # undo alpha on the initial l: l = l0 + sum p instead of alpha l0 + sum p
+            self.l += l0 * (1.0 - np.exp(m0 - _shift(self.m)))
+            self.fresh = False
+        return rescaled
+
+
+def _sink_first_tile_unscaled():
+    real = OnlineSoftmax.empty.__func__
+
+    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None):
+        state = real(cls, rows_shape, dv, dtype, keys_first, sink)
+        if sink is None:
+            return state
+        bad = _SinkFirstTileUnscaled(state.m, state.l, state.acc)
+        bad.fresh = True
+        return bad
+    return classmethod(empty)
+
+
 @dataclass(frozen=True)
 class Defect:
     """One injected bug: its name, what it does, and ``(owner, attribute, factory)`` patches."""
@@ -223,6 +264,10 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
            ((tiled, "tile_scores", _alibi_signed),)),
     Defect("softcap_after_mask", "the softcap is applied after masking (-inf becomes -cap)",
            ((tiled, "tile_scores", _softcap_after_mask), (OnlineSoftmax, "update", _ignore_visible))),
+    Defect("sink_weight_dropped", "the sink sets the running max but adds no weight to l",
+           ((OnlineSoftmax, "empty", _sink_weight_dropped),)),
+    Defect("sink_first_tile_unscaled", "the sink's weight is not rescaled when the first tile raises the max",
+           ((OnlineSoftmax, "empty", _sink_first_tile_unscaled),)),
 )}
 
 

@@ -112,6 +112,71 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     return row
 
 
+def sink_rescales(sinks, n=1024, d=64, heads=4, *, block_q=128, block_k=128, seed=0) -> list[dict]:
+    """The sink's effect on the rescale counts: one causal problem ``(1, heads, n, d)`` with
+    standard normal inputs (scores about ``N(0, 1)``), run with every head's sink set to each
+    value of ``sinks`` (None: no sink).  Per value: the kernel's rescale total, the
+    independent count of `reference_rescales` (``agree``: every tile's count equal), the
+    rows whose max never leaves the sink, and the gate's figures against the dense reference."""
+    from .inputs import random_qkv
+    from .reference import reference_rescales
+
+    q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
+    scores = reference_scores(q, k, causal=True)
+    row_max = scores.max(axis=-1)  # (1, heads, n): every row sees at least its own key
+    rows = []
+    for value in sinks:
+        sink = None if value is None else np.full(heads, float(value))
+        gate = Gate(q, k, v, block_k=block_k, causal=True, sinks=sink)
+        out, lse, stats = attention(q, k, v, causal=True, sinks=sink, block_q=block_q,
+                                    block_k=block_k, return_lse=True, return_stats=True)
+        want = reference_rescales(scores, block_q, block_k, sinks=sink)
+        rows.append({"sink": "none" if value is None else float(value),
+                     "total_rescales": stats.total_rescales, "reference_rescales": int(want.sum()),
+                     "agree": bool(np.array_equal(stats.rescales, want)),
+                     "rows_held_by_sink": 0 if sink is None else int(np.count_nonzero(row_max <= value)),
+                     **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse)})
+    return rows
+
+
+def run_varlen(case) -> dict:
+    """One `~attnlib.inputs.Packed` problem through `attention_varlen`, judged by the gate
+    on the same problem padded into a batch (``q_lengths``, ``kv_lengths``: an independent
+    route to attending each sequence alone)."""
+    from .check.packing import unpack_varlen
+    from .varlen import attention_varlen
+
+    q, k, v, cu_q, cu_k, options = case.arrays()
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
+    names = {n: n for n in ("q", "k", "v", "out", "lse")}
+    padded, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, out=out, lse=lse), cu_q, cu_k,
+                                                  case.seqused_k, options.get("sinks"), names)
+    qb, kb, vb, ob = (np.swapaxes(padded[n], 1, 2) for n in ("q", "k", "v", "out"))  # bhsd
+    gate = Gate(qb, kb, vb, q_lengths=q_lengths, kv_lengths=kv_lengths, **options)
+    return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
+            "longest": int(max(max(case.lens_q), max(case.lens_k))), "seqused_k": case.seqused_k is not None,
+            "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d, "options": case.options,
+            **Errors.of(ob, gate.ref, gate.ref_abs).as_dict(), **gate.judge(ob, padded["lse"])}
+
+
+def run_paged(case) -> dict:
+    """One `~attnlib.inputs.Paged` problem through `attention` over its page table, judged
+    by the gate on the contiguous keys (``kv_lengths = cache_seqlens``)."""
+    from .paged import gather_pages
+
+    q, k_cache, v_cache, table, lens, options = case.arrays()
+    out, lse = attention(q, k_cache, v_cache, block_table=table, cache_seqlens=lens, return_lse=True,
+                         **options)
+    k, v = gather_pages(k_cache, table, lens), gather_pages(v_cache, table, lens)
+    if k.shape[2] == 0:  # no entry has a key: one zero key, invisible to all
+        k, v = (np.zeros(x.shape[:2] + (1,) + x.shape[3:]) for x in (k, v))
+    gate = Gate(q, k, v, kv_lengths=lens, **options)
+    return {"entries": len(case.lens), "keys": list(case.lens), "page_size": case.page_size, "sq": case.sq,
+            "pages": int(k_cache.shape[0]), "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d,
+            "options": case.options, **Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
+            **gate.judge(out, lse)}
+
+
 def power_table(groups, defects=None) -> list[dict]:
     """One row per defect over the ``"defects"`` results of `run_case`/`run_family` rows.
 
@@ -147,4 +212,5 @@ def power_table(groups, defects=None) -> list[dict]:
     return table
 
 
-__all__ = ["run_case", "run_family", "power_table", "crossing_fraction"]
+__all__ = ["run_case", "run_family", "power_table", "crossing_fraction", "sink_rescales", "run_varlen",
+           "run_paged"]

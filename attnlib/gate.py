@@ -73,7 +73,9 @@ and ``log``, which are within 4 ulp on the platforms numpy documents (the equiva
 report measures them on its machine).
 
 Rows with no visible key have ``tol = 0``: their ``out`` must be exactly 0 and their
-``lse`` exactly ``-inf``.
+``lse`` exactly ``-inf``.  With attention sinks the sink is one more term of ``l``
+(``n_i + 1`` terms above; its logit is exact), and a row with no visible key has
+``lse = sink`` within the same ``e_lse``.
 
 References
 ----------
@@ -158,8 +160,12 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     cap = _args.softcap(options.get("softcap"))
     slopes = options.pop("alibi_slopes", None)
+    # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
+    # any other), and a row with no visible key then has lse = sink.
+    sinks = options.pop("sinks", None)
     plain = {key: val for key, val in options.items() if key != "softcap"}
     sigma, n_vis = row_stats(q, k, scale=scale, **plain)
+    terms = n_vis + (sinks is not None)  # the terms of l
     s_max = sigma if cap is None else np.minimum(sigma, cap)
     if slopes is not None:
         # |slope_h| (|o| + max(Sq, Sk)) bounds |i + o - j|, |j| and |i + o| for any alignment.
@@ -171,18 +177,18 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
         a_max = 0.0
     delta = _g(d + 1) * sigma + U * (3 * (s_max + a_max) + (3 * cap if cap is not None else 0.0))
     steps = -(-sk // block_k)
-    h_out = _g(n_vis) + 2 * steps * U  # alpha's exp error cancels in acc / l ...
-    h_lse = _g(n_vis) + (2 + C_EXP) * steps * U  # ... but not in log l
+    h_out = _g(terms) + 2 * steps * U  # alpha's exp error cancels in acc / l ...
+    h_lse = _g(terms) + (2 + C_EXP) * steps * U  # ... but not in log l
     e_out = 2 * delta + (2 * C_EXP + 1) * U + 2 * h_out
-    lse_size = np.abs(np.where(n_vis > 0, ref_lse, 0.0))
-    e_lse = (delta + C_EXP * U + h_lse + C_LOG * U * np.log(np.maximum(n_vis, 1))
+    lse_size = np.abs(np.where(terms > 0, ref_lse, 0.0))
+    e_lse = (delta + C_EXP * U + h_lse + C_LOG * U * np.log(np.maximum(terms, 1))
              + U * lse_size)
-    seen = n_vis > 0
+    seen = n_vis > 0  # out: exactly 0 without a visible key, sink or not
     # Underflow: absolute, per value column: (2 n_i + 2 T + 1) eta max|v| over the keys.
     v_max = np.abs(v).max(axis=-2, initial=0.0)  # (..., Hk, Dv)
     v_max = np.repeat(v_max, q.shape[-3] // v_max.shape[-2], axis=-2) if q.ndim > 2 else v_max
-    underflow = ((2 * n_vis + 2 * steps + 1) * ETA)[..., None] * v_max[..., None, :]
-    return Tolerance(out=np.where(seen, 2 * e_out, 0.0), lse=np.where(seen, 2 * e_lse, 0.0),
+    underflow = ((2 * terms + 2 * steps + 1) * ETA)[..., None] * v_max[..., None, :]
+    return Tolerance(out=np.where(seen, 2 * e_out, 0.0), lse=np.where(terms > 0, 2 * e_lse, 0.0),
                      sigma=sigma, visible_keys=n_vis,
                      underflow=np.where(seen[..., None], 2 * underflow, 0.0))
 

@@ -234,6 +234,7 @@ class Case:
     documents: int = 0  # > 0: q and k packed with this many documents (segment ids)
     kv_splits: int = 1
     rescale_threshold: float = 0.0
+    sinks: tuple | None = None  # attention-sink logits, one per query head
 
     def qkv(self):
         """The case's ``(q, k, v)`` from `random_qkv`."""
@@ -244,7 +245,7 @@ class Case:
         """Keyword arguments shared by `attention` and `reference_attention`: the masks and
         score options of the contract (only those the case sets besides the causal ones)."""
         kwargs = dict(causal=self.causal, causal_align=self.causal_align)
-        for name in ("window", "softcap", "alibi_slopes", "kv_lengths", "q_lengths"):
+        for name in ("window", "softcap", "alibi_slopes", "kv_lengths", "q_lengths", "sinks"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         if self.documents:
@@ -282,7 +283,8 @@ class Case:
             ("alibi", self.alibi_slopes is not None), ("kv_lengths", self.kv_lengths is not None),
             ("q_lengths", self.q_lengths is not None), (f"documents={self.documents}", self.documents),
             (f"kv_splits={self.kv_splits}", self.kv_splits > 1),
-            (f"lazy tau={self.rescale_threshold:g}", self.rescale_threshold > 0)) if on]
+            (f"lazy tau={self.rescale_threshold:g}", self.rescale_threshold > 0),
+            ("sinks", self.sinks is not None)) if on]
         return ", ".join(names) or "-"
 
 
@@ -380,7 +382,8 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
 
 
 #: The options `feature_cases` cycles through, each on in every ``len(FEATURES)``-th case.
-FEATURES = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "documents", "kv_splits", "lazy")
+FEATURES = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "documents", "kv_splits", "lazy",
+            "sinks")
 
 
 def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Case]:
@@ -388,9 +391,11 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
 
     Shapes as `random_cases` but lengths log-uniform in ``32..max_len`` and a batch of 1
     or 2 (GQA, both causal alignments, ragged tiles), and on top: a sliding window, a softcap, ALiBi slopes, key
-    and query padding, packed documents, split-KV and lazy rescaling.  Case ``c`` always
+    and query padding, packed documents, split-KV, lazy rescaling and attention sinks (logits
+    ``N(0, 2^2)`` per head, beside scores of about ``N(0, 1)``: from negligible to dominant).  Case ``c`` always
     sets feature ``FEATURES[c % len(FEATURES)]`` and each other one with probability 1/3,
-    so every option is exercised and most in combination.
+    so every option is exercised and most in combination; the case pinned to ALiBi has no
+    causal mask, so that keys lie on both sides of its queries.
     """
     n = _args.positive_int(n, "n")
     max_len = _args.positive_int(max_len, "max_len")
@@ -398,6 +403,10 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
     cases = []
     for c in range(n):
         base = random_cases(4, seed=seed * 7919 + c, max_len=max_len)[3]  # past the pinned corners
+        if FEATURES[c % len(FEATURES)] == "alibi":
+            # Keys on both sides of the query: only there does ALiBi's |i + o - j| differ from
+            # the signed distance (a causal row sees j <= i + o).
+            base = replace(base, causal=False)
         sq, sk = (int(x) for x in np.exp(rng.uniform(np.log(32), np.log(max(32, max_len)), 2)).round())
         batch = (int(rng.integers(1, 3)),)
         on = {f for f in FEATURES if rng.random() < 1 / 3} | {FEATURES[c % len(FEATURES)]}
@@ -413,5 +422,139 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
             documents=int(rng.integers(2, 5)) if "documents" in on else 0,
             kv_splits=int(rng.integers(2, 5)) if "kv_splits" in on else 1,
             rescale_threshold=float(rng.choice((2.0, 8.0))) if "lazy" in on else 0.0,
+            sinks=tuple(float(x) for x in 2.0 * rng.standard_normal(base.heads)) if "sinks" in on else None,
         ))
+    return cases
+
+
+def sink_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Case]:
+    """``n`` `feature_cases` with attention sinks in every one (logits ``N(0, 2^2)`` per
+    head), beside whatever other options each draws: GQA, both alignments, windows,
+    padding, documents, softcap, ALiBi, split-KV, lazy rescaling."""
+    rng = np.random.default_rng(seed + 104729)
+    return [c if c.sinks is not None else replace(c, sinks=tuple(float(x) for x in 2.0 * rng.standard_normal(c.heads)))
+            for c in feature_cases(n, seed=seed, max_len=max_len)]
+
+
+#: The option sets `varlen_cases` and `paged_cases` cycle through (ALiBi and sinks per head).
+LAYOUT_OPTIONS = {
+    "causal": dict(causal=True),
+    "causal, top_left": dict(causal=True, causal_align="top_left"),
+    "none": dict(),
+    "window": dict(window=(48, 8)),
+    "causal, sinks": dict(causal=True, sinks="per head"),
+    "softcap, alibi": dict(softcap=20.0, alibi_slopes="per head"),
+}
+
+
+def _layout_options(name, heads, rng):
+    """`LAYOUT_OPTIONS` entry ``name`` with its per-head values drawn."""
+    options = dict(LAYOUT_OPTIONS[name])
+    if options.get("sinks") == "per head":
+        options["sinks"] = 2.0 * rng.standard_normal(heads)
+    if options.get("alibi_slopes") == "per head":
+        options["alibi_slopes"] = 2.0 ** (-8 * (np.arange(heads) + 1) / heads)
+    return options
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One varlen problem: sequence lengths, the keys each uses, heads and the options."""
+
+    lens_q: tuple
+    lens_k: tuple
+    seqused_k: tuple | None
+    heads: int
+    kv_heads: int
+    d: int
+    options: str  # a key of LAYOUT_OPTIONS
+    seed: int = 0
+
+    def arrays(self):
+        """``(q (total_q, Hq, D), k, v (total_k, Hk, D), cu_seqlens_q, cu_seqlens_k, options)``."""
+        rng = np.random.default_rng(self.seed)
+        cu_q = np.concatenate([[0], np.cumsum(self.lens_q, dtype=np.int64)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(self.lens_k, dtype=np.int64)]).astype(np.int32)
+        q = rng.standard_normal((int(cu_q[-1]), self.heads, self.d))
+        k = rng.standard_normal((int(cu_k[-1]), self.kv_heads, self.d))
+        v = rng.standard_normal((int(cu_k[-1]), self.kv_heads, self.d))
+        return q, k, v, cu_q, cu_k, _layout_options(self.options, self.heads, rng)
+
+
+def varlen_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Packed]:
+    """``n`` seeded varlen problems: 1 to 6 sequences of log-uniform lengths in
+    ``8..max_len`` (a fifth of them empty on the query or the key side), ``Sq != Sk`` per
+    sequence in half of them (decode-like), ``seqused_k`` in a third, GQA, head dim 32 or 64,
+    and the options of `LAYOUT_OPTIONS` in turn."""
+    n = _args.positive_int(n, "n")
+    rng = np.random.default_rng(seed + 31337)
+    names = list(LAYOUT_OPTIONS)
+    cases = []
+    for c in range(n):
+        b = int(rng.integers(1, 7))
+
+        def lengths():
+            x = np.exp(rng.uniform(np.log(min(8, max_len)), np.log(max_len), b)).astype(int)
+            return np.where(rng.random(b) < 0.2, 0, x)
+
+        lq = lengths()
+        lk = lengths() if rng.random() < 0.5 else lq.copy()
+        used = tuple(int(x) for x in rng.integers(0, lk + 1)) if rng.random() < 1 / 3 else None
+        kv_heads = int(rng.choice([1, 2]))
+        cases.append(Packed(tuple(int(x) for x in lq), tuple(int(x) for x in lk), used,
+                            kv_heads * int(rng.choice([1, 2])), kv_heads, int(rng.choice([32, 64])),
+                            names[c % len(names)], seed * 1000 + c))
+    return cases
+
+
+@dataclass(frozen=True)
+class Paged:
+    """One paged-cache problem: the entries' key lengths, the page size, spare pages."""
+
+    lens: tuple
+    page_size: int
+    sq: int
+    heads: int
+    kv_heads: int
+    d: int
+    options: str  # a key of LAYOUT_OPTIONS
+    spare_pages: int = 16
+    seed: int = 0
+
+    def arrays(self):
+        """``(q (batch, Hq, Sq, D), k_cache, v_cache, block_table, cache_seqlens, options)``:
+        every entry's pages scattered at random among the cache's (the spare ones random
+        too), unused table entries -1."""
+        rng = np.random.default_rng(self.seed)
+        need = [-(-n // self.page_size) for n in self.lens]
+        num_blocks = sum(need) + self.spare_pages
+        k_cache = rng.standard_normal((num_blocks, self.page_size, self.kv_heads, self.d))
+        v_cache = rng.standard_normal((num_blocks, self.page_size, self.kv_heads, self.d))
+        order = rng.permutation(num_blocks)
+        table = np.full((len(self.lens), max(need, default=0) + 1), -1, dtype=np.int32)
+        start = 0
+        for b, m in enumerate(need):
+            table[b, :m] = order[start:start + m]
+            start += m
+        q = rng.standard_normal((len(self.lens), self.heads, self.sq, self.d))
+        return (q, k_cache, v_cache, table, np.array(self.lens, dtype=np.int32),
+                _layout_options(self.options, self.heads, rng))
+
+
+def paged_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Paged]:
+    """``n`` seeded paged-cache problems: 1 to 4 entries of log-uniform key lengths in
+    ``16..max_len`` (some empty), ragged page sizes (1, 7, 16, 64, 256), decode (``Sq = 1``) and
+    short prefill (``Sq`` up to 64), GQA, and the options of `LAYOUT_OPTIONS` in turn."""
+    n = _args.positive_int(n, "n")
+    rng = np.random.default_rng(seed + 271828)
+    names = list(LAYOUT_OPTIONS)
+    cases = []
+    for c in range(n):
+        b = int(rng.integers(1, 5))
+        lens = np.exp(rng.uniform(np.log(min(16, max_len)), np.log(max_len), b)).astype(int)
+        lens = np.where(rng.random(b) < 0.15, 0, lens)
+        kv_heads = int(rng.choice([1, 2]))
+        cases.append(Paged(tuple(int(x) for x in lens), int(rng.choice([1, 7, 16, 64, 256])),
+                           int(rng.choice([1, 1, 4, 64])), kv_heads * int(rng.choice([1, 4])), kv_heads,
+                           int(rng.choice([32, 64])), names[c % len(names)], seed=seed * 1000 + c))
     return cases

@@ -29,9 +29,10 @@ import subprocess
 import sys
 
 PATHS = ("tiled", "dense")
-#: ``peak_memory`` also measures "stream" (`attention_stream` over a memmapped KV cache) and
-#: the backward passes "tiled_backward" and "dense_backward".
-ALL_PATHS = PATHS + ("stream", "tiled_backward", "dense_backward")
+#: ``peak_memory`` also measures "stream" (`attention_stream` over a memmapped KV cache),
+#: "paged" (`attention` over a paged KV cache in memory) and the backward passes
+#: "tiled_backward" and "dense_backward".
+ALL_PATHS = PATHS + ("stream", "paged", "tiled_backward", "dense_backward")
 
 #: The fixed cap on the tiled forward's working memory (over inputs and output).
 CAP_BYTES = 32 * 2**20
@@ -56,19 +57,23 @@ def _in_subprocess(case: dict, timeout: float) -> dict:
 
 def peak_memory(path: str, sq: int, sk: int | None = None, d: int = 64, *,
                 causal: bool = True, block_q: int | None = None, block_k: int | None = None,
-                chunk: int = 65536, seed: int = 0, timeout: float = 600.0) -> dict:
+                chunk: int = 65536, seed: int = 0, cache_pages: int = 0, page_size: int = 16,
+                timeout: float = 600.0) -> dict:
     """Traced peak of one ``path`` call on random inputs, in a fresh process.
 
-    ``path`` is "tiled" (`attention`), "dense" (`reference_attention`) or "stream":
+    ``path`` is "tiled" (`attention`), "dense" (`reference_attention`), "stream":
     `attention_stream` over ``chunk``-key slices of a KV cache of ``sk`` keys memmapped
-    from files on disk (written before tracing starts, then read during the call).
+    from files on disk (written before tracing starts, then read during the call), or
+    "paged": `attention` over a paged cache of ``cache_pages`` pages of ``page_size`` keys
+    in memory (made before tracing), the sequence's ``sk`` keys on randomly chosen pages.
 
     Returns a dict with ``peak_bytes`` (traced peak during the call), ``output_bytes``
     (``out`` and ``lse``), ``working_bytes`` (peak minus output), ``input_bytes`` (arrays
     in memory) and, for "stream", ``cache_bytes`` (k and v on disk) and ``seconds``.
     """
     case = dict(tool="peak", path=path, sq=sq, sk=sq if sk is None else sk, d=d,
-                causal=causal, block_q=block_q, block_k=block_k, chunk=chunk, seed=seed)
+                causal=causal, block_q=block_q, block_k=block_k, chunk=chunk, seed=seed,
+                cache_pages=cache_pages, page_size=page_size)
     return _in_subprocess(case, timeout)
 
 
@@ -134,6 +139,10 @@ def _call(case, q, k, v, grad_inputs=None):
         return attention_stream(q, chunks, causal=case["causal"], total_keys=sk,
                                 block_q=case["block_q"], block_k=case["block_k"], return_lse=True,
                                 workers=1)
+    if case["path"] == "paged":
+        table, lens = grad_inputs
+        return attention(q, k, v, block_table=table, cache_seqlens=lens, causal=case["causal"],
+                         block_q=case["block_q"], block_k=case["block_k"], return_lse=True, workers=1)
     if case["path"] == "tiled":
         return attention(q, k, v, causal=case["causal"], block_q=case["block_q"],
                          block_k=case["block_k"], return_lse=True, workers=1)
@@ -292,17 +301,40 @@ def _measure(case: dict) -> dict:
         out, lse = attention(q, k, v, causal=case["causal"], return_lse=True)
         return out, lse, np.random.default_rng(seed).standard_normal(out.shape)
 
+    def paged(q, k, v, seed):
+        """q as (1, 1, Sq, D), a cache of cache_pages pages holding k, v on random pages, the
+        table and the length (every page of the cache that the sequence does not use is
+        random too)."""
+        rng = np.random.default_rng(seed)
+        size, sk = case["page_size"], k.shape[-2]
+        need = -(-sk // size)
+        total = max(need, case["cache_pages"])
+        table = rng.permutation(total)[:max(need, 1)][None]
+        kc = rng.standard_normal((total, size, 1, k.shape[-1]))
+        vc = rng.standard_normal((total, size, 1, v.shape[-1]))
+        pad = need * size - sk
+        kc[table[0, :need]] = np.concatenate([k, np.zeros((pad, k.shape[-1]))]).reshape(need, size, 1, -1)
+        vc[table[0, :need]] = np.concatenate([v, np.zeros((pad, v.shape[-1]))]).reshape(need, size, 1, -1)
+        return q[None, None], kc, vc, table, np.array([sk])
+
     warm = random_qkv(256, 256, case["d"], seed=1)
-    _call(case, *warm, grads_for(*warm, 1))  # warm-up: imports, BLAS buffers, code paths
+    if case["path"] == "paged":  # (q, k_cache, v_cache) and, in grad_inputs' place, the table
+        warm_paged = paged(*warm, 1)
+        _call(case, *warm_paged[:3], warm_paged[3:])
+    else:
+        _call(case, *warm, grads_for(*warm, 1))  # warm-up: imports, BLAS buffers, code paths
     with tempfile.TemporaryDirectory(prefix="attnlib-kv-") as folder:
+        table = None
         if case["path"] == "stream":  # only q in memory; k and v on disk
             q = random_qkv(case["sq"], 0, case["d"], seed=case["seed"])[0]
             k, v = _memmap_cache(folder, case["sk"], case["d"], case["seed"])
             in_memory = q.nbytes
         else:
             q, k, v = random_qkv(case["sq"], case["sk"], case["d"], seed=case["seed"])
+            if case["path"] == "paged":
+                q, k, v, *table = paged(q, k, v, case["seed"] + 1)
             in_memory = q.nbytes + k.nbytes + v.nbytes
-        grad_inputs = grads_for(q, k, v, case["seed"] + 1)
+        grad_inputs = grads_for(q, k, v, case["seed"] + 1) if table is None else table
         if grad_inputs is not None:
             in_memory += sum(x.nbytes for x in grad_inputs)
         run = _rss if case["tool"] == "rss" else _traced

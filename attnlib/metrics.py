@@ -112,7 +112,8 @@ def attention_errors(out, q, k, v, **kwargs) -> Errors:
 
 
 def gradient_errors(grads, q, k, v, dout, **kwargs) -> dict:
-    """Errors of ``grads = (dq, dk, dv)`` against the dense float64 gradient.
+    """Errors of ``grads = (dq, dk, dv)`` (and ``dsinks`` with sinks) against the dense
+    float64 gradient.
 
     ``"dq"``, ``"dk"``, ``"dv"``: the componentwise `rel_error` of each gradient against the
     size of what its entries sum (`reference_attention_backward` with ``return_abs``): a
@@ -122,8 +123,11 @@ def gradient_errors(grads, q, k, v, dout, **kwargs) -> dict:
     comparison.  ``kwargs`` are the masking and score options.
     """
     ref, sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **kwargs)
+    if len(grads) != len(ref):
+        raise ValueError(f"grads must be {len(ref)} arrays ((dq, dk, dv{', dsinks' if len(ref) == 4 else ''})), "
+                         f"got {len(grads)}")
     errors = {}
-    for name, g, r, a in zip(("dq", "dk", "dv"), grads, ref, sizes):
+    for name, g, r, a in zip(("dq", "dk", "dv", "dsinks"), grads, ref, sizes):
         errors[name] = rel_error(g, r, a)
         errors[f"{name}_normwise"] = normwise_error(g, r)
     return errors
@@ -158,7 +162,7 @@ def run_case_gradients(case) -> dict:
     ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...)."""
     q, k, v = case.qkv()
     errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), **case.mask_kwargs())
-    return {**asdict(case), "mask": case.mask_name, **errors}
+    return {**asdict(case), "mask": case.mask_name, "features": case.features, **errors}
 
 
 def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0) -> dict:
@@ -166,6 +170,29 @@ def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal
     q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
     errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), causal=causal)
     return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
+
+
+def run_varlen_gradients(case, seed=0) -> dict:
+    """`attention_varlen_backward` on a `~attnlib.inputs.Packed` problem against the dense
+    gradient of the same problem padded into a batch (``q_lengths``, ``kv_lengths``), for a
+    standard normal ``dout``: the `gradient_errors` fields with an ``_error`` suffix."""
+    from .check.packing import unpack_varlen
+    from .varlen import attention_varlen, attention_varlen_backward
+
+    q, k, v, cu_q, cu_k, options = case.arrays()
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
+    dout = np.random.default_rng(seed).standard_normal(out.shape)
+    grads = attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, seqused_k=case.seqused_k, **options)
+    names = {n: n for n in ("q", "k", "v", "dout", "dq", "dk", "dv")}
+    padded, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, dout=dout, dq=grads[0], dk=grads[1],
+                                                       dv=grads[2]), cu_q, cu_k, case.seqused_k, None, names)
+    bhsd = {n: np.swapaxes(x, 1, 2) for n, x in padded.items()}
+    errors = gradient_errors((bhsd["dq"], bhsd["dk"], bhsd["dv"]) + tuple(grads[3:]), bhsd["q"], bhsd["k"],
+                             bhsd["v"], bhsd["dout"], q_lengths=q_lengths, kv_lengths=kv_lengths, **options)
+    return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
+            "seqused_k": case.seqused_k is not None, "heads": case.heads, "kv_heads": case.kv_heads,
+            "options": case.options, "dsinks_error": None,  # None: the problem has no sinks
+            **{f"{name}_error": err for name, err in errors.items()}}
 
 
 def _visible_keys_per_row(sq, sk, causal, causal_align):
@@ -207,6 +234,9 @@ def expected_rescales(sq, sk, block_q, block_k, *, causal=False, causal_align="b
 
 
 def max_rescales(sq, sk, block_q, block_k, *, causal=False, causal_align="bottom_right"):
-    """The most rescale events possible per tile: every visible tile after a row's first."""
+    """The most rescale events possible per tile: every visible tile after a row's first.
+
+    Without sinks: a sink is the running max before any key, so a row's first visible tile
+    can count too (at most one more event per row with a visible key)."""
     _, c, C = _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align)
     return _per_q_tile(((c > 0) & (C > c)).astype(np.float64), block_q).astype(np.int64)

@@ -56,8 +56,15 @@ class OnlineSoftmax:
 
     @classmethod
     def empty(cls, rows_shape: tuple, dv: int, dtype=np.float64,
-              keys_first: bool = False) -> "OnlineSoftmax":
+              keys_first: bool = False, sink=None) -> "OnlineSoftmax":
         """The state of rows that have seen no key: ``m = -inf``, ``l = 0``, ``acc = 0``.
+
+        With ``sink`` (finite logits broadcastable to ``rows_shape``: attention sinks, one
+        per head) the rows start from the sink instead, a logit with no value:
+        ``m = sink``, ``l = exp(sink - m) = 1``, ``acc = 0``.  Every later step is the
+        ordinary update, so the sink joins the denominator exactly once, a row that sees no
+        key finalizes to ``out = 0``, ``lse = sink``, and a tile whose max exceeds the sink
+        counts as a rescale (the max was finite).
 
         ``keys_first`` stores ``acc`` column by column, ``(..., dv, rows)`` in memory
         (``acc`` is still the ``(..., rows, dv)`` view): then ``update(keys_first=True)``
@@ -69,6 +76,10 @@ class OnlineSoftmax:
             acc = np.swapaxes(np.zeros(rows_shape[:-1] + (dv,) + rows_shape[-1:], dtype=dtype), -1, -2)
         else:
             acc = np.zeros(rows_shape + (dv,), dtype=dtype)
+        if sink is not None:
+            m = np.empty(rows_shape, dtype=dtype)
+            m[...] = sink  # rounded once to the state's type
+            return cls(m, np.ones(rows_shape, dtype=dtype), acc)
         return cls(np.full(rows_shape, -np.inf, dtype=dtype), np.zeros(rows_shape, dtype=dtype), acc)
 
     def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,

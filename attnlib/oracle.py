@@ -54,7 +54,7 @@ def oracle_attention(q, k, v, *, method=None, return_lse=False, check_finite=Tru
     Parameters
     ----------
     q, k, v, return_lse, check_finite, causal, causal_align, window, kv_lengths, q_lengths,
-    q_segment_ids, kv_segment_ids, softcap, alibi_slopes, scale
+    q_segment_ids, kv_segment_ids, softcap, alibi_slopes, sinks, scale
         As in `reference_attention`.
     method : {None, "longdouble", "decimal"}
         The arithmetic (see the module docstring); None: `ORACLE_PRECISION`'s.
@@ -98,8 +98,12 @@ def oracle_attention(q, k, v, *, method=None, return_lse=False, check_finite=Tru
 
 def _decimal_dense(q5, k5, v5, pb, options):
     """``(out, lse)`` in the caller's layout, each pair's score and weight in `decimal`."""
+    options = dict(options)
+    sink = _args.sinks(options.pop("sinks", None), pb)  # (..., hk, g) or None
     visible, distance, cap, slopes = pair_terms(pb, **options)
     lead = np.broadcast_shapes(q5.shape[:-2], k5.shape[:-2])  # (*batch, hk, g)
+    if sink is not None:
+        sink = np.broadcast_to(sink, lead)
     q5, k5, v5 = (np.broadcast_to(x, lead + x.shape[-2:]) for x in (q5, k5, v5))
     visible = np.broadcast_to(visible, lead + (pb.sq, pb.sk))
     if distance is not None:
@@ -120,7 +124,7 @@ def _decimal_dense(q5, k5, v5, pb, options):
             vs = [[Decimal(x) for x in row] for row in v5[idx].tolist()]
             for i, q_i in enumerate(qs):
                 keys = np.flatnonzero(visible[idx][i]).tolist()
-                if not keys:
+                if not keys and sink is None:
                     continue  # no visible key: out = 0, lse = -inf
                 s = []
                 for j in keys:
@@ -130,9 +134,10 @@ def _decimal_dense(q5, k5, v5, pb, options):
                     if distance is not None:
                         t -= slope * Decimal(float(distance[idx][i, j]))
                     s.append(t)
-                m = max(s)
+                sink_logit = None if sink is None else Decimal(float(sink[idx]))
+                m = max(s + ([] if sink_logit is None else [sink_logit]))
                 p = [(t - m).exp() for t in s]
-                l = sum(p)
+                l = sum(p) + (0 if sink_logit is None else (sink_logit - m).exp())  # no value
                 for e in range(pb.dv):
                     out[idx][i, e] = float(sum(w * vs[j][e] for w, j in zip(p, keys)) / l)
                 lse[idx][i] = float(m + l.ln())

@@ -366,6 +366,33 @@ def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None,
     return fig
 
 
+def sink_rescales(rows, rows_total):
+    """Rescale events against the sink's value (`attnlib.differential.sink_rescales` rows):
+    the kernel's count, the independent recount, the level without a sink, and the share of
+    rows whose running max never leaves the sink (right axis, of ``rows_total``)."""
+    fig, ax = _figure(figsize=(8, 4.2))
+    with_sink = [r for r in rows if r["sink"] != "none"]
+    xs = [r["sink"] for r in with_sink]
+    ax.plot(xs, [r["total_rescales"] for r in with_sink], "o-", label="kernel (stats.total_rescales)")
+    ax.plot(xs, [r["reference_rescales"] for r in with_sink], "x", ms=9, color="black",
+            label="independent recount (reference_rescales)")
+    for r in rows:
+        if r["sink"] == "none":
+            ax.axhline(r["total_rescales"], color="gray", ls="--", label="no sink")
+    ax.set_xlabel("sink logit (every head)")
+    ax.set_ylabel("rescale events")
+    right = ax.twinx()
+    right.plot(xs, [r["rows_held_by_sink"] / rows_total for r in with_sink], "s:", color="C2",
+               label="rows whose max stays the sink")
+    right.set_ylabel("share of rows held by the sink")
+    right.set_ylim(0, 1.05)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="center left")
+    ax.set_title("Rescales against the sink: a sink below the scores adds each row's first tile, "
+                 "one above them holds the max", fontsize=9)
+    return fig
+
+
 def kernel_error_heatmap(head_row_ratio, max_columns=512):
     """A kernel's worst ``|err| / allowance`` over (query position, head), log colour scale.
 

@@ -86,6 +86,8 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids, kv_segment_ids,
     softcap, alibi_slopes, scale
         As in `attention`: the contract's masks and score modifications.
+    sinks : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
+        Attention sinks, as in `attention`: one more logit per row in the denominator.
     return_lse : bool
         Also return ``lse: (..., Hq, Sq)``, the natural log of the softmax denominator.
     check_finite : bool
@@ -103,7 +105,8 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
 
     Notes
     -----
-    A row with no visible key gets ``out = 0`` and ``lse = -inf``.  The max is subtracted
+    A row with no visible key gets ``out = 0`` and ``lse = -inf`` (``lse = sink`` with
+    sinks: its whole weight is the sink's).  The max is subtracted
     before ``exp`` (where it is finite) so that nothing overflows and logits of ``-1e4``
     do not all underflow to 0.
     """
@@ -126,12 +129,19 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
     ``round_lowp`` rounds the scores and the weights to a low compute precision (the naive
     same-precision baseline); None computes everything in ``dtype``.
     """
+    options = dict(options)
+    sink = _args.sinks(options.pop("sinks", None), pb)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, dtype=dtype, **options)  # (..., hk, g, sq, sk)
     if round_lowp is not None:
         s = round_lowp(s)  # a naive kernel stores its scores in the compute type
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # -inf for rows with no key
+    if sink is not None:  # one more logit per row, with no value: the max over both
+        sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
+        m = np.maximum(m, sink)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
     l = p.sum(axis=-1, keepdims=True)  # >= 1 where the row sees a key, else 0
+    if sink is not None:
+        l = l + np.exp(sink - m)  # the sink's weight joins the denominator only
     seen = l > 0
     out = np.matmul(p if round_lowp is None else round_lowp(p), v5.astype(dtype))
     out = np.divide(out, l, out=np.zeros_like(out), where=seen)
@@ -141,14 +151,16 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
 
 
 def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,
-                       threshold: float = 0.0) -> np.ndarray:
+                       threshold: float = 0.0, sinks=None) -> np.ndarray:
     """Rescale events per tile, counted independently from a dense score matrix.
 
     ``scores: (..., Sq, Sk)`` with ``-inf`` on masked pairs (see `reference_scores`).
     For each row the tile maxima are taken in ascending key order; an event is a tile
     whose max exceeds the running max of the tiles before it by more than ``threshold``
     (strictly more than it for the eager ``threshold = 0``), when that running max is
-    already finite; only then does the running max move.  Returns int64
+    already finite; only then does the running max move.  ``sinks`` (per head,
+    broadcastable to ``scores.shape[:-2]``) start every row's running max at its sink
+    instead of ``-inf``, as the kernel's state does.  Returns int64
     ``(..., n_q_tiles, n_k_tiles)``, summed over the rows of each query tile, to compare
     with the kernel's ``stats.rescales``.
     """
@@ -159,6 +171,8 @@ def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,
     tile_max = s.reshape(s.shape[:-1] + (nk, block_k)).max(axis=-1)  # (..., rows, nk)
     events = np.zeros(tile_max.shape, dtype=bool)
     running = np.full(tile_max.shape[:-1], -np.inf)  # (..., rows)
+    if sinks is not None:
+        running[...] = np.asarray(sinks, dtype=np.float64)[..., None]
     for b in range(nk):
         moves = tile_max[..., b] > running + threshold  # -inf + threshold = -inf
         events[..., b] = moves & np.isfinite(running)

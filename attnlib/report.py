@@ -215,13 +215,16 @@ NOTEBOOKS = {
         "Equivalence: tiled attention equals the dense float64 reference",
         {"n_cases": positive, "seed": non_negative, "max_len": positive, "d": positive,
          "broad_cases": positive, "broad_max_len": positive, "feature_cases": positive,
-         "feature_max_len": positive,
+         "feature_max_len": positive, "sink_cases": positive, "sink_n": positive,
+         "layout_cases": positive, "layout_max_len": positive, "paged_pages": sizes,
          "adversarial_n": positive, "adversarial_d": positive,
          "block_q": positive, "block_k": positive, "oracle_max_n": non_negative, "results_json": text},
-        {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "feature_cases": 8,
-         "feature_max_len": 256, "adversarial_n": 256, "oracle_max_n": 256},
+        {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "feature_cases": 9,
+         "feature_max_len": 256, "sink_cases": 3, "sink_n": 256, "layout_cases": 6,
+         "layout_max_len": 128, "paged_pages": [256, 2560], "adversarial_n": 256, "oracle_max_n": 256},
         # The reference holds [v, |v|] outputs and the gate a (Sq, Sk) size matrix besides.
-        (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("adversarial_n", 2))),
+        # The sink sweep: 4 heads of scores, and the gate's reference and sizes for them.
+        (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("sink_n", 16), ("adversarial_n", 2))),
     "rescales": Notebook(
         "Rescales: where the online softmax's running max grows",
         {"n": positive, "d": positive, "block_q": positive, "block_k": positive,
@@ -239,10 +242,12 @@ NOTEBOOKS = {
         (("n", 1), ("dense_max_n", 1))),
     "gradients": Notebook(
         "Gradients: the tiled backward pass equals the dense float64 gradient",
-        {"n_cases": positive, "seed": non_negative, "max_len": positive,
+        {"n_cases": positive, "seed": non_negative, "max_len": positive, "sink_cases": positive,
+         "varlen_cases": positive,
          "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
          "block_k": positive, "sweep": sizes, "dense_max_n": positive, "results_json": text},
-        {"n_cases": 5, "max_len": 256, "adversarial_n": 256, "sweep": [1024, 2048],
+        {"n_cases": 5, "max_len": 256, "sink_cases": 3, "varlen_cases": 3, "adversarial_n": 256,
+         "sweep": [1024, 2048],
          "dense_max_n": 2048},
         # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
         (("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2))),
@@ -268,7 +273,7 @@ NOTEBOOKS = {
          "repeats": positive, "sweep": sizes, "project_n": positive, "project_heads": positive,
          "project_d": positive, "project_machines": sizes, "project_cores": positive,
          "results_json": text},
-        {"n": 1024, "heads": 2, "d": 16, "block": 256, "repeats": 1, "sweep": [512, 1024]}),
+        {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096]}),
     "check_rule": Notebook(
         "Check rule: correct kernels pass, buggy kernels fail",
         {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes, "results_json": text},

@@ -18,7 +18,7 @@ from .tiled import DEFAULT_TILES, TileSizes, absorb, keys_first_for, run_tiles
 
 
 def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
-                     softcap=None, alibi_slopes=None, scale=None, total_keys=None,
+                     softcap=None, alibi_slopes=None, sinks=None, scale=None, total_keys=None,
                      block_q=None, block_k=None, workers=None, return_lse=False, check_finite=True):
     """Attention of ``q`` over keys that arrive in chunks, in order.
 
@@ -29,8 +29,8 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         Each ``k_chunk: (..., Hk, c, D)`` and ``v_chunk: (..., Hk, c, Dv)`` (``c`` may vary
         from chunk to chunk, and may be 0), e.g. from a generator or slices of an
         ``np.memmap``.  Chunk ``t`` holds the keys that follow those of chunk ``t - 1``.
-    causal, causal_align, window, softcap, alibi_slopes, scale
-        As in `attention`.
+    causal, causal_align, window, softcap, alibi_slopes, sinks, scale
+        As in `attention` (the sinks are every query row's initial state).
     total_keys : int, optional
         The number of keys all chunks hold together, ``Sk``.  Needed for the
         ``bottom_right`` alignment (``o = Sk - Sq``) when a causal mask, a window or ALiBi
@@ -106,7 +106,10 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             _args.check_finite(v5, f"v of kv_chunks[{t}]")
         if state is None:
             slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
-            state = [OnlineSoftmax.empty(q5.shape[:-2] + (rows,), pb.dv, keys_first=keys_first_for(rows))
+            sink = _args.sinks(sinks, pb)  # (..., hk, g): each row starts from its head's sink
+            sink = None if sink is None else sink[..., None]
+            state = [OnlineSoftmax.empty(q5.shape[:-2] + (rows,), pb.dv, keys_first=keys_first_for(rows),
+                                         sink=sink)
                      for rows in (min(pb.sq, q0 + tiles.block_q) - q0 for q0 in range(0, pb.sq, tiles.block_q))]
             first = pb
         elif (pb.batch, pb.hk, pb.dv) != (first.batch, first.hk, first.dv):

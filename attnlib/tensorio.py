@@ -38,6 +38,11 @@ import numpy as np
 FLOAT_KINDS = ("float64", "float32", "float16", "bfloat16")
 
 _SAFETENSORS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+#: Integer safetensors dtypes, read by `load_indices` (offsets, page tables, lengths).
+_SAFETENSORS_INT = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "U8": "<u1", "U16": "<u2",
+                    "U32": "<u4", "U64": "<u8"}
+#: The ``dtype`` argument that asks the readers for integers instead of floats.
+_INDICES = "indices"
 #: Item sizes of the other safetensors dtypes: entries we do not read are still checked.
 _SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
                          "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
@@ -97,6 +102,15 @@ def load_tensor(spec: str, label: str, dtype: str | None = None) -> tuple[np.nda
     except Exception as e:  # a library's surprise on a hostile file: still one clean message
         raise TensorFileError(_one_line(f"{where}: not a readable tensor file "
                                         f"({type(e).__name__}: {e})")) from None
+
+
+def load_indices(spec: str, label: str) -> np.ndarray:
+    """Read one integer tensor (offsets, a page table, lengths) as int64, with the same
+    checks as `load_tensor`: ``.npy``, ``.npz`` or ``.safetensors`` (``I8`` .. ``U64``)."""
+    arr = load_tensor(spec, label, _INDICES)[0]
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise TensorFileError(f"{label} {spec}: values beyond int64")
+    return arr.astype(np.int64)
 
 
 def _one_line(message: str, limit: int = 600) -> str:
@@ -167,6 +181,18 @@ def _check_shape(shape, where):
 
 def _read_npy(f, available, where, not_npy, dtype):
     """Read one .npy from the stream ``f`` that holds exactly ``available`` bytes."""
+    src, shape, fortran, _ = read_npy_header(f, available, where, not_npy)
+    mode, kind = _plan(src, None, where, dtype)
+    flat = _read_flat(f, src, _check_shape(shape, where), mode, where)
+    return (flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)), kind
+
+
+def read_npy_header(f, available, where, not_npy="not an .npy file"):
+    """Check the header of the .npy file on the stream ``f`` (``available`` bytes in all,
+    from its start): ``(dtype, shape, fortran_order, data_offset)``, the stream left at the
+    data.  Every field is checked before anything is allocated: the magic, the version, the
+    header's size and syntax (a literal, never unpickled), a plain numeric dtype, and a
+    shape whose bytes are exactly the rest of the file."""
     magic = f.read(6)
     if magic != _NPY_MAGIC:
         what = "empty" if not magic else f"starts with {magic!r}, not numpy's \\x93NUMPY magic"
@@ -221,9 +247,7 @@ def _read_npy(f, available, where, not_npy, dtype):
         raise TensorFileError(f"{where}: header declares shape {shape} of {src} "
                               f"({count * src.itemsize} bytes) but the file holds {data} bytes "
                               "of data")
-    mode, kind = _plan(src, None, where, dtype)
-    flat = _read_flat(f, src, count, mode, where)
-    return (flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)), kind
+    return src, shape, fortran, preamble + hlen
 
 
 def _pickled(where):
@@ -309,10 +333,12 @@ def _from_safetensors(path, key, where, dtype):
             entries[name] = _safetensors_entry(name, entry, data_size, where)
         name = _pick(entries, key, where)
         kind, shape, start, end = entries[name]
-        if kind not in _SAFETENSORS:
-            raise TensorFileError(f"{where}: tensor {name!r} has dtype {kind}; a kernel's tensors "
-                                  f"must be floating point ({', '.join(_SAFETENSORS)})")
-        src = np.dtype(_SAFETENSORS[kind])
+        known = _SAFETENSORS_INT if dtype == _INDICES else _SAFETENSORS
+        if kind not in known:
+            what_kind = "integers" if dtype == _INDICES else "floating point"
+            raise TensorFileError(f"{where}: tensor {name!r} has dtype {kind}; it must be {what_kind} "
+                                  f"({', '.join(known)})")
+        src = np.dtype(known[kind])
         mode, stored = _plan(src, "bfloat16" if kind == "BF16" else None, where, dtype)
         f.seek(8 + n + start)
         flat = _read_flat(f, src, (end - start) // src.itemsize, mode, where)
@@ -347,6 +373,10 @@ def _safetensors_entry(name, entry, data_size, where):
 
 def _plan(src: np.dtype, stored, where, dtype):
     """How to read data of type ``src``: ``(mode, kind)``, decided before reading it."""
+    if dtype == _INDICES:
+        if src.kind in "iu":
+            return "raw", src.name
+        raise TensorFileError(f"{where}: dtype {src} is not an integer type")
     if stored == "bfloat16":
         return "bf16", "bfloat16"
     bits = False

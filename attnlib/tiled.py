@@ -85,9 +85,10 @@ class AttentionStats:
 
 def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
               kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              softcap=None, alibi_slopes=None, scale=None, block_q=None, block_k=None,
+              softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
-              return_lse=False, return_stats=False, check_finite=True):
+              return_lse=False, return_stats=False, check_finite=True, block_table=None,
+              cache_seqlens=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -125,6 +126,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         ``s = softcap * tanh(s / softcap)`` before masking; 0 or None: off.
     alibi_slopes : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
         Adds ``-slope[h] * |i + o - j|`` to the scores after masking (not scaled).
+    sinks : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
+        Attention sinks (gpt-oss ``s_aux``, FlashAttention ``learnable_sink``): a finite
+        logit per head that joins every row's softmax denominator with no value,
+        ``out_i = sum_j e^{s_ij} v_j / (e^{sink_h} + sum_j e^{s_ij})`` and
+        ``lse_i = log(e^{sink_h} + sum_j e^{s_ij})``.  Taken as given: no scale, softcap
+        or ALiBi applies to it.  A row with no visible key gives ``out = 0`` and
+        ``lse = sink_h``.  In the online softmax it is the rows' initial state
+        ``(m, l, acc) = (sink, 1, 0)``, so a tile whose max exceeds it counts as a rescale.
     scale : float, optional
         Score scale, ``1/sqrt(D)`` by default.
     block_q, block_k : int, optional
@@ -160,6 +169,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         Also return an `AttentionStats` (costs ``O(Hq * n_q_tiles * n_k_tiles)`` memory).
     check_finite : bool
         Refuse inputs holding NaN or inf (checked in chunks, within the memory bound).
+    block_table, cache_seqlens : array_like of int, shapes ``(batch, max_blocks)`` and ``(batch,)``
+        A paged KV cache (FlashAttention's ``flash_attn_with_kvcache``, vLLM): ``k`` and
+        ``v`` are then the pages ``(num_blocks, page_size, Hk, D)``, ``q`` is
+        ``(batch, Hq, Sq, D)``, and entry ``b``'s key ``j < cache_seqlens[b]`` is
+        ``k[block_table[b, j // page_size], j % page_size]``.  Read in place, a few pages at
+        a time, with key tiles on page boundaries (`attnlib.paged.paged_attention`, whose
+        further options apply); the masks and score options as above, except the padding
+        and document ones, split-KV, lazy rescaling, low precision and stats.
 
     Raises
     ------
@@ -201,6 +218,26 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     >>> attnlib.attention_errors(out, q, k, v, causal=True, window=(64, None)).rel_error < 1e-12
     True
     """
+    if block_table is not None or cache_seqlens is not None:
+        if block_table is None or cache_seqlens is None:
+            raise ValueError("a paged KV cache needs both block_table and cache_seqlens")
+        unsupported = {"kv_lengths": kv_lengths, "q_lengths": q_lengths, "q_segment_ids": q_segment_ids,
+                       "kv_segment_ids": kv_segment_ids, "return_stats": return_stats or None,
+                       "kv_splits": None if kv_splits == 1 else kv_splits,
+                       "rescale_threshold": rescale_threshold or None,
+                       "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
+        given = sorted(name for name, value in unsupported.items() if value is not None)
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with a paged KV cache "
+                             "(cache_seqlens gives the key lengths)")
+        from .paged import paged_attention
+
+        if block_k is not None:  # paged_attention calls it chunk_keys
+            _args.positive_int(block_k, "block_k")
+        return paged_attention(q, k, v, block_table, cache_seqlens, causal=causal, causal_align=causal_align,
+                               window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                               scale=scale, block_q=block_q, chunk_keys=block_k, workers=workers,
+                               return_lse=return_lse, check_finite=check_finite)
     if block_q is not None:
         _args.positive_int(block_q, "block_q")
     if block_k is not None:
@@ -220,6 +257,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     cap = _args.softcap(softcap)
     slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+    sink = _args.sinks(sinks, pb)  # (..., hk, g)
 
     _args.check_representable(prec, q=q5, k=k5, v=v5)
     check = _args.scores_may_overflow(q5, k5, pb.scale, prec.accumulate)
@@ -227,10 +265,11 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         tau = _safe_threshold(tau, prec, pb.sk, _args.abs_max(v5))
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), kv_splits)
+    # The sink joins the first key range's state only: once per row, whatever the split.
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
                      (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec,
-                     check)
-                for part in splits]
+                     check, sink=sink if r == 0 else None)
+                for r, part in enumerate(splits)]
     if len(partials) == 1:
         out, lse = partials[0][:2]
     else:
@@ -278,13 +317,14 @@ def _safe_threshold(tau, prec, n_keys, v_max):
 
 
 def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
-         prec=None, check=False):
+         prec=None, check=False, sink=None):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
 
     ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``specs`` (all batch entries at
     once when the mask does not depend on them), and the work items of every plan on one
     pool of ``workers`` threads, so that batch entries with masks of their own (padding,
-    documents) run in parallel too.
+    documents) run in parallel too.  ``sink``: the grouped sinks ``(..., hk, g)``, the
+    rows' initial state, or None.
     """
     lead = q.shape[:-2]
     out = np.empty(lead + (pb.sq, pb.dv))
@@ -305,7 +345,7 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                               out[idx], lse[idx],
                               None if rescales is None else rescales[idx],
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
-                              per_thread))
+                              per_thread, _args.for_entry(sink, idx)))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
@@ -366,7 +406,7 @@ def _unit_of(arr, unit: tuple):
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau, prec, check, per_thread):
+             tau, prec, check, per_thread, sink=None):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -378,6 +418,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     `tile_scores`).  ``per_thread``, a ``threading.local`` shared by the plans of one call,
     holds each thread's tile buffers (keyed by shape), so that the working memory is one
     set of buffers per thread however many batch entries have masks of their own.
+    ``sink`` (broadcastable to ``lead``) starts every row from its head's sink.
     """
     bq, bk = tiles.block_q, tiles.block_k
     lead, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
@@ -395,6 +436,8 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                        n_q_tiles)
     if slopes is not None:
         slopes = np.broadcast_to(slopes, lead)  # (*lead,): one slope per head
+    if sink is not None:
+        sink = np.broadcast_to(sink, lead)  # (*lead,): one sink per head
 
     def unit_tile(item):
         # The longest (last, under causal) query tiles go first so the threads finish together.
@@ -418,7 +461,12 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         if packed:  # (..., g, r, d) -> (..., g * r, d); the rows' positions repeat per head
             q_i = q_i.reshape(q_i.shape[:-3] + (g * (q1 - q0), q_i.shape[-1]))
             rows = np.tile(np.arange(q0, q1), g)
-        state = OnlineSoftmax.empty(q_i.shape[:-1], dv, dtype, keys_first=keys_first_for(q_i.shape[-2]))
+        sink_rows = None
+        if sink is not None:  # each row starts from its head's sink
+            sink_rows = (np.repeat(sink[unit], q1 - q0, axis=-1) if packed  # (..., g * rows)
+                         else sink[unit][..., None])  # (..., 1) against (..., rows)
+        state = OnlineSoftmax.empty(q_i.shape[:-1], dv, dtype, keys_first=keys_first_for(q_i.shape[-2]),
+                                    sink=sink_rows)
         todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
         events = absorb(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],
                         tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],

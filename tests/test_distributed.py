@@ -53,13 +53,18 @@ def _case(name):
         q, k, v = attnlib.random_qkv(1000, 600, 16, batch=(1,), heads=2, seed=7)
         return q, k, v, dict(causal=True, causal_align="bottom_right", softcap=5.0,
                              alibi_slopes=[0.5, 0.125], scale=0.3)
+    if name == "sinks":  # per entry and head; blocks without a piece (no keys) give lse = sink
+        q, k, v = attnlib.random_qkv(1100, 1100, 16, batch=(3,), heads=4, kv_heads=2, seed=11)
+        sinks = np.random.default_rng(11).normal(size=(3, 4)) * 3
+        return q, k, v, dict(causal=True, q_lengths=[1100, 600, 0], kv_lengths=[1100, 0, 300],
+                             sinks=sinks)
     if name == "two_d":
         q, k, v = attnlib.random_qkv(900, 1100, 16, seed=8)
         return q, k, v, dict(window=(200, 100))
     raise KeyError(name)
 
 
-CASES = ["causal", "window", "gqa", "padded", "segments", "scores", "two_d"]
+CASES = ["causal", "window", "gqa", "padded", "segments", "scores", "sinks", "two_d"]
 
 
 def _as(kind, x, tmp_path, name):
@@ -127,7 +132,7 @@ def _visible_pairs(q_shape, k_shape, block_q, kv_block, options):
     with a visible pair, from the contract's dense visibility."""
     batch, hk, sq, sk = q_shape[:-3], k_shape[-3], q_shape[-2], k_shape[-2]
     specs = mask_specs(batch, sq, sk, **{k: v for k, v in options.items()
-                                         if k not in ("softcap", "alibi_slopes", "scale")})
+                                         if k not in ("softcap", "alibi_slopes", "sinks", "scale")})
     total = 0
     for entry in np.ndindex(*batch):
         vis = (specs[()] if () in specs else specs[entry]).visible(np.arange(sq), np.arange(sk))
@@ -216,7 +221,7 @@ def test_bad_arguments(client, tmp_path):
         ad.attention(object(), k, v, client=client)
     bad = tmp_path / "bad.npy"
     bad.write_bytes(b"not a numpy file at all")
-    with pytest.raises(ValueError, match="k: .*not a readable .npy"):
+    with pytest.raises(ValueError, match="k: .*not an .npy file"):
         ad.attention(q, str(bad), v, client=client)
     ints = tmp_path / "ints.npy"
     np.save(ints, np.zeros((64, 8), dtype=np.int64))
@@ -226,7 +231,7 @@ def test_bad_arguments(client, tmp_path):
     np.save(short, k)
     with open(short, "r+b") as f:
         f.truncate(os.path.getsize(short) - 8)
-    with pytest.raises(ValueError, match="header promises"):
+    with pytest.raises(ValueError, match="header declares shape .* but the file holds"):
         ad.attention(q, str(short), v, client=client)
     with pytest.raises(ValueError, match="kv_block"):
         ad.attention(q, k, v, client=client, kv_block=0)
@@ -385,3 +390,27 @@ def test_check_distributed_starts_a_local_cluster(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "attnlib", "check", "--layout", "bhsd", "--causal",
                            "--distributed", *files], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_worker_memory_gate_has_power(tmp_path):
+    """The scale-out report's flatness verdict (growth between two n below one head's keys
+    for the added positions) passes the planned pieces and fails pieces that read whole key
+    ranges (kv_block = n: memory of the sequence's size on a worker)."""
+    from attnlib.bench import scaleout
+
+    d, block, sweep = 64, 256, (1024, 4096)
+    growth = {}
+    with scaleout.local_cluster(2) as client:
+        for label in ("planned", "whole key range"):
+            working = []
+            for n in sweep:
+                paths = scaleout.save_case(str(tmp_path), 1, 1, n, d, seed=1)
+                kv = block if label == "planned" else n
+                out = str(tmp_path / f"out_{n}.npy")
+                attnlib.distributed.attention(*paths, client=client, causal=True, block_q=block,
+                                              kv_block=kv, out=out)  # warm-up
+                peaks = scaleout.worker_peaks(client, paths, block, out, kv_block=kv)
+                working.append(max(w for _, _, w in peaks))
+            growth[label] = working[1] - working[0]
+    bound = scaleout.growth_bound(*sweep, d)
+    assert growth["planned"] < bound <= growth["whole key range"], (growth, bound)

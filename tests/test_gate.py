@@ -99,7 +99,9 @@ def _run(q, k, v, **options):
 #: The problem options a defect needs to show at all (default: causal).
 NEEDS = {"window_edge": dict(causal=True, window=(50, None)),
          "alibi_signed": dict(alibi_slopes=[0.5, 0.25]),
-         "softcap_after_mask": dict(causal=True, softcap=5.0)}
+         "softcap_after_mask": dict(causal=True, softcap=5.0),
+         "sink_weight_dropped": dict(causal=True, sinks=[0.5, -1.0]),
+         "sink_first_tile_unscaled": dict(causal=True, sinks=[-3.0, 1.0])}
 
 
 @pytest.mark.parametrize("name", sorted(DEFECTS))
@@ -160,7 +162,7 @@ def test_run_case_and_power_table():
 def test_feature_cases_exercise_every_option_and_pass():
     cases = attnlib.inputs.feature_cases(16, seed=2, max_len=256)
     labels = {"documents": "documents=", "kv_splits": "kv_splits=", "lazy": "lazy tau="}
-    for i, feature in enumerate(attnlib.inputs.FEATURES):  # case c always has FEATURES[c % 8]
+    for i, feature in enumerate(attnlib.inputs.FEATURES):  # case c always has FEATURES[c % 9]
         assert labels.get(feature, feature) in cases[i].features
     for case in cases:
         row = attnlib.run_case(case, defects=["window_edge", "alibi_signed", "softcap_after_mask"])

@@ -55,6 +55,19 @@ def test_equivalence_figures(quick_reports):
     assert [p["defect"] for p in figs["power"]] == list(DEFECTS)
     assert all(p["verdict"] == "caught" and p["caught"] >= 1 for p in figs["power"])
     assert data["params"]["n_cases"] == 6 and data["seconds"] > 0 and data["strict"] is True
+    # Attention sinks: every problem passes, and the rescale counts equal the recount at every sink.
+    assert len(figs["sinks"]) == report.NOTEBOOKS["equivalence"].quick["sink_cases"]
+    assert all(r["passed"] and "sinks" in r["features"] for r in figs["sinks"])
+    sweep = figs["sink_sweep"]
+    assert sweep[0]["sink"] == "none" and all(r["agree"] and r["passed"] for r in sweep)
+    high = [r for r in sweep if r["sink"] != "none" and r["sink"] >= 8]
+    assert high and all(r["total_rescales"] == 0 for r in high)  # a sink above every score holds the max
+    # Varlen and paged: every problem passes the gate; the paged peak does not follow the cache.
+    quick = report.NOTEBOOKS["equivalence"].quick
+    assert len(figs["varlen"]) == len(figs["paged"]) == quick["layout_cases"]
+    assert all(r["passed"] for r in figs["varlen"] + figs["paged"])
+    assert [r["cache pages"] for r in figs["paged_memory"]] == quick["paged_pages"]
+    assert 0 <= figs["paged_spread_bytes"] <= 1024
 
 
 def test_rescales_figures(quick_reports):
@@ -102,6 +115,13 @@ def test_gradients_figures(quick_reports):
     errors = [r[f"{g}_error"] for r in figs["cases"] + figs["adversarial"] for g in ("dq", "dk", "dv")]
     assert max(errors) < BOUND
     assert figs["tiled_working_max"] < CAP_BYTES < figs["dense_working_largest"]
+    sinks = figs["sinks"]
+    assert len(sinks) == report.NOTEBOOKS["gradients"].quick["sink_cases"]
+    assert all("sinks" in r["features"] and max(r[f"{g}_error"] for g in ("dq", "dk", "dv", "dsinks")) < 1e-13
+               for r in sinks)
+    varlen = figs["varlen"]
+    assert len(varlen) == report.NOTEBOOKS["gradients"].quick["varlen_cases"]
+    assert all(max(r[f"{g}_error"] for g in ("dq", "dk", "dv")) < 1e-13 for r in varlen)
 
 
 def test_performance_figures(quick_reports):
@@ -147,6 +167,8 @@ def test_scaleout_figures(quick_reports):
     assert figs["timing"]["bitwise_identical"] is True
     assert [r["n"] for r in figs["sweep"]] == quick["sweep"]
     assert all(r["piece tasks"] > 0 and r["working = peak - left (MiB)"] > 0 for r in figs["sweep"])
+    lo, hi = quick["sweep"][-2:]
+    assert figs["growth_bound_mib"] == 8 * (hi - lo) * quick["d"] / 2**20 > figs["growth_mib"]
     assert figs["model"]["rate_flops_per_worker"] > 0
     assert len(figs["projection"]) == len(report.NOTEBOOKS["scaleout"].quick.get(
         "project_machines", [1, 8, 64, 512]))
@@ -167,7 +189,7 @@ def test_html_is_self_contained_and_indexed(quick_reports):
 
 
 def test_stored_notebooks_have_no_outputs_and_a_parameters_cell():
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")) + [check.cli.NOTEBOOK]:
         nb = nbformat.read(str(path), as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert all(not c.outputs and c.execution_count is None for c in code), path.name
@@ -180,7 +202,7 @@ def test_stored_notebooks_have_no_outputs_and_a_parameters_cell():
         # The cell after the parameters validates them through attnlib.
         assert f'report.check_params(\n    "{path.stem}"' in code[1].source, path.name
         assert declared == set(report.NOTEBOOKS[path.stem].parameters)
-    assert {p.stem for p in NOTEBOOKS.glob("*.ipynb")} == set(report.NOTEBOOKS) | {"kernel_check"}
+    assert {p.stem for p in NOTEBOOKS.glob("*.ipynb")} == set(report.NOTEBOOKS)
 
 
 def test_validation_cell_fails_with_a_clear_message(tmp_path):
@@ -367,7 +389,7 @@ def test_help_and_usage_exit_codes(capsys):
     for flag in ("--help", "-h"):
         assert main([flag]) == 0
         captured = capsys.readouterr()
-        assert captured.out.startswith("usage: python -m attnlib") and not captured.err
+        assert captured.out.startswith("usage: attnlib") and not captured.err
     assert main(["nonsense"]) == 2
     captured = capsys.readouterr()
     assert "unknown command 'nonsense'" in captured.err and "usage:" in captured.err and not captured.out
@@ -376,6 +398,10 @@ def test_help_and_usage_exit_codes(capsys):
     assert exit_info.value.code == 0 and "reports-local/" in capsys.readouterr().out
     cli = subprocess.run([sys.executable, "-m", "attnlib", "--help"], capture_output=True, text=True)
     assert cli.returncode == 0 and "report" in cli.stdout
+    # The console command pip installs beside the interpreter.
+    script = Path(sys.executable).with_name("attnlib")
+    cli = subprocess.run([str(script), "check", "--help"], capture_output=True, text=True)
+    assert cli.returncode == 0 and "--sinks" in cli.stdout
 
 
 def test_strict_mode_is_claimed_only_when_on(tmp_path):

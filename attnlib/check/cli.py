@@ -8,23 +8,40 @@ import os
 import sys
 from pathlib import Path
 
-from ..tensorio import TensorFileError, load_tensor, split_spec
+from .._args import cli_window
+from ..tensorio import TensorFileError, load_indices, load_tensor, split_spec
 from .shapes import LAYOUTS, TENSORS, UnusableInput
 from .text import format_text
 from .verdict import KernelCheck, check_kernel
 
-#: What ``notebooks/kernel_check.ipynb`` declares, and `_run_notebook` passes.
-NOTEBOOK_PARAMETERS = TENSORS + ("dtype", "layout", "causal", "causal_align", "window", "softcap",
-                                 "scale", "kv_lengths", "workers", "results_json")
+#: The notebook `check --html` runs: package data, so that it works from a plain install.
+NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
+#: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
+INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens")
+#: Tensor files besides the kernel's tensors: the options that come as arrays.
+OPTION_FILES = ("sinks",) + INDEX_FILES
+#: What `NOTEBOOK` declares, and `_run_notebook` passes.
+NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "causal_align", "window",
+                                                "softcap", "scale", "kv_lengths", "workers",
+                                                "results_json")
 
 
-def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", dtype="", **options) -> KernelCheck:
-    """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given)."""
-    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv)
+def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dtype="",
+                   cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
+                   **options) -> KernelCheck:
+    """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
+    ``sinks`` and the integer files of `INDEX_FILES` too."""
+    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks)
+    indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                   block_table=block_table, cache_seqlens=cache_seqlens)
     arrays, kinds, names = {}, {}, {}
+    for name, spec in indices.items():
+        if spec:
+            arrays[name] = load_indices(spec, f"--{name.replace('_', '-')}")
     for name, spec in specs.items():
         if spec:
-            arrays[name], kinds[name] = load_tensor(spec, f"--{name}", dtype or None)
+            # The sinks are parameters (float32 or float64 in the kernel): read as stored.
+            arrays[name], kinds[name] = load_tensor(spec, f"--{name}", None if name == "sinks" else dtype or None)
             names[name] = f"--{name} {spec}"
     lse_dtype = _stored_dtype(kinds["lse"]) if "lse" in kinds else None
     return check_kernel(**arrays, dtype=dtype or kinds["q"], names=names, lse_dtype=lse_dtype, **options)
@@ -50,13 +67,6 @@ def save_json(path: str, check: KernelCheck) -> None:
         json.dump(data, f, indent=1)
 
 
-def _window(values):
-    if values is None:
-        return None
-    left, right = (None if x < 0 else x for x in values)  # -1: unbounded (FlashAttention's)
-    return (left, right)
-
-
 def _parser():
     import argparse
 
@@ -72,9 +82,10 @@ def _parser():
         p.add_argument(f"--{name}", required=required, default="", metavar="FILE",
                        help=f"{name} tensor: .npy, .npz or .safetensors (path or path:name)"
                             + ("" if required else ", optional"))
-    p.add_argument("--layout", choices=LAYOUTS, default="bshd",
+    p.add_argument("--layout", choices=LAYOUTS + ("thd",), default="bshd",
                    help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
-                        "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's")
+                        "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's; "
+                        "thd: (total, nheads, headdim), FlashAttention's varlen (with --cu-seqlens-q/k)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right",
                    help="causal alignment when seqlen_q != seqlen_k (default bottom_right, FlashAttention's)")
@@ -84,6 +95,18 @@ def _parser():
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
     p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="valid keys per batch entry (padding)")
+    p.add_argument("--cu-seqlens-q", default="", metavar="FILE",
+                   help="varlen: the batch + 1 offsets of the packed query sequences (integers; --layout thd)")
+    p.add_argument("--cu-seqlens-k", default="", metavar="FILE", help="varlen: the key sequences' offsets")
+    p.add_argument("--seqused-k", default="", metavar="FILE",
+                   help="varlen: keys each sequence uses (integers, batch)")
+    p.add_argument("--block-table", default="", metavar="FILE",
+                   help="paged KV cache: (batch, max_blocks) page indices; --k/--v are then the pages "
+                        "(num_blocks, page_size, nheads, headdim)")
+    p.add_argument("--cache-seqlens", default="", metavar="FILE", help="paged KV cache: keys per batch entry")
+    p.add_argument("--sinks", default="", metavar="FILE",
+                   help="attention-sink logits, (nheads,) or (batch, nheads): one more logit in every "
+                        "row's softmax denominator, with no value (gpt-oss, FlashAttention learnable_sink)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"), default=None,
                    help="the kernel's compute precision (default: the type q is stored in)")
     p.add_argument("--workers", type=int, default=None,
@@ -100,9 +123,9 @@ def _parser():
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
-                   window=_window(args.window), softcap=args.softcap or None, scale=args.scale,
+                   window=cli_window(args.window), softcap=args.softcap or None, scale=args.scale,
                    kv_lengths=args.kv_lengths, workers=args.workers)
-    files = {name: getattr(args, name) for name in TENSORS}
+    files = {name: getattr(args, name) for name in TENSORS + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:
         if args.html and on_cluster:
@@ -131,30 +154,30 @@ def main(argv=None) -> int:
 @contextlib.contextmanager
 def _cluster(args):
     """Where the reference runs: None (here), the ``--scheduler`` address, or a client of a
-    LocalCluster started for the run (``--distributed``)."""
+    LocalCluster started for the run (``--distributed``: `attnlib.distributed`'s own)."""
     if not args.distributed:
         yield args.scheduler
         return
-    from distributed import Client, LocalCluster
+    from ..distributed.engine import _client
 
-    from .._args import available_cpus
-
-    with LocalCluster(n_workers=available_cpus(), threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
+    with _client(None) as client:
         yield client
 
 
 def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     """Run the kernel-check notebook on the files and render it to ``target``."""
-    from ..report import ROOT, ReportError, execute
+    from ..report import ReportError, execute
 
-    notebook = ROOT / "notebooks" / "kernel_check.ipynb"
+    notebook = NOTEBOOK
     if not notebook.exists():
-        raise UnusableInput(f"--html needs {notebook} (a source checkout of attnlib)")
+        raise UnusableInput(f"--html needs {notebook}, which this installation of attnlib lacks")
     # Fail fast, with the CLI's messages, on unusable files before starting a kernel.
     for name, spec in files.items():
         if spec:
-            load_tensor(spec, f"--{name}", dtype or None)
+            if name in INDEX_FILES:
+                load_indices(spec, f"--{name.replace('_', '-')}")
+            else:
+                load_tensor(spec, f"--{name}", None if name in OPTION_FILES else dtype or None)
 
     def absolute(spec):  # the notebook runs elsewhere: absolute paths, ":name" kept
         path, key = split_spec(spec)

@@ -216,8 +216,11 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
         if failing_entries.size > entries.size:
             scope = f" in the first {entries.size} failing batch entries (of {failing_entries.size})"
         opts = dict(options)
-        if options["kv_lengths"] is not None:
-            opts["kv_lengths"] = np.broadcast_to(np.ravel(options["kv_lengths"]), (shape["batch"],))[entries]
+        for key in ("kv_lengths", "q_lengths"):  # per batch entry: those of the failing entries
+            if options.get(key) is not None:
+                opts[key] = np.broadcast_to(np.ravel(options[key]), (shape["batch"],))[entries]
+        if options.get("sinks") is not None and np.ndim(options["sinks"]) == 2:  # (batch, H)
+            opts["sinks"] = options["sinks"][entries]
 
         def pick(x):
             return x[entries]

@@ -37,8 +37,14 @@ def format_text(check: KernelCheck) -> str:
     mask = "causal (" + o["causal_align"] + ")" if o["causal"] else "no causal mask"
     if o["window"] is not None:
         mask += f", window {o['window']}"
-    extras = [f"softcap {o['softcap']}" if o["softcap"] else "", f"kv_lengths {list(np.ravel(o['kv_lengths']))}"
-              if o["kv_lengths"] is not None else ""]
+    def ints(x):
+        return [int(n) for n in np.ravel(x)]
+
+    extras = [f"softcap {o['softcap']}" if o["softcap"] else "",
+              f"q_lengths {ints(o['q_lengths'])}" if o.get("q_lengths") is not None else "",
+              f"kv_lengths {ints(o['kv_lengths'])}" if o["kv_lengths"] is not None else "",
+              f"sinks {np.shape(o['sinks'])}" if o.get("sinks") is not None else "",
+              o.get("layout_note", "")]
     dv = "" if s["dv"] == s["d"] else f" (v: {s['dv']})"
     lines = [
         "attnlib check: the kernel's output against attnlib's float64 reference",

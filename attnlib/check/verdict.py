@@ -8,7 +8,9 @@ import numpy as np
 
 from .. import _args
 from ..memory import dense_fits
+from .arrays import as_numpy
 from .diagnosis import diagnose, row_ratios, trend
+from .packing import unpack_paged, unpack_varlen
 from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
 
@@ -48,21 +50,22 @@ class KernelCheck:
 
 
 def _as_float(x, name):
-    """``(array, stored dtype)`` for a numpy float or ml_dtypes float array, else UnusableInput."""
+    """``(array, stored dtype)`` for a float array (numpy, ml_dtypes, or a torch tensor or
+    any other array `as_numpy` takes), else UnusableInput."""
+    x = as_numpy(x, name)
     if isinstance(x, np.ndarray) and x.dtype.kind == "f":
         return x, x.dtype
     if isinstance(x, np.ndarray) and _args._is_ml_float(x.dtype):
         return x.astype(np.float32), x.dtype  # bfloat16, float8: exact in float32
-    if not isinstance(x, np.ndarray):
-        raise UnusableInput(f"{name}: expected a numpy array, got {type(x).__module__}.{type(x).__name__}"
-                            " (convert it first, e.g. a torch tensor with .float().cpu().numpy())")
     raise UnusableInput(f"{name}: expected a floating-point array, got {x.dtype}")
 
 
 def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
-                 window=None, softcap=None, scale=None, kv_lengths=None, workers=None,
-                 names=None, lse_dtype=None, scheduler=None) -> KernelCheck:
+                 window=None, softcap=None, scale=None, kv_lengths=None, sinks=None,
+                 cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
+                 cache_seqlens=None, workers=None, names=None, lse_dtype=None,
+                 scheduler=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -73,11 +76,13 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
 
     Parameters
     ----------
-    q, k, v : ndarray
+    q, k, v : array
         The kernel's inputs, as it read them: ``(batch, seqlen, nheads, headdim)`` for
         ``layout="bshd"`` (FlashAttention's), ``(batch, nheads, seqlen, headdim)`` for
         ``"bhsd"`` (PyTorch SDPA's); 3-D without the batch axis, 2-D ``(seqlen, headdim)``.
-        numpy floating arrays or ml_dtypes ones (bfloat16, float8).
+        numpy floating arrays, ml_dtypes ones (bfloat16, float8), torch tensors on any
+        device in any float type, or anything with ``__array__``/``__dlpack__`` (every
+        tensor argument: converted exactly, see `attnlib.check.arrays`).
     out : ndarray
         The kernel's output, in the layout of ``q`` with ``headdim`` of ``v``.  NaN or inf
         in it is a failure, reported with its positions.
@@ -86,11 +91,14 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         it); rows without a visible key may hold ``-inf`` or ``+inf``.
     dout, dq, dk, dv : ndarray, optional
         The upstream gradient and the kernel's gradients (layouts of out, q, k, v).
-    layout : {"bshd", "bhsd"}
+    layout : {"bshd", "bhsd", "thd"}
+        ``thd``: FlashAttention's varlen layout, ``(total, nheads, headdim)`` with
+        ``cu_seqlens_q`` and ``cu_seqlens_k`` (and ``lse (nheads, total_q)``).
     dtype : {None, "float64", "float32", "float16", "bfloat16"}
         The kernel's compute precision; default: the type ``q`` is held in.
-    causal, causal_align, window, softcap, scale, kv_lengths
-        The attention the kernel computes, as in `attention`.
+    causal, causal_align, window, softcap, scale, kv_lengths, sinks
+        The attention the kernel computes, as in `attention` (``sinks``: ``(nheads,)`` or
+        ``(batch, nheads)``, the logits of attention sinks).
     workers : int, optional
         Threads for the float64 reference; default: every available CPU.
     names : dict, optional
@@ -98,6 +106,14 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     lse_dtype : dtype, optional
         The type the kernel stored ``lse`` in, when ``lse`` was converted on the way (a
         bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
+    cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
+        A varlen kernel's offsets ``(batch + 1,)`` and used keys ``(batch,)`` (layout
+        ``thd``): judged as its sequences padded into a batch (`attnlib.check.packing`), so
+        positions in the verdict are (sequence, position in it).
+    block_table, cache_seqlens : array of int, optional
+        A paged KV cache: ``k`` and ``v`` are the pages ``(num_blocks, page_size, nheads,
+        headdim)``, entry ``b``'s keys its first ``cache_seqlens[b]`` positions through
+        ``block_table (batch, max_blocks)``; judged against the contiguous keys.
     scheduler : distributed.Client or str, optional
         Compute the float64 reference (``out``, ``lse`` and ``P @ |V|``) on this Dask
         cluster (a client or a scheduler address) with `attnlib.distributed.attention`,
@@ -115,12 +131,33 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         NaN or inf in the inputs.
     """
     names = {n: n for n in TENSORS} | (names or {})
-    if layout not in LAYOUTS:
-        raise UnusableInput(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None or layout == "thd"
+    if layout not in LAYOUTS + ("thd",):
+        raise UnusableInput(f"layout must be one of {LAYOUTS + ('thd',)}, got {layout!r}")
+    if varlen and (layout != "thd" or cu_seqlens_q is None or cu_seqlens_k is None):
+        raise UnusableInput("the varlen layout takes layout='thd' (--layout thd) with both cu_seqlens_q "
+                            "and cu_seqlens_k")
+    paged = block_table is not None or cache_seqlens is not None
+    if paged and (block_table is None or cache_seqlens is None):
+        raise UnusableInput("a paged KV cache needs both block_table and cache_seqlens")
+    if varlen and paged:
+        raise UnusableInput("varlen offsets and a paged cache together are not judged; give one of them")
+    if (seqused_k is not None or paged) and kv_lengths is not None:
+        raise UnusableInput("kv_lengths comes from seqused_k or cache_seqlens here: leave it out")
     given, stored = {}, {}
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
+    if sinks is not None:
+        sinks = _as_float(sinks, names.get("sinks", "sinks"))[0].astype(np.float64)
+    q_lengths, layout_note = None, ""
+    if varlen:
+        given, q_lengths, kv_lengths = unpack_varlen(given, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names)
+        layout = "bshd"
+        layout_note = "varlen (thd): judged as its sequences padded into a batch, (sequence, position) below"
+    elif paged:
+        given, kv_lengths = unpack_paged(given, layout, block_table, cache_seqlens, names)
+        layout_note = "a paged KV cache: judged against its keys gathered in order"
     shape = check_shapes(given, layout, names)
     empty_dims = [n for n in ("batch", "sq") if shape[n] == 0]
     if empty_dims:
@@ -138,8 +175,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         given_as = f"{dtype!r}" if dtype is not None else f"q's storage type {stored['q'].name}"
         raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
                             f"float16, bfloat16; got {given_as} (pass dtype=/--dtype)") from None
+    kv_lengths = as_numpy(kv_lengths, names.get("kv_lengths", "kv_lengths"))
     options = dict(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
-                   scale=scale, kv_lengths=kv_lengths)
+                   scale=scale, kv_lengths=kv_lengths, sinks=sinks)
+    if q_lengths is not None:
+        options["q_lengths"] = q_lengths
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     try:
@@ -172,7 +212,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     row_err = err.max(axis=-1, initial=0.0)
     row_err = row_err.reshape((-1, row_err.shape[-1])).max(axis=0) if row_err.ndim > 1 else row_err
     return KernelCheck(
-        shape=shape, options=options, dtype=prec.name, eps=prec.eps, baseline=expected.baseline,
+        shape=shape, options=dict(options, layout_note=layout_note) if layout_note else options, dtype=prec.name, eps=prec.eps, baseline=expected.baseline,
         out=verdict, lse=lse_verdict, grads=grads, row_err=row_err, row_ratio=row_ratio,
         row_naive_ratio=None if naive_ratio is None else row_ratios(naive_ratio[0], naive_ratio[1], expected.allowance),
         head_row_ratio=head_row_ratio, ratios=finite.ravel()[sample],

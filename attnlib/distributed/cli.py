@@ -19,13 +19,8 @@ import os
 import sys
 
 
+from .._args import cli_window
 from ..tensorio import TensorFileError, load_tensor, split_spec
-
-
-def _window(values):
-    if values is None:
-        return None
-    return tuple(None if x < 0 else x for x in values)  # -1: unbounded (FlashAttention's)
 
 
 def _parser():
@@ -70,7 +65,7 @@ def main(argv=None) -> int:
     from .engine import BlockError, attention
 
     args = _parser().parse_args(argv)
-    options = dict(causal=args.causal, causal_align=args.align, window=_window(args.window),
+    options = dict(causal=args.causal, causal_align=args.align, window=cli_window(args.window),
                    softcap=args.softcap or None, scale=args.scale, kv_lengths=args.kv_lengths,
                    q_lengths=args.q_lengths, block_q=args.block_q, kv_block=args.kv_block,
                    layout=args.layout, progress=args.progress)

@@ -26,19 +26,21 @@ class BlockError(RuntimeError):
     """A task of `attention` failed (other than by losing its worker): names the piece."""
 
 
-def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label):
-    """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse (hq', bq))``."""
+def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
+    """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse (hq', bq))``; ``sink``
+    (the piece's ``hq'`` sinks, the first piece of a query block only) starts its rows."""
     try:
         q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
         with np.errstate(divide="raise", over="raise", invalid="raise"):
             q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=True)
             slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
+            sink = None if sink is None else sink.reshape(pb.hk, pb.group)
             tiles = default_tiles(pb.d)
             check = _args.scores_may_overflow(q5, k5, pb.scale)
             n_k_tiles = -(-pb.sk // tiles.block_k)
             # One thread per task: the cluster's workers are the parallelism.
             out, lse, _, _ = _run(q5, k5, v5, pb, {(): spec}, tiles, cap, slopes, False,
-                                  (0, n_k_tiles), 1, check=check)
+                                  (0, n_k_tiles), 1, check=check, sink=sink)
         return pb.merge_heads(out, 2), pb.merge_heads(lse, 1)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
@@ -148,7 +150,7 @@ def _output(path, shape, chunks, name):
 
 def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right", window=None,
               q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              scale=None, softcap=None, alibi_slopes=None, block_q=None, kv_block=None,
+              scale=None, softcap=None, alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
               heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
               progress=False):
     """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
@@ -162,8 +164,9 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     client : distributed.Client, str or None
         The cluster: a client, a scheduler address, or None for the current client (if
         there is one), else a `LocalCluster` started for the call, one process per CPU.
-    causal, causal_align, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale, softcap, alibi_slopes
-        As in `attnlib.attention`, on absolute positions.
+    causal, causal_align, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale, softcap, alibi_slopes, sinks
+        As in `attnlib.attention`, on absolute positions.  The sinks start the rows of the
+        first piece of each query block (once per row, as in the single-process kernel).
     block_q, kv_block : int, optional
         The query block and key range of a piece (default `DEFAULT_BLOCK`): a task's memory
         is bounded by them, whatever ``Sq`` and ``Sk``.
@@ -220,6 +223,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     cap = _args.softcap(softcap)
     slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+    sink = _args.sinks(sinks, pb)  # (..., hk, g)
     blocks = make_plan(pb.batch, pb.hk, pb.sq, pb.sk, specs, block_q, kv_block, heads_per_task)
 
     squeeze, g = pb.squeeze, pb.group
@@ -265,10 +269,18 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     else:
         out_arr = np.zeros(out_shape)
         lse_arr = np.empty(lse_shape) if return_lse else None
-    # Rows of blocks with no piece see no key: out = 0 (already), lse = -inf.
+    def block_heads(values, b):  # (..., hk, g) per-head values -> the block's (hq',), flat
+        per_entry = values if values.ndim == 2 else values[b.entry]
+        return np.ascontiguousarray(per_entry[b.h0:b.h1]).reshape(-1)
+
+    # Rows of blocks with no piece see no key: out = 0 (already), lse = -inf (the sink with sinks).
     for b in blocks:
         if not b.pieces and lse_arr is not None:
-            lse_arr[lse_index(b)] = -np.inf
+            if sink is None:
+                lse_arr[lse_index(b)] = -np.inf
+            else:  # (heads, rows), or the one head's rows of 2-D inputs
+                heads = block_heads(sink, b)
+                lse_arr[lse_index(b)] = heads[0] if squeeze else heads[:, None]
     if out is not None and hasattr(out_arr, "flush"):
         out_arr.flush()
         if lse_arr is not None and hasattr(lse_arr, "flush"):
@@ -300,16 +312,15 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                 chain = _MergeChain(merge)
                 for p in b.pieces:
                     flow.wait_for_room()
-                    block_slopes = None
-                    if slopes is not None:
-                        s = slopes if slopes.ndim == 2 else slopes[p.entry]
-                        block_slopes = np.ascontiguousarray(s[p.h0:p.h1]).reshape(-1)
+                    block_slopes = None if slopes is None else block_heads(slopes, p)
+                    # The first piece (lowest keys) starts from the sinks: once per row.
+                    piece_sink = None if sink is None or p is not b.pieces[0] else block_heads(sink, p)
                     spec = (specs[()] if () in specs else specs[p.entry]).piece(p.q0, p.q1, p.k0, p.k1)
                     flow.pieces += 1
                     chain.add(c.submit(
                         _piece, q_parts[(p.entry, p.h0, p.h1, p.q0, p.q1)],
                         k_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)], v_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)],
-                        spec, pb.scale, cap, block_slopes, p.label,
+                        spec, pb.scale, cap, block_slopes, p.label, piece_sink,
                         key=f"attnlib-piece-{token}-{n}-{p.k0}", pure=False))
                 final = chain.root()
                 if out_target is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _args
+from ..tensorio import TensorFileError, read_npy_header
 
 @dataclass(frozen=True)
 class NpyFile:
@@ -49,17 +50,11 @@ class NpyFile:
         except OSError as e:
             raise ValueError(f"{name}: cannot open {path!r}: {e}") from None
         with f:
-            try:
-                version = np.lib.format.read_magic(f)
-                if version == (1, 0):
-                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-                elif version in ((2, 0), (3, 0)):
-                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-                else:
-                    raise ValueError(f"unsupported .npy version {version}")
-            except ValueError as e:
-                raise ValueError(f"{name}: {path!r} is not a readable .npy file ({e})") from None
-            offset = f.tell()
+            try:  # the check's hardened header reader: sizes checked, nothing unpickled
+                dtype, shape, fortran, offset = read_npy_header(f, os.fstat(f.fileno()).st_size,
+                                                                f"{name}: {path!r}")
+            except TensorFileError as e:
+                raise ValueError(str(e)) from None
         return cls.checked(path, offset, shape, dtype, fortran, name)
 
     @classmethod

@@ -1,0 +1,95 @@
+"""Varlen and paged inputs of a kernel, as the padded batch the check judges.
+
+A varlen kernel (layout ``thd``: ``q (total_q, H, D)`` with ``cu_seqlens_q/k``) is judged
+as the batch of its sequences padded to the longest, with ``q_lengths`` and ``kv_lengths``:
+the contract gives padded rows no key (their output must be 0) and aligns each sequence on
+its own lengths, so the verdict is that of each sequence alone.  A paged kernel's caches
+``(num_blocks, page_size, Hk, D)`` are gathered into contiguous keys with ``kv_lengths =
+cache_seqlens``.  Positions in the verdict are then (sequence, position in it).  The padded
+arrays cost ``batch * longest`` rows: the check's memory, not the kernel's.  Keys past a
+sequence's ``seqused_k`` are left out (the kernel never reads them, and may leave anything
+there), so their ``dk``, ``dv`` are not judged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..paged import gather_pages, page_tables
+from ..varlen import sequences
+from .shapes import UnusableInput
+
+#: The packed tensors by which offsets index their first axis.
+_BY_QUERY = ("q", "out", "dout", "dq")
+_BY_KEY = ("k", "v", "dk", "dv")
+
+
+def _pad(x, starts, ends, width):
+    """Rows ``starts[b]:ends[b]`` of ``x (total, ...)`` as ``(batch, width, ...)``, zero after."""
+    out = np.zeros((len(starts), width) + x.shape[1:], dtype=x.dtype)
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        out[b, :e - s] = x[s:e]
+    return out
+
+
+def unpack_varlen(given: dict, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names: dict):
+    """``given`` (thd tensors, ``lse (H, total_q)``) as bshd ones: ``(given, q_lengths,
+    kv_lengths)``.  The lse of padded rows is filled with what the contract gives a row
+    without keys (``-inf``, or the sink), so that only real rows are judged."""
+    q, k = given["q"], given["k"]
+    for name, x in given.items():
+        if name != "lse" and x.ndim != 3:
+            raise UnusableInput(f"{names[name]}: the thd layout holds (total, nheads, headdim), got "
+                                f"shape {x.shape}")
+    try:
+        seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k)
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(str(e)) from None
+    q0, q1 = np.array([s[0] for s in seqs]), np.array([s[1] for s in seqs])
+    k0 = np.array([s[2] for s in seqs])
+    k_end = np.array([s[3] for s in seqs])  # the keys each sequence uses: the kernel reads no others
+    q_lengths, kv_lengths = q1 - q0, np.array([s[3] - s[2] for s in seqs])
+    wq, wk = max(1, int(q_lengths.max(initial=0))), max(1, int(kv_lengths.max(initial=0)))
+    out = {}
+    for name, x in given.items():
+        if name in _BY_QUERY:
+            out[name] = _pad(x, q0, q1, wq)
+        elif name in _BY_KEY:
+            out[name] = _pad(x, k0, k_end, wk)
+    if "lse" in given:
+        lse = given["lse"]
+        if lse.ndim != 2 or lse.shape[1] != q.shape[0]:
+            raise UnusableInput(f"{names['lse']}: the thd layout's lse is (nheads, total_q) = "
+                                f"({q.shape[1]}, {q.shape[0]}), got shape {lse.shape}")
+        fill = np.full((len(seqs), lse.shape[0]), -np.inf)
+        if sinks is not None:
+            fill[...] = np.asarray(sinks, dtype=np.float64)
+        padded = np.repeat(fill[:, :, None], wq, axis=2).astype(lse.dtype)  # (batch, H, wq)
+        for b, (s, e) in enumerate(zip(q0, q1)):
+            padded[b, :, :e - s] = lse[:, s:e]
+        out["lse"] = padded
+    return out, q_lengths, kv_lengths
+
+
+def unpack_paged(given: dict, layout: str, block_table, cache_seqlens, names: dict):
+    """``given`` with ``k`` and ``v`` paged caches as contiguous keys in ``layout``:
+    ``(given, kv_lengths)``."""
+    if "dk" in given or "dv" in given:
+        raise UnusableInput("the gradients of a paged cache (dk, dv) are not judged; leave them out")
+    kc, vc, q = given["k"], given["v"], given["q"]
+    for name, x in (("k", kc), ("v", vc)):
+        if x.ndim != 4:
+            raise UnusableInput(f"{names[name]}: a paged cache is (num_blocks, page_size, nheads, headdim), "
+                                f"got shape {x.shape}")
+    if q.ndim != 4:
+        raise UnusableInput(f"{names['q']}: with a paged cache q is 4-D (batch first), got shape {q.shape}")
+    try:
+        _, lens = page_tables(block_table, cache_seqlens, q.shape[0], kc.shape[0], kc.shape[1])
+        k, v = gather_pages(kc, block_table, lens), gather_pages(vc, block_table, lens)  # bhsd
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(str(e)) from None
+    if k.shape[2] == 0:  # no keys anywhere: one zero key, invisible to every row
+        k, v = (np.zeros(x.shape[:2] + (1,) + x.shape[3:], dtype=x.dtype) for x in (k, v))
+    if layout == "bshd":
+        k, v = np.swapaxes(k, 1, 2), np.swapaxes(v, 1, 2)
+    return dict(given, k=k, v=v), lens

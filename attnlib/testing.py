@@ -1,0 +1,73 @@
+"""Assertions for a kernel's own test suite: ``attnlib.testing.assert_attention_close``.
+
+>>> import numpy as np, attnlib
+>>> from attnlib.testing import assert_attention_close
+>>> q, k, v = (x.astype(np.float32) for x in attnlib.random_qkv(64, 64, 16, heads=2, batch=(1,), seed=0))
+>>> out = attnlib.attention(q, k, v, causal=True, compute_dtype="float32", block_k=16)
+>>> assert_attention_close(out, q, k, v, layout="bhsd", causal=True)
+"""
+
+from __future__ import annotations
+
+from .check import check_kernel, format_text
+
+
+def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None,
+                           layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
+                           window=None, softcap=None, scale=None, kv_lengths=None, sinks=None,
+                           cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
+                           cache_seqlens=None, workers=None):
+    """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
+    to within what a correct kernel in its precision differs by.
+
+    The verdict of `attnlib.check.check_kernel` (the same rule, reference and diagnosis),
+    raised as an ``AssertionError`` for a pytest suite.
+
+    Parameters
+    ----------
+    out, q, k, v : array
+        The kernel's output and inputs: numpy arrays, torch tensors on any device and in
+        any float type (bfloat16, float16, float8 through ``ml_dtypes``), or anything with
+        ``__array__``/``__dlpack__``; never modified, converted exactly.  Shapes
+        ``(batch, seqlen, nheads, headdim)`` for ``layout="bshd"`` (FlashAttention's,
+        the default) or ``(batch, nheads, seqlen, headdim)`` for ``"bhsd"`` (PyTorch
+        SDPA's); 3-D without the batch axis.
+    lse, dout, dq, dk, dv : array, optional
+        The kernel's log-sum-exp ``(batch, nheads, seqlen_q)``, and the upstream gradient
+        with the kernel's gradients (layouts of out, q, k, v).
+    layout, dtype, causal, causal_align, window, softcap, scale, kv_lengths, sinks, workers
+        As in `attnlib.check.check_kernel`: the attention the kernel computes, and its
+        compute precision (default: the type ``q`` is stored in).
+    cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
+        A varlen kernel (``layout="thd"``, FlashAttention's ``flash_attn_varlen_func``).
+    block_table, cache_seqlens : array of int, optional
+        A paged KV cache: ``k`` and ``v`` are then its pages.
+
+    Raises
+    ------
+    AssertionError
+        When any judged tensor exceeds its allowance; the message is the check's full
+        verdict: per-head errors, the worst positions, and the likely causes.
+    attnlib.check.UnusableInput
+        (a ValueError) Inputs that cannot be judged: inconsistent shapes, non-float data,
+        NaN or inf in the inputs.
+
+    Notes
+    -----
+    The rule below float64 is FlashAttention's own test rule, per head:
+    ``|kernel - ref| <= 2 max |naive - ref| + atol``, ``naive`` being plain attention in
+    the kernel's precision and ``ref`` attnlib's float64 result; a float64 kernel is held
+    to the float64 rounding bound of the verdict gate.  ``docs/semantics.md`` has the
+    contract (masks, alignment, empty rows, sinks).
+    """
+    result = check_kernel(q, k, v, out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, layout=layout,
+                          dtype=dtype, causal=causal, causal_align=causal_align, window=window,
+                          softcap=softcap, scale=scale, kv_lengths=kv_lengths, sinks=sinks,
+                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                          block_table=block_table, cache_seqlens=cache_seqlens, workers=workers)
+    if not result.passed:
+        raise AssertionError("attention output not close to the float64 reference\n\n"
+                             + format_text(result))
+
+
+__all__ = ["assert_attention_close"]
