@@ -12,10 +12,10 @@ from __future__ import annotations
 from .check import check_kernel, format_text
 
 
-def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None,
+def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None, dsinks=None,
                            layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
-                           window=None, softcap=None, scale=None, kv_lengths=None, sinks=None,
-                           cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
+                           window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None,
+                           sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                            cache_seqlens=None, workers=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
@@ -32,10 +32,10 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         ``(batch, seqlen, nheads, headdim)`` for ``layout="bshd"`` (FlashAttention's,
         the default) or ``(batch, nheads, seqlen, headdim)`` for ``"bhsd"`` (PyTorch
         SDPA's); 3-D without the batch axis.
-    lse, dout, dq, dk, dv : array, optional
+    lse, dout, dq, dk, dv, dsinks : array, optional
         The kernel's log-sum-exp ``(batch, nheads, seqlen_q)``, and the upstream gradient
-        with the kernel's gradients (layouts of out, q, k, v).
-    layout, dtype, causal, causal_align, window, softcap, scale, kv_lengths, sinks, workers
+        with the kernel's gradients (layouts of out, q, k, v; ``dsinks`` that of ``sinks``).
+    layout, dtype, causal, causal_align, window, softcap, scale, kv_lengths, q_lengths, sinks, workers
         As in `attnlib.check.check_kernel`: the attention the kernel computes, and its
         compute precision (default: the type ``q`` is stored in).
     cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
@@ -60,9 +60,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     to the float64 rounding bound of the verdict gate.  ``docs/semantics.md`` has the
     contract (masks, alignment, empty rows, sinks).
     """
-    result = check_kernel(q, k, v, out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, layout=layout,
+    result = check_kernel(q, k, v, out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, dsinks=dsinks, layout=layout,
                           dtype=dtype, causal=causal, causal_align=causal_align, window=window,
-                          softcap=softcap, scale=scale, kv_lengths=kv_lengths, sinks=sinks,
+                          softcap=softcap, scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                           block_table=block_table, cache_seqlens=cache_seqlens, workers=workers)
     if not result.passed:

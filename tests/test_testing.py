@@ -221,3 +221,33 @@ def test_varlen_check_ignores_keys_past_seqused():
     result = check.check_kernel(q, k, v, out, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=used,
                                 causal=True)
     assert result.passed and "varlen (thd)" in check.format_text(result)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sink_gradients_are_judged(dtype):
+    """dq, dk, dv and dsinks of a torch kernel with sinks (autograd) pass; dsinks with the
+    wrong sign, or computed without the sink in the denominator, fail."""
+    q, k, v = qkv(dtype, seed=7, shape=(2, 4, 48, 16))
+    sinks = torch.tensor([1.5, -0.5, 0.0, 3.0], dtype=dtype, requires_grad=True)
+    out = sink_kernel(q, k, v, sinks)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(dtype)
+    dq, dk, dv, dsinks = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    grads = dict(dout=dout, dq=dq, dk=dk, dv=dv)
+    result = check.check_kernel(q, k, v, out, layout="bhsd", sinks=sinks, dsinks=dsinks, **grads)
+    assert result.passed and set(result.grads) == {"dq", "dk", "dv", "dsinks"}
+    assert all(g.passed for g in result.grads.values())
+    with pytest.raises(AssertionError, match="dsinks"):
+        assert_attention_close(out, q, k, v, layout="bhsd", sinks=sinks, dsinks=-dsinks, **grads)
+    with pytest.raises(check.UnusableInput, match="dsinks was given without sinks"):
+        check.check_kernel(q, k, v, out, layout="bhsd", dsinks=dsinks, **grads)
+
+
+def test_padded_query_rows_must_be_zero():
+    q, k, v = (x.detach().numpy() for x in qkv(torch.float32, seed=9))
+    q_lengths = np.array([96, 50])
+    out = attnlib.attention(q, k, v, causal=True, q_lengths=q_lengths, compute_dtype="float32")
+    assert_attention_close(out, q, k, v, layout="bhsd", causal=True, q_lengths=q_lengths)
+    bad = out.copy()
+    bad[1, :, 70] = 1e-3  # a padded row written
+    with pytest.raises(AssertionError, match="out: FAIL"):
+        assert_attention_close(bad, q, k, v, layout="bhsd", causal=True, q_lengths=q_lengths)

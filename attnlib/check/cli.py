@@ -19,19 +19,19 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
-OPTION_FILES = ("sinks",) + INDEX_FILES
+OPTION_FILES = ("sinks", "dsinks") + INDEX_FILES
 #: What `NOTEBOOK` declares, and `_run_notebook` passes.
 NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "causal_align", "window",
-                                                "softcap", "scale", "kv_lengths", "workers",
+                                                "softcap", "scale", "kv_lengths", "q_lengths", "workers",
                                                 "results_json")
 
 
-def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dtype="",
+def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
                    **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
     ``sinks`` and the integer files of `INDEX_FILES` too."""
-    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks)
+    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens)
     arrays, kinds, names = {}, {}, {}
@@ -41,7 +41,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
     for name, spec in specs.items():
         if spec:
             # The sinks are parameters (float32 or float64 in the kernel): read as stored.
-            arrays[name], kinds[name] = load_tensor(spec, f"--{name}", None if name == "sinks" else dtype or None)
+            arrays[name], kinds[name] = load_tensor(spec, f"--{name}", None if name in OPTION_FILES else dtype or None)
             names[name] = f"--{name} {spec}"
     lse_dtype = _stored_dtype(kinds["lse"]) if "lse" in kinds else None
     return check_kernel(**arrays, dtype=dtype or kinds["q"], names=names, lse_dtype=lse_dtype, **options)
@@ -95,6 +95,8 @@ def _parser():
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
     p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="valid keys per batch entry (padding)")
+    p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="valid query rows per batch entry (padded rows must be 0)")
     p.add_argument("--cu-seqlens-q", default="", metavar="FILE",
                    help="varlen: the batch + 1 offsets of the packed query sequences (integers; --layout thd)")
     p.add_argument("--cu-seqlens-k", default="", metavar="FILE", help="varlen: the key sequences' offsets")
@@ -107,6 +109,7 @@ def _parser():
     p.add_argument("--sinks", default="", metavar="FILE",
                    help="attention-sink logits, (nheads,) or (batch, nheads): one more logit in every "
                         "row's softmax denominator, with no value (gpt-oss, FlashAttention learnable_sink)")
+    p.add_argument("--dsinks", default="", metavar="FILE", help="the kernel's gradient of the sinks (with --dout)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"), default=None,
                    help="the kernel's compute precision (default: the type q is stored in)")
     p.add_argument("--workers", type=int, default=None,
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
                    window=cli_window(args.window), softcap=args.softcap or None, scale=args.scale,
-                   kv_lengths=args.kv_lengths, workers=args.workers)
+                   kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, workers=args.workers)
     files = {name: getattr(args, name) for name in TENSORS + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:

@@ -361,7 +361,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, la
     """The gradients' rule (see the module docstring) on each given gradient."""
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
-    names = ("dq", "dk", "dv")
+    # dsinks: the sinks' gradient, (H,) or (batch, H), when the problem has sinks.
+    names = ("dq", "dk", "dv") + (("dsinks",) if options.get("sinks") is not None else ())
     # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays (measured:
     # 528 MiB against 384 MiB at n = 4096); with its sizes, or in long double, twice that.
     dense = dense_fits(sq, heads=4 * heads, sk=sk)
@@ -392,12 +393,26 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, la
             naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
             allowances = {n: 2 * per_head_max(naive_errs[n]) + atol(ref_grads[n].astype(np.float64),
                                                                     prec.compute) for n in names}
+    def as_tensor(name, x):  # dsinks (..., H) as (..., H, 1, 1), a head's one entry
+        return x[..., None, None] if name == "dsinks" else x
+
+    if allowances is not None:
+        allowances = {n: as_tensor(n, np.asarray(a)) for n, a in allowances.items()}
+        naive_errs = {n: None if e is None else as_tensor(n, e) for n, e in naive_errs.items()}
+    ref_grads = {n: as_tensor(n, np.asarray(r, dtype=np.float64)) for n, r in ref_grads.items()}
     verdicts = {}
     for name, g in kernel_grads.items():
         if g is None:
             continue
-        kernel = to_bhsd(g, layout).astype(np.float64)
-        describe = positions("query" if name == "dq" else "key")
+        if name == "dsinks":
+            kernel = as_tensor(name, np.asarray(g, dtype=np.float64))
+            if kernel.shape != ref_grads[name].shape:
+                raise UnusableInput(f"dsinks must have the shape of the sinks, {ref_grads[name].shape[:-2]}, "
+                                    f"got {np.shape(g)}")
+            describe = positions("sink")
+        else:
+            kernel = to_bhsd(g, layout).astype(np.float64)
+            describe = positions("query" if name == "dq" else "key")
         if allowances is None:
             v = judge(name, kernel, ref_grads[name], np.inf, None, describe)[0]
             v.passed, v.ratio = None, None

@@ -62,7 +62,8 @@ def _as_float(x, name):
 
 def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
-                 window=None, softcap=None, scale=None, kv_lengths=None, sinks=None,
+                 window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None, sinks=None,
+                 dsinks=None,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None,
                  scheduler=None) -> KernelCheck:
@@ -96,9 +97,13 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         ``cu_seqlens_q`` and ``cu_seqlens_k`` (and ``lse (nheads, total_q)``).
     dtype : {None, "float64", "float32", "float16", "bfloat16"}
         The kernel's compute precision; default: the type ``q`` is held in.
-    causal, causal_align, window, softcap, scale, kv_lengths, sinks
+    causal, causal_align, window, softcap, scale, kv_lengths, q_lengths, sinks
         The attention the kernel computes, as in `attention` (``sinks``: ``(nheads,)`` or
-        ``(batch, nheads)``, the logits of attention sinks).
+        ``(batch, nheads)``, the logits of attention sinks; ``q_lengths``: padded query
+        rows, whose output must be 0).
+    dsinks : array, optional
+        The kernel's gradient of the sinks (shape of ``sinks``), judged with the other
+        gradients (needs ``dout``).
     workers : int, optional
         Threads for the float64 reference; default: every available CPU.
     names : dict, optional
@@ -144,13 +149,17 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("varlen offsets and a paged cache together are not judged; give one of them")
     if (seqused_k is not None or paged) and kv_lengths is not None:
         raise UnusableInput("kv_lengths comes from seqused_k or cache_seqlens here: leave it out")
+    if varlen and q_lengths is not None:
+        raise UnusableInput("q_lengths comes from cu_seqlens_q in the varlen layout: leave it out")
+    if dsinks is not None and sinks is None:
+        raise UnusableInput("dsinks was given without sinks")
     given, stored = {}, {}
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
     if sinks is not None:
         sinks = _as_float(sinks, names.get("sinks", "sinks"))[0].astype(np.float64)
-    q_lengths, layout_note = None, ""
+    layout_note = ""
     if varlen:
         given, q_lengths, kv_lengths = unpack_varlen(given, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names)
         layout = "bshd"
@@ -167,8 +176,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         if n in given and not np.isfinite(given[n]).all():
             bad = np.argwhere(~np.isfinite(given[n]))[:3].tolist()
             raise UnusableInput(f"{names[n]}: holds NaN or inf (first at {bad}); the inputs must be finite")
-    if any(n in given for n in ("dq", "dk", "dv")) and "dout" not in given:
+    if (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None) and "dout" not in given:
         raise UnusableInput("gradients were given without dout (the upstream gradient they answer)")
+    if dsinks is not None:
+        dsinks = _as_float(dsinks, names.get("dsinks", "dsinks"))[0]
     try:
         prec = _args.precision(dtype if dtype is not None else stored["q"].name)
     except ValueError:
@@ -176,6 +187,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
                             f"float16, bfloat16; got {given_as} (pass dtype=/--dtype)") from None
     kv_lengths = as_numpy(kv_lengths, names.get("kv_lengths", "kv_lengths"))
+    q_lengths = as_numpy(q_lengths, names.get("q_lengths", "q_lengths"))
     options = dict(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
                    scale=scale, kv_lengths=kv_lengths, sinks=sinks)
     if q_lengths is not None:
@@ -201,8 +213,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if lse is not None:
         lse_verdict = judge_lse(given["lse"], expected, lse_dtype or stored["lse"])
     grads = {}
-    if "dout" in given and any(n in given for n in ("dq", "dk", "dv")):
-        grads = judge_grads({n: given.get(n) for n in ("dq", "dk", "dv")}, qh, kh, vh, expected.ref,
+    if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
+        kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
+        grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
                             expected.ref_lse, to_bhsd(given["dout"], layout).astype(np.float64), prec,
                             options, layout, shape, workers)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
