@@ -39,12 +39,13 @@ from .reference import reference_attention, reference_rescales, reference_scores
 from .stream import attention_stream
 from .tiled import DEFAULT_TILES, LARGE_HEAD_TILES, AttentionStats, TileSizes, attention, default_tiles
 from .varlen import attention_varlen, attention_varlen_backward, reference_attention_varlen
+from .flex import BlockMask, create_block_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention", "attention_stream", "attention_varlen", "attention_varlen_backward",
-    "reference_attention_varlen", "reference_attention", "oracle_attention", "ORACLE_PRECISION", "attention_backward",
+    "reference_attention_varlen", "create_block_mask", "BlockMask", "reference_attention", "oracle_attention", "ORACLE_PRECISION", "attention_backward",
     "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",

@@ -26,14 +26,26 @@ import threading
 
 import numpy as np
 
-from . import _args
+from . import _args, flex
 from .masks import PARTIAL, SKIP, mask_specs
 from .reference import _scores
 from .tiled import DEFAULT_TILES, Aborted, TileSizes, attention, run_tiles, tile_scores
 
 _MASKS = ("causal", "causal_align", "window", "kv_lengths", "q_lengths", "q_segment_ids",
           "kv_segment_ids")
-_OPTIONS = _MASKS + ("softcap", "alibi_slopes", "sinks")
+_OPTIONS = _MASKS + ("softcap", "alibi_slopes", "sinks", "mask_mod", "score_mod", "block_mask",
+                     "score_mod_grad")
+
+
+def _score_mod_grad(options):
+    """``score_mod_grad``, required with a ``score_mod`` (numpy has no autograd)."""
+    grad = options.pop("score_mod_grad", None)
+    if options.get("score_mod") is not None and grad is None:
+        raise ValueError("the backward of a score_mod needs its derivative: pass score_mod_grad(score, b, h, "
+                         "q_idx, kv_idx) -> d score_mod / d score (numpy has no autograd)")
+    if grad is not None and not callable(grad):
+        raise TypeError(f"score_mod_grad must be callable, got {type(grad).__name__}")
+    return grad
 
 
 def _check_options(options: dict) -> None:
@@ -122,6 +134,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
+    mod_grad = _score_mod_grad(options)
     sinks = options.pop("sinks", None)
     sink = _args.sinks(sinks, pb)  # (..., hk, g) or None
     s = rnd(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
@@ -138,20 +151,28 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
     cap = _args.softcap(options.get("softcap"))
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
-    if cap is not None:
+    if cap is not None or mod_grad is not None:
         # Only visible pairs matter (ds is 0 elsewhere).  A masked pair's product may
         # overflow (the scores above refuse a visible one's), so it is taken as 0; a huge
         # finite t / c is fine: tanh(+-inf) = +-1.
         with np.errstate(over="ignore", invalid="ignore"):
             t = dtype(pb.scale) * (q5 @ np.swapaxes(k5, -1, -2))
             t[~np.isfinite(t)] = 0.0
-            factor = 1.0 - np.tanh(t / dtype(cap)) ** 2
+            if cap is not None:
+                factor = 1.0 - np.tanh(t / dtype(cap)) ** 2
+                t = dtype(cap) * np.tanh(t / dtype(cap))
+    if mod_grad is not None:  # the chain rule through score_mod, at the softcapped scores
+        b, h = flex.index_grids(pb, ())
+        g = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
+                              np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :])
+        factor = factor * np.where(p > 0, g, 0.0)  # where p = 0, ds = 0 whatever g is
 
     def grads(dout5, q5, k5, v5, sign):
         dv = rnd(np.swapaxes(p, -1, -2) @ dout5)  # (..., hk, g, sk, dv)
         dp = rnd(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
         d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
-        ds = rnd(p * (dp + sign * d) * factor)  # the softmax Jacobian (sign -1; +1: sizes)
+        # The softmax Jacobian (sign -1); +1: the sizes, where a factor counts by its size.
+        ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
         dq = rnd(dtype(pb.scale) * (ds @ k5))
         dk = rnd(dtype(pb.scale) * (np.swapaxes(ds, -1, -2) @ q5))
         # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
@@ -227,8 +248,11 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     True
     """
     _check_options(options)
-    tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,
-                      DEFAULT_TILES.block_k if block_k is None else block_k)
+    mod_grad = _score_mod_grad(options)
+    block_mask = options.get("block_mask")
+    base = DEFAULT_TILES if block_mask is None else TileSizes(block_mask.block_q, block_mask.block_k)
+    tiles = TileSizes(base.block_q if block_q is None else block_q,
+                      base.block_k if block_k is None else block_k)
     workers = _args.workers(workers)
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     out5, lse5, dout5 = _grad_inputs(pb, check_finite, out=out, lse=lse, dout=dout)
@@ -237,6 +261,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     slopes = _args.alibi_slopes(options.get("alibi_slopes"), pb)  # (..., hk, g)
     sinks = options.get("sinks")
     sink = _args.sinks(sinks, pb)  # (..., hk, g)
+    mods = flex.mods_for(options.get("mask_mod"), options.get("score_mod"), block_mask, pb, pb.sq, pb.sk, tiles)
     if sink is not None and check_finite and np.isneginf(lse5).any():
         raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
                          "pass the lse of attention(..., sinks=sinks, return_lse=True)")
@@ -253,7 +278,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
         delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
                           spec, tiles, cap, _args.for_entry(slopes, idx),
-                          dq[idx], dk[idx], dv[idx], workers, check)
+                          dq[idx], dk[idx], dv[idx], workers, check,
+                          None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad)
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
             p_sink = np.exp(np.broadcast_to(_args.for_entry(sink, idx), delta.shape[:-1])[..., None]
                             - lse5[idx])  # (*lead, sq)
@@ -263,7 +289,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
 
 
 def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1,
-              check=False):
+              check=False, mods=None, mod_grad=None):
     """Tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2.
 
     ``q, out, dout: (*lead, sq, .)`` and ``lse: (*lead, sq)`` with ``lead = (..., g)``;
@@ -282,6 +308,8 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     kinds = np.zeros((q_starts.size, k_starts.size), dtype=np.int8)
     for a, (q0, q1) in enumerate(zip(q_starts, q_ends)):
         kinds[a] = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
+        if mods is not None:  # AND the block mask, over every head processed together
+            kinds[a] = mods.tile_kinds(a, kinds[a])
     visible = kinds != SKIP
     # rank[a, b]: visible key tiles before b in query tile a, i.e. b's turn to add to dq_a.
     turns = _Turns(np.cumsum(visible, axis=1) - visible, threaded=workers > 1)
@@ -318,8 +346,12 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 dout_i = dout[..., q0:q1, :].astype(np.float64, copy=False)  # (..., g, bq, dv)
                 vis = (spec.tile_visible(np.arange(q0, q1), k0, k1, contiguous=True, cache=band_masks)
                        if kinds[a, b] == PARTIAL else None)  # (bq, bk)
+                if mods is not None and kinds[a, b] == PARTIAL:  # AND mask_mod, per head
+                    vis = mods.visible(vis, np.arange(q0, q1), cols)
+                grad = None if mod_grad is None else [mod_grad]
                 s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
-                                    slopes, keep_tanh=True, out=s_buf, check=check, vis=vis)
+                                    slopes, keep_tanh=True, out=s_buf, check=check, vis=vis, mods=mods,
+                                    mod_grad=grad)
                 s -= shift[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities; exp only where visible (see
                 # OnlineSoftmax.update), max(-inf, 0) = 0 elsewhere.
@@ -334,6 +366,8 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                     th *= th
                     np.subtract(1.0, th, out=th)
                     ds *= th
+                if grad is not None:  # score_mod: its derivative at the (capped) score
+                    np.multiply(ds, grad[1], out=ds, where=p > 0)  # p = 0: ds = 0 whatever it is
                 dk_j += np.matmul(np.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
                 np.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
                 with turns.turn(a, b):

@@ -92,7 +92,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _args
+from . import _args, flex
 from .masks import SKIP, mask_specs
 from .metrics import BOUND, TINY, reference_with_abs
 from .oracle import oracle_attention
@@ -163,8 +163,12 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
     # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
     # any other), and a row with no visible key then has lse = sink.
     sinks = options.pop("sinks", None)
-    plain = {key: val for key, val in options.items() if key != "softcap"}
-    sigma, n_vis = row_stats(q, k, scale=scale, **plain)
+    plain = {key: val for key, val in options.items() if key != "score_mod_grad"}
+    stats = row_stats(q, k, scale=scale, **plain)
+    sigma, n_vis = stats[:2]
+    # A score_mod's result is taken as rounded once, like a product: u |score_mod(s)| on
+    # each exponent, with the same 3x as the scores (the max and the subtraction).
+    mod_term = 3 * U * stats[2] if len(stats) == 3 else 0.0
     terms = n_vis + (sinks is not None)  # the terms of l
     s_max = sigma if cap is None else np.minimum(sigma, cap)
     if slopes is not None:
@@ -175,7 +179,8 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
         a_max = slope[..., None] * (abs(sk - sq) + max(sq, sk))  # (..., Hq, 1)
     else:
         a_max = 0.0
-    delta = _g(d + 1) * sigma + U * (3 * (s_max + a_max) + (3 * cap if cap is not None else 0.0))
+    delta = (_g(d + 1) * sigma + U * (3 * (s_max + a_max) + (3 * cap if cap is not None else 0.0))
+             + mod_term)
     steps = -(-sk // block_k)
     h_out = _g(terms) + 2 * steps * U  # alpha's exp error cancels in acc / l ...
     h_lse = _g(terms) + (2 + C_EXP) * steps * U  # ... but not in log l
@@ -193,13 +198,17 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
                      underflow=np.where(seen[..., None], 2 * underflow, 0.0))
 
 
-def row_stats(q, k, *, scale=None, block_q=None, block_k=None, **masks):
+def row_stats(q, k, *, scale=None, block_q=None, block_k=None, mask_mod=None, score_mod=None,
+              block_mask=None, softcap=None, **masks):
     """``(sigma, n_vis)``, each ``(..., Hq, Sq)``: a row's score size and visible key count.
 
     ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for a
     row with none) and ``n_vis_i`` their number, computed tile by tile as the tiled kernel
     visits them (SKIP tiles never touched), so memory stays bounded at any length.
-    ``masks`` are the masking arguments of `~attnlib.attention`.
+    ``masks`` are the masking arguments of `~attnlib.attention`; ``mask_mod`` (or a block
+    mask's) joins them.  With ``score_mod`` a third array comes back: ``max |score_mod(s)|``
+    over the row's visible keys (``s`` the scores after ``softcap``), the size of what
+    the modification computes.
     """
     q = _args.as_float_array(q, "q")
     k = _args.as_float_array(k, "k")
@@ -208,6 +217,10 @@ def row_stats(q, k, *, scale=None, block_q=None, block_k=None, **masks):
     bq = _args.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
     bk = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     specs = mask_specs(pb.batch, pb.sq, pb.sk, **masks)
+    if mask_mod is None and block_mask is not None:
+        mask_mod = block_mask.mask_mod
+    cap = _args.softcap(softcap)
+    mod_size = np.zeros(q5.shape[:-1]) if score_mod is not None else None
     qa = np.abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
     ka = np.abs(k5)  # (*batch, hk, 1, sk, d)
     sigma = np.zeros(q5.shape[:-1])  # (*batch, hk, g, sq)
@@ -223,9 +236,26 @@ def row_stats(q, k, *, scale=None, block_q=None, block_k=None, **masks):
                     s, _ = tile_scores(qa[idx][..., q0:q1, :], ka[idx][..., a:b, :], spec,
                                        np.arange(q0, q1), np.arange(a, b), kinds[t])
                 rows = (...,) + (slice(q0, q1),)
+                if mask_mod is not None or score_mod is not None:
+                    mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, idx))
+                    vis = mods.visible(None, np.arange(q0, q1), np.arange(a, b))
+                    if vis is not None:
+                        s = np.where(vis, s, -np.inf)
+                    if score_mod is not None:  # the modified scores' size, over visible pairs
+                        with np.errstate(over="ignore", invalid="ignore"):
+                            signed = np.matmul(q5[idx][..., q0:q1, :] * pb.scale,
+                                               np.swapaxes(k5[idx][..., a:b, :], -1, -2))
+                            if cap is not None:
+                                signed = cap * np.tanh(signed / cap)
+                            modded = np.abs(flex.score_values(score_mod, signed, *mods.grids(
+                                np.arange(q0, q1), np.arange(a, b))))
+                        modded = np.where(np.isfinite(s) & np.isfinite(modded), modded, 0.0)
+                        mod_size[idx][rows] = np.maximum(mod_size[idx][rows], modded.max(axis=-1, initial=0.0))
                 # Masked pairs are -inf: they neither raise the max nor count.
                 sigma[idx][rows] = np.maximum(sigma[idx][rows], s.max(axis=-1, initial=0.0))
                 n_vis[idx][rows] += np.isfinite(s).sum(axis=-1)
+    if mod_size is not None:
+        return pb.merge_heads(sigma, 1), pb.merge_heads(n_vis, 1), pb.merge_heads(mod_size, 1)
     return pb.merge_heads(sigma, 1), pb.merge_heads(n_vis, 1)
 
 

@@ -99,6 +99,10 @@ def oracle_attention(q, k, v, *, method=None, return_lse=False, check_finite=Tru
 def _decimal_dense(q5, k5, v5, pb, options):
     """``(out, lse)`` in the caller's layout, each pair's score and weight in `decimal`."""
     options = dict(options)
+    given = sorted(n for n in ("mask_mod", "score_mod", "block_mask") if options.get(n) is not None)
+    if given:
+        raise ValueError(f"the decimal oracle does not take {', '.join(given)} (its arithmetic is per pair "
+                         "in Decimal); use method='longdouble'")
     sink = _args.sinks(options.pop("sinks", None), pb)  # (..., hk, g) or None
     visible, distance, cap, slopes = pair_terms(pb, **options)
     lead = np.broadcast_shapes(q5.shape[:-2], k5.shape[:-2])  # (*batch, hk, g)

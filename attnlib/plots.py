@@ -138,6 +138,29 @@ def tile_map(tile_kind, title="Tile classes"):
     return fig
 
 
+def tile_map_grid(maps: dict, columns=5):
+    """Several SKIP / PARTIAL / FULL maps side by side, ``{title: (n_q_tiles, n_k_tiles)}``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    rows = -(-len(maps) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.8 * rows), squeeze=False)
+    plt.close(fig)
+    cmap = ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"])
+    for ax, (title, kinds) in zip(axes.flat, maps.items()):
+        ax.imshow(kinds, cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest")
+        skipped = float(np.mean(kinds == SKIP)) if kinds.size else 0.0
+        ax.set_title(f"{title}\n{skipped:.0%} SKIP", fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    for ax in list(axes.flat)[len(maps):]:
+        ax.axis("off")
+    fig.suptitle("Tile classes (grey SKIP, orange PARTIAL, green FULL); rows: query tiles, columns: key tiles",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _heatmap(ax, counts, title, skipped=None):
     data = np.asarray(counts, dtype=np.float64)
     if skipped is not None:

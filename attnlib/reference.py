@@ -11,7 +11,7 @@ import contextlib
 
 import numpy as np
 
-from . import _args
+from . import _args, flex
 from .masks import mask_specs
 
 
@@ -27,8 +27,16 @@ def reference_scores(q, k, *, check_finite=True, **options):
     return pb.merge_heads(_scores(q5, k5, pb, **options), 2)
 
 
-def _scores(q5, k5, pb, *, dtype=np.float64, **options):
+def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, block_mask=None,
+            **options):
     visible, distance, cap, slopes = pair_terms(pb, **options)
+    if block_mask is not None and mask_mod is None:  # a block mask carries its mask_mod
+        mask_mod = block_mask.mask_mod
+    b, h = flex.index_grids(pb, ())  # (*batch, hk, g): each head's batch entry and query head
+    b, h = b[..., None, None], h[..., None, None]
+    i, j = np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :]
+    if mask_mod is not None:  # AND the built-in masks
+        visible = visible & flex.mask_values(mask_mod, b, h, i, j, b.shape[:-2] + (pb.sq, pb.sk))
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
     # computes the same function more precisely, not a different one.
     may_overflow = _args.scores_may_overflow(q5, k5, pb.scale, dtype)
@@ -39,7 +47,12 @@ def _scores(q5, k5, pb, *, dtype=np.float64, **options):
         raise ValueError(_args.overflow_message(s.dtype))
     if cap is not None:
         s = dtype(cap) * np.tanh(s / dtype(cap))
+    if score_mod is not None:  # after the softcap, before the masks
+        s = flex.score_values(score_mod, s, b, h, i, j).astype(dtype)
     s = np.where(visible, s, -np.inf)
+    if score_mod is not None and (np.isnan(s) | np.isposinf(s)).any():
+        raise ValueError("score_mod returned NaN or +inf for a visible pair; it must return finite "
+                         "scores, or -inf to mask")
     if slopes is not None:  # after masking: -inf stays -inf
         s = s - slopes.astype(dtype)[..., None, None] * distance
     return s
@@ -84,8 +97,9 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     v : array_like, shape ``(..., Hk, Sk, Dv)`` or ``(Sk, Dv)``
         Real floating arrays; ``Hq % Hk == 0`` (GQA/MQA).  Computed in float64.
     causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids, kv_segment_ids,
-    softcap, alibi_slopes, scale
-        As in `attention`: the contract's masks and score modifications.
+    softcap, alibi_slopes, scale, mask_mod, score_mod, block_mask
+        As in `attention`: the contract's masks and score modifications (``mask_mod`` and
+        ``score_mod`` on the whole ``(..., Hq, Sq, Sk)`` index grid at once).
     sinks : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
         Attention sinks, as in `attention`: one more logit per row in the denominator.
     return_lse : bool

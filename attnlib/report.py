@@ -274,6 +274,15 @@ NOTEBOOKS = {
          "project_d": positive, "project_machines": sizes, "project_cores": positive,
          "results_json": text},
         {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096]}),
+    "flex_gallery": Notebook(
+        "Programmable attention: a gallery of FlexAttention masks and scores, exact",
+        {"n": positive, "heads": positive, "d": positive, "block": positive, "repeats": positive,
+         "memory_entries": non_negative, "long_ns": sizes, "results_json": text},
+        {"n": 256, "heads": 2, "d": 16, "block": 64, "repeats": 1, "memory_entries": 1,
+         "long_ns": [1024, 4096]},
+        # The dense reference, P @ |V| and the gate's sizes for every head, and the dense
+        # mask count; FlexAttention eager holds n x n scores per head as well.
+        (("n", 16),)),
     "check_rule": Notebook(
         "Check rule: correct kernels pass, buggy kernels fail",
         {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes, "results_json": text},

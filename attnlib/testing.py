@@ -16,7 +16,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                            layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
                            window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None,
                            sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
-                           cache_seqlens=None, workers=None):
+                           cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None,
+                           score_mod_grad=None, workers=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
 
@@ -42,6 +43,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         A varlen kernel (``layout="thd"``, FlashAttention's ``flash_attn_varlen_func``).
     block_table, cache_seqlens : array of int, optional
         A paged KV cache: ``k`` and ``v`` are then its pages.
+    mask_mod, score_mod, block_mask, score_mod_grad : optional
+        FlexAttention-style programmable attention (`attnlib.flex`; a function written with
+        torch ops goes through `attnlib.flex.from_torch`).
 
     Raises
     ------
@@ -64,7 +68,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                           dtype=dtype, causal=causal, causal_align=causal_align, window=window,
                           softcap=softcap, scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                          block_table=block_table, cache_seqlens=cache_seqlens, workers=workers)
+                          block_table=block_table, cache_seqlens=cache_seqlens, mask_mod=mask_mod,
+                          score_mod=score_mod, block_mask=block_mask, score_mod_grad=score_mod_grad,
+                          workers=workers)
     if not result.passed:
         raise AssertionError("attention output not close to the float64 reference\n\n"
                              + format_text(result))

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from . import _args
+from . import _args, flex
 from .masks import PARTIAL, SKIP, mask_specs
 from .online import OnlineSoftmax, merge_attention
 
@@ -88,7 +88,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
-              cache_seqlens=None):
+              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -169,6 +169,15 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         Also return an `AttentionStats` (costs ``O(Hq * n_q_tiles * n_k_tiles)`` memory).
     check_finite : bool
         Refuse inputs holding NaN or inf (checked in chunks, within the memory bound).
+    mask_mod, score_mod : callable, optional
+        FlexAttention's programmable mask ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and score
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called on numpy index arrays of
+        one tile at a time (see `attnlib.flex`): the mask combines with the built-in ones by
+        AND; ``score`` is ``scale * q.k`` after the softcap, and the mask and ALiBi come after.
+    block_mask : BlockMask, optional
+        `create_block_mask` of ``mask_mod``: its tiles become the kernel's, its SKIP tiles are
+        never touched; made here (one ``mask_mod`` evaluation per pair) when only
+        ``mask_mod`` is given.
     block_table, cache_seqlens : array_like of int, shapes ``(batch, max_blocks)`` and ``(batch,)``
         A paged KV cache (FlashAttention's ``flash_attn_with_kvcache``, vLLM): ``k`` and
         ``v`` are then the pages ``(num_blocks, page_size, Hk, D)``, ``q`` is
@@ -225,7 +234,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                        "kv_segment_ids": kv_segment_ids, "return_stats": return_stats or None,
                        "kv_splits": None if kv_splits == 1 else kv_splits,
                        "rescale_threshold": rescale_threshold or None,
-                       "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
+                       "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype,
+                       "mask_mod": mask_mod, "score_mod": score_mod, "block_mask": block_mask}
         given = sorted(name for name, value in unsupported.items() if value is not None)
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with a paged KV cache "
@@ -250,6 +260,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     return_stats = _args.flag(return_stats, "return_stats")
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     base = default_tiles(pb.d)
+    if block_mask is not None and hasattr(block_mask, "block_q"):  # its tiles, unless asked otherwise
+        base = TileSizes(block_mask.block_q, block_mask.block_k)
     tiles = TileSizes(base.block_q if block_q is None else block_q,
                       base.block_k if block_k is None else block_k)
     specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
@@ -258,6 +270,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     cap = _args.softcap(softcap)
     slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
     sink = _args.sinks(sinks, pb)  # (..., hk, g)
+    mods = flex.mods_for(mask_mod, score_mod, block_mask, pb, pb.sq, pb.sk, tiles)
 
     _args.check_representable(prec, q=q5, k=k5, v=v5)
     check = _args.scores_may_overflow(q5, k5, pb.scale, prec.accumulate)
@@ -268,7 +281,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     # The sink joins the first key range's state only: once per row, whatever the split.
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
                      (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec,
-                     check, sink=sink if r == 0 else None)
+                     check, sink=sink if r == 0 else None, mods=mods)
                 for r, part in enumerate(splits)]
     if len(partials) == 1:
         out, lse = partials[0][:2]
@@ -317,7 +330,7 @@ def _safe_threshold(tau, prec, n_keys, v_max):
 
 
 def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
-         prec=None, check=False, sink=None):
+         prec=None, check=False, sink=None, mods=None):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
 
     ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``specs`` (all batch entries at
@@ -345,7 +358,8 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                               out[idx], lse[idx],
                               None if rescales is None else rescales[idx],
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
-                              per_thread, _args.for_entry(sink, idx)))
+                              per_thread, _args.for_entry(sink, idx),
+                              None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx))))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
@@ -406,7 +420,7 @@ def _unit_of(arr, unit: tuple):
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau, prec, check, per_thread, sink=None):
+             tau, prec, check, per_thread, sink=None, mods=None):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -430,7 +444,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     # heads that share a kv head become one tile of g * rows rows, k_j q_i^T one matmul per
     # kv head instead of g matrix-vector products.  ALiBi's slopes differ per head: not then.
     g = lead[-1] if lead else 1
-    packed = g > 1 and slopes is None and g * min(bq, sq) <= bq
+    packed = g > 1 and slopes is None and mods is None and g * min(bq, sq) <= bq
     groups = g if packed else 1  # query heads per tile row block
     units = work_units(lead[:-1] if packed else lead, groups * min(bq, sq), min(bk, k.shape[-2]),
                        n_q_tiles)
@@ -445,7 +459,15 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         q0, q1 = a * bq, min(sq, (a + 1) * bq)
         tile_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), closed form
         if kinds is not None:  # the same values from every unit of this query tile
-            kinds[..., a, :] = tile_kinds
+            if mods is None:
+                kinds[..., a, :] = tile_kinds
+            else:  # per batch entry, over all its heads
+                for e in np.ndindex(kinds.shape[:-2]):
+                    kinds[e + (a,)] = mods.unit(e).tile_kinds(a, tile_kinds)
+        mods_u = None
+        if mods is not None:  # this unit's heads: the block mask's classes AND the built-in ones
+            mods_u = mods.unit(unit)
+            tile_kinds = mods_u.tile_kinds(a, tile_kinds)
         q_u, k_u, v_u = q[unit], _unit_of(k, unit), _unit_of(v, unit)
         if packed:  # (..., 1, sk, .) -> (..., sk, .): the group's shared kv head
             k_u, v_u = k_u[..., 0, :, :], v_u[..., 0, :, :]
@@ -472,7 +494,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                         tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],
                         count=rescales is not None, threshold=tau, prec=prec, scale=scale,
                         buffers=per_thread.__dict__.setdefault("buffers", {}), check=check,
-                        rows=rows, row_groups=groups)
+                        rows=rows, row_groups=groups, mods=mods_u)
         if rescales is not None:
             rescales[unit][..., a, todo] = events
         o_i, lse_i = state.finalize()
@@ -616,7 +638,7 @@ def keys_first_for(rows: int) -> bool:
 
 def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
            key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None,
-           check=False, rows=None, row_groups=1):
+           check=False, rows=None, row_groups=1, mods=None):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
@@ -632,7 +654,8 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
     ``q0, q0 + 1, ...``); a GQA-packed tile repeats them once per head, and
     ``row_groups`` (its head count) splits the rescale events per head.  Returns the
     rescale events per tile ``(..., n_tiles)`` (``(..., row_groups, n_tiles)`` when
-    packed) when ``count``, else None.
+    packed) when ``count``, else None.  ``mods``: the `attnlib.flex.Mods` of the tile's
+    heads (``mask_mod`` joins the PARTIAL tiles' visibility, ``score_mod`` every tile's scores).
     """
     contiguous = rows is None  # a packed tile's rows repeat per head
     rows = np.arange(q0, q0 + q_i.shape[-2]) if rows is None else rows
@@ -662,9 +685,11 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
         # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
         vis = (spec.tile_visible(rows, k0, k1, keys_first, contiguous=contiguous, cache=band_masks)
                if kinds[t] == PARTIAL else None)  # laid out as s
+        if mods is not None and kinds[t] == PARTIAL:  # AND mask_mod: (..., tile), per head
+            vis = mods.visible(vis, rows, np.arange(k0, k1), keys_first)
         s, _ = tile_scores(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
                            post_scale=scale if low else None, check=check, keys_first=keys_first,
-                           vis=vis)
+                           vis=vis, mods=mods)
         rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
                                 round_p=prec.round if low else None,
                                 keys_first=keys_first, visible=vis)  # s now holds p
@@ -674,7 +699,7 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
 
 
 def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
-                post_scale=None, check=False, keys_first=False, vis=None):
+                post_scale=None, check=False, keys_first=False, vis=None, mods=None, mod_grad=None):
     """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
 
     ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
@@ -688,7 +713,11 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     if a visible pair's scaled product ``scale * q . k`` is not finite (callers ask for it
     only when `_args.scores_may_overflow` says it may be, so the usual tile pays nothing).
     ``vis``: a PARTIAL tile's visibility laid out as ``s``, if the caller has it
-    (`MaskSpec.tile_visible`); else it is evaluated here.
+    (`MaskSpec.tile_visible`); else it is evaluated here.  ``mods`` (`attnlib.flex.Mods`):
+    its ``score_mod`` modifies the scores after the softcap, before the mask (``vis`` then
+    already holds its ``mask_mod``); ``mod_grad``, a list, receives
+    ``score_mod_grad(score, b, h, q_idx, kv_idx)`` of the pre-modification scores for the
+    backward pass (``mod_grad[0]`` is that function on entry).
     """
     # An overflow (only possible when `check` is asked for) is reported below.
     with np.errstate(over="ignore", invalid="ignore") if check else contextlib.nullcontext():
@@ -718,8 +747,21 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
         np.tanh(s, out=s)
         th = s.copy() if keep_tanh else None
         s *= cap
+    if mods is not None and mods.score_mod is not None:  # score_mod: after the softcap, before masks
+        grids = mods.grids(rows, cols, keys_first)
+        if mod_grad is not None:
+            mod_grad.append(flex.score_values(mod_grad[0], s, *grids))
+        s[...] = flex.score_values(mods.score_mod, s, *grids)
     if kind == PARTIAL:
         np.copyto(s, -np.inf, where=~vis)
+    if mods is not None and mods.score_mod is not None:
+        # A visible pair's modified score must be a number or -inf (FlexAttention's way to
+        # mask from a score_mod); NaN or +inf would make the softmax undefined.
+        bad = np.isnan(s) | np.isposinf(s)
+        if bad.any():
+            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (query "
+                             f"{int(np.asarray(rows)[np.argwhere(bad)[0][-1 if keys_first else -2]])}); "
+                             "it must return finite scores, or -inf to mask")
     if slopes is not None:  # ALiBi, after masking: -inf stays -inf
         s -= slopes[..., None, None] * pairs(spec.distance(rows, cols))
     return s, th

@@ -22,13 +22,13 @@ from .tiled import attention
 #: Options that describe padding or documents: varlen says that with ``cu_seqlens`` and
 #: ``seqused_k`` instead.
 _NOT_IN_VARLEN = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "block_table",
-                  "cache_seqlens")
+                  "cache_seqlens", "mask_mod", "score_mod", "block_mask")
 
 
 def _refuse_padding(options):
     for name in _NOT_IN_VARLEN:
         if options.get(name) is not None:
-            raise ValueError(f"{name} has no meaning in the varlen layout: each sequence is attended "
+            raise ValueError(f"{name} is not taken in the varlen layout: each sequence is attended "
                              "on its own (cu_seqlens_q/k), and seqused_k limits its keys")
 
 

@@ -490,3 +490,19 @@ def test_one_run_at_a_time_per_folder(tmp_path):
         status, _, errors = run_tiny(nb_dir=nb_dir, out_dir=out)
     assert status == 2 and "another report run" in errors[0]
     assert run_tiny(nb_dir=nb_dir, out_dir=out)[0] == 0  # released
+
+
+def test_flex_gallery_figures(quick_reports):
+    data = results(quick_reports[1], "flex_gallery")
+    figs, quick = data["figures"], report.NOTEBOOKS["flex_gallery"].quick
+    assert data["passed"] is True
+    entries = figs["entries"]
+    assert len(entries) == 10 and all(r["passed"] and r["grad_error"] < 1e-13 for r in entries)
+    assert sum(r["vs_built_in"] is not None for r in entries) == 5
+    assert all(r["vs_built_in"] < 1e-13 and r["same_tile_map"] is not False for r in entries
+               if r["vs_built_in"] is not None)
+    assert all(r["count_agrees"] for r in entries if r["count_agrees"] is not None)
+    assert all(r["vs_flex"] < 1e-13 for r in figs["versus_flex"])  # torch is a test dependency
+    assert [r["n"] for r in figs["long"]] == quick["long_ns"] * 2
+    assert len(figs["memory"]) == quick["memory_entries"]
+    assert all(r["attnlib (MiB)"] is not None for r in figs["memory"])

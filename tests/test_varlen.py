@@ -154,7 +154,7 @@ def test_bad_offsets_and_options():
         (dict(seqused_k=[37, 71, 64, 90]), "seqused_k"),
         (dict(seqused_k=[1, 2]), "seqused_k must have the batch shape"),
         (dict(max_seqlen_q=10), "max_seqlen_q=10 is shorter than the longest sequence"),
-        (dict(kv_lengths=[1, 2, 3, 4]), "kv_lengths has no meaning in the varlen layout"),
+        (dict(kv_lengths=[1, 2, 3, 4]), "kv_lengths is not taken in the varlen layout"),
         (dict(sinks=np.zeros((3, 4))), "sinks must have shape"),
         (dict(q=q[None]), "q must be packed as"),
         (dict(cu_seqlens_q=None), "cu_seqlens_q is required"),
@@ -173,5 +173,5 @@ def test_torch_inputs_and_no_paged_arguments():
     out = attnlib.attention_varlen(torch.tensor(q).to(torch.bfloat16), torch.tensor(k), torch.tensor(v), cu_q, cu_k)
     want = attnlib.attention_varlen(torch.tensor(q).to(torch.bfloat16).double().numpy(), k, v, cu_q, cu_k)
     assert np.array_equal(out, want)  # bfloat16 read exactly
-    with pytest.raises(ValueError, match="block_table has no meaning in the varlen layout"):
+    with pytest.raises(ValueError, match="block_table is not taken in the varlen layout"):
         attnlib.attention_varlen(q, k, v, cu_q, cu_k, block_table=np.zeros((4, 1), int), cache_seqlens=[1, 1, 1, 1])

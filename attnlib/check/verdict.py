@@ -63,7 +63,7 @@ def _as_float(x, name):
 def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
                  window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None, sinks=None,
-                 dsinks=None,
+                 dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None,
                  scheduler=None) -> KernelCheck:
@@ -101,6 +101,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         The attention the kernel computes, as in `attention` (``sinks``: ``(nheads,)`` or
         ``(batch, nheads)``, the logits of attention sinks; ``q_lengths``: padded query
         rows, whose output must be 0).
+    mask_mod, score_mod, block_mask, score_mod_grad : optional
+        FlexAttention-style programmable attention, as in `attention` (``score_mod_grad``,
+        its derivative, for judging gradients).
     dsinks : array, optional
         The kernel's gradient of the sinks (shape of ``sinks``), judged with the other
         gradients (needs ``dout``).
@@ -192,6 +195,15 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                    scale=scale, kv_lengths=kv_lengths, sinks=sinks)
     if q_lengths is not None:
         options["q_lengths"] = q_lengths
+    if block_mask is not None and mask_mod is None:
+        # The rule runs the reference at other tilings too (the naive baselines): the mask,
+        # not one tiling's map of it.
+        mask_mod = getattr(block_mask, "mask_mod", None)
+        if mask_mod is None:
+            raise UnusableInput("block_mask must be a BlockMask from attnlib.create_block_mask")
+    for name, value in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if value is not None:
+            options[name] = value
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     try:
@@ -215,9 +227,13 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     grads = {}
     if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
         kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
-        grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
-                            expected.ref_lse, to_bhsd(given["dout"], layout).astype(np.float64), prec,
-                            options, layout, shape, workers)
+        grad_options = options if score_mod_grad is None else dict(options, score_mod_grad=score_mod_grad)
+        try:
+            grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
+                                expected.ref_lse, to_bhsd(given["dout"], layout).astype(np.float64), prec,
+                                grad_options, layout, shape, workers)
+        except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
+            raise UnusableInput(str(e)) from None
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:

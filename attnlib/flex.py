@@ -1,0 +1,272 @@
+"""Programmable attention: FlexAttention's ``mask_mod`` and ``score_mod``, exact, tile by tile.
+
+PyTorch FlexAttention's conventions::
+
+    mask_mod(b, h, q_idx, kv_idx) -> bool            may query q_idx see key kv_idx?
+    score_mod(score, b, h, q_idx, kv_idx) -> score    the modified score
+
+called here on numpy arrays: integer index arrays (absolute positions; ``b`` the batch entry
+in C order over the batch axes, ``h`` the query head) that broadcast against one tile's
+scores, so a function written with numpy ufuncs (``np.where``, ``&``, ``abs``) runs once per
+tile, vectorised.  ``score`` is the scaled product ``scale * q.k`` (after the built-in
+softcap, if given); the order is score_mod, then every mask (the built-in ones AND
+``mask_mod``) sets ``-inf``, then the built-in ALiBi.
+
+A `BlockMask` classifies every ``(b, h, query tile, key tile)`` as SKIP (no visible pair),
+FULL (every pair visible) or PARTIAL from evaluating ``mask_mod`` tile by tile
+(`create_block_mask`: one ``(B, H, block_q, block_k)`` boolean tile at a time, so its memory
+is bounded; its cost is one ``mask_mod`` evaluation per pair, no matmul).  The kernels never
+touch a tile that is SKIP for every head they process together, and evaluate ``mask_mod``
+only on PARTIAL tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _args
+from .masks import FULL, PARTIAL, SKIP
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Tile classes of a ``mask_mod``: ``kinds (B, H, n_q_tiles, n_k_tiles)`` int8 (SKIP 0,
+    PARTIAL 1, FULL 2), ``B`` or ``H`` 1 when the mask does not depend on them; the tiles
+    are ``block_q x block_k`` over ``Sq x Sk``.  Made by `create_block_mask`; give it to
+    `attention` (its tiles then are the kernel's) to reuse it across calls."""
+
+    kinds: np.ndarray = field(repr=False)
+    block_q: int
+    block_k: int
+    sq: int
+    sk: int
+    mask_mod: object = field(repr=False, compare=False)
+
+    @property
+    def shape(self) -> tuple:
+        return self.kinds.shape
+
+    def sparsity(self) -> float:
+        """The share of (b, h, tile) triples that are SKIP."""
+        return float(np.mean(self.kinds == SKIP)) if self.kinds.size else 0.0
+
+    def for_heads(self, b, h, a: int) -> np.ndarray:
+        """``(n_k_tiles,)`` classes of query tile ``a`` for the heads ``(b, h)`` (broadcast
+        index arrays) processed together: SKIP where SKIP for all of them, FULL where FULL
+        for all, else PARTIAL."""
+        bb = np.asarray(b) if self.kinds.shape[0] > 1 else np.zeros_like(np.asarray(b))
+        hh = np.asarray(h) if self.kinds.shape[1] > 1 else np.zeros_like(np.asarray(h))
+        bb, hh = np.broadcast_arrays(bb, hh)
+        rows = self.kinds[bb.ravel(), hh.ravel(), a]  # (heads, n_k_tiles)
+        return combine_kinds(rows, axis=0)
+
+
+def combine_kinds(kinds: np.ndarray, axis=0) -> np.ndarray:
+    """Classes of several heads' (or masks') tiles taken together: SKIP only where all are,
+    FULL only where all are, else PARTIAL."""
+    if kinds.shape[axis] == 0:
+        return np.full(np.delete(kinds.shape, axis), SKIP, dtype=np.int8)
+    all_skip = np.all(kinds == SKIP, axis=axis)
+    all_full = np.all(kinds == FULL, axis=axis)
+    return np.where(all_skip, SKIP, np.where(all_full, FULL, PARTIAL)).astype(np.int8)
+
+
+def intersect_kinds(builtin: np.ndarray, mod: np.ndarray) -> np.ndarray:
+    """Classes of the AND of two masks: SKIP if either is, FULL if both are, else PARTIAL."""
+    return np.where((builtin == SKIP) | (mod == SKIP), SKIP,
+                    np.where((builtin == FULL) & (mod == FULL), FULL, PARTIAL)).astype(np.int8)
+
+
+def _check_callable(fn, name):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable as FlexAttention's, got {type(fn).__name__}")
+    return fn
+
+
+def mask_values(mask_mod, b, h, q_idx, kv_idx, shape) -> np.ndarray:
+    """``mask_mod`` on broadcast index arrays, as a boolean array of ``shape``; a clear
+    error when it returns something else."""
+    out = mask_mod(b, h, q_idx, kv_idx)
+    arr = np.asarray(out)
+    if arr.dtype != np.bool_:
+        raise TypeError(f"mask_mod must return booleans (as FlexAttention's), got dtype {arr.dtype}")
+    try:
+        return np.broadcast_to(arr, shape)
+    except ValueError:
+        raise ValueError(f"mask_mod returned shape {arr.shape}, which does not broadcast to the tile's "
+                         f"{shape}: write it with elementwise operations on its index arguments") from None
+
+
+def score_values(score_mod, s, b, h, q_idx, kv_idx) -> np.ndarray:
+    """``score_mod`` on one tile's scores ``s`` (never modified), as an array of ``s.shape``."""
+    out = np.asarray(score_mod(s.copy(), b, h, q_idx, kv_idx))
+    if not (np.issubdtype(out.dtype, np.floating) or np.issubdtype(out.dtype, np.integer)):
+        raise TypeError(f"score_mod must return numbers, got dtype {out.dtype}")
+    try:
+        return np.broadcast_to(out, s.shape)
+    except ValueError:
+        raise ValueError(f"score_mod returned shape {out.shape}, which does not broadcast to the tile's "
+                         f"{s.shape}") from None
+
+
+def create_block_mask(mask_mod, B, H, Sq, Sk, block_q=None, block_k=None) -> BlockMask:
+    """The tile classes of ``mask_mod`` (FlexAttention's ``create_block_mask``, in numpy).
+
+    Parameters
+    ----------
+    mask_mod : callable ``(b, h, q_idx, kv_idx) -> bool``
+        Called with integer arrays of shapes ``(B, 1, 1, 1)``, ``(1, H, 1, 1)``,
+        ``(1, 1, block_q, 1)`` and ``(1, 1, 1, block_k)`` per tile.
+    B, H : int or None
+        Batch entries and query heads the mask depends on; None: it does not (evaluated at
+        ``b = 0`` / ``h = 0`` and used for all).
+    Sq, Sk : int
+    block_q, block_k : int, optional
+        Tile sizes (default the kernel's, 256).
+
+    Returns
+    -------
+    BlockMask
+
+    Notes
+    -----
+    Cost: ``mask_mod`` once on every ``(b, h, i, j)``, a tile at a time; memory: one
+    ``(B, H, block_q, block_k)`` boolean tile and the map.
+    """
+    from .tiled import DEFAULT_TILES
+
+    _check_callable(mask_mod, "mask_mod")
+    if mask_mod is None:
+        raise TypeError("create_block_mask needs a mask_mod")
+    nb = 1 if B is None else _args.positive_int(B, "B")
+    nh = 1 if H is None else _args.positive_int(H, "H")
+    sq, sk = _args.count(Sq, "Sq"), _args.count(Sk, "Sk")
+    bq = _args.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
+    bk = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    kinds = np.empty((nb, nh, nq, nk), dtype=np.int8)
+    b = np.arange(nb).reshape(nb, 1, 1, 1)
+    h = np.arange(nh).reshape(1, nh, 1, 1)
+    for a in range(nq):
+        rows = np.arange(a * bq, min(sq, (a + 1) * bq)).reshape(1, 1, -1, 1)
+        for t in range(nk):
+            cols = np.arange(t * bk, min(sk, (t + 1) * bk)).reshape(1, 1, 1, -1)
+            m = mask_values(mask_mod, b, h, rows, cols, (nb, nh, rows.shape[2], cols.shape[3]))
+            some, every = m.any(axis=(2, 3)), m.all(axis=(2, 3))
+            kinds[:, :, a, t] = np.where(every, FULL, np.where(some, PARTIAL, SKIP))
+    return BlockMask(kinds, bq, bk, sq, sk, mask_mod)
+
+
+@dataclass
+class Mods:
+    """What the kernels carry of the programmable options for one batch entry (or all):
+    the functions, the block mask, and the ``(b, h)`` index of every head they process."""
+
+    mask_mod: object
+    score_mod: object
+    block_mask: BlockMask | None
+    b: np.ndarray  # (*lead,) int64: each head's batch entry
+    h: np.ndarray  # (*lead,) int64: each head's query head
+
+    def unit(self, unit) -> "Mods":
+        """The heads of a work unit (an index into ``lead``)."""
+        return Mods(self.mask_mod, self.score_mod, self.block_mask, self.b[unit], self.h[unit])
+
+    def tile_kinds(self, a: int, builtin: np.ndarray) -> np.ndarray:
+        """Query tile ``a``'s classes: the built-in masks' AND the block mask's over these heads."""
+        if self.block_mask is None:
+            return builtin if self.mask_mod is None else \
+                np.where(builtin == SKIP, SKIP, PARTIAL).astype(np.int8)
+        return intersect_kinds(builtin, self.block_mask.for_heads(self.b, self.h, a))
+
+    def grids(self, rows, cols, keys_first=False):
+        """``(b, h, q_idx, kv_idx)`` broadcasting to the tile ``(*lead, rows, cols)`` (or
+        ``(*lead, cols, rows)`` keys first)."""
+        b, h = self.b[..., None, None], self.h[..., None, None]
+        rows, cols = np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64)
+        if keys_first:
+            return b, h, rows[None, :], cols[:, None]
+        return b, h, rows[:, None], cols[None, :]
+
+    def visible(self, vis, rows, cols, keys_first=False):
+        """The tile's visibility: the built-in ``vis`` (None: all visible) AND ``mask_mod``."""
+        if self.mask_mod is None:
+            return vis
+        shape = self.b.shape + ((len(cols), len(rows)) if keys_first else (len(rows), len(cols)))
+        m = mask_values(self.mask_mod, *self.grids(rows, cols, keys_first), shape)
+        return m if vis is None else m & vis
+
+
+def mods_for(mask_mod, score_mod, block_mask, pb, sq, sk, tiles):
+    """Checked options: None when none is given, else ``(mask_mod, score_mod, block_mask)``
+    with a block mask made when only ``mask_mod`` is given; the tiles must match it."""
+    _check_callable(mask_mod, "mask_mod")
+    _check_callable(score_mod, "score_mod")
+    if mask_mod is None and score_mod is None and block_mask is None:
+        return None
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a BlockMask from attnlib.create_block_mask, got "
+                            f"{type(block_mask).__name__}")
+        if (block_mask.sq, block_mask.sk) != (sq, sk):
+            raise ValueError(f"block_mask is for Sq={block_mask.sq}, Sk={block_mask.sk}, the inputs have "
+                             f"Sq={sq}, Sk={sk}")
+        nb = math.prod(pb.batch)
+        if block_mask.kinds.shape[0] not in (1, nb) or block_mask.kinds.shape[1] not in (1, pb.hq):
+            raise ValueError(f"block_mask has B={block_mask.kinds.shape[0]}, H={block_mask.kinds.shape[1]}; "
+                             f"the inputs have {nb} batch entries and {pb.hq} query heads (or use None: 1)")
+        if (tiles.block_q, tiles.block_k) != (block_mask.block_q, block_mask.block_k):
+            raise ValueError(f"block_mask has {block_mask.block_q} x {block_mask.block_k} tiles, the call asks "
+                             f"for {tiles.block_q} x {tiles.block_k}: leave block_q/block_k out to use its")
+        if mask_mod is None:
+            mask_mod = block_mask.mask_mod
+    elif mask_mod is not None:
+        depends = (None if math.prod(pb.batch) == 1 else math.prod(pb.batch), pb.hq)
+        block_mask = create_block_mask(mask_mod, depends[0], depends[1], sq, sk, tiles.block_q, tiles.block_k)
+    return mask_mod, score_mod, block_mask
+
+
+def index_grids(pb, idx):
+    """``(b, h)`` of every grouped head ``(*batch_sel, hk, g)`` of batch selection ``idx``."""
+    batch = pb.batch
+    flat = np.arange(math.prod(batch), dtype=np.int64).reshape(batch) if batch else np.zeros((), np.int64)
+    b = flat[idx] if idx else flat
+    lead = np.shape(b) + (pb.hk, pb.group)
+    h = np.arange(pb.hq, dtype=np.int64).reshape(pb.hk, pb.group)
+    return np.broadcast_to(np.asarray(b)[..., None, None], lead), np.broadcast_to(h, lead)
+
+
+def from_torch(fn):
+    """A ``mask_mod`` or ``score_mod`` written for FlexAttention with torch operations, as
+    one attnlib calls: its numpy arguments go in as torch tensors (sharing memory, no copy)
+    and the result comes back as numpy.  torch is imported only here; the function is
+    unchanged, so it still runs under ``torch.compile`` for the kernel it came from.
+
+    >>> import numpy as np
+    >>> causal = from_torch(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    >>> causal(0, 0, np.arange(3)[:, None], np.arange(3)[None, :]).sum()
+    np.int64(6)
+    """
+    import torch
+
+    if not callable(fn):
+        raise TypeError(f"from_torch needs a callable, got {type(fn).__name__}")
+
+    def as_tensor(x):
+        # A writable, contiguous array (the broadcast index grids are read-only views).
+        return torch.from_numpy(np.require(x, requirements=("C", "W"))) if isinstance(x, np.ndarray) \
+            else torch.tensor(x)
+
+    def wrapped(*args):
+        out = fn(*(as_tensor(a) for a in args))
+        return out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+
+    wrapped.__name__ = getattr(fn, "__name__", "mod")
+    wrapped.__wrapped__ = fn
+    return wrapped
+
+
+__all__ = ["BlockMask", "create_block_mask", "from_torch"]
