@@ -40,6 +40,8 @@ _OPTIONS = _MASKS + ("softcap", "alibi_slopes", "sinks", "mask_mod", "score_mod"
 def _score_mod_grad(options):
     """``score_mod_grad``, required with a ``score_mod`` (numpy has no autograd)."""
     grad = options.pop("score_mod_grad", None)
+    if grad is not None and options.get("score_mod") is None:
+        raise ValueError("score_mod_grad was given without a score_mod: it is the derivative of one")
     if options.get("score_mod") is not None and grad is None:
         raise ValueError("the backward of a score_mod needs its derivative: pass score_mod_grad(score, b, h, "
                          "q_idx, kv_idx) -> d score_mod / d score (numpy has no autograd)")
@@ -164,7 +166,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     if mod_grad is not None:  # the chain rule through score_mod, at the softcapped scores
         b, h = flex.index_grids(pb, ())
         g = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
-                              np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :])
+                              np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :], name="score_mod_grad")
         factor = factor * np.where(p > 0, g, 0.0)  # where p = 0, ds = 0 whatever g is
 
     def grads(dout5, q5, k5, v5, sign):
@@ -250,7 +252,9 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     _check_options(options)
     mod_grad = _score_mod_grad(options)
     block_mask = options.get("block_mask")
-    base = DEFAULT_TILES if block_mask is None else TileSizes(block_mask.block_q, block_mask.block_k)
+    base = DEFAULT_TILES  # or the block mask's tiles (its type is checked with the other mods below)
+    if isinstance(block_mask, flex.BlockMask):
+        base = TileSizes(block_mask.block_q, block_mask.block_k)
     tiles = TileSizes(base.block_q if block_q is None else block_q,
                       base.block_k if block_k is None else block_k)
     workers = _args.workers(workers)
@@ -426,7 +430,8 @@ def attention_vjp(q, k, v, dout, **options):
     ``options`` are those of `attention_backward` (masks, score options, tiles,
     ``check_finite``), passed to both passes.
     """
-    out, lse = attention(q, k, v, return_lse=True, **options)
+    forward = {name: value for name, value in options.items() if name != "score_mod_grad"}
+    out, lse = attention(q, k, v, return_lse=True, **forward)
     return out, attention_backward(q, k, v, out, lse, dout, **options)
 
 

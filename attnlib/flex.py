@@ -100,15 +100,16 @@ def mask_values(mask_mod, b, h, q_idx, kv_idx, shape) -> np.ndarray:
                          f"{shape}: write it with elementwise operations on its index arguments") from None
 
 
-def score_values(score_mod, s, b, h, q_idx, kv_idx) -> np.ndarray:
-    """``score_mod`` on one tile's scores ``s`` (never modified), as an array of ``s.shape``."""
+def score_values(score_mod, s, b, h, q_idx, kv_idx, name="score_mod") -> np.ndarray:
+    """``score_mod`` (or its derivative, ``name``) on one tile's scores ``s`` (never
+    modified), as an array of ``s.shape``."""
     out = np.asarray(score_mod(s.copy(), b, h, q_idx, kv_idx))
-    if not (np.issubdtype(out.dtype, np.floating) or np.issubdtype(out.dtype, np.integer)):
-        raise TypeError(f"score_mod must return numbers, got dtype {out.dtype}")
+    if out.dtype == np.bool_ or not (np.issubdtype(out.dtype, np.floating) or np.issubdtype(out.dtype, np.integer)):
+        raise TypeError(f"{name} must return numbers, got dtype {out.dtype}")
     try:
         return np.broadcast_to(out, s.shape)
     except ValueError:
-        raise ValueError(f"score_mod returned shape {out.shape}, which does not broadcast to the tile's "
+        raise ValueError(f"{name} returned shape {out.shape}, which does not broadcast to the tile's "
                          f"{s.shape}") from None
 
 

@@ -750,7 +750,7 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     if mods is not None and mods.score_mod is not None:  # score_mod: after the softcap, before masks
         grids = mods.grids(rows, cols, keys_first)
         if mod_grad is not None:
-            mod_grad.append(flex.score_values(mod_grad[0], s, *grids))
+            mod_grad.append(flex.score_values(mod_grad[0], s, *grids, name="score_mod_grad"))
         s[...] = flex.score_values(mods.score_mod, s, *grids)
     if kind == PARTIAL:
         np.copyto(s, -np.inf, where=~vis)

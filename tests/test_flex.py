@@ -227,3 +227,28 @@ def test_the_check_takes_mask_mod_and_score_mod():
     assert not attnlib.check.check_kernel(q, k, v, out, layout="bhsd", score_mod=sm).passed
     with pytest.raises(attnlib.check.UnusableInput, match="score_mod_grad"):
         attnlib.check.check_kernel(q, k, v, out, layout="bhsd", mask_mod=mm, score_mod=sm, dout=out, dq=q)
+
+
+def test_score_mod_grad_errors_and_vjp():
+    q, k, v = qkv(8, s=64)
+    dout = np.ones(q.shape)
+    out, lse = attnlib.attention(q, k, v, return_lse=True)
+
+    def sm(s, b, h, qi, kj):
+        return 2.0 * s
+
+    def gm(s, b, h, qi, kj):
+        return 2.0 + 0.0 * s
+
+    for fn in (lambda **o: attnlib.attention_backward(q, k, v, out, lse, dout, **o),
+               lambda **o: attnlib.reference_attention_backward(q, k, v, dout, **o)):
+        with pytest.raises(ValueError, match="score_mod_grad was given without a score_mod"):
+            fn(score_mod_grad=gm)
+        with pytest.raises(TypeError, match="score_mod_grad must return numbers"):
+            fn(score_mod=sm, score_mod_grad=lambda s, b, h, qi, kj: s > 0)
+    with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
+        attnlib.attention_backward(q, k, v, out, lse, dout, block_mask="x")
+    o, grads = attnlib.attention_vjp(q, k, v, dout, score_mod=sm, score_mod_grad=gm)
+    same = attnlib.attention_vjp(q, k, v, dout, scale=2.0 / np.sqrt(D))  # 2 * (scale q.k)
+    assert np.max(np.abs(o - same[0])) < 1e-14
+    assert all(np.max(np.abs(a - b)) < 1e-13 for a, b in zip(grads, same[1]))
