@@ -32,7 +32,7 @@ from .metrics import (
     run_family_gradients,
 )
 from .differential import power_table, run_case, run_family
-from .gate import Gate
+from .gate import Gate, GradientGate
 from .online import OnlineSoftmax, merge_attention
 from .oracle import ORACLE_PRECISION, oracle_attention
 from .reference import reference_attention, reference_rescales, reference_scores
@@ -49,7 +49,7 @@ __all__ = [
     "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
     "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles", "OnlineSoftmax", "merge_attention",
     "MaskSpec", "mask_specs",
-    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "feature_cases", "run_case", "run_family", "power_table", "Gate", "run_case_gradients",
+    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "feature_cases", "run_case", "run_family", "power_table", "Gate", "GradientGate", "run_case_gradients",
     "run_family_gradients",
     "expected_rescales", "max_rescales",
     "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",

@@ -37,6 +37,15 @@ _OPTIONS = _MASKS + ("softcap", "alibi_slopes", "sinks", "mask_mod", "score_mod"
                      "score_mod_grad")
 
 
+#: The backward's one declared hook for injected defects (`attnlib.defects`): None, or
+#: ``hook(stage, x, **where)`` returning what the pass uses instead of ``x``, at these stages:
+#: ``"delta"`` (``D``, per row), ``"ds"`` (a tile's ``ds``), ``"dq_tile"`` / ``"dk_tile"`` /
+#: ``"dv_tile"`` (a tile's ``ds @ k_j``, ``ds^T q_i``, ``p^T dout_i``; a None ``dq_tile``
+#: drops it; ``where``: ``a``, ``b``, ``last`` = the last visible key tile of query tile
+#: ``a``) and ``"grads"`` (the finished ``(dq, dk, dv[, dsinks])``).  Read once per call.
+DEFECT_HOOK = None
+
+
 def _score_mod_grad(options):
     """``score_mod_grad``, required with a ``score_mod`` (numpy has no autograd)."""
     grad = options.pop("score_mod_grad", None)
@@ -91,8 +100,16 @@ def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
     return grads + (dsink.reshape(shape),)
 
 
+#: The naive same-precision backward's formulations (``compute_dtype`` below float64).
+FORMULATIONS = ("math", "flash", "sequential")
+#: The "sequential" formulation's most slices of a sum: one key (or query) per step up to
+#: this many, beyond it slices of a few summed by BLAS inside (a bounded cost).
+SEQUENTIAL_STEPS = 1024
+
+
 def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
-                                 check_finite=True, compute_dtype=None, **options):
+                                 return_rss=False, check_finite=True, compute_dtype=None,
+                                 formulation="math", **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
 
     Parameters
@@ -108,17 +125,34 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         Also return the sizes of what each gradient entry sums, for the error metric
         (`attnlib.gradient_errors`): the same formulas with ``|dout|, |q|, |k|, |v|`` and
         ``|dp| + |D|`` in place of ``dp - D``.
+    return_rss : bool
+        Also return each gradient entry's root-sum-square size, ``sqrt(sum_j t_j**2)`` over
+        the terms ``t_j`` it sums (``dv``: ``p dout``; ``dq``, ``dk``: ``scale p (|dp| +
+        D1) k`` and ``q`` with ``D1 = sum_j |p dp|``, the size of ``D``'s terms, whose
+        rounding ``ds`` carries; ``dsinks``: ``p_sink D1``): the size of the independent rounding
+        errors of a sum (Higham & Mary 2019), which cancellation does not shrink the way
+        it shrinks the entry itself.  Computed in float64.
     compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
-        The naive same-precision baseline of FlashAttention's gradient tests (what PyTorch's
-        eager autograd computes in that type): inputs rounded to it, every matmul
-        accumulated in float32 and its result rounded to it (``s``, ``p``, ``dp``, ``ds``,
-        ``dq``, ``dk``, ``dv``), the softmax in float32.
+        The naive same-precision baseline of FlashAttention's gradient tests: inputs rounded
+        to it, every matmul accumulated in float32, the softmax in float32, and some
+        intermediates rounded to it, by ``formulation``.
+    formulation : {"math", "flash"}
+        Below float64, which intermediates are rounded: ``"math"`` is PyTorch's eager
+        autograd (``s``, ``p``, ``dp``, ``ds`` and each head's ``dq``, ``dk``, ``dv``
+        rounded; ``D = rowsum(p * dp)``); ``"flash"`` is FlashAttention's backward (``s``,
+        ``dp`` and ``D`` in float32, ``p`` and ``ds`` rounded before their matmuls,
+        ``D = dout . out`` with ``out`` rounded to the type, a GQA group's ``dk``, ``dv``
+        summed in float32 and rounded once); ``"sequential"`` is ``"math"`` with
+        ``D = rowsum(p * dp)`` and every matmul summed one key (or query) after another in
+        float32, as a kernel that accumulates tile by tile does (up to `SEQUENTIAL_STEPS`
+        steps), rather than in BLAS's blocked order.
 
     Returns
     -------
     grads : ``(dq, dk, dv)``, shaped like ``q``, ``k`` and ``v`` (float64, or
         ``compute_dtype``), and ``dsinks`` shaped like ``sinks`` when sinks are given
     sizes : ``(dq_abs, dk_abs, dv_abs[, dsinks_abs])``, if ``return_abs``
+    rss : ``(dq_rss, dk_rss, dv_rss[, dsinks_rss])``, if ``return_rss``
 
     Notes
     -----
@@ -127,6 +161,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     contribute nothing.
     """
     _check_options(options)
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     prec = _args.precision(compute_dtype)
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
@@ -135,11 +171,13 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
+    flash = formulation == "flash" and not prec.is_float64
+    keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
     mod_grad = _score_mod_grad(options)
     sinks = options.pop("sinks", None)
     sink = _args.sinks(sinks, pb)  # (..., hk, g) or None
-    s = rnd(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
+    s = keep(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
@@ -169,25 +207,66 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
                               np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :], name="score_mod_grad")
         factor = factor * np.where(p > 0, g, 0.0)  # where p = 0, ds = 0 whatever g is
 
+    sequential = formulation == "sequential" and not prec.is_float64
+
+    def mm(a, b):
+        """``a @ b``; "sequential": summed in float32 one slice of the inner axis after
+        another (one key or query at a time, up to `SEQUENTIAL_STEPS` slices)."""
+        n = a.shape[-1]
+        if not sequential or n == 0:
+            return a @ b
+        step = -(-n // SEQUENTIAL_STEPS)
+        acc = a[..., :step] @ b[..., :step, :]
+        for j in range(step, n, step):
+            acc = acc + a[..., j:j + step] @ b[..., j:j + step, :]
+        return acc
+
     def grads(dout5, q5, k5, v5, sign):
-        dv = rnd(np.swapaxes(p, -1, -2) @ dout5)  # (..., hk, g, sk, dv)
-        dp = rnd(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
-        d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
+        head = keep  # FlashAttention sums a GQA group's dk, dv before rounding them
+        dv = head(mm(np.swapaxes(p, -1, -2), dout5))  # (..., hk, g, sk, dv)
+        dp = keep(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
+        if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it
+            d = np.sum(dout5 * rnd(p @ v5), axis=-1, keepdims=True)
+        elif sequential and sign < 0 and p.shape[-1]:
+            d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
+        else:
+            d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
         # The softmax Jacobian (sign -1); +1: the sizes, where a factor counts by its size.
         ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
-        dq = rnd(dtype(pb.scale) * (ds @ k5))
-        dk = rnd(dtype(pb.scale) * (np.swapaxes(ds, -1, -2) @ q5))
+        dq = rnd(dtype(pb.scale) * mm(ds, k5))
+        dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5))
         # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
         dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
         # GQA: the query heads of a group share k and v, so their gradients add up.
         grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
         return tuple(g.astype(prec.compute) for g in grads)
 
+    def rss():
+        # Squares of the terms each entry sums, summed (a GQA group's heads too), rooted.
+        p2 = p * p
+        dp = dout5 @ np.swapaxes(v5, -1, -2)
+        # ds_ij = p_ij (dp_ij - D_i) carries the rounding of dp_ij and of D_i's terms: its
+        # size is p_ij (|dp_ij| + sum_j |p_ij dp_ij|) (|D_i| is at most the sum).
+        d1 = np.sum(np.abs(p * dp), axis=-1, keepdims=True)
+        # Under softcap, 1 - tanh**2 computed from a rounded tanh is off by up to 4u absolutely.
+        size = np.abs(factor) + (4 * 2.0 ** -53 if cap is not None else 0.0)
+        a2 = (p * (np.abs(dp) + d1) * size) ** 2
+        dv = np.swapaxes(p2, -1, -2) @ (dout5 * dout5)
+        dq = pb.scale ** 2 * (a2 @ (k5 * k5))
+        dk = pb.scale ** 2 * (np.swapaxes(a2, -1, -2) @ (q5 * q5))
+        dsink = None if sink is None else np.sum((p_sink * d1) ** 2, axis=(-2, -1))
+        grads = _split_grads(pb, dq, dk.sum(axis=-3), dv.sum(axis=-3), dsink, sinks)
+        return tuple(np.sqrt(g) for g in grads)
+
     result = grads(dout5, q5, k5, v5, -1.0)
-    if not return_abs:
-        return result
-    sizes = grads(np.abs(dout5), np.abs(q5), np.abs(k5), np.abs(v5), 1.0)
-    return result, sizes
+    extra = ()
+    if return_abs:
+        extra += (grads(np.abs(dout5), np.abs(q5), np.abs(k5), np.abs(v5), 1.0),)
+    if return_rss:
+        if not prec.is_float64:
+            raise ValueError("return_rss is computed in float64: leave compute_dtype out")
+        extra += (rss(),)
+    return (result,) + extra if extra else result
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
@@ -279,21 +358,24 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         # (and D = dout . out = 0 for dsinks).
         return _split_grads(pb, dq, dk, dv, dsink, sinks)
     check = _args.scores_may_overflow(q5, k5, pb.scale)  # then every tile checks its scores
+    hook = DEFECT_HOOK
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
         delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
                           spec, tiles, cap, _args.for_entry(slopes, idx),
                           dq[idx], dk[idx], dv[idx], workers, check,
-                          None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad)
+                          None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad,
+                          hook)
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
             p_sink = np.exp(np.broadcast_to(_args.for_entry(sink, idx), delta.shape[:-1])[..., None]
                             - lse5[idx])  # (*lead, sq)
             dsink[idx] = -np.sum(p_sink * delta, axis=-1)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
-    return _split_grads(pb, dq, dk, dv, dsink, sinks)
+    grads = _split_grads(pb, dq, dk, dv, dsink, sinks)
+    return grads if hook is None else hook("grads", grads)
 
 
 def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1,
-              check=False, mods=None, mod_grad=None):
+              check=False, mods=None, mod_grad=None, hook=None):
     """Tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2.
 
     ``q, out, dout: (*lead, sq, .)`` and ``lse: (*lead, sq)`` with ``lead = (..., g)``;
@@ -324,8 +406,11 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     delta = np.empty(lse.shape)  # (*lead, sq)
     for q0, q1 in zip(q_starts, q_ends):
         delta[..., q0:q1] = np.sum(dout[..., q0:q1, :] * out[..., q0:q1, :], axis=-1)
+    if hook is not None:
+        delta = hook("delta", delta)
     shift = np.where(np.isfinite(lse), lse, 0.0)  # (*lead, sq)
     per_thread = threading.local()
+    last = np.where(visible.any(axis=1), visible.shape[1] - 1 - np.argmax(visible[:, ::-1], axis=1), -1)
 
     def key_tile(b):
         k0, k1 = k_starts[b], k_ends[b]
@@ -362,7 +447,8 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 p = np.exp(s, out=s, where=True if vis is None else vis)
                 if vis is not None:
                     np.maximum(p, 0.0, out=p)
-                dv_j += np.matmul(np.swapaxes(p, -1, -2), dout_i, out=dv_part)
+                np.matmul(np.swapaxes(p, -1, -2), dout_i, out=dv_part)
+                dv_j += dv_part if hook is None else hook("dv_tile", dv_part, a=a, b=b)
                 np.matmul(dout_i, np.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
                 ds -= delta[..., q0:q1, None]
                 ds *= p  # ds = p * (dp - D)
@@ -372,10 +458,16 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                     ds *= th
                 if grad is not None:  # score_mod: its derivative at the (capped) score
                     np.multiply(ds, grad[1], out=ds, where=p > 0)  # p = 0: ds = 0 whatever it is
-                dk_j += np.matmul(np.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
-                np.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
-                with turns.turn(a, b):
-                    dq[..., q0:q1, :] += dq_ij
+                if hook is not None:
+                    ds = hook("ds", ds, a=a, b=b)
+                np.matmul(np.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
+                dk_j += dk_part if hook is None else hook("dk_tile", dk_part, a=a, b=b)
+                add = np.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
+                if hook is not None:
+                    add = hook("dq_tile", add, a=a, b=b, last=b == last[a])
+                with turns.turn(a, b):  # taken even by a dropped tile: the order stays fixed
+                    if add is not None:
+                        dq[..., q0:q1, :] += add
         except BaseException:
             turns.abort()  # no other worker may wait for this tile's turns any more
             raise

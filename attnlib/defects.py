@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import tiled
+from . import backward, tiled
 from .masks import MaskSpec
 from .online import OnlineSoftmax, _shift
 
@@ -32,9 +32,9 @@ def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, roun
                     skip_below=None):
     """A copy of `OnlineSoftmax.update` (eager rule, float64) with hooks for one mutation.
 
-    ``exp``: the exponential used for ``alpha`` and ``p``; ``alpha_l``: whether ``l`` is
-    rescaled; ``alpha_acc``: a factor on the ``alpha`` that rescales ``acc`` (0: never
-    rescaled); ``pv_factor``: a factor on ``p @ v``; ``round_p``: rounds ``p`` everywhere;
+    ``exp``: the exponential used for ``alpha`` and ``p``; ``alpha_l``: a factor on the
+    ``alpha`` that rescales ``l`` (False: never rescaled); ``alpha_acc``: a factor on the
+    ``alpha`` that rescales ``acc`` (0: never rescaled); ``pv_factor``: a factor on ``p @ v``; ``round_p``: rounds ``p`` everywhere;
     ``skip_below``: a tile whose max is more than this far below every row's running max
     is skipped (a speculative block-sparse shortcut).
     """
@@ -51,8 +51,8 @@ def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, roun
         p = exp(s - shift[..., None])
         if round_p is not None:
             p = round_p(p)
-        if alpha_l:
-            self.l *= alpha
+        if alpha_l is not False:
+            self.l *= alpha * (1.0 if alpha_l is True else alpha_l)
         self.l += p.sum(axis=-1)
         if alpha_acc:
             self.acc *= (alpha * alpha_acc)[..., None]
@@ -246,6 +246,8 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
            ((OnlineSoftmax, "finalize", lambda: _lse_plus(1e-12)),)),
     Defect("rescale_acc_1e-12", "acc rescaled by alpha * (1 + 1e-12) (l by alpha)",
            _update(alpha_acc=1 + 1e-12)),
+    Defect("rescale_l_1e-12", "l rescaled by alpha * (1 + 1e-12) (acc by alpha)",
+           _update(alpha_l=1 + 1e-12)),
     Defect("no_l_rescale", "the running sum l is never rescaled by alpha",
            _update(alpha_l=False)),
     Defect("no_acc_rescale", "the accumulator acc is never rescaled by alpha",
@@ -271,10 +273,52 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
 )}
 
 
+def _backward_hook(**edits):
+    """A `~attnlib.backward.DEFECT_HOOK` applying ``edits[stage](x, **where)`` at its stages."""
+    def hook(stage, x, **where):
+        edit = edits.get(stage)
+        return x if edit is None else edit(x, **where)
+    return lambda: hook
+
+
+def _backward(**edits) -> tuple:
+    return ((backward, "DEFECT_HOOK", _backward_hook(**edits)),)
+
+
+def _times(factor):
+    return lambda x, **_: x * factor
+
+
+def _dv_one_key_off(grads):
+    dq, dk, dv, *rest = grads
+    return (dq, dk, np.roll(dv, 1, axis=-2), *rest)  # key j's dv written at j + 1
+
+
+def _dsinks_sign(grads):
+    return grads[:3] + tuple(-g for g in grads[3:])
+
+
+#: Defects of the tiled backward (`attnlib.attention_backward`), for the gradients report.
+BACKWARD_DEFECTS: dict[str, Defect] = {d.name: d for d in (
+    Defect("bwd_matmul_3e-12", "the backward's three matmuls (ds k, ds^T q, p^T dout) off by a relative 3e-12",
+           _backward(dq_tile=_times(1 + 3e-12), dk_tile=_times(1 + 3e-12), dv_tile=_times(1 + 3e-12))),
+    Defect("ds_1e-11", "ds = p (dp - D) off by a relative 1e-11",
+           _backward(ds=_times(1 + 1e-11))),
+    Defect("delta_1e-11", "D = rowsum(dout * out) off by a relative 1e-11",
+           _backward(delta=_times(1 + 1e-11))),
+    Defect("dv_one_key_off", "dv written one key off (key j's gradient at j + 1)",
+           _backward(grads=_dv_one_key_off)),
+    Defect("dq_drops_last_tile", "dq leaves out each query tile's last visible key tile",
+           _backward(dq_tile=lambda x, last=False, **_: None if last else x)),
+    Defect("dsinks_sign", "dsinks with the wrong sign",
+           _backward(grads=_dsinks_sign)),
+)}
+
+
 def run_with(defect: Defect | None, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` with ``defect`` active (None: the real kernel)."""
     with (defect.active() if defect is not None else contextlib.nullcontext()):
         return fn(*args, **kwargs)
 
 
-__all__ = ["Defect", "DEFECTS", "run_with"]
+__all__ = ["Defect", "DEFECTS", "BACKWARD_DEFECTS", "run_with"]

@@ -64,13 +64,19 @@ def run_case(case, defects=()) -> dict:
 
     out, lse, stats = call(stats=True)
     row = {**asdict(case), "mask": case.mask_name, "features": case.features,
-           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse),
+           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse), **_tolerances(gate),
            "total_rescales": stats.total_rescales,
            "crossing_fraction": crossing_fraction(case.sq, case.sk, case.block_k, case.causal,
                                                   case.causal_align)}
     if defects:
         row["defects"] = _judge_defects(gate, defects, call)
     return row
+
+
+def _tolerances(gate) -> dict:
+    """The gate's largest per-row tolerances: ``tol_out`` (relative to ``P @ |V|``) and
+    ``tol_lse`` (absolute), the smallest defects it can be asked to catch there."""
+    return {"tol_out": float(np.max(gate.tol.out, initial=0.0)), "tol_lse": float(np.max(gate.tol.lse, initial=0.0))}
 
 
 def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
@@ -97,7 +103,7 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     info = FAMILIES[family]
     row = {"family": family, "letter": info.letter, "purpose": info.purpose, "n": n, "d": d,
            "logit_min": float(visible.min()), "logit_max": float(visible.max()),
-           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse),
+           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse), **_tolerances(gate),
            "total_rescales": stats.total_rescales}
     if oracle:
         against = Gate(q, k, v, block_k=block_k, causal=causal, oracle=True)
@@ -204,6 +210,7 @@ def power_table(groups, defects=None) -> list[dict]:
             caught += hit
         entry.update({
             "judged": len(results), "caught": caught,
+            "affected": sum(int(entry[g].split("/")[1]) for g in groups),
             "worst rel_error": max((j["rel_error"] for _, j in results), default=0.0),
             "worst lse_error": max((j["lse_error"] for _, j in results), default=0.0),
             "max ratio": max((max(j["out_ratio"], j["lse_ratio"]) for _, j in results), default=0.0),

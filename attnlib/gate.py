@@ -130,6 +130,7 @@ class Tolerance:
     sigma: np.ndarray
     visible_keys: np.ndarray
     underflow: np.ndarray | float = 0.0
+    delta: np.ndarray | float = 0.0  # (..., Hq, Sq): the exponents' error bound delta_i
 
     def allowed(self, ref_abs) -> np.ndarray:
         """``(..., Hq, Sq, Dv)``: the largest ``|out - ref|`` the gate allows per entry,
@@ -139,13 +140,14 @@ class Tolerance:
 
     def halved(self) -> "Tolerance":
         """One implementation's share of a tolerance built for two."""
-        return Tolerance(self.out / 2, self.lse / 2, self.sigma, self.visible_keys, self.underflow / 2)
+        return Tolerance(self.out / 2, self.lse / 2, self.sigma, self.visible_keys, self.underflow / 2,
+                         self.delta)
 
 
 def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
     """The gate's per-row tolerances for ``attention(q, k, v, **options)`` (see module doc).
 
-    ``ref_lse`` is the reference's ``lse`` (for the ``u |lse|`` term); ``block_k`` the
+    ``ref_lse`` is the reference's ``lse`` (for the ``u |lse|`` term; None: 0); ``block_k`` the
     tiled kernel's key tile (default `DEFAULT_TILES`), which sets the number of rescale
     steps (``block_k=1`` for an implementation whose tiling is unknown: the worst case);
     ``options`` the masking and score arguments.  Memory: bounded in the sequence length
@@ -185,7 +187,7 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
     h_out = _g(terms) + 2 * steps * U  # alpha's exp error cancels in acc / l ...
     h_lse = _g(terms) + (2 + C_EXP) * steps * U  # ... but not in log l
     e_out = 2 * delta + (2 * C_EXP + 1) * U + 2 * h_out
-    lse_size = np.abs(np.where(terms > 0, ref_lse, 0.0))
+    lse_size = 0.0 if ref_lse is None else np.abs(np.where(terms > 0, ref_lse, 0.0))
     e_lse = (delta + C_EXP * U + h_lse + C_LOG * U * np.log(np.maximum(terms, 1))
              + U * lse_size)
     seen = n_vis > 0  # out: exactly 0 without a visible key, sink or not
@@ -195,7 +197,7 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
     underflow = ((2 * terms + 2 * steps + 1) * ETA)[..., None] * v_max[..., None, :]
     return Tolerance(out=np.where(seen, 2 * e_out, 0.0), lse=np.where(terms > 0, 2 * e_lse, 0.0),
                      sigma=sigma, visible_keys=n_vis,
-                     underflow=np.where(seen[..., None], 2 * underflow, 0.0))
+                     underflow=np.where(seen[..., None], 2 * underflow, 0.0), delta=delta)
 
 
 def row_stats(q, k, *, scale=None, block_q=None, block_k=None, mask_mod=None, score_mod=None,
@@ -261,7 +263,8 @@ def row_stats(q, k, *, scale=None, block_q=None, block_k=None, mask_mod=None, sc
 
 def _ratio(err, tol):
     """``max err / tol`` elementwise; where ``tol = 0`` any error at all is infinitely over."""
-    over = np.divide(err, tol, out=np.where(err > 0, np.inf, 0.0), where=tol > 0)
+    with np.errstate(over="ignore"):  # a gross error over a tiny tolerance: inf, as it should
+        over = np.divide(err, tol, out=np.where(err > 0, np.inf, 0.0), where=tol > 0)
     return float(over.max()) if over.size else 0.0
 
 
@@ -323,4 +326,81 @@ class Gate:
                 "passed": bool(rel < BOUND and out_ratio <= 1 and lse_ratio <= 1)}
 
 
-__all__ = ["Gate", "Tolerance", "tolerance", "row_stats", "U", "ETA", "TINY", "LAMBDA", "C_EXP", "C_LOG"]
+def gradient_rounding(delta, n, dv, cap=None) -> float:
+    """``e_g``: a first-order bound on one float64 backward's error, relative to each
+    gradient entry's own size ``|ref| + rss`` (`reference_attention_backward` with
+    ``return_rss``: the root-sum-square of the terms it sums).
+
+    With ``delta`` the largest exponent error of any row (`tolerance`), ``N = max(Sq, Sk)``
+    and ``g(n) = lambda sqrt(n) u``: ``p = exp(s - lse)`` is off by ``2 delta + C_EXP u +
+    g(N)`` relative (its exponent, ``exp``, and ``lse``'s sum), ``dp = dout . v`` by
+    ``g(Dv)``, ``D`` by ``g(N)`` of its terms' size ``sum_j |p dp|`` (which ``rss`` carries
+    in ``ds``), and the sum that makes each entry (``ds @ k``, ``ds^T @ q``, ``p^T @ dout``,
+    of up to ``N`` terms) by ``g(N)`` and a final rounding::
+
+        e_g = 4 delta + 2 C_EXP u + 4 g(N) + 2 g(Dv) + 3 u   (+ 2 delta / cap with a softcap)
+
+    The sums are counted in units of ``rss``, with Higham & Mary's model of independent
+    roundings applied to each partial sum: this assumes a sum's partial sums grow like its
+    root-sum-square (a random walk) rather than like the sum of absolute values, which
+    holds for the terms of both signs that gradients sum and is the one modelling
+    assumption here (the gradients report shows how far below the bound correct code sits).
+    The softcap's derivative ``1 - tanh**2`` carries ``2 delta / cap`` relative from its
+    argument, and ``tanh``'s own rounding absolutely (``rss`` counts ``|1 - tanh**2| + 4 u``).
+    """
+    e = 4 * delta + 2 * C_EXP * U + 4 * _g(n) + 2 * _g(dv) + 3 * U
+    return float(e + (2 * delta / cap if cap is not None else 0.0))
+
+
+class GradientGate:
+    """The dense float64 gradient of one problem with per-entry tolerances: what float64
+    rounding allows between two correct backward passes (`gradient_rounding`), twice one
+    implementation's ``e_g`` times each entry's own size ``|ref| + rss``.
+
+    Examples
+    --------
+    >>> import attnlib
+    >>> from attnlib.gate import GradientGate
+    >>> q, k, v = attnlib.random_qkv(200, 300, 32, seed=0)
+    >>> dout = attnlib.random_qkv(200, 1, 32, seed=1)[0]
+    >>> gate = GradientGate(q, k, v, dout, causal=True)
+    >>> out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True)
+    >>> grads = attnlib.attention_backward(q, k, v, out, lse, dout, causal=True)
+    >>> gate.judge(grads)["passed"]
+    True
+    >>> gate.judge([g * (1 + 3e-12) for g in grads])["passed"]
+    False
+    """
+
+    def __init__(self, q, k, v, dout, **options):
+        from .backward import reference_attention_backward
+
+        self.ref, rss = reference_attention_backward(q, k, v, dout, return_rss=True, **options)
+        self.names = ("dq", "dk", "dv", "dsinks")[:len(self.ref)]
+        q = _args.as_float_array(q, "q")
+        k = _args.as_float_array(k, "k")
+        v = _args.as_float_array(v, "v")
+        plain = {key: val for key, val in options.items() if key != "score_mod_grad"}
+        delta = tolerance(q, k, v, None, block_k=1, **plain).delta
+        self.e = gradient_rounding(float(np.max(delta, initial=0.0)), max(q.shape[-2], k.shape[-2]),
+                                   v.shape[-1], _args.softcap(options.get("softcap")))
+        self.tol = tuple(2 * self.e * np.maximum(np.abs(r) + s, TINY) for r, s in zip(self.ref, rss))
+
+    def judge(self, grads) -> dict:
+        """Per gradient, ``<name>_ratio = max |g - ref| / tol``; ``passed`` when every one is
+        ``<= 1`` (NaN and inf are infinitely over)."""
+        if len(grads) != len(self.ref):
+            raise ValueError(f"grads must be {len(self.ref)} arrays ({', '.join(self.names)}), got {len(grads)}")
+        result = {}
+        for name, g, r, tol in zip(self.names, grads, self.ref, self.tol):
+            g = np.asarray(g, dtype=np.float64)
+            if g.shape != r.shape:
+                raise ValueError(f"{name} must have the reference's shape {r.shape}, got {g.shape}")
+            err = np.where(np.isfinite(g), np.abs(g - r), np.inf)
+            result[f"{name}_ratio"] = _ratio(err, tol)
+        result["passed"] = all(result[f"{n}_ratio"] <= 1 for n in self.names)
+        return result
+
+
+__all__ = ["Gate", "GradientGate", "Tolerance", "tolerance", "gradient_rounding", "row_stats", "U", "ETA",
+           "TINY", "LAMBDA", "C_EXP", "C_LOG"]

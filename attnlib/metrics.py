@@ -148,27 +148,48 @@ def log10_histogram(errors, lo: float = -18.0, hi: float = -6.0, bins_per_decade
     return edges, counts
 
 
-def _gradients_row(q, k, v, seed, tiles, **kwargs) -> dict:
+def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
+    from .gate import GradientGate  # the gate imports this module
+
     out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
     dout = np.random.default_rng(seed).standard_normal(out.shape)
     grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
     errors = gradient_errors(grads, q, k, v, dout, **kwargs)
-    return {f"{name}_error": err for name, err in errors.items()}
+    row = {f"{name}_error": err for name, err in errors.items()}
+    gate = GradientGate(q, k, v, dout, **kwargs)
+    verdict = gate.judge(grads)
+    row.update(gate_e=gate.e, gate_ratio=max(verdict[f"{n}_ratio"] for n in gate.names),
+               gate_passed=verdict["passed"])
+    caught = {}
+    for defect in defects:  # each through the same gate; None: the defect changes nothing here
+        with defect.active():
+            bad = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
+        changed = any(not np.array_equal(b, g) for b, g in zip(bad, grads))
+        caught[defect.name] = (not gate.judge(bad)["passed"]) if changed else None
+    if defects:
+        row["defects_caught"] = caught
+    return row
 
 
-def run_case_gradients(case) -> dict:
+def run_case_gradients(case, defects=()) -> dict:
     """`run_case` for the backward pass: tiled vs dense ``dq, dk, dv`` for a standard normal
-    upstream gradient; returns the case's fields and the `gradient_errors` fields with an
-    ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...)."""
+    upstream gradient; returns the case's fields, the `gradient_errors` fields with an
+    ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...), the verdict of the
+    gradient gate (`attnlib.gate.GradientGate`: ``gate_ratio``, ``gate_passed``, ``gate_e``)
+    and, for each of ``defects`` (`attnlib.defects.BACKWARD_DEFECTS` values), whether the
+    gate fails the backward with it injected (``defects_caught``; None where it changes
+    nothing)."""
     q, k, v = case.qkv()
-    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), **case.mask_kwargs())
+    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), defects, **case.mask_kwargs())
     return {**asdict(case), "mask": case.mask_name, "features": case.features, **errors}
 
 
-def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0) -> dict:
-    """`run_family` for the backward pass: gradient errors on one adversarial family."""
+def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
+                         defects=()) -> dict:
+    """`run_family` for the backward pass: gradient errors on one adversarial family, the
+    gate's verdict and the ``defects`` caught (as `run_case_gradients`)."""
     q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
-    errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), causal=causal)
+    errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), defects, causal=causal)
     return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
 
 

@@ -505,3 +505,33 @@ def check_rule_ratios(rows):
     ax.set_title("The check rule: correct kernels below 1, defects above")
     ax.legend(fontsize=8, loc="best")
     return fig
+
+
+def power_by_magnitude(rows):
+    """One panel per precision: ``|err| / allowance`` against the magnitude of ``v`` and
+    ``dout`` (`attnlib.check.power`), correct kernels (circles) below 1, wrong ones (crosses)
+    above it."""
+    import matplotlib.pyplot as plt
+
+    precs = list(dict.fromkeys(r["precision"] for r in rows))
+    fig, axes = plt.subplots(1, len(precs), figsize=(4.2 * len(precs), 3.6), sharey=True, squeeze=False)
+    plt.close(fig)
+    for ax, prec in zip(axes[0], precs):
+        for kind, style in (("correct", dict(marker="o", color="tab:green")),
+                            ("wrong", dict(marker="x", color="crimson"))):
+            pts = [(r["magnitude"], r["ratio"]) for r in rows if r["precision"] == prec and r["kind"] == kind]
+            if pts:
+                x, y = zip(*pts)
+                shift = 0.85 if kind == "correct" else 1.15  # side by side at each magnitude
+                ax.scatter(np.array(x) * shift, np.clip(y, 1e-3, 1e9), s=18, alpha=0.6, label=f"{kind} kernels",
+                           **style)
+        ax.axhline(1.0, color="black", lw=1.5, ls="--", label="allowance")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(prec)
+        ax.set_xlabel("magnitude of v and dout")
+    axes[0][0].set_ylabel("worst |kernel - ref| / allowance")
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("The check at every magnitude: correct kernels below 1, wrong kernels above")
+    fig.tight_layout()
+    return fig

@@ -181,17 +181,54 @@ def precisions(name, x):
     return values
 
 
-def check_shapes(name, x):
-    """A non-empty list of ``[batch, heads, seqlen_q, seqlen_k, headdim, causal]``."""
+def _shape_list(name, x, fields):
+    """A non-empty list of ``[*fields]``: positive integers, then a causal flag last."""
     if not isinstance(x, (list, tuple)) or not x:
         raise TypeError(f"parameter {name} must be a non-empty list of shapes, got {x!r}")
     shapes = []
     for i, shape in enumerate(x):
-        if not isinstance(shape, (list, tuple)) or len(shape) != 6:
-            raise ValueError(f"parameter {name}[{i}] must be [batch, heads, seqlen_q, seqlen_k, "
-                             f"headdim, causal], got {shape!r}")
-        dims = [positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(shape[:5])]
-        shapes.append(dims + [flag(f"{name}[{i}][5]", shape[5])])  # lists: papermill passes JSON
+        if not isinstance(shape, (list, tuple)) or len(shape) != len(fields):
+            raise ValueError(f"parameter {name}[{i}] must be [{', '.join(fields)}], got {shape!r}")
+        dims = [positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(shape[:-1])]
+        shapes.append(dims + [flag(f"{name}[{i}][{len(fields) - 1}]", shape[-1])])  # lists: papermill passes JSON
+    return shapes
+
+
+def check_shapes(name, x):
+    """A non-empty list of ``[batch, heads, seqlen_q, seqlen_k, headdim, causal]``."""
+    return _shape_list(name, x, ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
+
+
+def backward_defect(name, x):
+    """Empty, or the name of one of `attnlib.defects.BACKWARD_DEFECTS`."""
+    from .defects import BACKWARD_DEFECTS
+
+    x = text(name, x)
+    if x and x not in BACKWARD_DEFECTS:
+        raise ValueError(f"parameter {name} must be empty or one of {sorted(BACKWARD_DEFECTS)}, got {x!r}")
+    return x
+
+
+def magnitudes(name, x):
+    """A strictly increasing, non-empty list of positive finite numbers."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
+    values = []
+    for i, v in enumerate(x):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+            raise ValueError(f"parameter {name}[{i}] must be a positive finite number, got {v!r}")
+        values.append(float(v))
+    if values != sorted(set(values)):
+        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
+    return values
+
+
+def power_shapes(name, x):
+    """A non-empty list of ``[batch, heads, kv_heads, seqlen_q, seqlen_k, headdim, causal]``."""
+    shapes = _shape_list(name, x, ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
+    for i, shape in enumerate(shapes):
+        if shape[1] % shape[2]:
+            raise ValueError(f"parameter {name}[{i}]: heads ({shape[1]}) must be a multiple of kv_heads ({shape[2]})")
     return shapes
 
 
@@ -245,7 +282,8 @@ NOTEBOOKS = {
         {"n_cases": positive, "seed": non_negative, "max_len": positive, "sink_cases": positive,
          "varlen_cases": positive,
          "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
-         "block_k": positive, "sweep": sizes, "dense_max_n": positive, "results_json": text},
+         "block_k": positive, "sweep": sizes, "dense_max_n": positive, "inject": backward_defect,
+         "results_json": text},
         {"n_cases": 5, "max_len": 256, "sink_cases": 3, "varlen_cases": 3, "adversarial_n": 256,
          "sweep": [1024, 2048],
          "dense_max_n": 2048},
@@ -285,9 +323,13 @@ NOTEBOOKS = {
         (("n", 16),)),
     "check_rule": Notebook(
         "Check rule: correct kernels pass, buggy kernels fail",
-        {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes, "results_json": text},
+        {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes,
+         "power_magnitudes": magnitudes, "power_shapes": power_shapes, "power_seeds": positive,
+         "long_gradient_n": positive, "results_json": text},
         {"n_seeds": 1, "precisions": ["float64", "float32"],
-         "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]]}),
+         "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]],
+         "power_magnitudes": [1e-4, 1.0], "power_shapes": [[1, 4, 2, 64, 64, 32, True]], "power_seeds": 1,
+         "long_gradient_n": 512}),
 }
 
 
@@ -310,6 +352,14 @@ def check_params(notebook: str, **values) -> dict:
                 f"parameter {name}={params[name]} would run the dense reference out of memory "
                 "on this machine; choose a smaller value")
     if notebook == "check_rule":
+        for shape in params["power_shapes"]:
+            b, h, _, sq, sk = shape[:5]
+            if not dense_fits(sq, heads=4 * b * h, sk=sk):  # the dense gradient and its baselines
+                raise ValueError(f"parameter power_shapes: {list(shape)} would run the dense gradient out "
+                                 "of memory on this machine; choose a smaller shape")
+        if not dense_fits(params["long_gradient_n"], heads=4):
+            raise ValueError(f"parameter long_gradient_n={params['long_gradient_n']} would run the dense "
+                             "gradient out of memory on this machine; choose a smaller value")
         for shape in params["shapes"]:
             b, h, sq, sk = shape[:4]
             if not dense_fits(sq, heads=2 * b * h, sk=sk):  # the naive baseline and the exact answer

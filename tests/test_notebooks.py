@@ -11,7 +11,7 @@ import pytest
 
 import attnlib
 from attnlib import BOUND, bench, check, report
-from attnlib.defects import DEFECTS
+from attnlib.defects import BACKWARD_DEFECTS, DEFECTS
 from attnlib.memory import CAP_BYTES
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -122,6 +122,25 @@ def test_gradients_figures(quick_reports):
     varlen = figs["varlen"]
     assert len(varlen) == report.NOTEBOOKS["gradients"].quick["varlen_cases"]
     assert all(max(r[f"{g}_error"] for g in ("dq", "dk", "dv")) < 1e-13 for r in varlen)
+    # The gradient gate: every problem within it, far inside; the defects caught where required.
+    assert figs["gate_worst_ratio"] < 0.1
+    assert all(r["gate_passed"] for r in figs["cases"] + sinks + figs["adversarial"])
+    power = {(p["defect"], p["problems"]): p for p in figs["defect_power"]}
+    for name in BACKWARD_DEFECTS:
+        random = power[(name, "random shapes")]
+        assert random["caught"] == random["of"], random
+    assert power[("bwd_matmul_3e-12", "random shapes")]["of"] == len(figs["cases"])
+    assert power[("dsinks_sign", "attention sinks")]["caught"] == len(sinks)
+
+
+def test_gradients_report_fails_under_a_3e_12_backward_defect(tmp_path):
+    """The tiled backward with its matmuls off by a relative 3e-12, for the whole run."""
+    lines = []
+    status = report.run(["gradients"], overrides=["inject=bwd_matmul_3e-12"], quick=True, out_dir=tmp_path,
+                        log=lines.append)
+    data = results(tmp_path, "gradients")
+    assert status == 1 and data["passed"] is False, lines
+    assert "INJECTED: bwd_matmul_3e-12" in data["verdict"] and "NOT all within" in data["verdict"]
 
 
 def test_performance_figures(quick_reports):
@@ -157,6 +176,14 @@ def test_check_rule_figures(quick_reports):
         assert s["correct_runs"] > 0 and s["false_alarms"] == 0 and s["caught"] == s["defect_runs"] > 0
     assert all(r["worst_out_ratio"] <= 1 for r in rows if r["kind"] == "correct")
     assert all(r["worst_out_ratio"] > 1 for r in rows if r["kind"] == "defective")
+    # The power run: every wrong kernel failed and every correct one passed, at each magnitude.
+    power = data["figures"]["power"]
+    assert {r["magnitude"] for r in power} == set(report.NOTEBOOKS["check_rule"].quick["power_magnitudes"])
+    assert {r["precision"] for r in power} == {"float32", "bfloat16", "float16"}
+    assert all(r["passed"] == (r["kind"] == "correct") for r in power)
+    assert sum(r["kind"] == "wrong" for r in power) >= 30
+    long = data["figures"]["long_gradients"]
+    assert [r["passed"] for r in long] == [r["kind"] == "correct" for r in long]
 
 
 def test_scaleout_figures(quick_reports):

@@ -204,6 +204,11 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
         alternatives.append((dict(causal=True), "a causal mask (bottom_right) that was not asked for"))
     if options["kv_lengths"] is not None:
         alternatives.append((dict(kv_lengths=None), "kv_lengths ignored (padding keys attended)"))
+    if options.get("softcap") is not None and (options["causal"] or options["window"] is not None):
+        alternatives.append((_softcap_after_mask(options, shape),
+                             "the softcap applied after masking (masked pairs get -softcap, not -inf)"))
+    if options.get("mask_mod") is not None:
+        alternatives += _mask_neighbours(options["mask_mod"], shape["sq"], shape["sk"])
 
     allowance = np.broadcast_to(expected.allowance, kernel.shape)
     # Rows with no visible key have allowance 0; under an alternative they may see keys.
@@ -235,7 +240,7 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     for change, words in alternatives:
         try:
             alt = attention(q, k, v, workers=workers, **(opts | change))
-        except ValueError:
+        except (ValueError, TypeError, IndexError):  # e.g. a mask_mod that indexes past its ids
             continue
         row_ok = ratios(kern, alt, allow)[1].max(axis=-1, initial=0.0) <= 1
         hits = int((failing & row_ok).sum())
@@ -253,6 +258,51 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
                            f"{hits / n_fail:.0%} of the failing rows{scope} ({hits} of {n_fail}) match "
                            f"attention with {words}; the others do not (e.g. {_row_words(p)})"))
     return [words for _, words in sorted(scored, key=lambda s: -s[0])]
+
+
+def _softcap_after_mask(options, shape) -> dict:
+    """The problem with the mask turned into ``-cap`` scores after the softcap, as a kernel
+    that caps the masked scores does (``c tanh(-inf / c) = -c``)."""
+    cap = float(options["softcap"])
+    o = shape["sk"] - shape["sq"] if options["causal_align"] == "bottom_right" else 0
+    left, right = options["window"] or (None, None)
+    right = 0 if options["causal"] else right
+
+    def score_mod(score, b, h, i, j):
+        vis = np.ones(np.broadcast(i, j).shape, dtype=bool)
+        if left is not None:
+            vis &= j >= i + o - left
+        if right is not None:
+            vis &= j <= i + o + right
+        return np.where(vis, score, -cap)
+    return dict(causal=False, window=None, score_mod=score_mod)
+
+
+def _mask_neighbours(mask_mod, sq, sk) -> list:
+    """``(change, words)``: a ``mask_mod`` off by one key or query, or one key narrower or
+    wider at either edge of its runs of visible keys (a window or document one key off)."""
+    def at(di, dj):  # mask_mod at shifted positions, clipped into the problem
+        return lambda b, h, i, j: np.asarray(mask_mod(b, h, np.clip(i + di, 0, max(sq - 1, 0)),
+                                                      np.clip(j + dj, 0, max(sk - 1, 0))), dtype=bool)
+
+    def both(f, g, op):
+        return lambda b, h, i, j: op(np.asarray(f(b, h, i, j), dtype=bool), g(b, h, i, j))
+
+    same = at(0, 0)
+    return [
+        (dict(mask_mod=at(0, -1)), "mask_mod at kv_idx - 1 (the mask one key to the right: an off-by-one key index)"),
+        (dict(mask_mod=at(0, 1)), "mask_mod at kv_idx + 1 (the mask one key to the left: an off-by-one key index)"),
+        (dict(mask_mod=at(-1, 0)), "mask_mod at q_idx - 1 (an off-by-one query index, e.g. document ids shifted)"),
+        (dict(mask_mod=at(1, 0)), "mask_mod at q_idx + 1 (an off-by-one query index, e.g. document ids shifted)"),
+        (dict(mask_mod=both(same, at(0, -1), np.logical_and)),
+         "the mask one key narrower on the left of each run of visible keys (a window or document one key short)"),
+        (dict(mask_mod=both(same, at(0, 1), np.logical_and)),
+         "the mask one key narrower on the right of each run of visible keys"),
+        (dict(mask_mod=both(same, at(0, -1), np.logical_or)),
+         "the mask one key wider on the right of each run of visible keys (a window or document one key long)"),
+        (dict(mask_mod=both(same, at(0, 1), np.logical_or)),
+         "the mask one key wider on the left of each run of visible keys"),
+    ]
 
 
 def _tile_boundary(todo, qh, kh, options) -> list:
@@ -279,3 +329,100 @@ def _tile_boundary(todo, qh, kh, options) -> list:
 
 
 __all__ = ["diagnose", "trend", "row_ratios"]
+
+
+# -- gradients and the LSE ------------------------------------------------------------------------
+
+def _passes(kernel, ref, allowance) -> bool:
+    return bool(ratios(kernel, ref, allowance)[1].max(initial=0.0) <= 1)
+
+
+def _head_swap(name, kernel, ref, allowance):
+    """Heads of ``kernel`` that hold another head's ``ref``: ``[(h, other), ...]``."""
+    if kernel.ndim < 3 or kernel.shape[-3] < 2:
+        return []
+    allowance = np.broadcast_to(allowance, kernel.shape)
+    found = []
+    for h in range(kernel.shape[-3]):
+        if _passes(kernel[..., h, :, :], ref[..., h, :, :], allowance[..., h, :, :]):
+            continue
+        for other in range(kernel.shape[-3]):
+            if other != h and _passes(kernel[..., h, :, :], ref[..., other, :, :], allowance[..., other, :, :]):
+                found.append((h, other))
+                break
+    return found
+
+
+def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=()) -> list:
+    """Likely causes of a failing gradient ``name`` (``kernel``, ``ref``, ``allowance``:
+    bhsd float64).  ``alternatives``: ``(words, ref_of_that_problem)`` pairs, the dense
+    gradients of other problems (no causal mask, another scale, ...) to match against."""
+    found = []
+    finite = np.isfinite(kernel)
+    if not finite.all():
+        found.append(f"{name} holds {int(np.isnan(kernel).sum())} NaN and {int(np.isinf(kernel).sum())} inf values")
+        return found
+    if not kernel.any() and ref.any():
+        return [f"{name} is all zeros: the gradient was never written or accumulated"]
+    if _passes(-kernel, ref, allowance):
+        return [f"{name} has the wrong sign: it matches -{name} (e.g. ds = p (D - dp), or the loss's sign)"]
+    if name in ("dq", "dk") and scale not in (0.0, 1.0):
+        if _passes(kernel * scale, ref, allowance):
+            return [f"{name} is missing the softmax scale: it matches {name} / scale (scale = {scale:.4g})"]
+        if _passes(kernel / scale, ref, allowance):
+            return [f"{name} carries the softmax scale twice: it matches {name} * scale (scale = {scale:.4g})"]
+    # Another problem's gradient has other sizes: matched within the head's largest allowance.
+    loose = np.broadcast_to(per_head_max(np.broadcast_to(allowance, kernel.shape)), kernel.shape)
+    for words, alt in alternatives:
+        if alt is not None and alt.shape == kernel.shape and _passes(kernel, alt, loose):
+            return [f"{name} matches the gradient of attention with {words}"]
+    swaps = _head_swap(name, kernel, ref, allowance)
+    if swaps:
+        axis = "kv head" if name in ("dk", "dv") else "head"
+        found.append("; ".join(f"{name} of {axis} {h} holds {axis} {o}'s gradient" for h, o in swaps)
+                     + ": look at the head indexing (the GQA mapping, strides)")
+        return found
+    dot = float(np.vdot(ref, ref))
+    if dot > 0:
+        c = float(np.vdot(kernel, ref)) / dot  # the best single factor
+        if c != 1.0 and _passes(kernel / c, ref, allowance):
+            found.append(f"{name} is the right gradient times {c:.9g} (off by a relative {c - 1:+.3g} "
+                         "throughout): a factor applied once too often, or a constant rounded")
+            return found
+    bad = ratios(kernel, ref, allowance)[1].max(axis=-1) > 1  # (..., H, S)
+    if kernel.ndim >= 3:
+        heads = np.flatnonzero(bad.reshape((-1,) + bad.shape[-2:]).any(axis=(0, 2)))
+        if 0 < heads.size < bad.shape[-2]:
+            found.append(f"only heads {heads.tolist()} of {name} fail: look at the head indexing")
+    return found
+
+
+def diagnose_lse(kernel, ref, allowance, empty, alternatives=()) -> list:
+    """Likely causes of a failing ``lse`` (``(..., H, S)``, float64; ``empty``: rows with no
+    visible key).  ``alternatives``: ``(words, lse_of_that_problem)`` pairs."""
+    seen = ~empty & np.isfinite(kernel)
+    if not seen.any():
+        return []
+    k, r = np.where(seen, kernel, 0.0), np.where(seen, ref, 0.0)
+    a = np.where(seen, np.broadcast_to(allowance, kernel.shape), np.inf)
+
+    def fits(x, y):
+        return bool((np.abs(x - y) <= a)[seen].all())
+
+    if fits(k * math.log(2.0), r):
+        return ["the lse is in base 2 (log2 of the row's sum, FlashInfer's and JAX Pallas's convention): "
+                "times ln 2 it matches; a base-2 lse fed into a natural-log merge weights the partials wrongly"]
+    if fits(k / math.log(2.0), r):
+        return ["the lse is the natural one times ln 2 (a base-2 lse converted the wrong way)"]
+    for words, alt in alternatives:
+        if alt is not None and alt.shape == kernel.shape and fits(k, np.where(seen, alt, 0.0)):
+            return [f"the lse matches that of attention with {words}"]
+    if kernel.shape[-1] > 1:
+        for shift, words in ((1, "previous"), (-1, "next")):
+            rolled = np.roll(r, shift, axis=-1)
+            close = (np.abs(k - rolled) <= a) & seen
+            interior = seen.copy()
+            interior[..., 0 if shift == 1 else -1] = False
+            if interior.any() and close[interior].mean() >= 0.9 and not fits(k, r):
+                return [f"each row holds the {words} query row's lse (an off-by-one row index or stride)"]
+    return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,7 +10,9 @@ import numpy as np
 from .. import _args
 from ..memory import dense_fits
 from .arrays import as_numpy
-from .diagnosis import diagnose, row_ratios, trend
+from ..backward import reference_attention_backward
+from ..tiled import attention
+from .diagnosis import diagnose, diagnose_gradient, diagnose_lse, row_ratios, trend
 from .packing import unpack_paged, unpack_varlen
 from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
@@ -224,16 +227,21 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     lse_verdict = None
     if lse is not None:
         lse_verdict = judge_lse(given["lse"], expected, lse_dtype or stored["lse"])
+        if lse_verdict.passed is False:
+            _diagnose_lse(lse_verdict, given["lse"], expected, qh, kh, vh, options, workers)
     grads = {}
     if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
         kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
         grad_options = options if score_mod_grad is None else dict(options, score_mod_grad=score_mod_grad)
+        context = {}
+        douth = to_bhsd(given["dout"], layout).astype(np.float64)
         try:
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
-                                expected.ref_lse, to_bhsd(given["dout"], layout).astype(np.float64), prec,
-                                grad_options, layout, shape, workers)
+                                expected.ref_lse, douth, prec,
+                                grad_options, layout, shape, workers, context)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from None
+        _diagnose_grads(grads, context, qh, kh, vh, douth, grad_options)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:
@@ -247,6 +255,59 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         head_row_ratio=head_row_ratio, ratios=finite.ravel()[sample],
         naive_ratios=None if naive_ratio is None else naive_ratio[1].ravel()[sample],
         trend=trend(row_ratio), diagnosis=diagnosis)
+
+
+def _problem_alternatives(options) -> list:
+    """``(words, options)``: the neighbouring problems a wrong kernel may have computed."""
+    alts = []
+    if options["causal"]:
+        alts.append(("no causal mask", dict(options, causal=False)))
+    else:
+        alts.append(("a causal mask (bottom_right) that was not asked for", dict(options, causal=True)))
+    if options.get("kv_lengths") is not None:
+        alts.append(("kv_lengths ignored (padding keys attended)", dict(options, kv_lengths=None)))
+    if options.get("sinks") is not None:
+        alts.append(("no sinks", dict(options, sinks=None)))
+    return alts
+
+
+def _diagnose_grads(grads, context, qh, kh, vh, douth, options):
+    """Diagnosis notes on each failing gradient: its sign, the scale, a neighbouring problem's
+    gradient, heads swapped, a constant factor."""
+    failing = [n for n, v in grads.items() if v.passed is False and n in context]
+    if not failing:
+        return
+    names = ("dq", "dk", "dv", "dsinks")
+    alternatives = []
+    for words, alt in _problem_alternatives(options):
+        try:
+            g = reference_attention_backward(qh, kh, vh, douth, **alt)
+        except (ValueError, TypeError):
+            continue
+        g = dict(zip(names, g))
+        if "dsinks" in g:
+            g["dsinks"] = np.asarray(g["dsinks"])[..., None, None]
+        alternatives.append((words, g))
+    scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(qh.shape[-1])
+    for n in failing:
+        c = context[n]
+        found = diagnose_gradient(n, c["kernel"], c["ref"], c["allowance"], scale,
+                                  [(w, g.get(n)) for w, g in alternatives])
+        grads[n].notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
+
+
+def _diagnose_lse(verdict, lse, expected, qh, kh, vh, options, workers):
+    """Diagnosis notes on a failing lse: base 2, its neighbour's row, a neighbouring problem's."""
+    alternatives = []
+    for words, alt in _problem_alternatives(options):
+        try:
+            alternatives.append((words, attention(qh, kh, vh, return_lse=True, workers=workers, **alt)[1]))
+        except (ValueError, TypeError):
+            continue
+    kernel = np.asarray(lse, dtype=np.float64).reshape(expected.ref_lse.shape)
+    found = diagnose_lse(kernel, expected.ref_lse, np.asarray(expected.lse_allowance), expected.empty,
+                         alternatives)
+    verdict.notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
 
 
 def _naive_ratio(expected: Expected):

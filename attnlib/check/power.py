@@ -1,0 +1,314 @@
+"""The check's power at every magnitude: wrong kernels fail, correct kernels pass.
+
+A verdict is only as good as the smallest real bug it catches.  This module runs
+`check_kernel` on problems whose values (``v``, and ``dout`` for the gradients) are scaled
+by magnitudes from ``1e-6`` to ``1e4`` in each low precision, with
+
+* **correct kernels**: PyTorch SDPA's math and flash backends (forward and autograd) and
+  FlexAttention's eager forward when torch is installed, attnlib's tiled kernel in the
+  precision, and the float64 answer rounded once to the kernel's type;
+* **wrong kernels**: the bugs the check exists for, forward (an all-zero output, the
+  non-causal problem, the softmax scale doubled, each query's own key dropped, uniform
+  weights over the visible keys; a base-2 LSE, the next row's LSE) and backward (zero
+  gradients, ``dv`` of the wrong kv head, ``dq`` without the softmax scale, the non-causal
+  problem's gradients, the gradients' sign flipped, and every gradient scaled by
+  ``1 + SCALED[precision]``).
+
+Every wrong kernel's output is the float64 answer to the *wrong* problem rounded once to
+the kernel's type, so that only the defect separates it from a correct kernel.  Each run
+is one row: precision, magnitude, kernel, the tensor judged, passed, and the worst ratio
+of error to allowance.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from .. import _args
+from ..backward import attention_backward
+from ..tiled import attention
+from .rule import FINAL_ROUNDINGS, unit
+from .verdict import check_kernel
+
+#: Scales of ``v`` and ``dout``: value projections, residual branches and backprop
+#: gradients are often 1e-4 and below; 1e4 is near float16's range for sums of them.
+MAGNITUDES = (1e-6, 1e-4, 1e-2, 1.0, 1e2, 1e4)
+
+#: (batch, Hq, Hk, Sq, Sk, D, causal): a causal prefill with GQA, and a decode.
+SHAPES = ((1, 4, 2, 384, 384, 64, True), (2, 4, 4, 1, 1024, 64, False))
+
+#: The relative error of the "scaled gradients" wrong kernel: 1e-4 in float32 (the
+#: issue's bar up to n = 8192); 16 ulps of the 16-bit types.
+SCALED = {"float32": 1e-4, "bfloat16": 16 * 2.0 ** -8, "float16": 16 * 2.0 ** -11}
+
+
+def problem(shape, prec_name, magnitude, seed=0):
+    """``(q, k, v, dout, causal)`` in bhsd, rounded to the precision (float64 values)."""
+    b, hq, hk, sq, sk, d, causal = shape
+    prec = _args.precision(prec_name)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, hq, sq, d))
+    k = rng.standard_normal((b, hk, sk, d))
+    v = magnitude * rng.standard_normal((b, hk, sk, d))
+    dout = magnitude * rng.standard_normal((b, hq, sq, d))
+    return tuple(prec.round(x).astype(np.float64) for x in (q, k, v, dout)) + (causal,)
+
+
+def _rounded(prec, *xs):
+    return tuple(None if x is None else prec.round(np.asarray(x)).astype(np.float64) for x in xs)
+
+
+def _exact(q, k, v, dout, prec, **options):
+    """The float64 answer to the problem ``options`` describe, rounded once to ``prec``:
+    ``(out, lse, dq, dk, dv)`` (the lse in float32, as 16-bit kernels keep it)."""
+    out, lse = attention(q, k, v, return_lse=True, **options)
+    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, **options)
+    lse = lse.astype(np.float32).astype(np.float64) if not prec.is_float64 else lse
+    return _rounded(prec, out) + (lse,) + _rounded(prec, dq, dk, dv)
+
+
+def _own_key_dropped(causal, sq, sk):
+    o = sk - sq  # bottom-right alignment
+    return lambda b, h, i, j: (j != i + o) & ((j <= i + o) if causal else True)
+
+
+def wrong_kernels(shape, prec_name) -> dict:
+    """``name -> (tensor, fn(q, k, v, dout, causal) -> dict of the kernel's tensors)``."""
+    prec = _args.precision(prec_name)
+    _, hq, hk, sq, sk, d, _ = shape
+    s0 = 1.0 / math.sqrt(d)
+
+    def forward(**change):
+        def run(q, k, v, dout, c):
+            out, lse, *_ = _exact(q, k, v, dout, prec, **({"causal": c} | change))
+            return dict(out=out, lse=lse)
+        return run
+
+    def right(q, k, v, dout, c):
+        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, causal=c)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    def grads(edit):
+        def run(q, k, v, dout, c):
+            t = right(q, k, v, dout, c)
+            return t | edit(t, q, k, v, dout, c)
+        return run
+
+    def lse_edit(edit):
+        def run(q, k, v, dout, c):
+            t = forward()(q, k, v, dout, c)
+            return t | dict(lse=edit(t["lse"]))
+        return run
+
+    log2e = 1.0 / math.log(2.0)
+    kernels = {
+        "all-zero output": ("out", lambda q, k, v, dout, c: dict(out=np.zeros(q.shape[:-1] + v.shape[-1:]))),
+        "softmax scale x2": ("out", forward(scale=2 * s0)),
+        "own key dropped": ("out", lambda q, k, v, dout, c: forward(
+            mask_mod=_own_key_dropped(c, q.shape[-2], k.shape[-2]))(q, k, v, dout, c)),
+        "uniform weights over the visible keys": ("out", forward(scale=0.0)),
+        "lse in base 2": ("lse", lse_edit(lambda lse: lse * log2e)),
+        "lse of the next query row": ("lse", lse_edit(lambda lse: np.roll(lse, -1, axis=-1))),
+        "all-zero gradients": ("grads", grads(lambda t, *a: {n: np.zeros_like(t[n]) for n in ("dq", "dk", "dv")})),
+        "dq without the softmax scale": ("grads", grads(lambda t, *a: dict(dq=prec.round(t["dq"] / s0).astype(np.float64)))),
+        "gradients with the sign flipped": ("grads", grads(lambda t, *a: {n: -t[n] for n in ("dq", "dk", "dv")})),
+        f"gradients x (1 + {SCALED.get(prec_name, 0):.3g})": ("grads", grads(
+            lambda t, *a: {n: prec.round(t[n] * (1 + SCALED.get(prec_name, 0))).astype(np.float64)
+                           for n in ("dq", "dk", "dv")})),
+    }
+    if shape[-1]:  # causal
+        kernels["no causal mask"] = ("out", forward(causal=False))
+
+        def noncausal(t, q, k, v, dout, c):
+            _, _, dq, dk, dv = _exact(q, k, v, dout, prec, causal=False)
+            return dict(dq=dq, dk=dk, dv=dv)
+        kernels["gradients of the non-causal problem"] = ("grads", grads(noncausal))
+    if hk > 1:
+        kernels["dv of the wrong kv head"] = ("grads", grads(lambda t, *a: dict(dv=np.roll(t["dv"], 1, axis=-3))))
+    return kernels
+
+
+def correct_kernels(shape, prec_name) -> dict:
+    """``name -> fn(q, k, v, dout, causal) -> dict of the kernel's tensors``."""
+    prec = _args.precision(prec_name)
+
+    def rounded_once(q, k, v, dout, c):
+        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, causal=c)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+
+    def tiled(q, k, v, dout, c):
+        out, lse = attention(q, k, v, causal=c, compute_dtype=prec_name, return_lse=True)
+        return dict(out=out.astype(np.float64), lse=lse.astype(np.float64))
+
+    kernels = {"float64 answer rounded once": rounded_once,
+               f"attnlib tiled in {prec_name}": tiled}
+    kernels.update(_torch_kernels(prec_name))
+    return kernels
+
+
+def _torch_kernels(prec_name) -> dict:
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return {}
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float64": torch.float64}[prec_name]
+
+    def tensors(*xs, grad=False):
+        return [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(grad) for x in xs]
+
+    def numpy(t):
+        return t.detach().to(torch.float64).numpy()
+
+    def sdpa(backend):
+        def run(q, k, v, dout, c):
+            tq, tk, tv = tensors(q, k, v, grad=True)
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=c, enable_gqa=True)
+            out.backward(tensors(dout)[0])
+            return dict(out=numpy(out), dq=numpy(tq.grad), dk=numpy(tk.grad), dv=numpy(tv.grad))
+        return run
+
+    def flex(q, k, v, dout, c):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        sq, sk = q.shape[-2], k.shape[-2]
+        mask = None
+        if c:
+            mask = create_block_mask(lambda b, h, i, j: j <= i + (sk - sq), None, None, sq, sk, device="cpu")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager (unfused) on the CPU; return_lse's deprecation
+            out, lse = flex_attention(*tensors(q, k, v), block_mask=mask, enable_gqa=True, return_lse=True)
+        return dict(out=numpy(out), lse=numpy(lse))
+
+    v = torch.__version__
+    return {f"torch {v} SDPA math (autograd)": sdpa(SDPBackend.MATH),
+            f"torch {v} SDPA flash (autograd)": sdpa(SDPBackend.FLASH_ATTENTION),
+            f"torch {v} FlexAttention eager": flex}
+
+
+def _changed(tensors, right, judged, prec_name) -> list:
+    """The judged tensors a wrong kernel moves by more than `FINAL_ROUNDINGS` ulps of the
+    correctly rounded answer at some entry; the others hold a defect below the type's
+    resolution there (the next row's lse at decode, a gradient that underflows in float16)."""
+    names = ("dq", "dk", "dv") if judged == "grads" else (judged,)
+    dtype = np.float32 if judged == "lse" else _args.precision(prec_name).compute
+    with np.errstate(invalid="ignore", over="ignore"):
+        return [n for n in names if n in tensors and not np.all(
+            np.abs(tensors[n] - right[n]) <= FINAL_ROUNDINGS * unit(np.abs(right[n]), dtype))]
+
+
+def _judge(q, k, v, dout, causal, prec_name, tensors):
+    grads = {n: tensors.get(n) for n in ("dq", "dk", "dv")}
+    with_grads = any(g is not None for g in grads.values())
+    return check_kernel(q, k, v, tensors["out"] if "out" in tensors else attention(q, k, v, causal=causal),
+                        lse=tensors.get("lse"), dout=dout if with_grads else None, layout="bhsd",
+                        dtype=prec_name, causal=causal, workers=1, **grads)
+
+
+def _rows(result, names=None):
+    """``(tensor, passed, ratio)`` per judged tensor of a `KernelCheck` (only ``names``
+    when given: the tensors a wrong kernel changed)."""
+    verdicts = {"out": result.out, "lse": result.lse} | dict(result.grads)
+    return [(name, bool(v.passed), float(v.ratio)) for name, v in verdicts.items()
+            if v is not None and v.passed is not None and (names is None or name in names)]
+
+
+def measure(precisions=("float32", "bfloat16", "float16"), magnitudes=MAGNITUDES, shapes=SHAPES,
+            seeds=(0,), correct=True, wrong=True) -> list[dict]:
+    """One row per (precision, shape, magnitude, seed, kernel): whether the check passed
+    the tensors the kernel is judged on (``out``/``lse`` forward, the gradients), and the
+    worst ratio of error to allowance among them."""
+    rows = []
+    for prec_name in precisions:
+        for shape in map(tuple, shapes):
+            for magnitude in magnitudes:
+                for seed in seeds:
+                    q, k, v, dout, causal = problem(shape, prec_name, magnitude, seed)
+                    cases = []
+                    if correct:
+                        cases += [(name, "correct", "all", fn) for name, fn in correct_kernels(shape, prec_name).items()]
+                    if wrong:
+                        cases += [(name, "wrong", judged, fn) for name, (judged, fn) in wrong_kernels(shape, prec_name).items()]
+                    right = correct_kernels(shape, prec_name)["float64 answer rounded once"](q, k, v, dout, causal)
+                    for name, kind, judged, fn in cases:
+                        tensors = fn(q, k, v, dout, causal)
+                        names = None
+                        if kind == "wrong":
+                            names = _changed(tensors, right, judged, prec_name)
+                            if not names:
+                                continue  # the defect vanishes in the type
+                        result = _judge(q, k, v, dout, causal, prec_name, tensors)
+                        judged_rows = _rows(result, names)
+                        if not judged_rows:
+                            continue
+                        rows.append(dict(
+                            precision=prec_name, shape=str(shape[:-1]), causal=shape[-1], magnitude=magnitude,
+                            seed=seed, kernel=name, kind=kind,
+                            tensors=[r[0] for r in judged_rows],
+                            passed=all(r[1] for r in judged_rows),
+                            failed_tensors=[r[0] for r in judged_rows if not r[1]],
+                            ratio=max(r[2] for r in judged_rows)))
+    return rows
+
+
+def long_gradients(n, prec_name="float32", d=64, seed=0, relative=None) -> list[dict]:
+    """float32 gradients at one long causal head ``(1, 1, n, n, d)``: the correct gradient
+    rounded once, PyTorch's SDPA autograd (math backend) when installed, and every gradient
+    scaled by ``1 + relative`` (default `SCALED`), each judged by `check_kernel`."""
+    relative = SCALED[prec_name] if relative is None else relative
+    shape = (1, 1, 1, n, n, d, True)
+    q, k, v, dout, causal = problem(shape, prec_name, 1.0, seed)
+    right = correct_kernels(shape, prec_name)["float64 answer rounded once"](q, k, v, dout, causal)
+    cases = [("correct", "float64 answer rounded once", right)]
+    torch_kernels = _torch_kernels(prec_name)
+    for name, fn in torch_kernels.items():
+        if "math" in name:
+            cases.append(("correct", name, fn(q, k, v, dout, causal)))
+    prec = _args.precision(prec_name)
+    scaled = {g: prec.round(right[g] * (1 + relative)).astype(np.float64) for g in ("dq", "dk", "dv")}
+    cases.append(("wrong", f"gradients x (1 + {relative:.3g})", dict(right, **scaled)))
+    rows = []
+    for kind, name, tensors in cases:
+        result = _judge(q, k, v, dout, causal, prec_name, {g: tensors[g] for g in ("out", "dq", "dk", "dv")})
+        judged = _rows(result, ("dq", "dk", "dv"))
+        rows.append(dict(precision=prec_name, n=n, kernel=name, kind=kind,
+                         passed=all(r[1] for r in judged),
+                         **{f"{r[0]}_ratio": r[2] for r in judged}))
+    return rows
+
+
+def by_kernel(rows) -> list[dict]:
+    """One row per (kind, kernel, precision): over the magnitudes and shapes it ran at, how
+    many runs the check got right (failed a wrong kernel, passed a correct one), the
+    magnitudes it got wrong, and the ratio nearest the allowance."""
+    table = {}
+    for r in rows:
+        t = table.setdefault((r["kind"], r["kernel"], r["precision"]), dict(
+            kind=r["kind"], kernel=r["kernel"], precision=r["precision"], runs=0, right=0,
+            wrong_at=[], nearest_ratio=None))
+        right = r["passed"] == (r["kind"] == "correct")
+        t["runs"] += 1
+        t["right"] += int(right)
+        if not right:
+            t["wrong_at"].append(f"{r['magnitude']:g} {r['shape']}")
+        pick = max if r["kind"] == "correct" else min  # the run nearest the line
+        t["nearest_ratio"] = r["ratio"] if t["nearest_ratio"] is None else pick(t["nearest_ratio"], r["ratio"])
+    return list(table.values())
+
+
+def summary(rows) -> dict:
+    """Per precision and kind: runs, and how many of them the check passed."""
+    out = {}
+    for r in rows:
+        s = out.setdefault(f"{r['precision']} {r['kind']}", dict(runs=0, passed=0))
+        s["runs"] += 1
+        s["passed"] += int(r["passed"])
+    return out
+
+
+__all__ = ["measure", "summary", "by_kernel", "long_gradients", "wrong_kernels", "correct_kernels", "problem", "MAGNITUDES", "SHAPES"]

@@ -1,0 +1,130 @@
+"""The check has power at every magnitude (issue 23): wrong kernels fail and correct ones pass
+whatever the size of ``v`` and ``dout``, in every low precision, forward and backward.
+
+Under the earlier rule an all-zero bfloat16 output passed every problem whose values were
+1e-4 (FlashAttention's absolute term is anchored at 0.3), and float32 gradients scaled by
+1 + 1e-3 passed (a worst-case ``8 N u`` bound)."""
+
+import math
+
+import ml_dtypes  # noqa: F401  (bfloat16; the test extra installs it)
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib import check
+from attnlib.backward import FORMULATIONS, reference_attention_backward
+from attnlib.check import power
+from attnlib.check.rule import doubled_options, forward_rss
+
+SMALL = (1, 4, 2, 128, 128, 32, True)  # batch, Hq, Hk, Sq, Sk, D, causal
+
+
+@pytest.mark.parametrize("prec, magnitude", [("bfloat16", 1e-6), ("bfloat16", 1e2), ("float16", 1e-4),
+                                             ("float32", 1e-4), ("float32", 1e4)])
+def test_wrong_kernels_fail_and_correct_ones_pass(prec, magnitude):
+    rows = power.measure(precisions=(prec,), magnitudes=(magnitude,), shapes=(SMALL,))
+    wrong = [r for r in rows if r["kind"] == "wrong"]
+    correct = [r for r in rows if r["kind"] == "correct"]
+    assert len(wrong) >= 10 and len(correct) >= 2
+    missed = [(r["kernel"], r["ratio"]) for r in wrong if r["passed"]]
+    alarms = [(r["kernel"], r["failed_tensors"], r["ratio"]) for r in correct if not r["passed"]]
+    assert not missed and not alarms, (missed, alarms)
+
+
+def test_decode_wrong_kernels_fail_in_bfloat16_at_small_values():
+    rows = power.measure(precisions=("bfloat16",), magnitudes=(1e-4,), shapes=((2, 4, 4, 1, 512, 64, False),))
+    missed = [r["kernel"] for r in rows if r["kind"] == "wrong" and r["passed"]]
+    alarms = [r["kernel"] for r in rows if r["kind"] == "correct" and not r["passed"]]
+    assert not missed and not alarms, (missed, alarms)
+
+
+def test_zero_output_of_small_values_fails_as_it_did_not_before():
+    """The issue's case: bfloat16, v scaled by 1e-4, (1, 4, 384, 64) causal."""
+    q, k, v, _, _ = power.problem((1, 4, 4, 384, 384, 64, True), "bfloat16", 1e-4)
+    right = attnlib.attention(q, k, v, causal=True)
+    rounded = right.astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert check.check_kernel(q, k, v, rounded, layout="bhsd", causal=True, dtype="bfloat16").passed
+    r = check.check_kernel(q, k, v, np.zeros_like(right), layout="bhsd", causal=True, dtype="bfloat16")
+    assert not r.passed and r.out.ratio > 10, check.format_text(r)
+
+
+def test_float32_gradients_off_by_1e_4_fail_at_long_rows():
+    """A worst-case ``8 N u`` bound let 1e-3 through at n = 1024; in ulps of each entry's own
+    size the rule catches 1e-4 at n = 2048 (the report runs 8192), while the correct
+    gradient rounded to float32 passes."""
+    n = 2048
+    q, k, v, dout, _ = power.problem((1, 1, 1, n, n, 64, True), "float32", 1.0)
+    out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True)
+    grads = [g.astype(np.float32).astype(np.float64)
+             for g in attnlib.attention_backward(q, k, v, out, lse, dout, causal=True)]
+    kw = dict(layout="bhsd", causal=True, dtype="float32", dout=dout)
+    good = check.check_kernel(q, k, v, out, dq=grads[0], dk=grads[1], dv=grads[2], **kw)
+    assert all(g.passed for g in good.grads.values()), check.format_text(good)
+    bad = [g * (1 + 1e-4) for g in grads]
+    r = check.check_kernel(q, k, v, out, dq=bad[0], dk=bad[1], dv=bad[2], **kw)
+    assert all(g.passed is False for g in r.grads.values()), check.format_text(r)
+
+
+def test_forward_rss_is_the_root_sum_square_of_the_terms():
+    q, k, v = attnlib.random_qkv(9, 13, 4, batch=(2,), heads=2, seed=3)
+    sinks = np.array([0.5, -1.0])
+    for options in (dict(causal=True), dict(softcap=2.0, sinks=sinks), dict(window=(3, 1), scale=0.7)):
+        full = dict(causal=False, causal_align="bottom_right", window=None, softcap=None, scale=None,
+                    kv_lengths=None, sinks=None) | options
+        out, lse = attnlib.attention(q, k, v, return_lse=True, **full)
+        rss = forward_rss(lambda q, k, v, **kw: attnlib.attention(q, k, v, return_lse=True, **kw),
+                          q, k, v, full, lse)
+        p = np.exp(_scores(q, k, full) - lse[..., None])  # the weights, sink column excluded
+        assert np.allclose(rss, np.sqrt((p * p) @ (v * v)), rtol=1e-12, atol=0)
+
+
+def _scores(q, k, options):
+    s = attnlib.reference.reference_scores(q, k, **{key: options[key] for key in (
+        "causal", "causal_align", "window", "softcap", "scale")})
+    return s
+
+
+def test_doubled_options_double_every_score():
+    mod = lambda s, b, h, i, j: s - 0.1 * (i - j)  # noqa: E731
+    d = doubled_options(dict(scale=None, softcap=3.0, sinks=np.array([1.0]), score_mod=mod), 16)
+    assert d["scale"] == 2 / math.sqrt(16) and d["softcap"] == 6.0 and d["sinks"][0] == 2.0
+    assert d["score_mod"](np.array(4.0), 0, 0, 5, 2) == pytest.approx(2 * mod(2.0, 0, 0, 5, 2))
+
+
+def test_gradient_rss_by_brute_force():
+    """``sqrt(sum_j t_j^2)`` over the terms each gradient entry sums, one entry at a time."""
+    q, k, v = attnlib.random_qkv(5, 6, 3, heads=2, kv_heads=1, seed=1)
+    dout = np.random.default_rng(1).standard_normal((2, 5, 3))
+    _, rss = reference_attention_backward(q, k, v, dout, return_rss=True)
+    s = q @ k[0].T / math.sqrt(3)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # (2, 5, 6)
+    dp = dout @ v[0].T
+    a = p * (np.abs(dp) + np.abs(p * dp).sum(-1, keepdims=True)) / math.sqrt(3)
+    dq = np.sqrt(np.einsum("hij,jc->hic", a ** 2, k[0] ** 2))
+    dk = np.sqrt(np.einsum("hij,hic->jc", a ** 2, q ** 2))[None]
+    dv = np.sqrt(np.einsum("hij,hic->jc", p ** 2, dout ** 2))[None]
+    for got, want in zip(rss, (dq, dk, dv)):
+        assert np.allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_naive_backward_formulations_are_the_gradient_in_the_type(formulation):
+    q, k, v = (x.astype(np.float32).astype(np.float64) for x in attnlib.random_qkv(40, 50, 8, heads=2, seed=2))
+    dout = np.random.default_rng(2).standard_normal((2, 40, 8))
+    exact = reference_attention_backward(q, k, v, dout, causal=True)
+    naive = reference_attention_backward(q, k, v, dout, causal=True, compute_dtype="float32",
+                                         formulation=formulation)
+    for e, g in zip(exact, naive):
+        assert g.dtype == np.float32
+        assert np.abs(g - e).max() <= 1e-4 * np.abs(e).max()
+
+
+def test_gradients_beyond_float16s_range_are_reported_not_judged():
+    q, k, v, dout, _ = power.problem(SMALL, "float16", 1e4)
+    out = attnlib.attention(q, k, v, causal=True)
+    r = check.check_kernel(q, k, v, out, dout=dout, dq=np.zeros(q.shape), dk=np.zeros(k.shape),
+                           dv=np.zeros(v.shape), layout="bhsd", causal=True, dtype="float16")
+    assert r.grads["dq"].passed is None and "beyond float16's range" in r.grads["dq"].notes[0]
+    assert r.grads["dv"].passed is False  # dv fits: judged, and the zeros fail
