@@ -3,6 +3,7 @@
 Before, LSE and gradient failures had no diagnosis, bugs in a mask_mod ended in "no known cause
 matched", and a softcap applied after masking was told it "passes judged as bfloat16"."""
 
+import ml_dtypes  # the test extra installs it
 import numpy as np
 import pytest
 
@@ -84,3 +85,14 @@ def test_a_softcap_after_masking_is_named_not_a_lower_precision():
     assert not r.passed
     assert r.diagnosis[0].endswith("the softcap applied after masking (masked pairs get -softcap, not -inf)")
     assert not any("judged as a" in d for d in r.diagnosis)
+
+
+def test_one_gradient_rounded_to_a_lower_precision_is_named():
+    q, k, v, dout, causal = power.problem(SHAPE, "float32", 1.0)
+    right = power.correct_kernels(SHAPE, "float32")["float64 answer rounded once"](q, k, v, dout, causal)
+    dv = right["dv"].astype(ml_dtypes.bfloat16).astype(np.float64)  # dv kept in bfloat16
+    r = check.check_kernel(q, k, v, right["out"], dout=dout, dq=right["dq"], dk=right["dk"], dv=dv,
+                           layout="bhsd", causal=True, dtype="float32")
+    assert r.grads["dq"].passed and r.grads["dk"].passed and r.grads["dv"].passed is False
+    assert any("dv is the right gradient to within bfloat16's rounding" in n for n in r.grads["dv"].notes), \
+        r.grads["dv"].notes

@@ -353,10 +353,12 @@ def _head_swap(name, kernel, ref, allowance):
     return found
 
 
-def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=()) -> list:
+def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=(), prec_name=None) -> list:
     """Likely causes of a failing gradient ``name`` (``kernel``, ``ref``, ``allowance``:
     bhsd float64).  ``alternatives``: ``(words, ref_of_that_problem)`` pairs, the dense
-    gradients of other problems (no causal mask, another scale, ...) to match against."""
+    gradients of other problems (no causal mask, another scale, ...) to match against;
+    ``prec_name``: the precision the kernel was judged in (a gradient rounded to a lower
+    one is named)."""
     found = []
     finite = np.isfinite(kernel)
     if not finite.all():
@@ -389,6 +391,19 @@ def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=()) -> l
             found.append(f"{name} is the right gradient times {c:.9g} (off by a relative {c - 1:+.3g} "
                          "throughout): a factor applied once too often, or a constant rounded")
             return found
+    lower = []
+    for low in _LOWER.get(prec_name, ()):
+        try:
+            lower.append((low, _args.finfo(_args.precision(low).compute)))
+        except ValueError:  # bfloat16 without ml_dtypes
+            continue
+    for low, fi in sorted(lower, key=lambda x: float(x[1].eps)):  # the finest type that explains it
+        # The right gradient rounded to the lower type is off by half an ulp of it, plus rounding.
+        rounded = float(fi.eps) * np.abs(ref) + float(fi.smallest_subnormal) + np.broadcast_to(allowance, ref.shape)
+        if _passes(kernel, ref, rounded):
+            tf32 = " (or TF32, whose 10-bit mantissa is float16's)" if low == "float16" else ""
+            return [f"{name} is the right gradient to within {low}'s rounding{tf32}: it was stored, "
+                    f"accumulated or computed in {low}, not {prec_name}"]
     bad = ratios(kernel, ref, allowance)[1].max(axis=-1) > 1  # (..., H, S)
     if kernel.ndim >= 3:
         heads = np.flatnonzero(bad.reshape((-1,) + bad.shape[-2:]).any(axis=(0, 2)))

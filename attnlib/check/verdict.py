@@ -241,7 +241,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                                 grad_options, layout, shape, workers, context)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from None
-        _diagnose_grads(grads, context, qh, kh, vh, douth, grad_options)
+        _diagnose_grads(grads, context, qh, kh, vh, douth, grad_options, prec.name)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:
@@ -271,7 +271,7 @@ def _problem_alternatives(options) -> list:
     return alts
 
 
-def _diagnose_grads(grads, context, qh, kh, vh, douth, options):
+def _diagnose_grads(grads, context, qh, kh, vh, douth, options, prec_name):
     """Diagnosis notes on each failing gradient: its sign, the scale, a neighbouring problem's
     gradient, heads swapped, a constant factor."""
     failing = [n for n, v in grads.items() if v.passed is False and n in context]
@@ -292,7 +292,7 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, options):
     for n in failing:
         c = context[n]
         found = diagnose_gradient(n, c["kernel"], c["ref"], c["allowance"], scale,
-                                  [(w, g.get(n)) for w, g in alternatives])
+                                  [(w, g.get(n)) for w, g in alternatives], prec_name)
         grads[n].notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
 
 
