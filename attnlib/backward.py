@@ -101,15 +101,15 @@ def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
 
 
 #: The naive same-precision backward's formulations (``compute_dtype`` below float64).
-FORMULATIONS = ("math", "flash", "sequential")
+FORMULATIONS = ("math", "eager", "flash", "sequential")
 #: The "sequential" formulation's most slices of a sum: one key (or query) per step up to
 #: this many, beyond it slices of a few summed by BLAS inside (a bounded cost).
 SEQUENTIAL_STEPS = 1024
 
 
 def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
-                                 return_rss=False, check_finite=True, compute_dtype=None,
-                                 formulation="math", **options):
+                                 return_rss=False, rss_accumulate=1.0, check_finite=True,
+                                 compute_dtype=None, formulation="math", **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
 
     Parameters
@@ -125,24 +125,35 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         Also return the sizes of what each gradient entry sums, for the error metric
         (`attnlib.gradient_errors`): the same formulas with ``|dout|, |q|, |k|, |v|`` and
         ``|dp| + |D|`` in place of ``dp - D``.
-    return_rss : bool
+    return_rss : bool or "dot"
         Also return each gradient entry's root-sum-square size, ``sqrt(sum_j t_j**2)`` over
         the terms ``t_j`` it sums (``dv``: ``p dout``; ``dq``, ``dk``: ``scale p (|dp| +
         D1) k`` and ``q`` with ``D1 = sum_j |p dp|``, the size of ``D``'s terms, whose
         rounding ``ds`` carries; ``dsinks``: ``p_sink D1``): the size of the independent rounding
         errors of a sum (Higham & Mary 2019), which cancellation does not shrink the way
         it shrinks the entry itself.  Computed in float64.
+    rss_accumulate : float
+        With ``return_rss``: how much the componentwise size of the dot products ``dp`` and
+        ``D`` (``|dout| . |v|``, which bounds their summation error, where ``|dp|`` may
+        cancel) adds to ``ds``'s size, in units of the stored type's epsilon: the
+        accumulator's epsilon over the stored type's (1 for float32 and float64; ``2**-16``
+        for 16-bit values summed in float32).  ``return_rss="dot"``: that part alone (with
+        ``rss_accumulate=1``), for a bound that weighs the dot products' rounding apart.
     compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
         The naive same-precision baseline of FlashAttention's gradient tests: inputs rounded
         to it, every matmul accumulated in float32, the softmax in float32, and some
         intermediates rounded to it, by ``formulation``.
-    formulation : {"math", "flash"}
+    formulation : {"math", "eager", "flash", "sequential"}
         Below float64, which intermediates are rounded: ``"math"`` is PyTorch's eager
         autograd (``s``, ``p``, ``dp``, ``ds`` and each head's ``dq``, ``dk``, ``dv``
-        rounded; ``D = rowsum(p * dp)``); ``"flash"`` is FlashAttention's backward (``s``,
+        rounded; ``D = rowsum(p * dp)``); ``"eager"`` is the same with the scores formed as
+        ``(q k^T) * scale`` (Hugging Face's eager attention), so ``scale * ds`` is rounded
+        before its matmuls (in float16's subnormal range, below 6.1e-5, that rounding is
+        what a small ``dout`` costs); ``"flash"`` is FlashAttention's backward (``s``,
         ``dp`` and ``D`` in float32, ``p`` and ``ds`` rounded before their matmuls,
-        ``D = dout . out`` with ``out`` rounded to the type, a GQA group's ``dk``, ``dv``
-        summed in float32 and rounded once); ``"sequential"`` is ``"math"`` with
+        ``D = dout . out`` with ``out`` rounded to the type and summed one column after
+        another, a GQA group's ``dk``, ``dv`` summed in float32 and rounded once);
+        ``"sequential"`` is ``"math"`` with
         ``D = rowsum(p * dp)`` and every matmul summed one key (or query) after another in
         float32, as a kernel that accumulates tile by tile does (up to `SEQUENTIAL_STEPS`
         steps), rather than in BLAS's blocked order.
@@ -225,16 +236,21 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         head = keep  # FlashAttention sums a GQA group's dk, dv before rounding them
         dv = head(mm(np.swapaxes(p, -1, -2), dout5))  # (..., hk, g, sk, dv)
         dp = keep(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
-        if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it
-            d = np.sum(dout5 * rnd(p @ v5), axis=-1, keepdims=True)
+        if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it, in sequence
+            d = np.cumsum(dout5 * rnd(p @ v5), axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)
         elif sequential and sign < 0 and p.shape[-1]:
             d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
         else:
             d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
         # The softmax Jacobian (sign -1); +1: the sizes, where a factor counts by its size.
         ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
-        dq = rnd(dtype(pb.scale) * mm(ds, k5))
-        dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5))
+        if formulation == "eager" and not prec.is_float64:  # d(q k^T) = scale * ds, rounded
+            ds_scaled = rnd(dtype(pb.scale) * ds)
+            dq = rnd(mm(ds_scaled, k5))
+            dk = head(mm(np.swapaxes(ds_scaled, -1, -2), q5))
+        else:
+            dq = rnd(dtype(pb.scale) * mm(ds, k5))
+            dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5))
         # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
         dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
         # GQA: the query heads of a group share k and v, so their gradients add up.
@@ -246,12 +262,22 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         p2 = p * p
         dp = dout5 @ np.swapaxes(v5, -1, -2)
         # ds_ij = p_ij (dp_ij - D_i) carries the rounding of dp_ij and of D_i's terms: its
-        # size is p_ij (|dp_ij| + sum_j |p_ij dp_ij|) (|D_i| is at most the sum).
+        # size is p_ij (|dp_ij| + sum_j |p_ij dp_ij|) (|D_i| is at most the sum), and, weighted
+        # by rss_accumulate, the componentwise sizes |dout| . |v_j| of what dp_ij and D_i sum.
         d1 = np.sum(np.abs(p * dp), axis=-1, keepdims=True)
+        dp = np.abs(dp)
+        if return_rss == "dot":  # the dot products' part alone
+            d1, dp = 0.0 * d1, 0.0 * dp
+        if rss_accumulate:
+            dp_abs = np.abs(dout5) @ np.swapaxes(np.abs(v5), -1, -2)
+            d1 = d1 + rss_accumulate * np.sum(p * dp_abs, axis=-1, keepdims=True)
+            dp = dp + rss_accumulate * dp_abs
         # Under softcap, 1 - tanh**2 computed from a rounded tanh is off by up to 4u absolutely.
         size = np.abs(factor) + (4 * 2.0 ** -53 if cap is not None else 0.0)
-        a2 = (p * (np.abs(dp) + d1) * size) ** 2
+        a2 = (p * (dp + d1) * size) ** 2
         dv = np.swapaxes(p2, -1, -2) @ (dout5 * dout5)
+        if return_rss == "dot":  # dv sums no dot product's result
+            dv = 0.0 * dv
         dq = pb.scale ** 2 * (a2 @ (k5 * k5))
         dk = pb.scale ** 2 * (np.swapaxes(a2, -1, -2) @ (q5 * q5))
         dsink = None if sink is None else np.sum((p_sink * d1) ** 2, axis=(-2, -1))

@@ -340,6 +340,9 @@ def gradient_rounding(delta, n, dv, cap=None) -> float:
 
         e_g = 4 delta + 2 C_EXP u + 4 g(N) + 2 g(Dv) + 3 u   (+ 2 delta / cap with a softcap)
 
+    ``g(Dv)`` of ``dp`` and ``D`` is counted on what those dot products sum componentwise
+    (``|dout| . |v|``, `reference_attention_backward` with ``return_rss="dot"``), since
+    ``|dp|`` itself may cancel: the gate is ``2 (e_g (|ref| + rss) + 2 g(Dv) rss_dot)``.
     The sums are counted in units of ``rss``, with Higham & Mary's model of independent
     roundings applied to each partial sum: this assumes a sum's partial sums grow like its
     root-sum-square (a random walk) rather than like the sum of absolute values, which
@@ -375,7 +378,11 @@ class GradientGate:
     def __init__(self, q, k, v, dout, **options):
         from .backward import reference_attention_backward
 
-        self.ref, rss = reference_attention_backward(q, k, v, dout, return_rss=True, **options)
+        # rss: the terms' sizes with |dp| and D's terms; dot: with what the dot products
+        # dp = dout . v and D sum, componentwise (|dp| may cancel), carrying only their g(Dv).
+        self.ref, rss = reference_attention_backward(q, k, v, dout, return_rss=True, rss_accumulate=0.0,
+                                                     **options)
+        _, dot = reference_attention_backward(q, k, v, dout, return_rss="dot", **options)
         self.names = ("dq", "dk", "dv", "dsinks")[:len(self.ref)]
         q = _args.as_float_array(q, "q")
         k = _args.as_float_array(k, "k")
@@ -384,7 +391,9 @@ class GradientGate:
         delta = tolerance(q, k, v, None, block_k=1, **plain).delta
         self.e = gradient_rounding(float(np.max(delta, initial=0.0)), max(q.shape[-2], k.shape[-2]),
                                    v.shape[-1], _args.softcap(options.get("softcap")))
-        self.tol = tuple(2 * self.e * np.maximum(np.abs(r) + s, TINY) for r, s in zip(self.ref, rss))
+        e_dot = 2 * _g(v.shape[-1])  # dp's and D's sums of Dv terms, each implementation
+        self.tol = tuple(2 * (self.e * np.maximum(np.abs(r) + s, TINY) + e_dot * t)
+                         for r, s, t in zip(self.ref, rss, dot))
 
     def judge(self, grads) -> dict:
         """Per gradient, ``<name>_ratio = max |g - ref| / tol``; ``passed`` when every one is

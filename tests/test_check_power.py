@@ -93,7 +93,8 @@ def test_doubled_options_double_every_score():
 
 
 def test_gradient_rss_by_brute_force():
-    """``sqrt(sum_j t_j^2)`` over the terms each gradient entry sums, one entry at a time."""
+    """``sqrt(sum_j t_j^2)`` over the terms each gradient entry sums, one entry at a time;
+    ``return_rss="dot"`` is the dot products' part alone."""
     q, k, v = attnlib.random_qkv(5, 6, 3, heads=2, kv_heads=1, seed=1)
     dout = np.random.default_rng(1).standard_normal((2, 5, 3))
     _, rss = reference_attention_backward(q, k, v, dout, return_rss=True)
@@ -101,12 +102,17 @@ def test_gradient_rss_by_brute_force():
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)  # (2, 5, 6)
     dp = dout @ v[0].T
-    a = p * (np.abs(dp) + np.abs(p * dp).sum(-1, keepdims=True)) / math.sqrt(3)
+    dp_abs = np.abs(dout) @ np.abs(v[0]).T  # what each dp sums, componentwise (rss_accumulate=1)
+    a = p * (np.abs(dp) + dp_abs + (p * (np.abs(dp) + dp_abs)).sum(-1, keepdims=True)) / math.sqrt(3)
     dq = np.sqrt(np.einsum("hij,jc->hic", a ** 2, k[0] ** 2))
     dk = np.sqrt(np.einsum("hij,hic->jc", a ** 2, q ** 2))[None]
     dv = np.sqrt(np.einsum("hij,hic->jc", p ** 2, dout ** 2))[None]
     for got, want in zip(rss, (dq, dk, dv)):
         assert np.allclose(got, want, rtol=1e-12)
+    _, dot = reference_attention_backward(q, k, v, dout, return_rss="dot")
+    a = p * (dp_abs + (p * dp_abs).sum(-1, keepdims=True)) / math.sqrt(3)
+    assert np.allclose(dot[0], np.sqrt(np.einsum("hij,jc->hic", a ** 2, k[0] ** 2)), rtol=1e-12)
+    assert not dot[2].any()  # dv sums p dout: no dot product's result
 
 
 @pytest.mark.parametrize("formulation", FORMULATIONS)

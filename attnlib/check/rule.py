@@ -66,11 +66,15 @@ computation).  Rows with no visible key must be ``-inf`` (attnlib, PyTorch) or `
 (FlashAttention).
 
 *Gradients* below float64: the same rule, with the naive backward in the kernel's
-precision in three formulations (`~attnlib.backward.FORMULATIONS`: PyTorch's eager
-autograd; FlashAttention's, with ``D = dout . out`` from the stored output; and one summed
-key by key as a tiled kernel accumulates) and each entry's size ``|ref| + rss`` from the
-dense float64 gradient (`reference_attention_backward` with ``return_rss``; ``ds`` counts
-the rounding of ``D``'s terms, ``sum_j |p dp|``, which every entry of a row shares).  A
+precision in four formulations (`~attnlib.backward.FORMULATIONS`: PyTorch's eager
+autograd; the same with ``scale * ds`` rounded, as Hugging Face's eager attention does;
+FlashAttention's, with ``D = dout . out`` from the stored output; and one summed key by
+key as a tiled kernel accumulates) and each entry's size ``|ref| + rss`` from the dense
+float64 gradient (`reference_attention_backward` with ``return_rss``; ``ds`` counts the
+rounding of ``D``'s terms, ``sum_j |p dp|``, which every entry of a row shares, and,
+weighted by the accumulator's epsilon over the type's, what ``dp`` and ``D`` sum
+componentwise: a float32 FlashAttention-2 backward failed at a row with one visible key,
+where ``dp - D`` cancels exactly and the reference ``dq`` is 0, before it was counted).  A
 formulation that overflows (float16 ``dp = dout . v`` beyond 65504) is left out.  The
 earlier bound for float32, ``2 e_g`` times the componentwise size with a worst-case
 ``8 N u`` term, let ``dq, dk, dv`` scaled by ``1 + 1e-3`` pass at n = 1024: correct
@@ -461,7 +465,9 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, la
         naive_errs = dict.fromkeys(names)
     elif dense and not prec.is_float64:
         # The naive backward in the kernel's precision, in ulps of each entry's own size.
-        ref_grads, rss = reference_attention_backward(qh, kh, vh, douth, return_rss=True, **options)
+        accumulate = float(np.finfo(prec.accumulate).eps) / prec.eps  # float32 sums of 16-bit values
+        ref_grads, rss = reference_attention_backward(qh, kh, vh, douth, return_rss=True,
+                                                      rss_accumulate=accumulate, **options)
         ref_grads, rss = dict(zip(names, ref_grads)), dict(zip(names, rss))
         naive_errs = _naive_gradient_errors(qh, kh, vh, douth, options, prec, ref_grads, names)
         top = float(_args.finfo(prec.compute).max)
