@@ -134,3 +134,23 @@ def test_gradients_beyond_float16s_range_are_reported_not_judged():
                            dv=np.zeros(v.shape), layout="bhsd", causal=True, dtype="float16")
     assert r.grads["dq"].passed is None and "beyond float16's range" in r.grads["dq"].notes[0]
     assert r.grads["dv"].passed is False  # dv fits: judged, and the zeros fail
+
+
+def test_half_precision_eager_attention_with_a_small_dout_passes():
+    """Hugging Face's eager attention: scores (q k^T) * scale in float16, the softmax upcast to
+    float32; its autograd rounds scale * ds in float16, which in the subnormal range (dout
+    1e-4) failed dq at 2.8x the allowance before the "eager" naive formulation."""
+    import torch
+
+    q, k, v, dout, _ = power.problem((1, 4, 1, 256, 256, 64, True), "float16", 1.0)
+    dout = (dout * 1e-4).astype(np.float16).astype(np.float64)
+    tq, tk, tv = (torch.from_numpy(x).half().requires_grad_() for x in (q, k, v))
+    kk, vv = tk.repeat_interleave(4, 1), tv.repeat_interleave(4, 1)
+    s = ((tq @ kk.transpose(-1, -2)) * 0.125).float()
+    s = s.masked_fill(~torch.ones(256, 256, dtype=torch.bool).tril(), float("-inf"))
+    out = torch.softmax(s, -1, dtype=torch.float32).half() @ vv
+    out.backward(torch.from_numpy(dout).half())
+    grads = {n: t.grad.double().numpy() for n, t in (("dq", tq), ("dk", tk), ("dv", tv))}
+    r = check.check_kernel(q, k, v, out.detach().double().numpy(), dout=dout, layout="bhsd", causal=True,
+                           dtype="float16", **grads)
+    assert r.passed, check.format_text(r)
