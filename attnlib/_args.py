@@ -51,8 +51,7 @@ def as_float_array(x, name: str) -> np.ndarray:
     (exactly): numpy does not count them as floating, but they are real floats.  torch
     tensors (any device, any float type, with or without grad) are read exactly as well.
     """
-    torch = sys.modules.get("torch")  # a tensor means torch is imported; never import it here
-    if torch is not None and isinstance(x, torch.Tensor):
+    if type(x) is not np.ndarray:  # tensors, lists, subclasses (masked arrays): read exactly or refused
         from .check.arrays import as_numpy  # bfloat16 and float8 exactly, any device
 
         x = as_numpy(x, name)
@@ -175,6 +174,33 @@ def check_representable(prec: "Precision", **arrays) -> None:
                 f"rounded to {prec.name} it is inf; scale {name} down or compute in a wider type")
 
 
+def value_exponent(v_max: float, n_keys: int, dtype=np.float64) -> int:
+    """The power of two ``e >= 0`` that the values are divided by while they are summed.
+
+    A row's ``acc = sum_j p_j v_j`` (``p_j <= 1``) is bounded by ``n_keys * max|v|``, which
+    overflows ``dtype`` for finite values near its range (``v = 1e308`` and two keys) while
+    ``out = acc / l`` never exceeds ``max|v|``.  Summing ``v * 2**-e`` instead keeps
+    ``n_keys * max|v| * 2**-e <= max / 4`` and is exact (a power of two), except that
+    entries below ``2**(e - 1022)`` (next to others ~1e308) lose ``e`` bits as subnormals.
+    0 (nothing scaled, every bit as before) whenever ``n_keys * max|v| <= max / 4``.
+    """
+    if not v_max or not math.isfinite(v_max):
+        return 0
+    log_top = float(np.log2(finfo(dtype).max))  # in its own type: long double's max is no float
+    need = math.log2(max(n_keys, 1) + 1) + math.log2(v_max) - log_top + 2
+    return max(0, math.ceil(need))
+
+
+def unscale_values(out: np.ndarray, e: int, v_max: float) -> np.ndarray:
+    """``out * 2**e``, the attention of the values that `value_exponent` divided: ``out``
+    is a convex combination of them (weights summing to at most 1), so it is first held
+    to ``+-max|v| * 2**-e``, which a last rounding may cross, and never overflows."""
+    if not e:
+        return out
+    bound = math.ldexp(v_max, -e)
+    return np.ldexp(np.clip(out, -bound, bound), e).astype(out.dtype, copy=False)
+
+
 def overflow_message(dtype) -> str:
     """The error for finite q and k whose scores overflow ``dtype``."""
     dtype = np.dtype(dtype)
@@ -199,6 +225,24 @@ def count(x, name: str) -> int:
     if x < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {x!r}")
     return int(x)
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):  # Windows
+        return None
+
+
+def check_allocation(nbytes: int, what: str) -> None:
+    """ValueError when an array the call would make, ``what``, needs more than this
+    machine's memory: said before the allocation, rather than a MemoryError (or numpy's
+    "array is too big") part way through."""
+    limit = physical_memory()
+    if limit is not None and nbytes > limit:
+        raise ValueError(f"{what} would take {nbytes / 2**30:.3g} GiB, more than this machine's "
+                         f"{limit / 2**30:.3g} GiB")
 
 
 def available_cpus() -> int:
@@ -447,6 +491,8 @@ def cli_window(values):
 
 def _integers(x, name):
     arr = np.asarray(x)
+    if arr.size == 0 and arr.dtype == np.float64 and not isinstance(x, np.ndarray):
+        arr = arr.astype(np.int64)  # an empty list: no value to be anything but an integer
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr

@@ -22,6 +22,7 @@ sink in its denominator (through ``lse``), and the sink's own gradient is::
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -98,6 +99,53 @@ def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
     shape = np.shape(sinks)
     dsink = dsink.sum(axis=tuple(range(dsink.ndim - len(shape))))
     return grads + (dsink.reshape(shape),)
+
+
+def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
+    """The power of two ``e >= 0`` that ``dout`` is divided by while the gradients are
+    summed; they are linear in ``dout``, so ``2**e`` times the result is exact.
+
+    ``dp = dout . v`` and ``D = dout . out`` reach ``Dv max|dout| max(|v|, |out|)``, which
+    overflows for finite values near the range (``v = 1e308``); every gradient entry, and
+    every partial sum of one, is within ``2 Dv max|dout| max(|v|, |out|) max(1, |scale|
+    max(|q|, |k|) Sq g)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of the
+    range.  0, every bit as before, for any ordinary input.  ``values``: ``v`` (and ``out``).
+    """
+    dout_max = _args.abs_max(dout5)
+    vo_max = max(_args.abs_max(x) for x in values)
+    if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
+        return 0
+    qk_max = max(_args.abs_max(q5), _args.abs_max(k5))
+    spread = 0.0  # log2 max(1, |scale| max(|q|, |k|) Sq g)
+    if pb.scale and qk_max and math.isfinite(qk_max):
+        spread = max(0.0, math.log2(abs(pb.scale)) + math.log2(qk_max) + math.log2(pb.sq + 1)
+                     + math.log2(pb.group))
+    need = (math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max) + spread
+            - float(np.log2(_args.finfo(dtype).max)) + 2)
+    return max(0, math.ceil(need))
+
+
+def _scaled_dout(dout, e: int) -> np.ndarray:
+    """``dout / 2**e`` (a new array; the caller's is never modified)."""
+    return np.ldexp(_args.as_float_array(dout, "dout").astype(np.float64), -e)
+
+
+def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks")):
+    """``result`` (gradients, or tuples of them) times ``2**e``; a ValueError naming the
+    gradient whose entries then exceed float64's range (their true values do, up to the
+    bound's factor of 4), rather than an inf."""
+    if isinstance(result, tuple):
+        if result and isinstance(result[0], tuple):
+            return tuple(_unscale_grads(r, e, names) for r in result)
+        return tuple(_unscale_grads(g, e, (n,)) for g, n in zip(result, names))
+    if not np.isfinite(result).all():  # already before: not the range (see attention_backward)
+        return result
+    with np.errstate(over="ignore"):
+        scaled = np.ldexp(result, e)
+    if not np.isfinite(scaled).all():
+        raise ValueError(f"{names[0]} exceeds float64's range (dout times v, out, q and k reaches "
+                         f"2**{e} times it): scale dout (or v) down")
+    return scaled.astype(result.dtype, copy=False)
 
 
 #: The naive same-precision backward's formulations (``compute_dtype`` below float64).
@@ -178,6 +226,12 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
     _args.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
+    e = _grad_exponent(pb, dout5, (v5,), q5, k5) if prec.is_float64 else 0
+    if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
+        return _unscale_grads(reference_attention_backward(
+            q, k, v, _scaled_dout(dout, e), scale=scale, return_abs=return_abs, return_rss=return_rss,
+            rss_accumulate=rss_accumulate, check_finite=check_finite, compute_dtype=compute_dtype,
+            formulation=formulation, **options), e)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
@@ -193,7 +247,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
         m = np.maximum(m, sink)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    with np.errstate(over="ignore"):  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
+        p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=-1, keepdims=True)
     if sink is not None:
         w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
@@ -356,15 +411,20 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     """
     _check_options(options)
     mod_grad = _score_mod_grad(options)
-    block_mask = options.get("block_mask")
-    base = DEFAULT_TILES  # or the block mask's tiles (its type is checked with the other mods below)
-    if isinstance(block_mask, flex.BlockMask):
+    block_mask = flex.as_block_mask(options.get("block_mask"))  # FlexAttention's too
+    base = DEFAULT_TILES  # or the block mask's tiles
+    if block_mask is not None:
         base = TileSizes(block_mask.block_q, block_mask.block_k)
     tiles = TileSizes(base.block_q if block_q is None else block_q,
                       base.block_k if block_k is None else block_k)
     workers = _args.workers(workers)
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     out5, lse5, dout5 = _grad_inputs(pb, check_finite, out=out, lse=lse, dout=dout)
+    e = _grad_exponent(pb, dout5, (v5, out5), q5, k5)
+    if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
+        return _unscale_grads(attention_backward(
+            q, k, v, out, lse, _scaled_dout(dout, e), scale=scale, block_q=block_q, block_k=block_k,
+            workers=workers, check_finite=check_finite, **options), e)
     specs = mask_specs(pb.batch, pb.sq, pb.sk, **{n: options[n] for n in _MASKS if n in options})
     cap = _args.softcap(options.get("softcap"))
     slopes = _args.alibi_slopes(options.get("alibi_slopes"), pb)  # (..., hk, g)
@@ -397,6 +457,12 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
             dsink[idx] = -np.sum(p_sink * delta, axis=-1)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
     grads = _split_grads(pb, dq, dk, dv, dsink, sinks)
+    if check_finite:
+        for g, name in zip(grads, ("dq", "dk", "dv", "dsinks")):
+            if not np.isfinite(g).all():  # with finite inputs only a wrong lse makes exp(s - lse) > 1
+                raise ValueError(f"{name} is not finite: lse does not match q and k (exp(s - lse) "
+                                 "exceeds 1): pass the lse of attention(..., return_lse=True) with the "
+                                 "same options")
     return grads if hook is None else hook("grads", grads)
 
 
@@ -441,8 +507,9 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     def key_tile(b):
         k0, k1 = k_starts[b], k_ends[b]
         cols = np.arange(k0, k1)
-        k_j = k[..., k0:k1, :].astype(np.float64, copy=False)  # (..., 1, bk, d)
-        v_j = v[..., k0:k1, :].astype(np.float64, copy=False)  # (..., 1, bk, dv)
+        # Aligned (a copy only if not), so that BLAS, not numpy's own loop, multiplies them.
+        k_j = np.require(k[..., k0:k1, :].astype(np.float64, copy=False), requirements="A")  # (..., 1, bk, d)
+        v_j = np.require(v[..., k0:k1, :].astype(np.float64, copy=False), requirements="A")  # (..., 1, bk, dv)
         dk_j = np.zeros(q.shape[:-2] + k_j.shape[-2:])  # (..., g, bk, d)
         dv_j = np.zeros(q.shape[:-2] + v_j.shape[-2:])  # (..., g, bk, dv)
         dk_part, dv_part = np.empty_like(dk_j), np.empty_like(dv_j)
@@ -458,7 +525,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 s_buf, ds, dq_ij = buffers[q1 - q0]
                 with np.errstate(over="ignore") if check else contextlib.nullcontext():
                     q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
-                dout_i = dout[..., q0:q1, :].astype(np.float64, copy=False)  # (..., g, bq, dv)
+                dout_i = np.require(dout[..., q0:q1, :].astype(np.float64, copy=False), requirements="A")
                 vis = (spec.tile_visible(np.arange(q0, q1), k0, k1, contiguous=True, cache=band_masks)
                        if kinds[a, b] == PARTIAL else None)  # (bq, bk)
                 if mods is not None and kinds[a, b] == PARTIAL:  # AND mask_mod, per head
@@ -467,7 +534,8 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
                                     slopes, keep_tanh=True, out=s_buf, check=check, vis=vis, mods=mods,
                                     mod_grad=grad)
-                s -= shift[..., q0:q1, None]
+                with np.errstate(over="ignore"):  # below -max: -inf, whose exp is the exact 0
+                    s -= shift[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities; exp only where visible (see
                 # OnlineSoftmax.update), max(-inf, 0) = 0 elsewhere.
                 p = np.exp(s, out=s, where=True if vis is None else vis)

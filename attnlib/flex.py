@@ -22,7 +22,10 @@ only on PARTIAL tiles.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,11 +89,62 @@ def _check_callable(fn, name):
     return fn
 
 
+#: The functions found to be written with torch operations (see `_call`): called with
+#: tensors from then on, as `from_torch` would.
+_TORCH_WRITTEN = weakref.WeakKeyDictionary()
+
+
+def _torch_result(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _call(fn, args, name):
+    """``fn(*args)`` as numpy: a function written for FlexAttention with torch operations
+    (one that raises on numpy arrays, or returns a tensor: numpy and torch operands mixed)
+    is called again with tensors, through `from_torch`, and remembered; an error both ways
+    names `from_torch`."""
+    torch_fn = _TORCH_WRITTEN.get(fn) if _weakrefable(fn) else None
+    if torch_fn is not None:
+        return torch_fn(*args)
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001 - retried with tensors below, else re-raised
+        if "torch" not in sys.modules or hasattr(fn, "__wrapped__"):
+            raise
+        failure = e
+    else:
+        if not _torch_result(out):
+            return out
+        if hasattr(fn, "__wrapped__"):  # already called with tensors (from_torch): read it
+            return out.detach().cpu().numpy()
+        failure = None
+    torch_fn = from_torch(fn)
+    try:
+        out = torch_fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported with the first cause
+        if failure is None:
+            raise
+        raise TypeError(f"{name} raised {type(failure).__name__}: {failure} on numpy index arrays, and "
+                        f"{type(e).__name__}: {e} on torch tensors; attnlib calls it on numpy arrays "
+                        "(see attnlib.flex), or on tensors through attnlib.flex.from_torch") from failure
+    if _weakrefable(fn):
+        _TORCH_WRITTEN[fn] = torch_fn
+    return out
+
+
+def _weakrefable(fn) -> bool:
+    try:
+        weakref.ref(fn)
+        return True
+    except TypeError:
+        return False
+
+
 def mask_values(mask_mod, b, h, q_idx, kv_idx, shape) -> np.ndarray:
     """``mask_mod`` on broadcast index arrays, as a boolean array of ``shape``; a clear
     error when it returns something else."""
-    out = mask_mod(b, h, q_idx, kv_idx)
-    arr = np.asarray(out)
+    arr = np.asarray(_call(mask_mod, (b, h, q_idx, kv_idx), "mask_mod"))
     if arr.dtype != np.bool_:
         raise TypeError(f"mask_mod must return booleans (as FlexAttention's), got dtype {arr.dtype}")
     try:
@@ -103,7 +157,7 @@ def mask_values(mask_mod, b, h, q_idx, kv_idx, shape) -> np.ndarray:
 def score_values(score_mod, s, b, h, q_idx, kv_idx, name="score_mod") -> np.ndarray:
     """``score_mod`` (or its derivative, ``name``) on one tile's scores ``s`` (never
     modified), as an array of ``s.shape``."""
-    out = np.asarray(score_mod(s.copy(), b, h, q_idx, kv_idx))
+    out = np.asarray(_call(score_mod, (s.copy(), b, h, q_idx, kv_idx), name))
     if out.dtype == np.bool_ or not (np.issubdtype(out.dtype, np.floating) or np.issubdtype(out.dtype, np.integer)):
         raise TypeError(f"{name} must return numbers, got dtype {out.dtype}")
     try:
@@ -111,6 +165,79 @@ def score_values(score_mod, s, b, h, q_idx, kv_idx, name="score_mod") -> np.ndar
     except ValueError:
         raise ValueError(f"{name} returned shape {out.shape}, which does not broadcast to the tile's "
                          f"{s.shape}") from None
+
+
+def _same_function(f, g) -> bool:
+    """Whether two mask_mods are one function (or `from_torch` wrappers of one)."""
+    return f is g or getattr(f, "__wrapped__", f) is getattr(g, "__wrapped__", g)
+
+
+def as_block_mask(block_mask):
+    """``block_mask`` as an attnlib `BlockMask`; None stays None.
+
+    A FlexAttention ``torch.nn.attention.flex_attention.BlockMask`` is taken for the mask
+    it gives FlexAttention: a pair is visible in its FULL blocks, and in its PARTIAL blocks
+    where its ``mask_mod`` (a torch function, called through `from_torch`) says so; its
+    block sizes become the tiles.  The classes are then computed again from that mask
+    (`create_block_mask`), not taken from torch's lists, so a hand-made block mask whose
+    lists disagree with its ``mask_mod`` is still judged by what it computes.
+    """
+    if block_mask is None or isinstance(block_mask, BlockMask):
+        return block_mask
+    kind = type(block_mask)
+    if not (kind.__name__ == "BlockMask" and kind.__module__.startswith("torch")):
+        raise TypeError(f"block_mask must be a BlockMask from attnlib.create_block_mask (or FlexAttention's), "
+                        f"got {kind.__name__}")
+    sq, sk = (int(n) for n in block_mask.seq_lengths)
+    bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
+    full, partial = (_dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, -(-sk // bk)),
+                     _dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, -(-sk // bk)))
+    mod = block_mask.mask_mod
+    mod = None if getattr(mod, "__name__", "") == "noop_mask" else from_torch(mod)
+    nb, nh = partial.shape[:2]
+
+    def torch_mask(b, h, q_idx, kv_idx):  # FlexAttention's: FULL blocks, or PARTIAL ones AND mask_mod
+        at = (np.asarray(b) if nb > 1 else 0, np.asarray(h) if nh > 1 else 0,
+              np.asarray(q_idx) // bq, np.asarray(kv_idx) // bk)
+        in_partial = partial[at]
+        if mod is not None:
+            in_partial = in_partial & np.asarray(mod(b, h, q_idx, kv_idx), dtype=bool)
+        return full[at] | in_partial
+
+    torch_mask.__wrapped__ = block_mask.mask_mod
+    return create_block_mask(torch_mask, nb if nb > 1 else None, nh if nh > 1 else None, sq, sk, bq, bk)
+
+
+def _dense_blocks(counts, indices, n_k_blocks) -> np.ndarray:
+    """FlexAttention's block lists ``(B, H, nq)`` counts and ``(B, H, nq, nk)`` indices as a
+    ``(B, H, nq, n_k_blocks)`` boolean map (an absent list, None: no block)."""
+    if counts is None:
+        return np.zeros((1, 1, 1, n_k_blocks), dtype=bool)
+    counts = counts.detach().cpu().numpy().astype(np.int64)
+    indices = indices.detach().cpu().numpy().astype(np.int64)
+    dense = np.zeros(counts.shape + (n_k_blocks,), dtype=bool)
+    used = np.arange(indices.shape[-1]) < counts[..., None]  # the first counts entries of each list
+    where = np.nonzero(used)
+    dense[where[:-1] + (indices[used],)] = True
+    return dense
+
+
+def visible_mod(mask_mod, block_mask):
+    """The one ``mask_mod`` that a call's ``mask_mod`` and ``block_mask`` give together:
+    the block mask's own (``block_mask`` alone, or made from this ``mask_mod``), or both
+    ANDed when they are different functions; None when neither is given."""
+    block_mask = as_block_mask(block_mask)
+    if block_mask is None:
+        return mask_mod
+    if mask_mod is None or _same_function(mask_mod, block_mask.mask_mod):
+        return block_mask.mask_mod
+    own = block_mask.mask_mod
+
+    def both(b, h, q_idx, kv_idx):
+        shape = np.broadcast_shapes(np.shape(b), np.shape(h), np.shape(q_idx), np.shape(kv_idx))
+        return mask_values(mask_mod, b, h, q_idx, kv_idx, shape) & mask_values(own, b, h, q_idx, kv_idx, shape)
+
+    return both
 
 
 def create_block_mask(mask_mod, B, H, Sq, Sk, block_q=None, block_k=None) -> BlockMask:
@@ -148,6 +275,8 @@ def create_block_mask(mask_mod, B, H, Sq, Sk, block_q=None, block_k=None) -> Blo
     bq = _args.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
     bk = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     nq, nk = -(-sq // bq), -(-sk // bk)
+    _args.check_allocation(nb * nh * nq * nk, f"a block mask of {nb} x {nh} x {nq} x {nk} tiles "
+                           f"(block_q={bq}, block_k={bk})")
     kinds = np.empty((nb, nh, nq, nk), dtype=np.int8)
     b = np.arange(nb).reshape(nb, 1, 1, 1)
     h = np.arange(nh).reshape(1, nh, 1, 1)
@@ -203,15 +332,18 @@ class Mods:
 
 def mods_for(mask_mod, score_mod, block_mask, pb, sq, sk, tiles):
     """Checked options: None when none is given, else ``(mask_mod, score_mod, block_mask)``
-    with a block mask made when only ``mask_mod`` is given; the tiles must match it."""
+    with a block mask made when only ``mask_mod`` is given; the tiles must match it.
+
+    A ``mask_mod`` that is not the block mask's own is ANDed with it (`visible_mod`): the
+    block mask's SKIP tiles stay SKIP, its FULL tiles become PARTIAL (``mask_mod`` may
+    hide pairs there), so no tile drops either function.
+    """
     _check_callable(mask_mod, "mask_mod")
     _check_callable(score_mod, "score_mod")
     if mask_mod is None and score_mod is None and block_mask is None:
         return None
+    block_mask = as_block_mask(block_mask)
     if block_mask is not None:
-        if not isinstance(block_mask, BlockMask):
-            raise TypeError(f"block_mask must be a BlockMask from attnlib.create_block_mask, got "
-                            f"{type(block_mask).__name__}")
         if (block_mask.sq, block_mask.sk) != (sq, sk):
             raise ValueError(f"block_mask is for Sq={block_mask.sq}, Sk={block_mask.sk}, the inputs have "
                              f"Sq={sq}, Sk={sk}")
@@ -222,10 +354,14 @@ def mods_for(mask_mod, score_mod, block_mask, pb, sq, sk, tiles):
         if (tiles.block_q, tiles.block_k) != (block_mask.block_q, block_mask.block_k):
             raise ValueError(f"block_mask has {block_mask.block_q} x {block_mask.block_k} tiles, the call asks "
                              f"for {tiles.block_q} x {tiles.block_k}: leave block_q/block_k out to use its")
-        if mask_mod is None:
-            mask_mod = block_mask.mask_mod
+        both = visible_mod(mask_mod, block_mask)
+        if both is not block_mask.mask_mod:  # another mask_mod: no tile is FULL for both
+            block_mask = dataclasses.replace(
+                block_mask, kinds=np.where(block_mask.kinds == FULL, PARTIAL, block_mask.kinds).astype(np.int8),
+                mask_mod=both)
+        mask_mod = both
     elif mask_mod is not None:
-        depends = (None if math.prod(pb.batch) == 1 else math.prod(pb.batch), pb.hq)
+        depends = (None if math.prod(pb.batch) <= 1 else math.prod(pb.batch), pb.hq)
         block_mask = create_block_mask(mask_mod, depends[0], depends[1], sq, sk, tiles.block_q, tiles.block_k)
     return mask_mod, score_mod, block_mask
 

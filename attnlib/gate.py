@@ -219,8 +219,7 @@ def row_stats(q, k, *, scale=None, block_q=None, block_k=None, mask_mod=None, sc
     bq = _args.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
     bk = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     specs = mask_specs(pb.batch, pb.sq, pb.sk, **masks)
-    if mask_mod is None and block_mask is not None:
-        mask_mod = block_mask.mask_mod
+    mask_mod = flex.visible_mod(mask_mod, block_mask)  # a block mask carries its own mask_mod
     cap = _args.softcap(softcap)
     mod_size = np.zeros(q5.shape[:-1]) if score_mod is not None else None
     qa = np.abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
@@ -375,13 +374,16 @@ class GradientGate:
     False
     """
 
-    def __init__(self, q, k, v, dout, **options):
+    def __init__(self, q, k, v, dout, *, sizes=False, **options):
         from .backward import reference_attention_backward
 
         # rss: the terms' sizes with |dp| and D's terms; dot: with what the dot products
         # dp = dout . v and D sum, componentwise (|dp| may cancel), carrying only their g(Dv).
-        self.ref, rss = reference_attention_backward(q, k, v, dout, return_rss=True, rss_accumulate=0.0,
-                                                     **options)
+        # sizes: also `gradient_errors`'s P @ |V|-like sizes (``self.sizes``), from the same call.
+        first = reference_attention_backward(q, k, v, dout, return_rss=True, rss_accumulate=0.0,
+                                             return_abs=_args.flag(sizes, "sizes"), **options)
+        self.ref, rss = first[0], first[-1]
+        self.sizes = first[1] if sizes else None
         _, dot = reference_attention_backward(q, k, v, dout, return_rss="dot", **options)
         self.names = ("dq", "dk", "dv", "dsinks")[:len(self.ref)]
         q = _args.as_float_array(q, "q")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from . import _args
 from .backward import attention_backward, reference_attention_backward
 from .inputs import FAMILIES, adversarial_qkv
 from .masks import MaskSpec
@@ -28,38 +29,49 @@ BOUND = 1e-9
 TINY = float(np.finfo(np.float64).tiny)
 
 
-def rel_error(out, ref, ref_abs) -> float:
+def _error(out, ref, name="out") -> np.ndarray:
+    """``|out - ref|`` in float64, for ``out`` of exactly ``ref``'s shape: a wrongly shaped
+    output must not broadcast against the reference (one row standing for all)."""
+    out = _args.as_float_array(out, name)
+    ref = np.asarray(ref)
+    if out.shape != ref.shape:
+        raise ValueError(f"{name} has shape {out.shape}, the reference {ref.shape}: they must be equal")
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf in out give NaN and inf errors
+        return np.abs(out.astype(np.float64) - ref)
+
+
+def rel_error(out, ref, ref_abs, name="out") -> float:
     """``max |out - ref| / max(P @ |V|, TINY)``; entries where ``P @ |V| = 0`` use ``|out - ref|``.
 
     ``ref_abs`` is ``P @ |V|``, e.g. from `reference_with_abs`.  The floor `TINY` (the
     smallest normal number): an entry whose size is subnormal cannot carry a relative
     precision in float64, only an absolute one of about ``2**-1074``.
     """
-    err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+    err = _error(out, ref, name)
     if err.size == 0:
         return 0.0
     scaled = np.divide(err, np.maximum(ref_abs, TINY), out=err.copy(), where=ref_abs > 0)
     return float(scaled.max())
 
 
-def naive_rel_error(out, ref) -> float:
+def naive_rel_error(out, ref, name="out") -> float:
     """``max |out - ref| / |ref|`` over entries with ``ref != 0`` (ill-conditioned; not the gate)."""
-    err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+    err = _error(out, ref, name)
     nz = ref != 0
     if not nz.any():
         return 0.0
     return float((err[nz] / np.abs(ref[nz])).max())
 
 
-def max_abs_error(out, ref) -> float:
+def max_abs_error(out, ref, name="out") -> float:
     """``max |out - ref|``."""
-    err = np.abs(np.asarray(out, dtype=np.float64) - ref)
+    err = _error(out, ref, name)
     return float(err.max()) if err.size else 0.0
 
 
-def normwise_error(out, ref) -> float:
+def normwise_error(out, ref, name="out") -> float:
     """``max |out - ref| / max |ref|`` (the absolute error when ``ref`` is all zero)."""
-    err = max_abs_error(out, ref)
+    err = max_abs_error(out, ref, name)
     size = float(np.abs(ref).max()) if np.size(ref) else 0.0
     return err / size if size > 0 else err
 
@@ -122,14 +134,18 @@ def gradient_errors(grads, q, k, v, dout, **kwargs) -> dict:
     rounding noise by ~0.  ``"dq_normwise"`` etc.: ``max|g - ref| / max|ref|``, for
     comparison.  ``kwargs`` are the masking and score options.
     """
-    ref, sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **kwargs)
+    return _gradient_figures(grads, *reference_attention_backward(q, k, v, dout, return_abs=True, **kwargs))
+
+
+def _gradient_figures(grads, ref, sizes) -> dict:
+    """`gradient_errors` of ``grads`` against a computed reference and its sizes."""
     if len(grads) != len(ref):
         raise ValueError(f"grads must be {len(ref)} arrays ((dq, dk, dv{', dsinks' if len(ref) == 4 else ''})), "
                          f"got {len(grads)}")
     errors = {}
     for name, g, r, a in zip(("dq", "dk", "dv", "dsinks"), grads, ref, sizes):
-        errors[name] = rel_error(g, r, a)
-        errors[f"{name}_normwise"] = normwise_error(g, r)
+        errors[name] = rel_error(g, r, a, name)
+        errors[f"{name}_normwise"] = normwise_error(g, r, name)
     return errors
 
 
@@ -154,9 +170,9 @@ def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
     out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
     dout = np.random.default_rng(seed).standard_normal(out.shape)
     grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
-    errors = gradient_errors(grads, q, k, v, dout, **kwargs)
+    gate = GradientGate(q, k, v, dout, sizes=True, **kwargs)  # one dense backward for both
+    errors = _gradient_figures(grads, gate.ref, gate.sizes)
     row = {f"{name}_error": err for name, err in errors.items()}
-    gate = GradientGate(q, k, v, dout, **kwargs)
     verdict = gate.judge(grads)
     row.update(gate_e=gate.e, gate_ratio=max(verdict[f"{n}_ratio"] for n in gate.names),
                gate_passed=verdict["passed"])
@@ -231,6 +247,9 @@ def _visible_keys_per_row(sq, sk, causal, causal_align):
 
 def _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align):
     """``(L, c, C)``: visible keys per row, per (row, key tile), and cumulative through the tile."""
+    sq, sk = _args.count(sq, "sq"), _args.count(sk, "sk")
+    block_q, block_k = _args.positive_int(block_q, "block_q"), _args.positive_int(block_k, "block_k")
+    causal, causal_align = _args.flag(causal, "causal"), _args.causal_align(causal_align)
     L = _visible_keys_per_row(sq, sk, causal, causal_align)[:, None]  # (sq, 1)
     k0 = np.arange(0, sk, block_k)[None, :]  # (1, nk)
     c = np.clip(L - k0, 0, block_k)  # visible keys of the row in the tile

@@ -120,8 +120,10 @@ class OnlineSoftmax:
             m_new = np.maximum(self.m, m_tile)
         rescaled = np.isfinite(self.m) & (m_new > self.m)
         shift = _shift(m_new)
-        alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
-        s -= shift[..., None, :] if keys_first else shift[..., None]  # exponents <= 0; -inf stays
+        # A difference below -max (scores of +-1e308) is -inf, whose exp is the exact 0.
+        with np.errstate(over="ignore"):
+            alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
+            s -= shift[..., None, :] if keys_first else shift[..., None]  # exponents <= 0; -inf stays
         if visible is None:
             p = np.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
         else:  # the invisible entries keep -inf, then max(-inf, 0) = 0 and p >= 0 stays
@@ -150,8 +152,9 @@ class OnlineSoftmax:
         """
         m = np.maximum(self.m, other.m)
         shift = _shift(m)
-        a_self = np.exp(self.m - shift)
-        a_other = np.exp(other.m - shift)
+        with np.errstate(over="ignore"):  # a difference below -max is -inf: weight exactly 0
+            a_self = np.exp(self.m - shift)
+            a_other = np.exp(other.m - shift)
         return OnlineSoftmax(
             m,
             a_self * self.l + a_other * other.l,
@@ -223,18 +226,39 @@ def merge_attention(outs, lses):
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
                          f"got {len(outs)} and {len(lses)}")
-    state = None
+    parts = []
     for r, (out, lse) in enumerate(zip(outs, lses)):
         out = _real_float(out, f"outs[{r}]")
         lse = _real_float(lse, f"lses[{r}]")
+        if out.ndim < 2:
+            raise ValueError(f"outs[{r}] must have shape (..., Sq, Dv), got {out.shape}")
         if out.shape[:-1] != lse.shape:
             raise ValueError(f"outs[{r}] {out.shape} and lses[{r}] {lse.shape} do not match "
                              "((..., Sq, Dv) and (..., Sq))")
-        if state is not None and out.shape != state.acc.shape:
-            raise ValueError(f"outs[{r}] has shape {out.shape}, outs[0] {state.acc.shape}")
+        if parts and out.shape != parts[0][0].shape:
+            raise ValueError(f"outs[{r}] has shape {out.shape}, outs[0] {parts[0][0].shape}")
         if np.isnan(lse).any() or np.isposinf(lse).any():
             raise ValueError(f"lses[{r}] must be finite or -inf")
-        seen = np.isfinite(lse)
-        part = OnlineSoftmax(lse, seen.astype(np.float64), np.where(seen[..., None], out, 0.0))
-        state = part if state is None else state.merge(part)
-    return state.finalize()
+        if not np.isfinite(out).all():
+            raise ValueError(f"outs[{r}] contains NaN or inf")
+        parts.append((out, lse))
+    # First the lse over all ranges, then the outputs with weights exp(lse_r - lse) that sum
+    # to 1, so no partial sum exceeds max |out_r| (values near float64's range stay finite).
+    m = np.full(parts[0][1].shape, -np.inf)
+    for _, lse in parts:
+        m = np.maximum(m, lse)
+    shift = _shift(m)
+    l = np.zeros_like(m)
+    with np.errstate(over="ignore"):  # a difference below -max is -inf: weight exactly 0
+        for _, lse in parts:
+            l += np.exp(lse - shift)  # >= 1 where some range saw a key (its max gives exp(0))
+        seen = l > 0
+        total = np.full_like(m, -np.inf)
+        np.log(l, out=total, where=seen)
+        np.add(total, shift, out=total, where=seen)
+        out = np.zeros(parts[0][0].shape)
+        for o_r, lse in parts:
+            w = np.exp(lse - np.where(seen, total, 0.0))  # 0 where the range saw no key
+            out += w[..., None] * np.where(np.isfinite(lse)[..., None], o_r, 0.0)
+    bound = max(float(np.abs(o_r).max(initial=0.0)) for o_r, _ in parts)
+    return np.clip(out, -bound, bound), total

@@ -8,6 +8,7 @@ against hand-built cases.
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import numpy as np
 
@@ -30,8 +31,7 @@ def reference_scores(q, k, *, check_finite=True, **options):
 def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, block_mask=None,
             **options):
     visible, distance, cap, slopes = pair_terms(pb, **options)
-    if block_mask is not None and mask_mod is None:  # a block mask carries its mask_mod
-        mask_mod = block_mask.mask_mod
+    mask_mod = flex.visible_mod(mask_mod, block_mask)  # a block mask carries its own mask_mod
     b, h = flex.index_grids(pb, ())  # (*batch, hk, g): each head's batch entry and query head
     b, h = b[..., None, None], h[..., None, None]
     i, j = np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :]
@@ -46,7 +46,8 @@ def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, bloc
     if may_overflow and (~np.isfinite(s) & visible).any():
         raise ValueError(_args.overflow_message(s.dtype))
     if cap is not None:
-        s = dtype(cap) * np.tanh(s / dtype(cap))
+        with np.errstate(over="ignore"):  # s / cap beyond the range: tanh(+-inf) = +-1, exact
+            s = dtype(cap) * np.tanh(s / dtype(cap))
     if score_mod is not None:  # after the softcap, before the masks
         s = flex.score_values(score_mod, s, b, h, i, j).astype(dtype)
     s = np.where(visible, s, -np.inf)
@@ -152,13 +153,17 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
     if sink is not None:  # one more logit per row, with no value: the max over both
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
         m = np.maximum(m, sink)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
+    with np.errstate(over="ignore"):  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
+        p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
     l = p.sum(axis=-1, keepdims=True)  # >= 1 where the row sees a key, else 0
     if sink is not None:
         l = l + np.exp(sink - m)  # the sink's weight joins the denominator only
     seen = l > 0
-    out = np.matmul(p if round_lowp is None else round_lowp(p), v5.astype(dtype))
-    out = np.divide(out, l, out=np.zeros_like(out), where=seen)
+    v_max = _args.abs_max(v5)
+    e = _args.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
+    v_scaled = v5.astype(dtype) if not e else np.ldexp(v5.astype(dtype), -e)
+    out = np.matmul(p if round_lowp is None else round_lowp(p), v_scaled)
+    out = _args.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1)
@@ -178,6 +183,13 @@ def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,
     ``(..., n_q_tiles, n_k_tiles)``, summed over the rows of each query tile, to compare
     with the kernel's ``stats.rescales``.
     """
+    scores = _args.as_float_array(scores, "scores")
+    if scores.ndim < 2:
+        raise ValueError(f"scores must have shape (..., Sq, Sk), got {scores.shape}")
+    block_q, block_k = _args.positive_int(block_q, "block_q"), _args.positive_int(block_k, "block_k")
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, numbers.Real) \
+            or not 0 <= threshold < np.inf:
+        raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
     sq, sk = scores.shape[-2:]
     nq, nk = -(-sq // block_q), -(-sk // block_k)
     pad = [(0, 0)] * (scores.ndim - 2) + [(0, nq * block_q - sq), (0, nk * block_k - sk)]

@@ -96,6 +96,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
                         f"{type(kv_chunks).__name__}") from None
     state = None
     position = 0  # absolute position of the next key
+    v_max, v_exp = 0.0, 0  # values near the range are summed / 2**v_exp (`_args.value_exponent`)
     for t, chunk in enumerate(kv_chunks):
         if not (isinstance(chunk, (tuple, list)) and len(chunk) == 2):
             raise ValueError(f"kv_chunks[{t}] must be a (k_chunk, v_chunk) pair")
@@ -122,10 +123,17 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, causal,
                         causal_align, win)
         check = _args.scores_may_overflow(q5, k5, pb.scale)  # then each tile checks its scores
+        v_max = max(v_max, _args.abs_max(v5))
+        grown = _args.value_exponent(v_max, end) - v_exp
+        if grown:  # what the states hold so far, divided by the new power of two (exact)
+            for st in state:
+                st.acc *= 2.0 ** -grown
+            v_exp += grown
         k0s = np.arange(position, end, tiles.block_k)
         k1s = np.minimum(k0s + tiles.block_k, end)
 
-        def query_tile(a, spec=spec, k0s=k0s, k1s=k1s, k5=k5, v5=v5, position=position, check=check):
+        def query_tile(a, spec=spec, k0s=k0s, k1s=k1s, k5=k5, v5=v5, position=position, check=check,
+                       v_scale=2.0 ** -v_exp):
             q0 = a * tiles.block_q
             q1 = min(pb.sq, q0 + tiles.block_q)
             kinds = spec.tile_kind(q0, q1, k0s, k1s)  # (n_k_tiles of the chunk,)
@@ -134,7 +142,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
                 with np.errstate(over="ignore") if check else contextlib.nullcontext():
                     q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
                 absorb(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
-                       cap, slopes, key_offset=position, check=check)
+                       cap, slopes, key_offset=position, check=check, v_scale=v_scale)
 
         # Each query tile's state is its own: threads take them in any order, bit-identically.
         run_tiles(query_tile, range(len(state) - 1, -1, -1), workers)
@@ -144,7 +152,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
                          "possibly with 0 keys")
     if total_keys is not None and position != total_keys:
         raise ValueError(f"the chunks hold {position} keys, but total_keys={total_keys}")
-    finals = [s.finalize() for s in state]
+    finals = [(_args.unscale_values(o, v_exp, v_max), lse) for o, lse in (s.finalize() for s in state)]
     out = np.concatenate([f[0] for f in finals], axis=-2) if finals else \
         np.zeros(q5.shape[:-2] + (0, first.dv))
     lse = np.concatenate([f[1] for f in finals], axis=-1) if finals else np.zeros(q5.shape[:-2] + (0,))

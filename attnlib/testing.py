@@ -54,7 +54,10 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         verdict: per-head errors, the worst positions, and the likely causes.
     attnlib.check.UnusableInput
         (a ValueError) Inputs that cannot be judged: inconsistent shapes, non-float data,
-        NaN or inf in the inputs.
+        NaN or inf in the inputs; `attnlib.check.UnreadableInput` (a TypeError as well) for
+        arguments holding no values to read: torch tensors on the ``meta`` device, fake,
+        nested, quantized or complex ones, numpy masked arrays with a masked entry, ragged
+        lists.  Each message names the argument.
 
     Notes
     -----

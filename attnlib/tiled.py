@@ -141,7 +141,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         (256 x 256, and 512 x 512 for ``D >= 128``; ``stats`` says which were used).
     kv_splits : int
         Split the key tiles into this many contiguous ranges, attend to each separately and
-        combine the partial results with `merge_attention` (split-KV / FlashDecoding).
+        combine the partial results with `merge_attention` (split-KV / FlashDecoding); more
+        splits than key tiles count as one per tile (the others would be empty).
     rescale_threshold : float
         Lazy rescaling (FlashAttention-4): a row keeps its stale running max until a tile's
         max exceeds it by more than this many natural-log units (``0 <= tau <= 100``);
@@ -260,7 +261,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     return_stats = _args.flag(return_stats, "return_stats")
     q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
     base = default_tiles(pb.d)
-    if block_mask is not None and hasattr(block_mask, "block_q"):  # its tiles, unless asked otherwise
+    block_mask = flex.as_block_mask(block_mask)  # FlexAttention's too
+    if block_mask is not None:  # its tiles, unless asked otherwise
         base = TileSizes(block_mask.block_q, block_mask.block_k)
     tiles = TileSizes(base.block_q if block_q is None else block_q,
                       base.block_k if block_k is None else block_k)
@@ -277,7 +279,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     if tau:
         tau = _safe_threshold(tau, prec, pb.sk, _args.abs_max(v5))
     n_k_tiles = -(-pb.sk // tiles.block_k)
-    splits = np.array_split(np.arange(n_k_tiles), kv_splits)
+    # More ranges than key tiles would only add empty ones (each a pass over the queries).
+    splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
     # The sink joins the first key range's state only: once per row, whatever the split.
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
                      (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec,
@@ -340,6 +343,9 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
     rows' initial state, or None.
     """
     lead = q.shape[:-2]
+    # Values near the type's range are summed divided by 2**e (see `_args.value_exponent`).
+    v_max = _args.abs_max(v)
+    v_exp = _args.value_exponent(v_max, pb.sk, np.float64 if prec is None else prec.accumulate)
     out = np.empty(lead + (pb.sq, pb.dv))
     lse = np.empty(lead + (pb.sq,))
     kinds = rescales = None
@@ -347,8 +353,13 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
         # The tile map and per-tile counts grow as (Sq / block_q) * (Sk / block_k): kept
         # only when stats are asked for.
         shape = (-(-pb.sq // tiles.block_q), -(-pb.sk // tiles.block_k))
+        _args.check_allocation(9 * math.prod(lead + shape), f"return_stats's per-tile counts of "
+                               f"{shape[0]} x {shape[1]} tiles per head (block_q={tiles.block_q}, "
+                               f"block_k={tiles.block_k})")
         kinds = np.empty(pb.batch + shape, dtype=np.int8)
         rescales = np.zeros(lead + shape, dtype=np.int64)
+    if not math.prod(lead):  # a zero-size batch axis: nothing to compute, no tile to map
+        return out, lse, rescales, kinds
     plans = []  # (items, fn) per entry
     per_thread = threading.local()  # each thread's tile buffers, shared by every entry's plan
     for idx, spec in specs.items():
@@ -359,7 +370,8 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                               None if rescales is None else rescales[idx],
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
                               per_thread, _args.for_entry(sink, idx),
-                              None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx))))
+                              None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
+                              (v_exp, v_max)))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
@@ -420,7 +432,7 @@ def _unit_of(arr, unit: tuple):
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau, prec, check, per_thread, sink=None, mods=None):
+             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0)):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -433,7 +445,9 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     holds each thread's tile buffers (keyed by shape), so that the working memory is one
     set of buffers per thread however many batch entries have masks of their own.
     ``sink`` (broadcastable to ``lead``) starts every row from its head's sink.
+    ``values``: ``(e, max|v|)``, the values summed divided by ``2**e`` (`_args.value_exponent`).
     """
+    v_exp, v_max = values
     bq, bk = tiles.block_q, tiles.block_k
     lead, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
     k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
@@ -494,10 +508,11 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                         tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],
                         count=rescales is not None, threshold=tau, prec=prec, scale=scale,
                         buffers=per_thread.__dict__.setdefault("buffers", {}), check=check,
-                        rows=rows, row_groups=groups, mods=mods_u)
+                        rows=rows, row_groups=groups, mods=mods_u, v_scale=math.ldexp(1.0, -v_exp))
         if rescales is not None:
             rescales[unit][..., a, todo] = events
         o_i, lse_i = state.finalize()
+        o_i = _args.unscale_values(o_i, v_exp, v_max)
         if packed:
             o_i = o_i.reshape(o_i.shape[:-2] + (g, q1 - q0, dv))
             lse_i = lse_i.reshape(lse_i.shape[:-1] + (g, q1 - q0))
@@ -638,7 +653,7 @@ def keys_first_for(rows: int) -> bool:
 
 def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
            key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None,
-           check=False, rows=None, row_groups=1, mods=None):
+           check=False, rows=None, row_groups=1, mods=None, v_scale=1.0):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
@@ -656,6 +671,7 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
     rescale events per tile ``(..., n_tiles)`` (``(..., row_groups, n_tiles)`` when
     packed) when ``count``, else None.  ``mods``: the `attnlib.flex.Mods` of the tile's
     heads (``mask_mod`` joins the PARTIAL tiles' visibility, ``score_mod`` every tile's scores).
+    ``v_scale``: a power of two the values are multiplied by (`_args.value_exponent`).
     """
     contiguous = rows is None  # a packed tile's rows repeat per head
     rows = np.arange(q0, q0 + q_i.shape[-2]) if rows is None else rows
@@ -672,8 +688,12 @@ def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *
         if low:
             k_j, v_j = prec.round(k[..., a:b, :]), prec.round(v[..., a:b, :])
         else:
-            k_j = k[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, d)
-            v_j = v[..., a:b, :].astype(np.float64, copy=False)  # (..., bk, dv)
+            # Aligned (a copy only if not): numpy multiplies misaligned arrays in its own loop,
+            # not BLAS, with other roundings, so the bits would depend on where the input lies.
+            k_j = np.require(k[..., a:b, :].astype(np.float64, copy=False), requirements="A")  # (..., bk, d)
+            v_j = np.require(v[..., a:b, :].astype(np.float64, copy=False), requirements="A")  # (..., bk, dv)
+        if v_scale != 1.0:  # exact: a power of two
+            v_j = v_j * v_scale
         shape = (state.acc.shape, b - a, state.acc.dtype)
         if shape not in buffers:
             lead = np.broadcast_shapes(q_i.shape[:-2], k_j.shape[:-2])
@@ -743,7 +763,8 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
             s[bad] = 0.0
     th = None
     if cap is not None:  # softcap, before masking
-        s /= cap
+        with np.errstate(over="ignore"):  # s / cap beyond the range: tanh(+-inf) = +-1, exact
+            s /= cap
         np.tanh(s, out=s)
         th = s.copy() if keep_tanh else None
         s *= cap

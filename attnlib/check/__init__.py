@@ -18,12 +18,13 @@ The parts: `rule` (the allowances), `diagnosis`, `text` (what the CLI prints), `
 (``python -m attnlib check``), `shapes` (layouts), `verdict` (`check_kernel`).
 """
 
+from .arrays import UnreadableInput
 from .cli import NOTEBOOK_PARAMETERS, load_and_check, main, save_json
 from .rule import TensorVerdict
 from .shapes import LAYOUTS, TENSORS, UnusableInput, to_bhsd
 from .text import format_text
 from .verdict import KernelCheck, check_kernel
 
-__all__ = ["check_kernel", "KernelCheck", "TensorVerdict", "UnusableInput", "format_text",
+__all__ = ["check_kernel", "KernelCheck", "TensorVerdict", "UnusableInput", "UnreadableInput", "format_text",
            "load_and_check", "save_json", "main", "NOTEBOOK_PARAMETERS", "LAYOUTS", "TENSORS",
            "to_bhsd"]

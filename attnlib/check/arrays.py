@@ -5,6 +5,15 @@ reads numpy.  `as_numpy` converts without the caller doing anything and without 
 value: every floating type a kernel stores (float64/32/16, bfloat16, float8) is taken
 exactly, the 8- and 16-bit types not numpy's own as `ml_dtypes` arrays (bit for bit), so
 that the check still knows the type the kernel stored.
+
+What holds no values to read is refused with an `UnreadableInput` naming the argument (a
+``ValueError``, as `UnusableInput`, and a ``TypeError``): torch tensors on the ``meta``
+device or fake ones, nested (ragged) and quantized tensors, complex ones, numpy masked
+arrays with a masked entry, ragged or mixed Python lists.  What does hold them is read as it
+is: sparse and mkldnn tensors densified, tensors requiring grad detached, conjugate and
+negative views resolved, strided views as views; numpy subclasses (``np.matrix``,
+``np.memmap``, a masked array with nothing masked) as plain ndarrays of the same memory.
+Nothing given is ever modified.
 """
 
 from __future__ import annotations
@@ -14,6 +23,13 @@ import sys
 import numpy as np
 
 from .shapes import UnusableInput
+
+
+class UnreadableInput(UnusableInput, TypeError):
+    """An argument whose values cannot be read as a numpy array; the message names it.  A
+    ``ValueError`` (`UnusableInput`: exit code 2 in the CLI) and a ``TypeError`` alike, so
+    that callers of `attnlib.attention` catching either see it."""
+
 
 #: torch's floating types numpy lacks, by the ml_dtypes type of the same bits, and the
 #: integer type of their width that torch can view them as.
@@ -36,47 +52,129 @@ def _ml_dtype(name: str, what: str):
     return np.dtype(getattr(ml_dtypes, name))
 
 
+def _torch_refusal(t, what: str):
+    """Why numpy cannot read torch tensor ``t``'s values, or None when it can."""
+    import torch
+
+    desc = f"({t.dtype}, shape {tuple(t.shape) if not t.is_nested else 'ragged'})"
+    masked = getattr(getattr(torch, "masked", None), "MaskedTensor", None)
+    if masked is not None and isinstance(t, masked):
+        return (f"{what} is a torch MaskedTensor {desc}: its masked entries hold no values; pass "
+                "a plain tensor and leave those entries out with kv_lengths, q_lengths or a mask_mod")
+    fake = getattr(sys.modules.get("torch._subclasses.fake_tensor"), "FakeTensor", None)
+    if t.device.type == "meta" or (fake is not None and isinstance(t, fake)):
+        return (f"{what} is a torch tensor on the meta device {desc}, which holds no values"
+                if t.device.type == "meta" else
+                f"{what} is a torch FakeTensor {desc} (from torch.compile or FakeTensorMode), which "
+                "holds no values")
+    if t.is_nested:
+        return (f"{what} is a nested (ragged) torch tensor of {t.dtype}: pad it into a dense tensor "
+                "(to_padded_tensor) with kv_lengths/q_lengths, or judge a varlen kernel with "
+                "layout='thd' and cu_seqlens_q/cu_seqlens_k")
+    if t.is_quantized:
+        return (f"{what} is a quantized torch tensor {desc}: its values are integers with a scale; "
+                "pass dequantize()'s floating tensor")
+    if t.is_complex():
+        return f"{what} is a complex torch tensor {desc}: attention takes real floating values"
+    return None
+
+
 def _from_torch(t, what: str) -> np.ndarray:
     """A torch tensor (any device, any layout, with or without grad) as numpy, exactly."""
     import torch
 
-    t = t.detach()
-    if t.is_sparse or t.layout != torch.strided:
-        t = t.to_dense()
-    t = t.resolve_conj().resolve_neg().cpu()
-    name = str(t.dtype).removeprefix("torch.")
-    if name in _TORCH_ML:
-        ml_name, int_name = _TORCH_ML[name]
-        dtype = _ml_dtype(ml_name, what)
-        # The bits, unchanged: view as an integer of the same width, then as ml_dtypes' type.
-        return t.contiguous().view(getattr(torch, int_name)).numpy().view(dtype)
+    why = _torch_refusal(t, what)
+    if why is not None:
+        raise UnreadableInput(why)
     try:
+        t = t.detach()  # never touches t's values, nor its autograd graph
+        if t.layout != torch.strided:  # sparse (COO, CSR, CSC, BSR, BSC), mkldnn
+            t = t.to_dense()
+        t = t.resolve_conj().resolve_neg().cpu()
+        name = str(t.dtype).removeprefix("torch.")
+        if name in _TORCH_ML:
+            ml_name, int_name = _TORCH_ML[name]
+            dtype = _ml_dtype(ml_name, what)
+            # The bits, unchanged: view as an integer of the same width, then as ml_dtypes' type.
+            return t.contiguous().view(getattr(torch, int_name)).numpy().view(dtype)
         return t.numpy()
-    except (TypeError, RuntimeError) as e:
-        raise UnusableInput(f"{what}: a torch tensor of {t.dtype} has no numpy form ({e})") from None
+    except UnusableInput:
+        raise
+    except Exception as e:  # noqa: BLE001  a tensor subclass, a dtype numpy lacks, ...
+        raise UnreadableInput(f"{what}: numpy cannot read this {type(t).__name__} of {t.dtype} "
+                              f"(layout {t.layout}, on {t.device}): {e}") from None
+
+
+def _from_subclass(x: np.ndarray, what: str) -> np.ndarray:
+    """A numpy subclass as a plain ndarray of the same memory; a masked array only when no
+    entry is masked (the values under a mask are not the array's)."""
+    if isinstance(x, np.ma.MaskedArray):
+        masked = int(np.count_nonzero(np.ma.getmaskarray(x)))
+        if masked:
+            raise UnreadableInput(
+                f"{what} is a numpy masked array with {masked} masked entries of {x.size}: the values "
+                "under a mask are not read as the array's; fill them (x.filled(...)) and leave "
+                "them out with kv_lengths, q_lengths or a mask_mod")
+        return np.ma.getdata(x)
+    return np.asarray(x)  # np.matrix (always 2-D), np.memmap, ...: the same memory as an ndarray
+
+
+def _leaves(x):
+    """The non-sequence items of a nested list or tuple."""
+    stack = [x]
+    while stack:
+        for item in stack.pop():
+            if isinstance(item, (list, tuple)):
+                stack.append(item)
+            else:
+                yield item
+
+
+def _from_sequence(x, what: str) -> np.ndarray:
+    """A (nested) list or tuple of numbers as an ndarray; ragged or unreadable ones refused."""
+    for item in _leaves(x):
+        if isinstance(item, np.ma.MaskedArray) and np.ma.getmaskarray(item).any():
+            raise UnreadableInput(f"{what}: a {type(x).__name__} holding a numpy masked array with "
+                                  "masked entries, whose values are not the array's")
+    try:
+        return np.asarray(x)
+    except Exception as e:  # noqa: BLE001  ragged nesting, items numpy cannot read
+        raise UnreadableInput(f"{what}: this {type(x).__name__} is not a rectangular array of numbers "
+                              f"({e})") from None
 
 
 def as_numpy(x, what: str):
     """``x`` as a numpy array: numpy arrays and scalars as they are, torch tensors on any
     device and of any float type (exactly), anything with ``__dlpack__`` (JAX, CuPy on the
-    host) or ``__array__``.  None stays None.  UnusableInput, naming ``what``, otherwise."""
-    if x is None or isinstance(x, np.ndarray):
+    host) or ``__array__``.  None stays None.  An ndarray subclass comes back as a plain
+    ndarray of the same memory (`UnreadableInput` for a masked array with masked entries).
+    UnusableInput, naming ``what``, otherwise: `UnreadableInput` where there are no values to
+    read (a meta tensor, a ragged list, ...)."""
+    if x is None or type(x) is np.ndarray:
         return x
+    if isinstance(x, np.ndarray):
+        return _from_subclass(x, what)
     if _is_torch_tensor(x):
         return _from_torch(x, what)
-    if hasattr(x, "__array__"):  # JAX (bfloat16 comes as ml_dtypes'), lists of numbers, memmaps
+    if isinstance(x, (list, tuple)):
+        return _from_sequence(x, what)
+    failed = None
+    if hasattr(x, "__array__"):  # JAX (bfloat16 comes as ml_dtypes'), numpy scalars
         try:
             return np.asarray(x)
-        except (TypeError, ValueError, RuntimeError):
-            pass  # e.g. CuPy refuses an implicit copy from the device: try DLPack
+        except Exception as e:  # noqa: BLE001  e.g. CuPy refuses an implicit copy: try DLPack
+            failed = e
     if hasattr(x, "__dlpack__"):
         try:
             return np.from_dlpack(x)
-        except (TypeError, ValueError, RuntimeError, BufferError) as e:
-            raise UnusableInput(f"{what}: numpy cannot read this {type(x).__module__}."
-                                f"{type(x).__name__} through DLPack ({e}); copy it to the host "
-                                "first") from None
-    if isinstance(x, (list, tuple, int, float)):
+        except Exception as e:  # noqa: BLE001
+            raise UnreadableInput(f"{what}: numpy cannot read this {type(x).__module__}."
+                                  f"{type(x).__name__} through DLPack ({e}); copy it to the host "
+                                  "first") from None
+    if failed is not None:
+        raise UnreadableInput(f"{what}: numpy cannot read this {type(x).__module__}.{type(x).__name__} "
+                              f"({type(failed).__name__}: {failed})") from None
+    if isinstance(x, (int, float)):  # bool is an int: refused later as not floating
         return np.asarray(x)
-    raise UnusableInput(f"{what}: expected an array (numpy, torch, or anything with __array__ or "
-                        f"__dlpack__), got {type(x).__module__}.{type(x).__name__}")
+    raise UnreadableInput(f"{what}: expected an array (numpy, torch, or anything with __array__ or "
+                          f"__dlpack__), got {type(x).__module__}.{type(x).__name__}")

@@ -3,11 +3,21 @@
 Every finding is scored on rows (one query position of one head of one batch entry), so
 that a cause explaining most of the failing rows is named with its fraction, and the
 alternatives are tried on the batch entries that fail, not on the first one.
+
+A diagnosis never turns a verdict into a traceback: each alternative runs the user's
+``mask_mod``/``score_mod`` on another problem (other scales and masks, the failing batch
+entries alone, the tensors read in the other layout, whose heads are the declared query
+positions), and a function written for the problem as given may fail there (a table of
+per-head slopes indexed by a head it does not have).  `guard_mods` wraps them so that
+anything they raise is a `ModFailed`, and such an alternative is dropped (`DROPPED`); an
+exception of attnlib's own code other than its ``ValueError``/``TypeError`` refusals still
+propagates.  The failing entries' ``b`` is the entries' index in the problem as given.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 
@@ -23,6 +33,57 @@ MAX_ENTRIES = 8
 MIN_FRACTION = 0.5
 #: A failure whose worst finite error is within this many allowances is called marginal.
 MARGINAL = 4.0
+
+
+class ModFailed(Exception):
+    """The user's ``mask_mod``, ``score_mod`` or ``score_mod_grad`` raised while evaluated for
+    an alternative problem (raised only by the wrappers of `guard_mods`, so never by a bug of
+    attnlib's own)."""
+
+
+#: What trying an alternative may raise and only drop it: attnlib's refusals of the
+#: alternative's options or of what a mod returned there (ValueError, TypeError), and the
+#: user's functions failing on the alternative's indices (ModFailed).
+DROPPED = (ValueError, TypeError, ModFailed)
+
+#: The user's functions among the options, and where their batch index ``b`` is.
+_MODS = (("mask_mod", 0), ("score_mod", 1), ("score_mod_grad", 1))
+
+
+def guard_mods(options: dict, entries=None) -> dict:
+    """``options`` with the user's functions wrapped for an alternative problem: whatever
+    they raise becomes `ModFailed` (the alternative is dropped, see `DROPPED`).  ``entries``:
+    the batch entries of the problem as given that the alternative's batch axis holds, so
+    that a function indexing a per-entry table (document ids) sees the right ``b``."""
+    guarded = dict(options)
+    for name, b_at in _MODS:
+        if options.get(name) is not None:
+            guarded[name] = _guarded(options[name], name, b_at, entries)
+    return guarded
+
+
+def _guarded(fn, name, b_at, entries):
+    def guarded(*args):
+        if entries is not None:
+            args = args[:b_at] + (_take(entries, args[b_at]),) + args[b_at + 1:]
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the user's function, on another problem
+            raise ModFailed(f"{name} raised {type(e).__name__}: {e}") from e
+
+    # No functools.wraps: attnlib.flex reads __wrapped__ as "already from_torch's" (called on
+    # numpy, never retried with tensors), which only the user's own function can say.
+    if hasattr(fn, "__wrapped__"):
+        guarded.__wrapped__ = fn.__wrapped__
+    return guarded
+
+
+def _take(entries, b):
+    """``entries[b]`` for numpy index arrays and, through `attnlib.flex.from_torch`, tensors."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(b, torch.Tensor):
+        return torch.as_tensor(entries, device=b.device)[b]
+    return entries[np.asarray(b)]
 
 
 def row_ratios(err, ratio, allowance):
@@ -110,16 +171,18 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
     other = other_layout(layout)
     if given["out"].ndim >= 3 and shape_problem(given, other)[0] is None:
         q1, k1, v1, kern1 = (to_bhsd(given[n], other).astype(np.float64) for n in ("q", "k", "v", "out"))
+        # The mods as given: if the files are in the other layout, they were written for that
+        # problem; one indexing a table by the declared heads fails here, and the reading with it.
         try:
-            alt = expect(q1, k1, v1, options, prec, workers, dense)
-            if ratios(kern1, alt.ref, alt.allowance)[1].max(initial=0.0) <= 1:
-                found.append(f"read as --layout {other} {AXES[other]}, every tensor fits and the output "
-                             f"passes: the files are in {other}, not {layout}")
-        except ValueError:
-            pass
+            alt = expect(q1, k1, v1, guard_mods(options), prec, workers, dense)
+        except DROPPED:
+            alt = None
+        if alt is not None and _passes(kern1, alt.ref, alt.allowance):
+            found.append(f"read as --layout {other} {AXES[other]}, every tensor fits and the output "
+                         f"passes: the files are in {other}, not {layout}")
     if shape["sq"] == shape["hq"] and given["out"].ndim >= 3:
         swapped = np.swapaxes(kernel, -2, -3)
-        if ratios(swapped, expected.ref, expected.allowance)[1].max(initial=0.0) <= 1:
+        if _passes(swapped, expected.ref, expected.allowance):
             found.append(f"the output matches the reference with its seqlen and heads axes swapped: "
                          f"the kernel writes {other} {AXES[other]}, not {layout}")
     # One head, or a few.
@@ -143,14 +206,15 @@ _LOWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
 
 def _lower_precision(kernel, qh, kh, vh, options, prec, workers, dense) -> list:
     """Whether the output passes when judged as a kernel of a lower precision."""
+    options = guard_mods(options)
     for name in _LOWER.get(prec.name, ()):
         try:
             low = _args.precision(name)
             alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
                          low.round(vh).astype(np.float64), options, low, workers, dense)
-        except ValueError:  # bfloat16 without ml_dtypes, or inputs beyond float16's range
+        except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range, a mod failing
             continue
-        if ratios(kernel, alt.ref, alt.allowance)[1].max(initial=0.0) <= 1:
+        if _passes(kernel, alt.ref, alt.allowance):
             tf32 = " (or TF32, whose 10-bit mantissa is float16's)" if name == "float16" else ""
             return [f"judged as a {name} kernel the output passes: the kernel computes in {name}{tf32}, "
                     f"not {prec.name}; check its input casts and matmul precision settings, or pass "
@@ -183,6 +247,12 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     row matches it when its error against it is within the row's own allowance (rows
     without a visible key here take their head's largest allowance).
     """
+    # The failing batch entries (at most MAX_ENTRIES), whole: causal alignment needs full rows.
+    entries = None
+    if kernel.ndim == 4:
+        failing_entries = np.flatnonzero(todo.any(axis=(-1, -2)))
+        entries = failing_entries[:MAX_ENTRIES]
+    options = guard_mods(options, entries)  # b: the entry's index in the problem as given
     d = qh.shape[-1]
     s0 = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(d)
     log2e = 1.0 / math.log(2.0)
@@ -213,11 +283,8 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     allowance = np.broadcast_to(expected.allowance, kernel.shape)
     # Rows with no visible key have allowance 0; under an alternative they may see keys.
     allowance = np.where(allowance > 0, allowance, per_head_max(allowance))
-    # The failing batch entries (at most MAX_ENTRIES), whole: causal alignment needs full rows.
     scope = ""
-    if kernel.ndim == 4:
-        failing_entries = np.flatnonzero(todo.any(axis=(-1, -2)))
-        entries = failing_entries[:MAX_ENTRIES]
+    if entries is not None:
         if failing_entries.size > entries.size:
             scope = f" in the first {entries.size} failing batch entries (of {failing_entries.size})"
         opts = dict(options)
@@ -230,7 +297,7 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
         def pick(x):
             return x[entries]
     else:
-        entries, opts = None, dict(options)
+        opts = dict(options)
 
         def pick(x):
             return x
@@ -240,7 +307,7 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     for change, words in alternatives:
         try:
             alt = attention(q, k, v, workers=workers, **(opts | change))
-        except (ValueError, TypeError, IndexError):  # e.g. a mask_mod that indexes past its ids
+        except DROPPED:  # e.g. a mask_mod that indexes past its ids at q_idx + 1
             continue
         row_ok = ratios(kern, alt, allow)[1].max(axis=-1, initial=0.0) <= 1
         hits = int((failing & row_ok).sum())
@@ -267,6 +334,7 @@ def _softcap_after_mask(options, shape) -> dict:
     o = shape["sk"] - shape["sq"] if options["causal_align"] == "bottom_right" else 0
     left, right = options["window"] or (None, None)
     right = 0 if options["causal"] else right
+    user = options.get("score_mod")  # the problem's own, on the capped scores (attnlib's order)
 
     def score_mod(score, b, h, i, j):
         vis = np.ones(np.broadcast(i, j).shape, dtype=bool)
@@ -274,7 +342,7 @@ def _softcap_after_mask(options, shape) -> dict:
             vis &= j >= i + o - left
         if right is not None:
             vis &= j <= i + o + right
-        return np.where(vis, score, -cap)
+        return np.where(vis, score if user is None else np.asarray(user(score, b, h, i, j)), -cap)
     return dict(causal=False, window=None, score_mod=score_mod)
 
 
@@ -328,7 +396,7 @@ def _tile_boundary(todo, qh, kh, options) -> list:
             "and output when a later tile raises the row max)"]
 
 
-__all__ = ["diagnose", "trend", "row_ratios"]
+__all__ = ["diagnose", "trend", "row_ratios", "guard_mods", "ModFailed", "DROPPED"]
 
 
 # -- gradients and the LSE ------------------------------------------------------------------------

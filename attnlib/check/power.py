@@ -30,6 +30,7 @@ import numpy as np
 from .. import _args
 from ..backward import attention_backward
 from ..tiled import attention
+from .calibration import _torch_dtype
 from .rule import FINAL_ROUNDINGS, unit
 from .verdict import check_kernel
 
@@ -163,8 +164,7 @@ def _torch_kernels(prec_name) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return {}
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-             "float64": torch.float64}[prec_name]
+    dtype = _torch_dtype(torch, prec_name)
 
     def tensors(*xs, grad=False):
         return [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(grad) for x in xs]

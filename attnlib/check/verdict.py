@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _args
+from .. import _args, flex
 from ..memory import dense_fits
 from .arrays import as_numpy
 from ..backward import reference_attention_backward
 from ..tiled import attention
-from .diagnosis import diagnose, diagnose_gradient, diagnose_lse, row_ratios, trend
+from .diagnosis import DROPPED, diagnose, diagnose_gradient, diagnose_lse, guard_mods, row_ratios, trend
 from .packing import unpack_paged, unpack_varlen
 from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
@@ -139,7 +139,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     ------
     UnusableInput
         Inconsistent shapes (with a hint when the layout looks swapped), non-float data,
-        NaN or inf in the inputs.
+        NaN or inf in the inputs; `UnreadableInput` (a TypeError too) for a tensor holding
+        no values to read (`attnlib.check.arrays`).  A failing kernel gets a verdict, never
+        an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
     names = {n: n for n in TENSORS} | (names or {})
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None or layout == "thd"
@@ -198,12 +200,13 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                    scale=scale, kv_lengths=kv_lengths, sinks=sinks)
     if q_lengths is not None:
         options["q_lengths"] = q_lengths
-    if block_mask is not None and mask_mod is None:
+    if block_mask is not None:
         # The rule runs the reference at other tilings too (the naive baselines): the mask,
-        # not one tiling's map of it.
-        mask_mod = getattr(block_mask, "mask_mod", None)
-        if mask_mod is None:
-            raise UnusableInput("block_mask must be a BlockMask from attnlib.create_block_mask")
+        # not one tiling's map of it (a mask_mod and another function's block mask: both).
+        try:
+            mask_mod = flex.visible_mod(mask_mod, block_mask)
+        except TypeError as e:
+            raise UnusableInput(str(e)) from None
     for name, value in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if value is not None:
             options[name] = value
@@ -279,10 +282,10 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, options, prec_name):
         return
     names = ("dq", "dk", "dv", "dsinks")
     alternatives = []
-    for words, alt in _problem_alternatives(options):
+    for words, alt in _problem_alternatives(guard_mods(options)):
         try:
             g = reference_attention_backward(qh, kh, vh, douth, **alt)
-        except (ValueError, TypeError):
+        except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
         g = dict(zip(names, g))
         if "dsinks" in g:
@@ -299,10 +302,10 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, options, prec_name):
 def _diagnose_lse(verdict, lse, expected, qh, kh, vh, options, workers):
     """Diagnosis notes on a failing lse: base 2, its neighbour's row, a neighbouring problem's."""
     alternatives = []
-    for words, alt in _problem_alternatives(options):
+    for words, alt in _problem_alternatives(guard_mods(options)):
         try:
             alternatives.append((words, attention(qh, kh, vh, return_lse=True, workers=workers, **alt)[1]))
-        except (ValueError, TypeError):
+        except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
     kernel = np.asarray(lse, dtype=np.float64).reshape(expected.ref_lse.shape)
     found = diagnose_lse(kernel, expected.ref_lse, np.asarray(expected.lse_allowance), expected.empty,

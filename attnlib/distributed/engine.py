@@ -14,7 +14,7 @@ from ..masks import mask_specs
 from ..online import merge_attention
 from ..tiled import _run, default_tiles
 from .plan import MERGE_FANIN, make_plan
-from .sources import Input, materialize
+from .sources import Input, aligned, materialize
 
 #: The default query block and key range of a piece: a task then does about
 #: 4096 * 4096 * (2 D + 2 Dv) flops (4.3 GFLOP at D = 64, seconds on one core), far more
@@ -50,7 +50,7 @@ def _merge(label, *parts):
     """``merge_attention`` of partial results in the given (key) order."""
     try:
         with np.errstate(divide="raise", over="raise", invalid="raise"):
-            return merge_attention([p[0] for p in parts], [p[1] for p in parts])
+            return merge_attention([aligned(p[0]) for p in parts], [aligned(p[1]) for p in parts])
     except Exception as e:
         raise BlockError(f"attnlib.distributed: merging {label} failed: {type(e).__name__}: {e}") from e
 
@@ -206,7 +206,10 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     does not change) when its inputs can be read again (files, zarr, dask arrays; numpy
     arrays are scattered, and are lost with their worker); any other failure raises
     `BlockError` naming the piece.  Non-finite values are reported for the slices the
-    pieces read; values no piece reads are never read.
+    pieces read; values no piece reads are never read: keys past ``kv_lengths``, query rows
+    past ``q_lengths`` (a piece ends at the lengths, whatever the block sizes) and pieces
+    the mask hides.  With nothing to compute (``Sq``, ``Sk`` or a batch axis of 0, every
+    length 0) no cluster is used at all: ``out = 0``, ``lse = -inf`` (the sink with sinks).
     """
     block_q = _args.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
     kv_block = _args.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
@@ -286,6 +289,8 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         if lse_arr is not None and hasattr(lse_arr, "flush"):
             lse_arr.flush()
 
+    if not any(b.pieces for b in blocks):  # nothing to compute: no cluster work, no cluster
+        return _result(out, lse_out, out_arr, lse_arr, return_lse)
     token = uuid.uuid4().hex[:8]
     with _client(client) as c:
         # The stand-ins of every slice a piece reads: q by block, k and v by key range.
@@ -336,6 +341,11 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         except BaseException:
             flow.cancel()
             raise
+    return _result(out, lse_out, out_arr, lse_arr, return_lse)
+
+
+def _result(out, lse_out, out_arr, lse_arr, return_lse):
+    """What `attention` returns: the arrays, or the output files opened read-only."""
     if out is not None:
         opened = _reopen(out)
         lse_opened = _reopen(lse_out) if lse_out is not None else None

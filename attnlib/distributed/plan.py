@@ -72,6 +72,13 @@ def make_plan(batch: tuple, hk: int, sq: int, sk: int, specs: dict, block_q: int
     ``specs`` is `mask_specs`' dict: ``{(): spec}`` when the mask does not depend on the
     batch entry, else one spec per entry.  Tile classes come from the closed form
     (`MaskSpec.tile_kind`), so planning costs a few integers per piece, never a mask.
+
+    A piece never reaches past a length: its keys end at the entry's ``kv_len`` and its
+    query rows at its ``q_len`` (those values are read by no task, so a NaN there goes
+    unnoticed, as the contract says).  A query block cut by ``q_len`` becomes two blocks:
+    the rows before it, with the pieces, and the rows past it, with none (``out = 0``,
+    ``lse = -inf`` or the sink, written without a task).  No visible pair at all (``Sq``,
+    ``Sk`` or a batch axis of 0, every length 0, a mask that hides everything): no piece.
     """
     k_starts = np.arange(0, sk, kv_block)
     k_ends = np.minimum(k_starts + kv_block, sk)
@@ -79,20 +86,29 @@ def make_plan(batch: tuple, hk: int, sq: int, sk: int, specs: dict, block_q: int
     for entry in np.ndindex(*batch):
         spec = specs[()] if () in specs else specs[entry]
         ranges = spec.kv_ranges(k_starts)
+        k_stops = np.minimum(k_ends, spec.keys)  # keys past kv_len: read by no piece
         for q0 in range(0, sq, block_q):
             q1 = min(sq, q0 + block_q)
-            kinds = spec.tile_kind(q0, q1, k_starts, k_ends, ranges) if k_starts.size else \
+            q_stop = min(q1, max(q0, spec.rows))  # rows past q_len: read by no piece
+            # The classes of the pieces as clipped: the same SKIPs (tile_kind clips to the
+            # lengths itself), and FULL where only the lengths made a range PARTIAL.
+            kinds = spec.tile_kind(q0, q_stop, k_starts, k_stops, ranges) if k_starts.size else \
                 np.zeros(0, np.int8)
             kinds = np.atleast_1d(kinds)
             candidates = np.flatnonzero(kinds != SKIP)
             if spec.q_segments is not None:  # PARTIAL may hide no pair at all: ask exactly
                 candidates = [t for t in candidates if kinds[t] != PARTIAL or
-                              spec.any_visible(q0, q1, int(k_starts[t]), int(k_ends[t]))]
+                              spec.any_visible(q0, q_stop, int(k_starts[t]), int(k_stops[t]))]
             for h0 in range(0, hk, heads_per_task):
                 h1 = min(hk, h0 + heads_per_task)
-                pieces = tuple(Piece(entry, h0, h1, q0, q1, int(k_starts[t]), int(k_ends[t]), int(kinds[t]))
-                               for t in candidates)
-                blocks.append(Block(entry, h0, h1, q0, q1, pieces))
+                pieces = tuple(Piece(entry, h0, h1, q0, q_stop, int(k_starts[t]), int(k_stops[t]),
+                                     int(kinds[t])) for t in candidates)
+                if not pieces:
+                    blocks.append(Block(entry, h0, h1, q0, q1, ()))
+                    continue
+                blocks.append(Block(entry, h0, h1, q0, q_stop, pieces))
+                if q_stop < q1:
+                    blocks.append(Block(entry, h0, h1, q_stop, q1, ()))
     return blocks
 
 

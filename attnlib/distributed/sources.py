@@ -157,7 +157,9 @@ class Input:
 
     def parts(self, client, indices: list) -> list:
         """One stand-in per index in ``indices`` (``(..., heads, rows, :)``, the kernel's
-        order): a `Slice` the task reads, or a future."""
+        order): a `Slice` the task reads, or a future.  No index, no cluster call."""
+        if not indices:  # Client.scatter([]) and compute([]) fail inside Dask
+            return []
         if self.kind in ("file", "zarr"):
             return [Slice(self.source, _stored(index) if self.bshd else index, self.bshd)
                     for index in indices]
@@ -177,5 +179,17 @@ def _stored(index: tuple) -> tuple:
 
 
 def materialize(part) -> np.ndarray:
-    """The block a task works on, from its stand-in."""
-    return part.read() if isinstance(part, Slice) else np.asarray(part)
+    """The block a task works on, from its stand-in, aligned.
+
+    A block that reached this worker from another (scattered, or a dask array's chunk) may
+    lie at any byte offset in the message's buffer; numpy does not hand a misaligned array
+    to BLAS but multiplies it with its own loop, in another order, so the same piece would
+    give other bits on another run.  Such a block is copied (aligned) first.
+    """
+    block = part.read() if isinstance(part, Slice) else np.asarray(part)
+    return aligned(block)
+
+
+def aligned(x) -> np.ndarray:
+    """``x`` as an array, copied where its data is not aligned for its dtype."""
+    return np.require(x, requirements="A")
