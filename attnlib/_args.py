@@ -187,7 +187,7 @@ def value_exponent(v_max: float, n_keys: int, dtype=np.float64) -> int:
     if not v_max or not math.isfinite(v_max):
         return 0
     log_top = float(np.log2(finfo(dtype).max))  # in its own type: long double's max is no float
-    need = math.log2(max(n_keys, 1) + 1) + math.log2(v_max) - log_top + 2
+    need = math.log2(max(n_keys, 1)) + math.log2(v_max) - log_top + 2  # acc sums the keys only
     return max(0, math.ceil(need))
 
 
@@ -481,6 +481,21 @@ def window(x, limit: int | None = None):
     return tuple(sides)
 
 
+def window_side(text: str) -> int:
+    """One ``--window`` side of the command lines: an integer ``>= 0``, or -1 for unbounded
+    (argparse reports anything else as a usage error, exit status 2)."""
+    import argparse
+
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if x < -1:
+        raise argparse.ArgumentTypeError(f"{x} is not a window side: give an integer >= 0, or -1 for "
+                                         "an unbounded side")
+    return x
+
+
 def cli_window(values):
     """``--window L R`` of the command lines as `window` takes it: -1 is an unbounded side
     (FlashAttention's convention); None stays None."""
@@ -537,6 +552,20 @@ def softcap(x):
     return float(x) if x > 0 else None
 
 
+def softcap_in(cap, prec: "Precision"):
+    """``cap`` (from `softcap`) for a kernel in ``prec``, whose scores and cap are kept in
+    ``prec.accumulate`` (float32 below float64): a cap that rounds to 0 or inf there
+    (``softcap=1e-300`` in float32) would make every score NaN, so it is a ValueError."""
+    if cap is None or prec.accumulate.itemsize >= 8:
+        return cap
+    with np.errstate(over="ignore"):  # beyond the type: inf, refused below
+        kept = float(np.asarray(cap, dtype=np.float64).astype(prec.accumulate))
+    if kept == 0 or not math.isfinite(kept):
+        raise ValueError(f"softcap={cap!r} rounds to {kept!r} in {prec.accumulate}, where a {prec.name} "
+                         "kernel keeps its scores: choose a cap within that type's range")
+    return cap
+
+
 def _per_head(x, name: str, pb: "Problem") -> np.ndarray:
     """A finite real per query head, shape ``(Hq,)`` or ``(*batch, Hq)``, as given (float)."""
     arr = as_float_array(x, name)
@@ -554,8 +583,9 @@ def _grouped(arr: np.ndarray, pb: "Problem") -> np.ndarray:
     return arr.astype(np.float64).reshape(arr.shape[:-1] + (pb.hk, pb.group))
 
 
-def alibi_slopes(x, pb: "Problem"):
-    """ALiBi slopes of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals.
+def alibi_slopes(x, pb: "Problem", dtype=np.float64):
+    """ALiBi slopes of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals.  ``dtype``: the
+    type the scores are kept in (float32 for the low precisions), which bounds the biases.
 
     Returned as float64 with the head axis split like q's, ``(hk, g)`` or
     ``(*batch, hk, g)``, to broadcast over the grouped heads; None if ``x`` is None.
@@ -563,26 +593,29 @@ def alibi_slopes(x, pb: "Problem"):
     if x is None:
         return None
     arr = _per_head(x, "alibi_slopes", pb)
-    # The bias slope * |i + o - j| has |i + o - j| <= Sq + Sk; it must be finite in every
-    # type the scores are kept in (float32 for the low precisions), with room to add it.
-    limit = float(np.finfo(np.float32).max) / 4
+    # The bias slope * |i + o - j| has |i + o - j| <= Sq + Sk; it must be finite in the type
+    # the scores are kept in (float32 for the low precisions), with room to add it.
+    kept = "float32" if np.dtype(dtype).itemsize < 8 else "float64"
+    limit = float(np.finfo(kept).max) / 4
     top = abs_max(arr) * (pb.sq + pb.sk)
     if top > limit:
         raise ValueError(
             f"alibi_slopes up to {abs_max(arr):.3g} times distances up to Sq + Sk = {pb.sq + pb.sk} "
-            f"give biases of {top:.3g}, beyond {limit:.3g} (a quarter of float32's range, where "
-            "the scores are kept in low precision); such slopes put every weight on the nearest "
-            "key: use smaller slopes")
+            f"give biases of {top:.3g}, beyond {limit:.3g} (a quarter of {kept}'s range, where "
+            "the scores are kept); such slopes put every weight on the nearest key: use smaller "
+            "slopes")
     return _grouped(arr, pb)
 
 
-#: The largest ``|sink|``: the sink is a logit of the softmax, kept (like the running max)
-#: in float32 at the low precisions; beyond this a row's weights are all 0 or all the sink's.
+#: The largest ``|sink|`` at the low precisions: the sink is a logit of the softmax, kept
+#: (like the running max) in float32 there; beyond this a row's weights are all 0 or all the
+#: sink's.  In float64 the bound is a quarter of its range.
 SINK_LIMIT = 1e30
 
 
-def sinks(x, pb: "Problem"):
-    """Attention-sink logits of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals.
+def sinks(x, pb: "Problem", dtype=np.float64):
+    """Attention-sink logits of shape ``(Hq,)`` or ``(*batch, Hq)``, finite reals, within
+    `SINK_LIMIT` when the state is kept in ``dtype`` float32 (the low precisions).
 
     Returned as float64 ``(hk, g)`` or ``(*batch, hk, g)`` like `alibi_slopes`; None if
     ``x`` is None.
@@ -590,9 +623,11 @@ def sinks(x, pb: "Problem"):
     if x is None:
         return None
     arr = _per_head(x, "sinks", pb)
-    if abs_max(arr) > SINK_LIMIT:
-        raise ValueError(f"sinks must be within +-{SINK_LIMIT:g} (a softmax logit), got "
-                         f"{abs_max(arr):.3g}")
+    limit = SINK_LIMIT if np.dtype(dtype).itemsize < 8 else float(np.finfo(np.float64).max) / 4
+    if abs_max(arr) > limit:
+        raise ValueError(f"sinks must be within +-{limit:g} (a softmax logit"
+                         f"{', kept in float32 by a low-precision kernel' if limit == SINK_LIMIT else ''}), "
+                         f"got {abs_max(arr):.3g}")
     return _grouped(arr, pb)
 
 

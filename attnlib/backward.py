@@ -107,19 +107,20 @@ def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
 
     ``dp = dout . v`` and ``D = dout . out`` reach ``Dv max|dout| max(|v|, |out|)``, which
     overflows for finite values near the range (``v = 1e308``); every gradient entry, and
-    every partial sum of one, is within ``2 Dv max|dout| max(|v|, |out|) max(1, |scale|
-    max(|q|, |k|) Sq g)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of the
-    range.  0, every bit as before, for any ordinary input.  ``values``: ``v`` (and ``out``).
+    every partial sum of one, is within ``2 Dv max|dout| max(|v|, |out|) max(1, max(|q|,
+    |k|) Sq g) max(1, |scale|)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of
+    the range.  0, every bit as before, for any ordinary input.  ``values``: ``v`` (and ``out``).
     """
     dout_max = _args.abs_max(dout5)
     vo_max = max(_args.abs_max(x) for x in values)
     if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
         return 0
     qk_max = max(_args.abs_max(q5), _args.abs_max(k5))
-    spread = 0.0  # log2 max(1, |scale| max(|q|, |k|) Sq g)
-    if pb.scale and qk_max and math.isfinite(qk_max):
-        spread = max(0.0, math.log2(abs(pb.scale)) + math.log2(qk_max) + math.log2(pb.sq + 1)
-                     + math.log2(pb.group))
+    # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
+    # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
+    spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
+    if qk_max and math.isfinite(qk_max):
+        spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
     need = (math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max) + spread
             - float(np.log2(_args.finfo(dtype).max)) + 2)
     return max(0, math.ceil(need))
@@ -241,7 +242,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
     mod_grad = _score_mod_grad(options)
     sinks = options.pop("sinks", None)
-    sink = _args.sinks(sinks, pb)  # (..., hk, g) or None
+    sink = _args.sinks(sinks, pb, dtype)  # (..., hk, g) or None
     s = keep(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
@@ -251,7 +252,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=-1, keepdims=True)
     if sink is not None:
-        w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
+        with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
+            w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
         l = l + w_sink
         p_sink = w_sink / l  # l >= 1: the sink's share of each row
     p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
@@ -452,8 +454,9 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
                           None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad,
                           hook)
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
-            p_sink = np.exp(np.broadcast_to(_args.for_entry(sink, idx), delta.shape[:-1])[..., None]
-                            - lse5[idx])  # (*lead, sq)
+            with np.errstate(over="ignore"):  # sink - lse below -max: weight exactly 0
+                p_sink = np.exp(np.broadcast_to(_args.for_entry(sink, idx), delta.shape[:-1])[..., None]
+                                - lse5[idx])  # (*lead, sq)
             dsink[idx] = -np.sum(p_sink * delta, axis=-1)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
     grads = _split_grads(pb, dq, dk, dv, dsink, sinks)

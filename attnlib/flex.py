@@ -110,13 +110,13 @@ def _call(fn, args, name):
     try:
         out = fn(*args)
     except Exception as e:  # noqa: BLE001 - retried with tensors below, else re-raised
-        if "torch" not in sys.modules or hasattr(fn, "__wrapped__"):
+        if "torch" not in sys.modules or _torch_source(fn) is not None:
             raise
         failure = e
     else:
         if not _torch_result(out):
             return out
-        if hasattr(fn, "__wrapped__"):  # already called with tensors (from_torch): read it
+        if _torch_source(fn) is not None:  # already called with tensors (from_torch): read it
             return out.detach().cpu().numpy()
         failure = None
     torch_fn = from_torch(fn)
@@ -167,9 +167,52 @@ def score_values(score_mod, s, b, h, q_idx, kv_idx, name="score_mod") -> np.ndar
                          f"{s.shape}") from None
 
 
+def check_elementwise(mask_mod, score_mod, sq: int, sk: int) -> None:
+    """ValueError when a mod is not elementwise: FlexAttention calls it on one score at a
+    time, attnlib on a tile of them, so a reduction (``s - s.mean()``, ``q_idx.max()``,
+    ``cumsum``) would silently give another result, one that depends on the tiling.  Probed
+    once a call: the mod on a corner of up to ``4 x 4`` of the grid must agree with it on
+    its first and its last ``2 x 2`` part (positive scores, floating-point errors ignored:
+    a mod such as ``sqrt(s)`` may be valid only on the scores the problem has)."""
+    r, c = min(sq, 4), min(sk, 4)
+    if r < 2 or c < 2:
+        return
+    b = h = np.zeros((1, 1, 1, 1), dtype=np.int64)
+    i, j = np.arange(r).reshape(1, 1, r, 1), np.arange(c).reshape(1, 1, 1, c)
+    s = np.linspace(0.25, 2.5, r * c).reshape(1, 1, r, c)  # distinct scores
+
+    def mask(rows, cols):
+        return mask_values(mask_mod, b, h, i[..., rows, :], j[..., cols],
+                           (1, 1, rows.stop - rows.start, cols.stop - cols.start))
+
+    def score(rows, cols):
+        return score_values(score_mod, s[..., rows, cols], b, h, i[..., rows, :], j[..., cols])
+
+    every = (slice(0, r), slice(0, c))
+    parts = ((slice(0, 2), slice(0, 2)), (slice(r - 2, r), slice(c - 2, c)))
+    with np.errstate(all="ignore"):
+        for name, fn, at in (("mask_mod", mask_mod, mask), ("score_mod", score_mod, score)):
+            if fn is None:
+                continue
+            whole = np.asarray(at(*every), dtype=np.float64)
+            for rows, cols in parts:
+                part = np.asarray(at(rows, cols), dtype=np.float64)
+                if not np.allclose(whole[..., rows, cols], part, rtol=1e-12, atol=0.0, equal_nan=True):
+                    raise ValueError(f"{name} is not elementwise: on a 2 x 2 part of a tile it gives other "
+                                     "values than on the whole tile (a reduction such as s.mean(), "
+                                     "q_idx.max() or cumsum?); FlexAttention applies it to one score at a "
+                                     "time, so write it with elementwise operations only")
+
+
 def _same_function(f, g) -> bool:
     """Whether two mask_mods are one function (or `from_torch` wrappers of one)."""
-    return f is g or getattr(f, "__wrapped__", f) is getattr(g, "__wrapped__", g)
+    return f is g or (_torch_source(f) or f) is (_torch_source(g) or g)
+
+
+def _torch_source(fn):
+    """The function `from_torch` wrapped into ``fn``, or None (``fn`` is no such wrapper:
+    ``functools.wraps`` also sets ``__wrapped__``, so that attribute alone does not say)."""
+    return getattr(fn, "_attnlib_torch_source", None)
 
 
 def as_block_mask(block_mask):
@@ -190,36 +233,43 @@ def as_block_mask(block_mask):
                         f"got {kind.__name__}")
     sq, sk = (int(n) for n in block_mask.seq_lengths)
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
-    full, partial = (_dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, -(-sk // bk)),
-                     _dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, -(-sk // bk)))
+    nq_blocks, nk_blocks = -(-sq // bq), -(-sk // bk)
+    full, partial = (_dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nq_blocks, nk_blocks),
+                     _dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, nq_blocks, nk_blocks))
     mod = block_mask.mask_mod
     mod = None if getattr(mod, "__name__", "") == "noop_mask" else from_torch(mod)
-    nb, nh = partial.shape[:2]
+    nb, nh = max(full.shape[0], partial.shape[0]), max(full.shape[1], partial.shape[1])
 
     def torch_mask(b, h, q_idx, kv_idx):  # FlexAttention's: FULL blocks, or PARTIAL ones AND mask_mod
-        at = (np.asarray(b) if nb > 1 else 0, np.asarray(h) if nh > 1 else 0,
-              np.asarray(q_idx) // bq, np.asarray(kv_idx) // bk)
-        in_partial = partial[at]
+        def at(lists):  # each list's own B and H (1: the same for all)
+            return lists[(np.asarray(b) if lists.shape[0] > 1 else 0, np.asarray(h) if lists.shape[1] > 1 else 0,
+                          np.asarray(q_idx) // bq, np.asarray(kv_idx) // bk)]
+        in_partial = at(partial)
         if mod is not None:
             in_partial = in_partial & np.asarray(mod(b, h, q_idx, kv_idx), dtype=bool)
-        return full[at] | in_partial
+        return at(full) | in_partial
 
-    torch_mask.__wrapped__ = block_mask.mask_mod
+    # Not the same function as its mask_mod (the lists decide too): given with that mask_mod,
+    # both apply (`visible_mod`).
     return create_block_mask(torch_mask, nb if nb > 1 else None, nh if nh > 1 else None, sq, sk, bq, bk)
 
 
-def _dense_blocks(counts, indices, n_k_blocks) -> np.ndarray:
+def _dense_blocks(counts, indices, n_q_blocks, n_k_blocks) -> np.ndarray:
     """FlexAttention's block lists ``(B, H, nq)`` counts and ``(B, H, nq, nk)`` indices as a
-    ``(B, H, nq, n_k_blocks)`` boolean map (an absent list, None: no block)."""
+    ``(B, H, n_q_blocks, n_k_blocks)`` boolean map (an absent list, None: no block)."""
     if counts is None:
-        return np.zeros((1, 1, 1, n_k_blocks), dtype=bool)
+        return np.zeros((1, 1, n_q_blocks, n_k_blocks), dtype=bool)
     counts = counts.detach().cpu().numpy().astype(np.int64)
     indices = indices.detach().cpu().numpy().astype(np.int64)
+    if counts.ndim != 3 or indices.shape[:3] != counts.shape or counts.shape[2] < n_q_blocks \
+            or (indices.size and (indices.min() < 0 or indices.max() >= n_k_blocks)):
+        raise ValueError(f"block_mask's block lists (counts {counts.shape}, indices {indices.shape}) do not "
+                         f"fit its {n_q_blocks} x {n_k_blocks} blocks of seq_lengths and BLOCK_SIZE")
     dense = np.zeros(counts.shape + (n_k_blocks,), dtype=bool)
-    used = np.arange(indices.shape[-1]) < counts[..., None]  # the first counts entries of each list
+    used = np.arange(indices.shape[-1]) < np.minimum(counts, indices.shape[-1])[..., None]
     where = np.nonzero(used)
     dense[where[:-1] + (indices[used],)] = True
-    return dense
+    return dense[:, :, :n_q_blocks]
 
 
 def visible_mod(mask_mod, block_mask):
@@ -342,6 +392,7 @@ def mods_for(mask_mod, score_mod, block_mask, pb, sq, sk, tiles):
     _check_callable(score_mod, "score_mod")
     if mask_mod is None and score_mod is None and block_mask is None:
         return None
+    check_elementwise(mask_mod, score_mod, sq, sk)
     block_mask = as_block_mask(block_mask)
     if block_mask is not None:
         if (block_mask.sq, block_mask.sk) != (sq, sk):
@@ -403,6 +454,7 @@ def from_torch(fn):
 
     wrapped.__name__ = getattr(fn, "__name__", "mod")
     wrapped.__wrapped__ = fn
+    wrapped._attnlib_torch_source = fn  # see `_torch_source`
     return wrapped
 
 

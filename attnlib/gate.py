@@ -168,6 +168,9 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
     plain = {key: val for key, val in options.items() if key != "score_mod_grad"}
     stats = row_stats(q, k, scale=scale, **plain)
     sigma, n_vis = stats[:2]
+    # An overflowing size (|q| . |k| beyond the range) is held at the largest float: an
+    # infinite one would allow any error, a gate without power.
+    sigma = np.minimum(sigma, float(np.finfo(np.float64).max))
     # A score_mod's result is taken as rounded once, like a product: u |score_mod(s)| on
     # each exponent, with the same 3x as the scores (the max and the subtraction).
     mod_term = 3 * U * stats[2] if len(stats) == 3 else 0.0
@@ -181,7 +184,8 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
         a_max = slope[..., None] * (abs(sk - sq) + max(sq, sk))  # (..., Hq, 1)
     else:
         a_max = 0.0
-    delta = (_g(d + 1) * sigma + U * (3 * (s_max + a_max) + (3 * cap if cap is not None else 0.0))
+    # Each size times U first: 3 (s_max + a_max) itself overflows at scores of 1e308.
+    delta = (_g(d + 1) * sigma + 3 * U * s_max + 3 * U * a_max + (3 * U * cap if cap is not None else 0.0)
              + mod_term)
     steps = -(-sk // block_k)
     h_out = _g(terms) + 2 * steps * U  # alpha's exp error cancels in acc / l ...
@@ -306,8 +310,8 @@ class Gate:
         (equal infinities, ``-inf`` on rows with no key, count as no error).  Passes when
         ``rel_error < BOUND`` (the contract's requirement) and both ratios are ``<= 1``.
         """
-        out = np.asarray(out, dtype=np.float64)
-        lse = np.asarray(lse, dtype=np.float64)
+        out = _args.as_float_array(out, "out").astype(np.float64, copy=False)
+        lse = _args.as_float_array(lse, "lse").astype(np.float64, copy=False)
         if out.shape != self.ref.shape or lse.shape != self.ref_lse.shape:
             raise ValueError(f"out {out.shape} and lse {lse.shape} must have the reference's "
                              f"shapes {self.ref.shape} and {self.ref_lse.shape}")
@@ -404,7 +408,7 @@ class GradientGate:
             raise ValueError(f"grads must be {len(self.ref)} arrays ({', '.join(self.names)}), got {len(grads)}")
         result = {}
         for name, g, r, tol in zip(self.names, grads, self.ref, self.tol):
-            g = np.asarray(g, dtype=np.float64)
+            g = _args.as_float_array(g, name).astype(np.float64, copy=False)
             if g.shape != r.shape:
                 raise ValueError(f"{name} must have the reference's shape {r.shape}, got {g.shape}")
             err = np.where(np.isfinite(g), np.abs(g - r), np.inf)

@@ -59,6 +59,9 @@ def random_qkv(sq, sk=None, d=64, dv=None, *, batch=(), heads=None, kv_heads=Non
     dv = d if dv is None else dv
     _check_sizes(sq, sk, d, dv)
     heads, kv_heads = _heads(heads, kv_heads)
+    shapes = [_shape(batch, heads, sq, d), _shape(batch, kv_heads, sk, d), _shape(batch, kv_heads, sk, dv)]
+    _args.check_allocation(8 * sum(math.prod(s) for s in shapes),
+                           f"random_qkv's q {shapes[0]}, k {shapes[1]} and v {shapes[2]} (float64)")
     rng = np.random.default_rng(seed)
     q = rng.standard_normal(_shape(batch, heads, sq, d))
     k = rng.standard_normal(_shape(batch, kv_heads, sk, d))

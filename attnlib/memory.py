@@ -28,6 +28,8 @@ import os
 import subprocess
 import sys
 
+from . import _args
+
 PATHS = ("tiled", "dense")
 #: ``peak_memory`` also measures "stream" (`attention_stream` over a memmapped KV cache),
 #: "paged" (`attention` over a paged KV cache in memory) and the backward passes
@@ -367,10 +369,7 @@ def dense_bytes(sq: int, sk: int, heads: int = 1) -> int:
 
 def physical_memory() -> int:
     """This machine's physical memory in bytes (0 if it cannot be read)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 0
+    return _args.physical_memory() or 0
 
 
 def dense_fits(n: int, heads: int = 1, sk: int | None = None) -> bool:

@@ -83,7 +83,9 @@ def reference_with_abs(q, k, v, *, return_lse=False, **kwargs):
     ``kwargs`` are those of `reference_attention` (masking and scale); with
     ``return_lse`` the reference's ``lse`` comes third.
     """
-    v = np.asarray(v)
+    v = _args.as_float_array(v, "v")
+    if v.ndim < 2:
+        raise ValueError(f"v must have at least 2 dimensions (..., Sk, Dv), got shape {v.shape}")
     both, lse = reference_attention(q, k, np.concatenate([v, np.abs(v)], axis=-1),
                                     return_lse=True, **kwargs)
     dv = v.shape[-1]
@@ -250,6 +252,8 @@ def _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align):
     sq, sk = _args.count(sq, "sq"), _args.count(sk, "sk")
     block_q, block_k = _args.positive_int(block_q, "block_q"), _args.positive_int(block_k, "block_k")
     causal, causal_align = _args.flag(causal, "causal"), _args.causal_align(causal_align)
+    _args.check_allocation(8 * 4 * sq * -(-sk // block_k), f"the per-row counts of {sq} rows by "
+                           f"{-(-sk // block_k)} key tiles (block_k={block_k})")
     L = _visible_keys_per_row(sq, sk, causal, causal_align)[:, None]  # (sq, 1)
     k0 = np.arange(0, sk, block_k)[None, :]  # (1, nk)
     c = np.clip(L - k0, 0, block_k)  # visible keys of the row in the tile

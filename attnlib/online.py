@@ -167,12 +167,20 @@ class OnlineSoftmax:
         ``l >= 1`` for every row that saw a key (its max contributes ``exp(0)``), so the
         single division here never divides by zero.
         """
+        out, parts = self.finalize_parts()
+        return out, lse_of(parts)
+
+    def finalize_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, parts)`` with ``parts (..., rows, 2) = (m, log l)``, the lse in two parts:
+        for partials to be merged (split-KV, the distributed pieces), whose ``m + log l``
+        rounded to one float would lose ``log l`` below the spacing of floats at ``m``
+        (``m = 1e16``: 2), and with it the weight of each partial."""
         seen = self.l > 0
         out = np.divide(self.acc, self.l[..., None], out=np.zeros_like(self.acc), where=seen[..., None])
-        lse = np.full_like(self.m, -np.inf)
-        np.log(self.l, out=lse, where=seen)
-        np.add(lse, self.m, out=lse, where=seen)
-        return out, lse
+        parts = np.full(self.m.shape + (2,), -np.inf, dtype=self.m.dtype)
+        np.log(self.l, out=parts[..., 1], where=seen)
+        np.copyto(parts[..., 0], self.m, where=seen)
+        return out, parts
 
 
 def _real_float(x, name: str) -> np.ndarray:
@@ -184,6 +192,11 @@ def _real_float(x, name: str) -> np.ndarray:
     """
     from ._args import _is_ml_float  # _args imports this module
 
+    if type(x) is not np.ndarray and (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")
+                                      or hasattr(x, "__array__")):  # tensors, masked arrays: read exactly or refused
+        from .check.arrays import as_numpy
+
+        x = as_numpy(x, name)
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError):  # ragged nested lists and the like
@@ -193,6 +206,48 @@ def _real_float(x, name: str) -> np.ndarray:
                 else "strings" if arr.dtype.kind in "US" else str(arr.dtype))
         raise TypeError(f"{name} must be an array of real floating numbers, got {kind}")
     return arr.astype(np.float64, copy=False)
+
+
+def lse_of(parts: np.ndarray) -> np.ndarray:
+    """``m + log l`` of lse parts ``(..., 2)``; ``-inf`` where the row saw no key."""
+    lse = np.full(parts.shape[:-1], -np.inf, dtype=parts.dtype)
+    seen = np.isfinite(parts[..., 1])
+    np.add(parts[..., 0], parts[..., 1], out=lse, where=seen)
+    return lse
+
+
+def merge_parts(outs, parts) -> tuple[np.ndarray, np.ndarray]:
+    """`merge_attention` of partials whose lse comes in two parts ``(m, log l)`` (see
+    `OnlineSoftmax.finalize_parts`); returns ``(out, parts)``.  The weight of partial ``r``
+    is ``exp(m_r - M + log l_r - log L)``: ``m_r - M`` is exact where the maxima are close,
+    so no weight loses what a one-float lse of size ``M`` cannot hold."""
+    shape = parts[0].shape[:-1]
+    big_m = np.full(shape, -np.inf)
+    for p in parts:
+        big_m = np.maximum(big_m, p[..., 0])
+    shift = _shift(big_m)
+    with np.errstate(over="ignore"):  # a difference below -max is -inf: weight exactly 0
+        logs = [(p[..., 0] - shift) + p[..., 1] for p in parts]  # log(l_r exp(m_r - M)); -inf: none
+        top = np.full(shape, -np.inf)
+        for c in logs:
+            top = np.maximum(top, c)
+        ref = _shift(top)  # the largest term: its weight exp(0) keeps L >= 1
+        big_l = np.zeros(shape)
+        for c in logs:
+            big_l += np.exp(c - ref)
+        seen = big_l > 0
+        log_l = np.full(shape, -np.inf)
+        np.log(big_l, out=log_l, where=seen)
+        np.add(log_l, ref, out=log_l, where=seen)  # log L, relative to M
+        out = np.zeros(outs[0].shape)
+        for o_r, c in zip(outs, logs):
+            w = np.exp(c - np.where(seen, log_l, 0.0))  # sums to 1 over the partials; 0 where none
+            out += w[..., None] * np.where(np.isfinite(c)[..., None], o_r, 0.0)
+    bound = max(float(np.abs(o_r).max(initial=0.0)) for o_r in outs)
+    merged = np.full(shape + (2,), -np.inf)
+    np.copyto(merged[..., 0], big_m, where=seen)
+    np.copyto(merged[..., 1], log_l, where=seen)
+    return np.clip(out, -bound, bound), merged
 
 
 def merge_attention(outs, lses):
@@ -242,23 +297,9 @@ def merge_attention(outs, lses):
         if not np.isfinite(out).all():
             raise ValueError(f"outs[{r}] contains NaN or inf")
         parts.append((out, lse))
-    # First the lse over all ranges, then the outputs with weights exp(lse_r - lse) that sum
-    # to 1, so no partial sum exceeds max |out_r| (values near float64's range stay finite).
-    m = np.full(parts[0][1].shape, -np.inf)
-    for _, lse in parts:
-        m = np.maximum(m, lse)
-    shift = _shift(m)
-    l = np.zeros_like(m)
-    with np.errstate(over="ignore"):  # a difference below -max is -inf: weight exactly 0
-        for _, lse in parts:
-            l += np.exp(lse - shift)  # >= 1 where some range saw a key (its max gives exp(0))
-        seen = l > 0
-        total = np.full_like(m, -np.inf)
-        np.log(l, out=total, where=seen)
-        np.add(total, shift, out=total, where=seen)
-        out = np.zeros(parts[0][0].shape)
-        for o_r, lse in parts:
-            w = np.exp(lse - np.where(seen, total, 0.0))  # 0 where the range saw no key
-            out += w[..., None] * np.where(np.isfinite(lse)[..., None], o_r, 0.0)
-    bound = max(float(np.abs(o_r).max(initial=0.0)) for o_r, _ in parts)
-    return np.clip(out, -bound, bound), total
+    # A partial's lse is the parts (m, log l) = (lse, 0).  First the lse over all ranges, then
+    # the outputs with weights that sum to 1, so no partial sum exceeds max |out_r|.
+    out, merged = merge_parts([o for o, _ in parts],
+                              [np.stack([lse, np.where(np.isfinite(lse), 0.0, -np.inf)], axis=-1)
+                               for _, lse in parts])
+    return out, lse_of(merged)

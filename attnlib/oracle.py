@@ -134,11 +134,14 @@ def _decimal_dense(q5, k5, v5, pb, options):
                 for j in keys:
                     t = scale * sum(a * b for a, b in zip(q_i, ks[j]))
                     if c is not None:  # c * tanh(t / c), tanh(x) = 1 - 2 / (exp(2x) + 1)
-                        t = c * (1 - 2 / ((2 * t / c).exp() + 1))
+                        x = t / c
+                        # |x| > 64: 2 / (exp(2x) + 1) < 1e-55, below the context's 50 digits
+                        t = c * (Decimal(1).copy_sign(x) if abs(x) > 64 else 1 - 2 / ((2 * x).exp() + 1))
                     if distance is not None:
                         t -= slope * Decimal(float(distance[idx][i, j]))
                     s.append(t)
-                sink_logit = None if sink is None else Decimal(float(sink[idx]))
+                # Rounded to the context like the scores: a tie with a score stays a tie.
+                sink_logit = None if sink is None else +Decimal(float(sink[idx]))
                 m = max(s + ([] if sink_logit is None else [sink_logit]))
                 p = [(t - m).exp() for t in s]
                 l = sum(p) + (0 if sink_logit is None else (sink_logit - m).exp())  # no value

@@ -30,7 +30,8 @@ def reference_scores(q, k, *, check_finite=True, **options):
 
 def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, block_mask=None,
             **options):
-    visible, distance, cap, slopes = pair_terms(pb, **options)
+    visible, distance, cap, slopes = pair_terms(pb, dtype=dtype, **options)
+    flex.check_elementwise(mask_mod, score_mod, pb.sq, pb.sk)
     mask_mod = flex.visible_mod(mask_mod, block_mask)  # a block mask carries its own mask_mod
     b, h = flex.index_grids(pb, ())  # (*batch, hk, g): each head's batch entry and query head
     b, h = b[..., None, None], h[..., None, None]
@@ -55,13 +56,17 @@ def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, bloc
         raise ValueError("score_mod returned NaN or +inf for a visible pair; it must return finite "
                          "scores, or -inf to mask")
     if slopes is not None:  # after masking: -inf stays -inf
-        s = s - slopes.astype(dtype)[..., None, None] * distance
+        with np.errstate(over="ignore") if may_overflow else contextlib.nullcontext():
+            biased = s - slopes.astype(dtype)[..., None, None] * distance
+        if may_overflow and (np.isfinite(s) & ~np.isfinite(biased)).any():  # a score beyond the range
+            raise ValueError(_args.overflow_message(s.dtype))
+        s = biased
     return s
 
 
 def pair_terms(pb, *, causal=False, causal_align="bottom_right", window=None, kv_lengths=None,
                q_lengths=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
-               alibi_slopes=None):
+               alibi_slopes=None, dtype=np.float64):
     """What the score options say about each pair: ``(visible, distance, cap, slopes)``.
 
     ``visible`` (bool) and ``distance`` (the ALiBi ``|i + o - j|``, or None without ALiBi)
@@ -73,7 +78,9 @@ def pair_terms(pb, *, causal=False, causal_align="bottom_right", window=None, kv
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     cap = _args.softcap(softcap)
-    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+    if np.dtype(dtype).itemsize < 8:  # a low-precision baseline keeps its cap in float32
+        cap = _args.softcap_in(cap, _args.Precision("low-precision", np.dtype(dtype), np.dtype(dtype), 0.0))
+    slopes = _args.alibi_slopes(alibi_slopes, pb, dtype)  # (..., hk, g)
     i, j = np.arange(pb.sq), np.arange(pb.sk)
 
     def per_pair(fn):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
@@ -145,7 +152,7 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
     same-precision baseline); None computes everything in ``dtype``.
     """
     options = dict(options)
-    sink = _args.sinks(options.pop("sinks", None), pb)  # (..., hk, g) or None
+    sink = _args.sinks(options.pop("sinks", None), pb, dtype)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, dtype=dtype, **options)  # (..., hk, g, sq, sk)
     if round_lowp is not None:
         s = round_lowp(s)  # a naive kernel stores its scores in the compute type
@@ -157,7 +164,8 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
         p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
     l = p.sum(axis=-1, keepdims=True)  # >= 1 where the row sees a key, else 0
     if sink is not None:
-        l = l + np.exp(sink - m)  # the sink's weight joins the denominator only
+        with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
+            l = l + np.exp(sink - m)  # the sink's weight joins the denominator only
     seen = l > 0
     v_max = _args.abs_max(v5)
     e = _args.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
@@ -191,6 +199,8 @@ def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,
             or not 0 <= threshold < np.inf:
         raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
     sq, sk = scores.shape[-2:]
+    # A tile past the lengths holds the same rows and keys as one of their size.
+    block_q, block_k = min(block_q, max(sq, 1)), min(block_k, max(sk, 1))
     nq, nk = -(-sq // block_q), -(-sk // block_k)
     pad = [(0, 0)] * (scores.ndim - 2) + [(0, nq * block_q - sq), (0, nk * block_k - sk)]
     s = np.pad(scores, pad, constant_values=-np.inf)

@@ -21,7 +21,7 @@ from threadpoolctl import ThreadpoolController
 
 from . import _args, flex
 from .masks import PARTIAL, SKIP, mask_specs
-from .online import OnlineSoftmax, merge_attention
+from .online import OnlineSoftmax, lse_of, merge_attention, merge_parts
 
 
 @dataclass(frozen=True)
@@ -269,9 +269,9 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    cap = _args.softcap(softcap)
-    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
-    sink = _args.sinks(sinks, pb)  # (..., hk, g)
+    cap = _args.softcap_in(_args.softcap(softcap), prec)
+    slopes = _args.alibi_slopes(alibi_slopes, pb, prec.accumulate)  # (..., hk, g)
+    sink = _args.sinks(sinks, pb, prec.accumulate)  # (..., hk, g)
     mods = flex.mods_for(mask_mod, score_mod, block_mask, pb, pb.sq, pb.sk, tiles)
 
     _args.check_representable(prec, q=q5, k=k5, v=v5)
@@ -282,12 +282,18 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     # More ranges than key tiles would only add empty ones (each a pass over the queries).
     splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
     # The sink joins the first key range's state only: once per row, whatever the split.
+    # float64 partials keep their lse in two parts (m, log l), which merge without the loss
+    # of a one-float lse at large scores; a low precision merges its lse, as its kernel does.
+    parts = len(splits) > 1 and prec.is_float64
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
                      (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec,
-                     check, sink=sink if r == 0 else None, mods=mods)
+                     check, sink=sink if r == 0 else None, mods=mods, lse_parts=parts)
                 for r, part in enumerate(splits)]
     if len(partials) == 1:
         out, lse = partials[0][:2]
+    elif parts:
+        out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials])
+        out, lse = out, lse_of(merged)
     else:
         out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
     if not prec.is_float64:  # what a kernel in that precision would write out
@@ -333,8 +339,10 @@ def _safe_threshold(tau, prec, n_keys, v_max):
 
 
 def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
-         prec=None, check=False, sink=None, mods=None):
+         prec=None, check=False, sink=None, mods=None, lse_parts=False):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
+    ``lse_parts``: ``lse`` as ``(..., sq, 2)`` parts ``(m, log l)``, for partials to merge
+    (`online.merge_parts`).
 
     ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``specs`` (all batch entries at
     once when the mask does not depend on them), and the work items of every plan on one
@@ -347,7 +355,7 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
     v_max = _args.abs_max(v)
     v_exp = _args.value_exponent(v_max, pb.sk, np.float64 if prec is None else prec.accumulate)
     out = np.empty(lead + (pb.sq, pb.dv))
-    lse = np.empty(lead + (pb.sq,))
+    lse = np.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()))
     kinds = rescales = None
     if count_rescales:
         # The tile map and per-tile counts grow as (Sq / block_q) * (Sk / block_k): kept
@@ -371,7 +379,7 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
                               per_thread, _args.for_entry(sink, idx),
                               None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
-                              (v_exp, v_max)))
+                              (v_exp, v_max), lse_parts))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
@@ -432,7 +440,7 @@ def _unit_of(arr, unit: tuple):
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0)):
+             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -511,12 +519,14 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                         rows=rows, row_groups=groups, mods=mods_u, v_scale=math.ldexp(1.0, -v_exp))
         if rescales is not None:
             rescales[unit][..., a, todo] = events
-        o_i, lse_i = state.finalize()
+        o_i, lse_i = state.finalize_parts() if lse_parts else state.finalize()
         o_i = _args.unscale_values(o_i, v_exp, v_max)
+        tail = lse_i.shape[-1:] if lse_parts else ()  # (m, log l) of each row
         if packed:
             o_i = o_i.reshape(o_i.shape[:-2] + (g, q1 - q0, dv))
-            lse_i = lse_i.reshape(lse_i.shape[:-1] + (g, q1 - q0))
-        out[unit][..., q0:q1, :], lse[unit][..., q0:q1] = o_i, lse_i
+            lse_i = lse_i.reshape(lse_i.shape[:-1 - len(tail)] + (g, q1 - q0) + tail)
+        out[unit][..., q0:q1, :] = o_i
+        lse[unit][(..., slice(q0, q1)) + ((slice(None),) if lse_parts else ())] = lse_i
 
     return n_q_tiles * len(units), unit_tile
 
@@ -784,7 +794,13 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
                              f"{int(np.asarray(rows)[np.argwhere(bad)[0][-1 if keys_first else -2]])}); "
                              "it must return finite scores, or -inf to mask")
     if slopes is not None:  # ALiBi, after masking: -inf stays -inf
-        s -= slopes[..., None, None] * pairs(spec.distance(rows, cols))
+        # A bias on a score near -max may overflow it (only where `check` is asked for: else
+        # |s| < max / 16 and the bias < max / 4): a visible score beyond the range, refused.
+        finite = np.isfinite(s) if check else None
+        with np.errstate(over="ignore") if check else contextlib.nullcontext():
+            s -= slopes[..., None, None] * pairs(spec.distance(rows, cols))
+        if check and (finite & ~np.isfinite(s)).any():
+            raise ValueError(_args.overflow_message(s.dtype))
     return s, th
 
 

@@ -403,9 +403,10 @@ def test_guard_mods_wraps_only_the_users_functions():
     opts = dict(scale=None, mask_mod=head_window, score_mod=alibi)
     g = diagnosis.guard_mods(opts, entries=np.array([2]))
     assert g["scale"] is None and g["mask_mod"] is not head_window and opts["mask_mod"] is head_window
-    assert not hasattr(g["mask_mod"], "__wrapped__")
+    assert not hasattr(g["mask_mod"], "_attnlib_torch_source")
     torch_written = MODS["torch-written alibi"]["score_mod"]  # from_torch's: flex must still see it so
-    assert diagnosis.guard_mods(dict(score_mod=torch_written))["score_mod"].__wrapped__ is torch_written.__wrapped__
+    guarded = diagnosis.guard_mods(dict(score_mod=torch_written))["score_mod"]
+    assert guarded._attnlib_torch_source is torch_written.__wrapped__
     with pytest.raises(diagnosis.ModFailed):
         g["score_mod"](np.zeros((1, 1)), np.zeros((1, 1), int), np.full((1, 1), HQ), np.zeros((1, 1), int),
                        np.zeros((1, 1), int))
@@ -413,3 +414,34 @@ def test_guard_mods_wraps_only_the_users_functions():
     diagnosis.guard_mods(dict(mask_mod=lambda b, h, i, j: seen.append(np.asarray(b)) or (i >= j)),
                          entries=np.array([5, 7]))["mask_mod"](np.array([[0], [1]]), 0, 0, 0)
     assert seen[0].tolist() == [[5], [7]]
+
+
+def _files(tmp_path):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 2, 4)).astype(np.float32) for _ in range(3))
+    out = np.swapaxes(attnlib.attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), compute_dtype="float32"), 1, 2)
+    paths = {}
+    for name, x in dict(q=q, k=k, v=v, out=out).items():
+        paths[name] = str(tmp_path / f"{name}.npy")
+        np.save(paths[name], x)
+    return [arg for name, p in paths.items() for arg in (f"--{name}", p)]
+
+
+@pytest.mark.parametrize("where", ["missing/x.html", "folder"])
+def test_check_html_to_a_bad_path_is_one_line_and_exit_2(tmp_path, capsys, where):
+    from attnlib.check import cli
+
+    (tmp_path / "folder").mkdir()
+    code = cli.main(_files(tmp_path) + ["--html", str(tmp_path / where)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--html" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("window", [["-5", "-1"], ["3", "-2"], ["x", "1"]])
+def test_check_window_sides_below_minus_one_are_a_usage_error(tmp_path, capsys, window):
+    from attnlib.check import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(_files(tmp_path) + ["--window", *window])
+    assert e.value.code == 2 and "--window" in capsys.readouterr().err
+    assert cli.main(_files(tmp_path) + ["--window", "-1", "2"]) in (0, 1)

@@ -298,3 +298,213 @@ def test_a_mod_that_fails_both_ways_names_from_torch():
         attnlib.attention(q, k, v, mask_mod=broken)
     with pytest.raises(TypeError, match="block_mask must be a BlockMask"):
         attnlib.attention(q, k, v, block_mask=object())
+
+
+# -- the second adversarial pass ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1e8, 1e16, 1e100])
+def test_split_partials_of_tied_large_scores_merge_exactly(size):
+    q, k, v = np.array([[size]]), np.full((3, 1), 1.0), np.array([[1.0], [2.0], [3.0]])
+    ref = attnlib.reference_attention(q, k, v, scale=1.0)
+    assert ref[0, 0] == 2.0
+    for splits in (2, 3):
+        assert attnlib.attention(q, k, v, scale=1.0, kv_splits=splits, block_k=1)[0, 0] == 2.0
+    with np.errstate(**STRICT):
+        out, lse = attnlib.attention(q, k, v, scale=1.0, kv_splits=2, block_k=1, return_lse=True)
+    assert lse[0] == size + np.log(3.0)
+
+
+def test_backward_with_a_tiny_scale_and_a_huge_dout():
+    q, k = np.full((1, 2, 1), 1e150), np.full((1, 3, 1), 1e150)
+    v, dout = np.array([[[1.0], [2.0], [3.0]]]), np.full((1, 2, 1), 1e300)
+    out, lse = attnlib.attention(q, k, v, scale=1e-300, return_lse=True)
+    with np.errstate(**STRICT):
+        grads = attention_backward(q, k, v, out, lse, dout, scale=1e-300)
+        ref = reference_attention_backward(q, k, v, dout, scale=1e-300)
+    want_dk = np.array([-2, 0, 2]) / 3 * 1e150  # ds_j = p_j (v_j - out) dout, times scale q
+    for g, r in zip(grads, ref):
+        assert np.isfinite(g).all() and np.isfinite(r).all()
+    assert np.allclose(grads[1][0, :, 0], want_dk, rtol=1e-14) and np.allclose(grads[2], 2e300 / 3, rtol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("cap", [1e-300, 1e300])
+def test_a_softcap_beyond_float32_is_refused_for_low_precision(dtype, cap):
+    pytest.importorskip("ml_dtypes")
+    q, k, v = np.zeros((1, 1, 2)), np.eye(2)[None], np.eye(2)[None]
+    for fn in (attnlib.attention, attnlib.reference_attention):
+        with pytest.raises(ValueError, match="softcap"):
+            fn(q, k, v, softcap=cap, compute_dtype=dtype)
+        assert np.allclose(fn(q, k, v, softcap=cap), 0.5)
+
+
+@pytest.mark.parametrize("mod, name", [
+    (dict(score_mod=lambda s, b, h, i, j: s - s.mean()), "score_mod"),
+    (dict(score_mod=lambda s, b, h, i, j: s.sum()), "score_mod"),
+    (dict(mask_mod=lambda b, h, i, j: i >= j.max()), "mask_mod"),
+])
+def test_mods_that_are_not_elementwise_are_refused(mod, name):
+    q, k, v = attnlib.random_qkv(16, 16, 4, seed=0)
+    for fn in (attnlib.attention, attnlib.reference_attention):
+        with pytest.raises(ValueError, match=f"{name} is not elementwise"):
+            fn(q, k, v, **mod)
+    # Constants and functions of the positions alone are elementwise.
+    attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: 0.0)
+    attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: -np.abs(i - j))
+
+
+def test_sinks_and_slopes_are_bounded_by_the_type_the_scores_are_kept_in():
+    from attnlib.check import check_kernel
+
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 5, 2, 4)).astype(np.float32) for _ in range(3))
+    sinks = np.full(2, 9e29)  # within float32's 1e30; the check's doubled scores go beyond it
+    out = attnlib.attention(*(np.swapaxes(x, 1, 2) for x in (q, k, v)), sinks=sinks, compute_dtype="float32")
+    assert check_kernel(q, k, v, np.swapaxes(out, 1, 2), sinks=sinks).passed
+    assert not check_kernel(q, k, v, np.swapaxes(out, 1, 2) + np.float32(1e-3), sinks=sinks).passed  # out is 0
+
+
+def test_metrics_gates_and_merge_read_tensors_or_name_the_argument():
+    torch = pytest.importorskip("torch")
+    from attnlib.gate import Gate, GradientGate
+
+    q, k, v = attnlib.random_qkv(6, 7, 4, seed=0)
+    out, lse = attnlib.attention(q, k, v, return_lse=True)
+    assert attnlib.attention_errors(out, q, k, torch.tensor(v, requires_grad=True)).rel_error < 1e-15
+    assert Gate(q, k, v).judge(torch.tensor(out, requires_grad=True), torch.tensor(lse))["passed"]
+    dout = np.ones_like(out)
+    grads = attention_backward(q, k, v, out, lse, dout)
+    assert GradientGate(q, k, v, dout).judge([torch.tensor(g, requires_grad=True) for g in grads])["passed"]
+    merged = attnlib.merge_attention([torch.tensor(out, requires_grad=True)] * 2, [torch.tensor(lse)] * 2)
+    assert np.allclose(merged[0], out, rtol=1e-15, atol=0)
+    meta = torch.empty(7, 4, device="meta")
+    with pytest.raises((TypeError, ValueError), match="v is a torch tensor on the meta device"):
+        attnlib.attention_errors(out, q, k, meta)
+    with pytest.raises(ValueError, match="v must have at least 2 dimensions"):
+        attnlib.attention_errors(out, q, k, np.float64(1.0))
+    with pytest.raises((TypeError, ValueError), match="lse is a torch tensor on the meta device"):
+        Gate(q, k, v).judge(out, torch.empty(6, device="meta"))
+    with pytest.raises((TypeError, ValueError), match=r"outs\[0\] is a numpy masked array"):
+        attnlib.merge_attention([np.ma.masked_array(out, mask=True)], [lse])
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: attnlib.random_qkv(10 ** 9, d=4), "random_qkv"),
+    (lambda: attnlib.random_qkv(10, d=10 ** 12), "random_qkv"),
+    (lambda: attnlib.random_qkv(8, heads=10 ** 12), "random_qkv"),
+    (lambda: expected_rescales(10 ** 15, 10 ** 15, 1, 1), "block_k"),
+    (lambda: max_rescales(10 ** 15, 10 ** 15, 1, 1), "block_k"),
+])
+def test_sizes_beyond_the_machine_are_refused_before_allocating(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_rescale_recount_with_tiles_larger_than_the_scores():
+    s = attnlib.reference_scores(*attnlib.random_qkv(6, 9, 4, seed=1)[:2], causal=True)
+    assert np.array_equal(reference_rescales(s, 10 ** 15, 10 ** 15), reference_rescales(s, 6, 9))
+
+
+# -- the third adversarial pass ---------------------------------------------------------------------
+
+
+def test_sink_weights_below_the_range_under_strict_mode():
+    q, k, v = np.array([[1.0], [0.5]]), np.array([[1.44e308], [-1.44e308], [1.0]]), np.array([[1.0], [2.0], [3.0]])
+    sinks = np.array([-4e307])
+    with np.errstate(**STRICT):
+        ref = attnlib.reference_attention(q, k, v, scale=1.0, sinks=sinks)
+        out, lse = attnlib.attention(q, k, v, scale=1.0, sinks=sinks, return_lse=True)
+        grads = attention_backward(q, k, v, out, lse, np.ones_like(out), scale=1.0, sinks=sinks)
+        ref_grads = reference_attention_backward(q, k, v, np.ones_like(out), scale=1.0, sinks=sinks)
+    assert np.array_equal(ref, [[1.0], [1.0]]) and np.array_equal(out, ref)
+    assert all(np.isfinite(g).all() for g in grads + ref_grads)
+
+
+def test_alibi_past_the_range_is_refused_as_an_overflowing_score():
+    q, k, v = np.ones((2, 1)), np.array([[-1.79e308], [0.5], [1.0], [2.0]]), np.arange(1.0, 5.0)[:, None]
+    for fn in (lambda: attnlib.attention(q, k, v, scale=1.0, alibi_slopes=[2.8e306], block_k=1),
+               lambda: attnlib.reference_attention(q, k, v, scale=1.0, alibi_slopes=[2.8e306])):
+        with np.errstate(**STRICT), pytest.raises(ValueError, match="scores overflow float64"):
+            fn()
+
+
+def test_decimal_oracle_with_large_sinks_and_tiny_softcaps():
+    q, k, v = np.array([[1.0]]), np.full((3, 1), 1e100), np.array([[1.0], [2.0], [3.0]])
+    got = attnlib.oracle_attention(q, k, v, scale=1.0, sinks=np.array([1e100]), method="decimal")
+    assert float(np.asarray(got)[0, 0]) == 1.5
+    q, k, v = attnlib.random_qkv(3, 4, 2, seed=0)
+    for cap in (1e-30, 1e-300):
+        got = np.asarray(attnlib.oracle_attention(q, k, v, softcap=cap, method="decimal"), dtype=np.float64)
+        assert np.abs(got - attnlib.reference_attention(q, k, v, softcap=cap)).max() < 1e-15
+
+
+def test_check_judges_lse_at_scores_near_the_range():
+    from attnlib.check import check_kernel
+
+    q, k, v = np.array([[[[1.0], [0.5]]]]), np.array([[[[6e307], [-6e307], [1.0]]]]), np.array([[[[1.0], [2.0], [3.0]]]])
+    out, lse = attnlib.attention(q, k, v, scale=1.0, return_lse=True)
+    wrong = lse.copy()
+    wrong[..., 0] = 0.0
+    with np.errstate(**STRICT):
+        assert check_kernel(q, k, v, out, lse=lse, layout="bhsd", scale=1.0).passed
+        assert not check_kernel(q, k, v, out, lse=wrong, layout="bhsd", scale=1.0).passed
+
+
+def test_torch_block_masks_without_full_lists_and_with_their_own_batch_and_heads():
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.flex_attention import BlockMask
+
+    counts = torch.tensor([[[1, 2, 3]]], dtype=torch.int32)
+    lists = torch.tensor([[[[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 2, 0]]]], dtype=torch.int32)
+    bm = BlockMask.from_kv_blocks(counts, lists, BLOCK_SIZE=16, seq_lengths=(40, 56))  # noop mask_mod
+    q, k, v = attnlib.random_qkv(40, 56, 4, seed=0)
+    want = attnlib.reference_attention(q, k, v, mask_mod=lambda b, h, i, j: (j // 16) <= (i // 16))
+    assert np.abs(attnlib.attention(q, k, v, block_mask=bm) - want).max() < 1e-15
+    assert np.abs(attnlib.reference_attention(q, k, v, block_mask=bm) - want).max() == 0
+
+
+def test_functools_wrapped_mods_are_the_users_own():
+    torch = pytest.importorskip("torch")
+    import functools
+
+    def deco(f):
+        @functools.wraps(f)
+        def g(*a):
+            return f(*a)
+        return g
+
+    q, k, v = attnlib.random_qkv(20, 24, 4, seed=0)
+    causal = attnlib.reference_attention(q, k, v, mask_mod=causal_mod)
+    assert np.abs(attnlib.attention(q, k, v, mask_mod=deco(lambda b, h, i, j: torch.where(i >= j, True, False)))
+                  - attnlib.reference_attention(q, k, v, mask_mod=lambda b, h, i, j: i >= j)).max() < 1e-15
+
+    @functools.wraps(causal_mod)
+    def near(b, h, i, j):
+        return causal_mod(b, h, i, j) & (i - j <= 2)
+
+    bm = create_block_mask(causal_mod, None, None, 20, 24, 4, 4)
+    want = attnlib.reference_attention(q, k, v, mask_mod=lambda b, h, i, j: (j <= i) & (i - j <= 2))
+    assert np.abs(attnlib.attention(q, k, v, block_mask=bm, mask_mod=near) - want).max() < 1e-15
+    assert np.abs(causal - want).max() > 0.1
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, i, j: np.cumsum(s, -1) * 0.2, lambda s, b, h, i, j: s - s[..., :1]])
+def test_prefix_reductions_are_not_elementwise(mod):
+    q, k, v = attnlib.random_qkv(16, 16, 4, seed=0)
+    with pytest.raises(ValueError, match="score_mod is not elementwise"):
+        attnlib.attention(q, k, v, score_mod=mod)
+
+
+def test_the_probe_takes_mods_valid_on_positive_scores():
+    q, k, v = (np.abs(x) for x in attnlib.random_qkv(16, 16, 4, seed=0))
+    with np.errstate(**STRICT):
+        out = attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: np.sqrt(s))
+    ref = attnlib.reference_attention(q, k, v, score_mod=lambda s, b, h, i, j: np.sqrt(s))
+    assert np.abs(out - ref).max() < 1e-15
+
+
+def test_values_just_below_the_scaling_threshold_keep_their_bits():
+    top = float(np.finfo(np.float64).max)
+    assert _args.value_exponent(0.99 * (top / 16), 4) == 0  # 4 keys: n max|v| below a quarter
+    assert _args.value_exponent(1.01 * (top / 16), 4) == 1

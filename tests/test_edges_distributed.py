@@ -387,3 +387,13 @@ def test_a_misaligned_block_gives_the_same_bits(client):
     for r in runs[1:]:
         for a, b in zip(r, runs[0]):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("size", [1e8, 1e16])
+def test_tied_large_scores_merge_exactly_across_pieces(client, size):
+    """The pieces' lse travels as (m, log l): tied scores of 1e16 split over pieces still
+    weigh each key 1/3 (a one-float lse of 1e16 + log 2 is 1e16, and gave 3, not 2)."""
+    q, k, v = np.array([[[size]]]), np.full((1, 3, 1), 1.0), np.array([[[1.0], [2.0], [3.0]]])
+    out, lse = attnlib.distributed.attention(q, k, v, scale=1.0, kv_block=2, block_q=1, client=client,
+                                             return_lse=True)
+    assert out[0, 0, 0] == 2.0 and lse[0, 0] == size + np.log(3.0)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .._args import cli_window
+from .._args import cli_window, window_side
 from ..tensorio import TensorFileError, load_indices, load_tensor, split_spec
 from .shapes import LAYOUTS, TENSORS, UnusableInput
 from .text import format_text
@@ -89,7 +89,7 @@ def _parser():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right",
                    help="causal alignment when seqlen_q != seqlen_k (default bottom_right, FlashAttention's)")
-    p.add_argument("--window", nargs=2, type=int, metavar=("L", "R"),
+    p.add_argument("--window", nargs=2, type=window_side, metavar=("L", "R"),
                    help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
     p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
@@ -174,6 +174,11 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     notebook = NOTEBOOK
     if not notebook.exists():
         raise UnusableInput(f"--html needs {notebook}, which this installation of attnlib lacks")
+    path = Path(target)  # checked before the check runs, not after
+    if path.is_dir():
+        raise UnusableInput(f"--html {target} is a folder: give the path of a file to write")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise UnusableInput(f"--html {target}: the folder {path.parent} does not exist or cannot be written")
     # Fail fast, with the CLI's messages, on unusable files before starting a kernel.
     for name, spec in files.items():
         if spec:
@@ -191,7 +196,9 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
               "softcap": options["softcap"] or 0.0, "scale": options["scale"] or 0.0}
     assert set(params) | {"results_json"} == set(NOTEBOOK_PARAMETERS)
     try:
-        data = execute(notebook, params, Path(target))
+        data = execute(notebook, params, path)
     except ReportError as e:
         raise UnusableInput(f"the kernel check notebook failed: {e}") from None
+    except OSError as e:  # the report could not be written there after all (/proc, a full disk)
+        raise UnusableInput(f"--html {target} could not be written: {e.strerror or e}") from None
     return data["text"], int(data["exit_code"])

@@ -71,10 +71,10 @@ def _guarded(fn, name, b_at, entries):
         except Exception as e:  # noqa: BLE001 - the user's function, on another problem
             raise ModFailed(f"{name} raised {type(e).__name__}: {e}") from e
 
-    # No functools.wraps: attnlib.flex reads __wrapped__ as "already from_torch's" (called on
-    # numpy, never retried with tensors), which only the user's own function can say.
-    if hasattr(fn, "__wrapped__"):
-        guarded.__wrapped__ = fn.__wrapped__
+    # No functools.wraps; a `from_torch` wrapper's mark is kept, so that attnlib.flex calls
+    # the guarded function as it would the user's (never retried with tensors).
+    if getattr(fn, "_attnlib_torch_source", None) is not None:
+        guarded._attnlib_torch_source = fn._attnlib_torch_source
     return guarded
 
 
@@ -210,6 +210,7 @@ def _lower_precision(kernel, qh, kh, vh, options, prec, workers, dense) -> list:
     for name in _LOWER.get(prec.name, ()):
         try:
             low = _args.precision(name)
+            _args.check_representable(low, q=qh, k=kh, v=vh)  # values beyond it: not that kernel
             alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
                          low.round(vh).astype(np.float64), options, low, workers, dense)
         except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range, a mod failing

@@ -19,7 +19,7 @@ import os
 import sys
 
 
-from .._args import cli_window
+from .._args import cli_window, window_side
 from ..tensorio import TensorFileError, load_tensor, split_spec
 
 
@@ -40,7 +40,7 @@ def _parser():
                         "bhsd: (batch, nheads, seqlen, headdim); the output is written in the same layout")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right")
-    p.add_argument("--window", nargs=2, type=int, metavar=("L", "R"),
+    p.add_argument("--window", nargs=2, type=window_side, metavar=("L", "R"),
                    help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
     p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")

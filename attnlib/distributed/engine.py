@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import _args
 from ..masks import mask_specs
-from ..online import merge_attention
+from ..online import lse_of, merge_parts
 from ..tiled import _run, default_tiles
 from .plan import MERGE_FANIN, make_plan
 from .sources import Input, aligned, materialize
@@ -27,8 +27,10 @@ class BlockError(RuntimeError):
 
 
 def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
-    """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse (hq', bq))``; ``sink``
-    (the piece's ``hq'`` sinks, the first piece of a query block only) starts its rows."""
+    """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse parts (hq', bq, 2))``,
+    the lse as ``(m, log l)`` (`online.merge_parts` merges them without the loss of a
+    one-float lse at large scores); ``sink`` (the piece's ``hq'`` sinks, the first piece of a
+    query block only) starts its rows."""
     try:
         q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
         with np.errstate(divide="raise", over="raise", invalid="raise"):
@@ -39,18 +41,18 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
             check = _args.scores_may_overflow(q5, k5, pb.scale)
             n_k_tiles = -(-pb.sk // tiles.block_k)
             # One thread per task: the cluster's workers are the parallelism.
-            out, lse, _, _ = _run(q5, k5, v5, pb, {(): spec}, tiles, cap, slopes, False,
-                                  (0, n_k_tiles), 1, check=check, sink=sink)
-        return pb.merge_heads(out, 2), pb.merge_heads(lse, 1)
+            out, parts, _, _ = _run(q5, k5, v5, pb, {(): spec}, tiles, cap, slopes, False,
+                                    (0, n_k_tiles), 1, check=check, sink=sink, lse_parts=True)
+        return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
 
 
 def _merge(label, *parts):
-    """``merge_attention`` of partial results in the given (key) order."""
+    """`online.merge_parts` of partial results in the given (key) order."""
     try:
         with np.errstate(divide="raise", over="raise", invalid="raise"):
-            return merge_attention([aligned(p[0]) for p in parts], [aligned(p[1]) for p in parts])
+            return merge_parts([aligned(p[0]) for p in parts], [aligned(p[1]) for p in parts])
     except Exception as e:
         raise BlockError(f"attnlib.distributed: merging {label} failed: {type(e).__name__}: {e}") from e
 
@@ -58,10 +60,10 @@ def _merge(label, *parts):
 def _write(result, target, index, lse_target, lse_index, bshd=False):
     """Write one block's ``(out, lse)`` into the output files (``out`` as ``(..., S, H,
     Dv)`` when ``bshd``); returns its row count."""
-    out, lse = result
+    out, parts = result
     _store(target, index, np.swapaxes(out, -2, -3) if bshd else out)
     if lse_target is not None:
-        _store(lse_target, lse_index, lse)
+        _store(lse_target, lse_index, lse_of(parts))
     return out.shape[-2]
 
 
@@ -427,10 +429,10 @@ class _Flow:
         self.block_of.pop(future.key, None)
         self.freed += self.frees.pop(future.key, 0)
         if b is not None and self.out_arr is not None:
-            o, lse = value
+            o, parts = value
             self.out_arr[self.out_index(b)] = np.swapaxes(o, -2, -3) if self.bshd else o
             if self.lse_arr is not None:
-                self.lse_arr[self.lse_index(b)] = lse
+                self.lse_arr[self.lse_index(b)] = lse_of(parts)
         # Settled: not held here any more.  Only a block's result is released outright; a
         # merge's result stays alive through the chain (`_MergeChain.result`) until the
         # next merge is submitted, which then keeps it in Dask until it runs.
