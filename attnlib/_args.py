@@ -186,9 +186,15 @@ def value_exponent(v_max: float, n_keys: int, dtype=np.float64) -> int:
     """
     if not v_max or not math.isfinite(v_max):
         return 0
+    return range_exponent(math.log2(max(n_keys, 1)) + math.log2(v_max), dtype)  # acc sums the keys only
+
+
+def range_exponent(log2_bound: float, dtype=np.float64) -> int:
+    """The least power of two ``e >= 0`` with ``2**(log2_bound - e) <= max / 4`` in ``dtype``:
+    what a bound on every partial sum, given as its log2, must be divided by to stay a
+    quarter of the range away from overflowing (the bound itself may exceed the range)."""
     log_top = float(np.log2(finfo(dtype).max))  # in its own type: long double's max is no float
-    need = math.log2(max(n_keys, 1)) + math.log2(v_max) - log_top + 2  # acc sums the keys only
-    return max(0, math.ceil(need))
+    return max(0, math.ceil(log2_bound - log_top + 2))
 
 
 def unscale_values(out: np.ndarray, e: int, v_max: float) -> np.ndarray:
@@ -552,16 +558,17 @@ def softcap(x):
     return float(x) if x > 0 else None
 
 
-def softcap_in(cap, prec: "Precision"):
-    """``cap`` (from `softcap`) for a kernel in ``prec``, whose scores and cap are kept in
-    ``prec.accumulate`` (float32 below float64): a cap that rounds to 0 or inf there
+def softcap_in(cap, dtype, kernel: str):
+    """``cap`` (from `softcap`) for a ``kernel`` (its name, for the message) that keeps its
+    scores and cap in ``dtype`` (float32 below float64): a cap that rounds to 0 or inf there
     (``softcap=1e-300`` in float32) would make every score NaN, so it is a ValueError."""
-    if cap is None or prec.accumulate.itemsize >= 8:
+    dtype = np.dtype(dtype)
+    if cap is None or dtype.itemsize >= 8:
         return cap
     with np.errstate(over="ignore"):  # beyond the type: inf, refused below
-        kept = float(np.asarray(cap, dtype=np.float64).astype(prec.accumulate))
+        kept = float(np.asarray(cap, dtype=np.float64).astype(dtype))
     if kept == 0 or not math.isfinite(kept):
-        raise ValueError(f"softcap={cap!r} rounds to {kept!r} in {prec.accumulate}, where a {prec.name} "
+        raise ValueError(f"softcap={cap!r} rounds to {kept!r} in {dtype}, where a {kernel} "
                          "kernel keeps its scores: choose a cap within that type's range")
     return cap
 

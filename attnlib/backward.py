@@ -121,9 +121,8 @@ def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
     spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
     if qk_max and math.isfinite(qk_max):
         spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
-    need = (math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max) + spread
-            - float(np.log2(_args.finfo(dtype).max)) + 2)
-    return max(0, math.ceil(need))
+    return _args.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
+                                + spread, dtype)
 
 
 def _scaled_dout(dout, e: int) -> np.ndarray:

@@ -78,8 +78,7 @@ def pair_terms(pb, *, causal=False, causal_align="bottom_right", window=None, kv
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     cap = _args.softcap(softcap)
-    if np.dtype(dtype).itemsize < 8:  # a low-precision baseline keeps its cap in float32
-        cap = _args.softcap_in(cap, _args.Precision("low-precision", np.dtype(dtype), np.dtype(dtype), 0.0))
+    cap = _args.softcap_in(cap, dtype, "low-precision")  # a low-precision baseline keeps it in float32
     slopes = _args.alibi_slopes(alibi_slopes, pb, dtype)  # (..., hk, g)
     i, j = np.arange(pb.sq), np.arange(pb.sk)
 

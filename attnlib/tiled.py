@@ -269,15 +269,16 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
                        window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    cap = _args.softcap_in(_args.softcap(softcap), prec)
+    cap = _args.softcap_in(_args.softcap(softcap), prec.accumulate, prec.name)
     slopes = _args.alibi_slopes(alibi_slopes, pb, prec.accumulate)  # (..., hk, g)
     sink = _args.sinks(sinks, pb, prec.accumulate)  # (..., hk, g)
     mods = flex.mods_for(mask_mod, score_mod, block_mask, pb, pb.sq, pb.sk, tiles)
 
     _args.check_representable(prec, q=q5, k=k5, v=v5)
     check = _args.scores_may_overflow(q5, k5, pb.scale, prec.accumulate)
+    v_max = _args.abs_max(v5)  # once, for every key range below
     if tau:
-        tau = _safe_threshold(tau, prec, pb.sk, _args.abs_max(v5))
+        tau = _safe_threshold(tau, prec, pb.sk, v_max)
     n_k_tiles = -(-pb.sk // tiles.block_k)
     # More ranges than key tiles would only add empty ones (each a pass over the queries).
     splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
@@ -287,13 +288,13 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     parts = len(splits) > 1 and prec.is_float64
     partials = [_run(q5, k5, v5, pb, specs, tiles, cap, slopes, return_stats,
                      (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers, tau, prec,
-                     check, sink=sink if r == 0 else None, mods=mods, lse_parts=parts)
+                     check, sink=sink if r == 0 else None, mods=mods, lse_parts=parts, v_max=v_max)
                 for r, part in enumerate(splits)]
     if len(partials) == 1:
         out, lse = partials[0][:2]
     elif parts:
         out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials])
-        out, lse = out, lse_of(merged)
+        lse = lse_of(merged)
     else:
         out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
     if not prec.is_float64:  # what a kernel in that precision would write out
@@ -339,10 +340,10 @@ def _safe_threshold(tau, prec, n_keys, v_max):
 
 
 def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, workers, tau=0.0,
-         prec=None, check=False, sink=None, mods=None, lse_parts=False):
+         prec=None, check=False, sink=None, mods=None, lse_parts=False, v_max=None):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
     ``lse_parts``: ``lse`` as ``(..., sq, 2)`` parts ``(m, log l)``, for partials to merge
-    (`online.merge_parts`).
+    (`online.merge_parts`).  ``v_max``: ``max |v|``, if the caller has it.
 
     ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``specs`` (all batch entries at
     once when the mask does not depend on them), and the work items of every plan on one
@@ -352,7 +353,7 @@ def _run(q, k, v, pb, specs, tiles, cap, slopes, count_rescales, key_tiles, work
     """
     lead = q.shape[:-2]
     # Values near the type's range are summed divided by 2**e (see `_args.value_exponent`).
-    v_max = _args.abs_max(v)
+    v_max = _args.abs_max(v) if v_max is None else v_max
     v_exp = _args.value_exponent(v_max, pb.sk, np.float64 if prec is None else prec.accumulate)
     out = np.empty(lead + (pb.sq, pb.dv))
     lse = np.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()))
