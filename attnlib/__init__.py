@@ -9,49 +9,104 @@ the verdict gate).
 >>> out, lse, stats = attnlib.attention(q, k, v, causal=True, return_lse=True, return_stats=True)
 >>> out.shape, lse.shape
 ((4, 1000, 64), (4, 1000))
+
+The package root is lazy: ``import attnlib`` loads nothing else, and each name below is
+imported on first use (PEP 562), so ``import attnlib.core.tiled`` never pulls in the
+evidence, the check or the report.  The layout:
+
+- `attnlib.core`: the numerical core (online softmax, masks and tile classes, the tiled
+  forward, stream, paged, varlen, flex, backward, the dense reference, the oracle, array
+  conversion, the options); it imports nothing outside itself.
+- `attnlib.evidence`: what proves it (gate, metrics, differential runs, defects, memory,
+  plots, numerics, inputs).
+- `attnlib.check` (a verdict on someone else's kernel), `attnlib.testing` (its pytest
+  helper), `attnlib.bench`, `attnlib.distributed`, `attnlib.report`.
 """
 
-from . import check  # attnlib.check.check_kernel: the verdict on your kernel
-from .backward import attention_backward, attention_vjp, reference_attention_backward
-from .inputs import FAMILIES, Case, adversarial_qkv, differential_cases, feature_cases, random_cases, random_qkv
-from .masks import FULL, PARTIAL, SKIP, MaskSpec, mask_specs
-from .metrics import (
-    BOUND,
-    Errors,
-    attention_errors,
-    expected_rescales,
-    gradient_errors,
-    max_rescales,
-    log10_histogram,
-    max_abs_error,
-    naive_rel_error,
-    normwise_error,
-    reference_with_abs,
-    rel_error,
-    run_case_gradients,
-    run_family_gradients,
-)
-from .differential import power_table, run_case, run_family
-from .gate import Gate, GradientGate
-from .online import OnlineSoftmax, merge_attention
-from .oracle import ORACLE_PRECISION, oracle_attention
-from .reference import reference_attention, reference_rescales, reference_scores
-from .stream import attention_stream
-from .tiled import DEFAULT_TILES, LARGE_HEAD_TILES, AttentionStats, TileSizes, attention, default_tiles
-from .varlen import attention_varlen, attention_varlen_backward, reference_attention_varlen
-from .flex import BlockMask, create_block_mask
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
 
-__all__ = [
-    "attention", "attention_stream", "attention_varlen", "attention_varlen_backward",
-    "reference_attention_varlen", "create_block_mask", "BlockMask", "reference_attention", "oracle_attention", "ORACLE_PRECISION", "attention_backward",
-    "reference_attention_backward", "attention_vjp", "gradient_errors", "reference_scores", "reference_rescales",
-    "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles", "OnlineSoftmax", "merge_attention",
-    "MaskSpec", "mask_specs",
-    "SKIP", "PARTIAL", "FULL", "random_qkv", "adversarial_qkv", "FAMILIES", "Case", "random_cases", "differential_cases", "feature_cases", "run_case", "run_family", "power_table", "Gate", "GradientGate", "run_case_gradients",
-    "run_family_gradients",
-    "expected_rescales", "max_rescales",
-    "BOUND", "Errors", "attention_errors", "rel_error", "naive_rel_error",
-    "max_abs_error", "normwise_error", "reference_with_abs", "log10_histogram",
-]
+from ._version import __version__
+
+#: Each public name -> the module (under attnlib) that defines it.
+_PUBLIC = {
+    'attention_backward': 'core.backward',
+    'attention_vjp': 'core.backward',
+    'reference_attention_backward': 'core.backward',
+    'FAMILIES': 'evidence.inputs',
+    'Case': 'evidence.inputs',
+    'adversarial_qkv': 'evidence.inputs',
+    'differential_cases': 'evidence.inputs',
+    'feature_cases': 'evidence.inputs',
+    'random_cases': 'evidence.inputs',
+    'random_qkv': 'evidence.inputs',
+    'FULL': 'core.masks',
+    'PARTIAL': 'core.masks',
+    'SKIP': 'core.masks',
+    'MaskSpec': 'core.masks',
+    'mask_specs': 'core.masks',
+    'BOUND': 'evidence.metrics',
+    'Errors': 'evidence.metrics',
+    'attention_errors': 'evidence.metrics',
+    'expected_rescales': 'evidence.metrics',
+    'gradient_errors': 'evidence.metrics',
+    'max_rescales': 'evidence.metrics',
+    'log10_histogram': 'evidence.metrics',
+    'max_abs_error': 'evidence.metrics',
+    'naive_rel_error': 'evidence.metrics',
+    'normwise_error': 'evidence.metrics',
+    'reference_with_abs': 'evidence.metrics',
+    'rel_error': 'evidence.metrics',
+    'run_case_gradients': 'evidence.differential',
+    'run_family_gradients': 'evidence.differential',
+    'power_table': 'evidence.differential',
+    'run_case': 'evidence.differential',
+    'run_family': 'evidence.differential',
+    'Gate': 'evidence.gate',
+    'GradientGate': 'evidence.gate',
+    'OnlineSoftmax': 'core.online',
+    'merge_attention': 'core.online',
+    'ORACLE_PRECISION': 'core.oracle',
+    'oracle_attention': 'core.oracle',
+    'reference_attention': 'core.reference',
+    'reference_rescales': 'core.reference',
+    'reference_scores': 'core.reference',
+    'attention_stream': 'core.stream',
+    'DEFAULT_TILES': 'core.tilesizes',
+    'LARGE_HEAD_TILES': 'core.tilesizes',
+    'AttentionStats': 'core.tiled',
+    'TileSizes': 'core.tilesizes',
+    'attention': 'core.tiled',
+    'default_tiles': 'core.tilesizes',
+    'attention_varlen': 'core.varlen',
+    'attention_varlen_backward': 'core.varlen',
+    'reference_attention_varlen': 'core.varlen',
+    'BlockMask': 'core.flex',
+    'create_block_mask': 'core.flex',
+}
+
+#: The subpackages, and the modules of the numerical core and the evidence by their short
+#: names (``attnlib.flex`` is ``attnlib.core.flex``, ``attnlib.gate`` ``attnlib.evidence.gate``), on first use.
+_MODULES = {name: name for name in ("core", "evidence", "check", "testing", "bench", "distributed", "report")}
+_MODULES.update({m: "core." + m for m in ("online", "masks", "flex", "stream", "paged", "varlen",
+                                         "backward", "reference", "oracle", "tensorio", "tiled")})
+_MODULES.update({m: "evidence." + m for m in ("gate", "metrics", "differential", "defects", "memory",
+                                             "plots", "numerics", "inputs")})
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC) | set(_MODULES))

@@ -44,8 +44,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     block_table, cache_seqlens : array of int, optional
         A paged KV cache: ``k`` and ``v`` are then its pages.
     mask_mod, score_mod, block_mask, score_mod_grad : optional
-        FlexAttention-style programmable attention (`attnlib.flex`; a function written with
-        torch ops goes through `attnlib.flex.from_torch`).
+        FlexAttention-style programmable attention (`attnlib.core.flex`; a function written with
+        torch ops goes through `attnlib.core.flex.from_torch`).
 
     Raises
     ------

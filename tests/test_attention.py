@@ -27,7 +27,7 @@ def test_differential_50_random_shapes(differential):
     assert worst["rel_error"] < 64 * EPS, worst
     # The corners the cases promise: long, non-multiple, every head dim, every mask.
     assert any(r["sq"] == r["sk"] == 4096 for r in differential)
-    assert {r["d"] for r in differential} == set(attnlib.inputs.HEAD_DIMS)
+    assert {r["d"] for r in differential} == set(attnlib.evidence.inputs.HEAD_DIMS)
     assert {r["mask"] for r in differential} == {"none", "causal/bottom_right", "causal/top_left"}
     assert any(r["sq"] % r["block_q"] for r in differential)
     assert {r["heads"] // r["kv_heads"] for r in differential} >= {1, 2, 4}

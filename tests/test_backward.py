@@ -6,7 +6,7 @@ import pytest
 import attnlib
 from attnlib import (BOUND, attention, attention_backward, attention_vjp, gradient_errors, random_qkv,
                      reference_attention, reference_attention_backward, reference_scores)
-from attnlib.memory import CAP_BYTES, peak_memory
+from attnlib.evidence.memory import CAP_BYTES, peak_memory
 
 EPS = np.finfo(np.float64).eps
 

@@ -10,7 +10,7 @@ import pytest
 
 import attnlib
 from attnlib import check
-from attnlib.tensorio import save_safetensors
+from attnlib.core.tensorio import save_safetensors
 
 B, S, H, D = 2, 128, 4, 32
 

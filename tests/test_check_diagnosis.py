@@ -75,10 +75,11 @@ def test_mask_mod_bugs_are_named_by_their_neighbour(right, wrong, want):
 
 def test_a_softcap_after_masking_is_named_not_a_lower_precision():
     from attnlib.check.diagnosis import _softcap_after_mask
+    from attnlib.core.options import Options
 
     q, k, v = (x.astype(np.float32).astype(np.float64)
                for x in attnlib.random_qkv(128, d=32, batch=(1,), heads=2, seed=1))
-    options = dict(causal=True, causal_align="bottom_right", window=None, softcap=2.0)
+    options = Options.parse(causal=True, softcap=2.0)
     out = attnlib.attention(q, k, v, softcap=2.0, compute_dtype="float32",
                             **_softcap_after_mask(options, dict(sq=128, sk=128))).astype(np.float64)
     r = check.check_kernel(q, k, v, out, layout="bhsd", causal=True, softcap=2.0, dtype="float32")

@@ -13,7 +13,8 @@ import pytest
 
 import attnlib
 from attnlib import check
-from attnlib.backward import FORMULATIONS, reference_attention_backward
+from attnlib.core.backward import FORMULATIONS, reference_attention_backward
+from attnlib.core.options import Options
 from attnlib.check import power
 from attnlib.check.rule import doubled_options, forward_rss
 
@@ -73,23 +74,23 @@ def test_forward_rss_is_the_root_sum_square_of_the_terms():
         full = dict(causal=False, causal_align="bottom_right", window=None, softcap=None, scale=None,
                     kv_lengths=None, sinks=None) | options
         out, lse = attnlib.attention(q, k, v, return_lse=True, **full)
-        rss = forward_rss(lambda q, k, v, **kw: attnlib.attention(q, k, v, return_lse=True, **kw),
-                          q, k, v, full, lse)
+        rss = forward_rss(lambda q, k, v, o: attnlib.attention(q, k, v, return_lse=True, **o.given()),
+                          q, k, v, Options.parse(**full), lse)
         p = np.exp(_scores(q, k, full) - lse[..., None])  # the weights, sink column excluded
         assert np.allclose(rss, np.sqrt((p * p) @ (v * v)), rtol=1e-12, atol=0)
 
 
 def _scores(q, k, options):
-    s = attnlib.reference.reference_scores(q, k, **{key: options[key] for key in (
+    s = attnlib.core.reference.reference_scores(q, k, **{key: options[key] for key in (
         "causal", "causal_align", "window", "softcap", "scale")})
     return s
 
 
 def test_doubled_options_double_every_score():
     mod = lambda s, b, h, i, j: s - 0.1 * (i - j)  # noqa: E731
-    d = doubled_options(dict(scale=None, softcap=3.0, sinks=np.array([1.0]), score_mod=mod), 16)
-    assert d["scale"] == 2 / math.sqrt(16) and d["softcap"] == 6.0 and d["sinks"][0] == 2.0
-    assert d["score_mod"](np.array(4.0), 0, 0, 5, 2) == pytest.approx(2 * mod(2.0, 0, 0, 5, 2))
+    d = doubled_options(Options.parse(softcap=3.0, sinks=np.array([1.0]), score_mod=mod), 16)
+    assert d.scale == 2 / math.sqrt(16) and d.softcap == 6.0 and d.sinks[0] == 2.0
+    assert d.score_mod(np.array(4.0), 0, 0, 5, 2) == pytest.approx(2 * mod(2.0, 0, 0, 5, 2))
 
 
 def test_gradient_rss_by_brute_force():

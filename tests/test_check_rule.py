@@ -12,7 +12,7 @@ import attnlib
 from attnlib import check
 from attnlib.check import calibration
 from attnlib.check.rule import SEQUENTIAL_WORK, unit
-from attnlib.oracle import oracle_attention
+from attnlib.core.oracle import oracle_attention
 
 
 def verdict(out, q, k, v, **kw):
@@ -216,7 +216,7 @@ def test_sequential_baseline_is_key_by_key_at_decode_and_bounded_at_prefill():
 def test_gradients_in_other_orders_pass_and_a_perturbed_one_fails(dtype):
     """float64/float32 gradients are judged by a rounding bound on their componentwise size:
     FlashAttention's 2x rule failed PyTorch SDPA's correct gradients (up to 3x numpy's)."""
-    from attnlib.backward import attention_backward, reference_attention_backward
+    from attnlib.core.backward import attention_backward, reference_attention_backward
     rnd = (lambda x: x.astype(np.float32).astype(np.float64)) if dtype == "float32" else (lambda x: x)
     q, k, v = (rnd(x) for x in attnlib.random_qkv(96, 130, 32, batch=(2,), heads=4, kv_heads=2, seed=5))
     dout = rnd(np.random.default_rng(5).standard_normal((2, 4, 96, 32)))

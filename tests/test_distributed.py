@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib.masks import mask_specs
-from attnlib.metrics import rel_error
+from attnlib.core.masks import mask_specs
+from attnlib.evidence.metrics import rel_error
 
 import attnlib.distributed as ad
 import distributed  # the [distributed] extra; make test installs it

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib import tiled
-from attnlib.backward import attention_backward, attention_vjp, reference_attention_backward
+from attnlib.core import parallel
+from attnlib.core import tiled
+from attnlib.core.backward import attention_backward, attention_vjp, reference_attention_backward
 
 import threadpoolctl
 
@@ -35,7 +36,7 @@ def _overlapping_calls():
 
     def run(fn, after=None):
         try:
-            tiled.run_tiles(fn, range(2), 2)
+            parallel.run_tiles(fn, range(2), 2)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
         if after is not None:
@@ -97,9 +98,9 @@ def test_many_threads_running_parallel_attention_restore_process_settings():
 
 def test_guard_applies_settings_while_held():
     old_interval = sys.getswitchinterval()
-    with tiled._parallel_settings():
+    with parallel._parallel_settings():
         assert sys.getswitchinterval() <= 1e-5
-        with tiled._parallel_settings():  # nested: still applied
+        with parallel._parallel_settings():  # nested: still applied
             assert sys.getswitchinterval() <= 1e-5
         assert sys.getswitchinterval() <= 1e-5
     assert sys.getswitchinterval() == old_interval

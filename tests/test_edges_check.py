@@ -21,9 +21,11 @@ import pytest
 import torch
 
 import attnlib
-from attnlib import check, flex
+from attnlib import check
+from attnlib.core import flex
 from attnlib.check import diagnosis
-from attnlib.check.arrays import UnreadableInput, as_numpy
+from attnlib.core.arrays import UnreadableInput, as_numpy
+from attnlib.core.options import Options
 from attnlib.testing import assert_attention_close
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*prototype stage"),
@@ -394,25 +396,25 @@ def test_attnlib_errors_in_a_diagnosis_are_not_hidden(monkeypatch):
     def broken(*args, **kw):
         raise IndexError("attnlib bug")
 
-    monkeypatch.setattr(diagnosis, "attention", broken)
+    monkeypatch.setattr(diagnosis, "forward", broken)
     with pytest.raises(IndexError, match="attnlib bug"):
         check.check_kernel(q, k, v, (out * 1.01).astype(np.float32), score_mod=alibi)
 
 
 def test_guard_mods_wraps_only_the_users_functions():
-    opts = dict(scale=None, mask_mod=head_window, score_mod=alibi)
+    opts = Options.parse(mask_mod=head_window, score_mod=alibi)
     g = diagnosis.guard_mods(opts, entries=np.array([2]))
-    assert g["scale"] is None and g["mask_mod"] is not head_window and opts["mask_mod"] is head_window
-    assert not hasattr(g["mask_mod"], "_attnlib_torch_source")
+    assert g.scale is None and g.mask_mod is not head_window and opts.mask_mod is head_window
+    assert not hasattr(g.mask_mod, "_attnlib_torch_source")
     torch_written = MODS["torch-written alibi"]["score_mod"]  # from_torch's: flex must still see it so
-    guarded = diagnosis.guard_mods(dict(score_mod=torch_written))["score_mod"]
+    guarded = diagnosis.guard_mods(Options.parse(score_mod=torch_written)).score_mod
     assert guarded._attnlib_torch_source is torch_written.__wrapped__
     with pytest.raises(diagnosis.ModFailed):
-        g["score_mod"](np.zeros((1, 1)), np.zeros((1, 1), int), np.full((1, 1), HQ), np.zeros((1, 1), int),
-                       np.zeros((1, 1), int))
+        g.score_mod(np.zeros((1, 1)), np.zeros((1, 1), int), np.full((1, 1), HQ), np.zeros((1, 1), int),
+                    np.zeros((1, 1), int))
     seen = []
-    diagnosis.guard_mods(dict(mask_mod=lambda b, h, i, j: seen.append(np.asarray(b)) or (i >= j)),
-                         entries=np.array([5, 7]))["mask_mod"](np.array([[0], [1]]), 0, 0, 0)
+    diagnosis.guard_mods(Options.parse(mask_mod=lambda b, h, i, j: seen.append(np.asarray(b)) or (i >= j)),
+                         entries=np.array([5, 7])).mask_mod(np.array([[0], [1]]), 0, 0, 0)
     assert seen[0].tolist() == [[5], [7]]
 
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib import _args, create_block_mask
-from attnlib.backward import attention_backward, reference_attention_backward
-from attnlib.metrics import expected_rescales, max_rescales
-from attnlib.reference import reference_rescales
+from attnlib.core import problem
+from attnlib import create_block_mask
+from attnlib.core.backward import attention_backward, reference_attention_backward
+from attnlib.evidence.metrics import expected_rescales, max_rescales
+from attnlib.core.reference import reference_rescales
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 
@@ -98,8 +99,8 @@ def test_values_near_the_range_stream_and_low_precision():
 
 
 def test_ordinary_values_are_not_scaled():
-    assert _args.value_exponent(1e3, 10**6) == 0
-    assert _args.value_exponent(1e308, 2) > 0
+    assert problem.value_exponent(1e3, 10**6) == 0
+    assert problem.value_exponent(1e308, 2) > 0
     q, k, v = attnlib.random_qkv(30, 30, 4, seed=4)
     a = attnlib.attention(q, k, v, block_k=8)
     b = attnlib.attention(q, k, v * 2.0 ** 100, block_k=8) / 2.0 ** 100
@@ -146,7 +147,7 @@ def test_error_metrics_refuse_outputs_that_would_broadcast():
     for bad in (ref[:1], ref[None], ref[:, :1], ref.T):
         with pytest.raises(ValueError, match="out has shape"):
             attnlib.attention_errors(bad, q, k, v)
-    for fn in (attnlib.metrics.naive_rel_error, attnlib.metrics.max_abs_error, attnlib.metrics.normwise_error):
+    for fn in (attnlib.evidence.metrics.naive_rel_error, attnlib.evidence.metrics.max_abs_error, attnlib.evidence.metrics.normwise_error):
         with pytest.raises(ValueError, match="out has shape"):
             fn(ref[:1], ref)
     dout = np.ones_like(ref)
@@ -367,7 +368,7 @@ def test_sinks_and_slopes_are_bounded_by_the_type_the_scores_are_kept_in():
 
 def test_metrics_gates_and_merge_read_tensors_or_name_the_argument():
     torch = pytest.importorskip("torch")
-    from attnlib.gate import Gate, GradientGate
+    from attnlib.evidence.gate import Gate, GradientGate
 
     q, k, v = attnlib.random_qkv(6, 7, 4, seed=0)
     out, lse = attnlib.attention(q, k, v, return_lse=True)
@@ -506,5 +507,5 @@ def test_the_probe_takes_mods_valid_on_positive_scores():
 
 def test_values_just_below_the_scaling_threshold_keep_their_bits():
     top = float(np.finfo(np.float64).max)
-    assert _args.value_exponent(0.99 * (top / 16), 4) == 0  # 4 keys: n max|v| below a quarter
-    assert _args.value_exponent(1.01 * (top / 16), 4) == 1
+    assert problem.value_exponent(0.99 * (top / 16), 4) == 0  # 4 keys: n max|v| below a quarter
+    assert problem.value_exponent(1.01 * (top / 16), 4) == 1

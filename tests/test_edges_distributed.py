@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib.metrics import rel_error
+from attnlib.evidence.metrics import rel_error
 
 import attnlib.distributed as ad
 import distributed  # the [distributed] extra; make test installs it
 from attnlib.distributed import engine
 from attnlib.distributed.plan import count_tasks, make_plan
-from attnlib.masks import mask_specs
+from attnlib.core.masks import mask_specs
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from attnlib import report
+from attnlib.report import costs as report_costs
+from attnlib.report import runner as report_runner
 from attnlib.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +37,7 @@ SIZE_CHECKS = (report.positive, report.non_negative, report.sizes, report.check_
 
 @pytest.fixture(scope="module")
 def defaults():
-    return {name: report._notebook_defaults(ROOT / "notebooks" / f"{name}.ipynb")
+    return {name: report_runner._notebook_defaults(ROOT / "notebooks" / f"{name}.ipynb")
             for name in report.NOTEBOOKS}
 
 
@@ -132,7 +134,7 @@ def test_too_large_values_are_refused_before_running(tmp_path, monkeypatch, over
     def never(*args, **kwargs):
         raise AssertionError("a notebook was started")
 
-    monkeypatch.setattr(report, "run_one", never)
+    monkeypatch.setattr(report_runner, "run_one", never)
     notebooks = sorted({o.split(".")[0] for o in overrides})
     lines = []
     status = report.run(notebooks, overrides, out_dir=tmp_path, log=lines.append)
@@ -158,21 +160,21 @@ def test_python_api_raises_value_error_naming_the_parameter(defaults):
 
 def test_the_memory_limit_is_half_the_physical_memory(defaults, monkeypatch):
     values = {**defaults["equivalence"], "paged_pages": [256, 2**24]}  # a 256 GiB cache of k and v
-    monkeypatch.setattr(report, "physical_memory", lambda: 2**40)
+    monkeypatch.setattr(report_costs, "physical_memory", lambda: 2**40)
     assert report.memory_limit() == 2**39
     report.check_params("equivalence", **values)
-    monkeypatch.setattr(report, "physical_memory", lambda: 2**36)
+    monkeypatch.setattr(report_costs, "physical_memory", lambda: 2**36)
     with pytest.raises(ValueError, match=r"paged_pages=\[256, 16777216\].*this machine allows 32.0 GiB"):
         report.check_params("equivalence", **values)
-    monkeypatch.setattr(report, "physical_memory", lambda: 0)  # unreadable: the fallback
+    monkeypatch.setattr(report_costs, "physical_memory", lambda: 0)  # unreadable: the fallback
     assert report.memory_limit() == report.FALLBACK_MEMORY // 2
 
 
 def test_disk_is_checked_against_the_temporary_folder(defaults, monkeypatch):
-    monkeypatch.setattr(report, "disk_limit", lambda: 2**30)  # 1 GiB free
+    monkeypatch.setattr(report_costs, "disk_limit", lambda: 2**30)  # 1 GiB free
     with pytest.raises(ValueError, match=r"decode_keys=1048577.*would write about 1.0 GiB.*1.0 GiB free"):
         report.check_params("memory", **{**defaults["memory"], "decode_keys": 2**20 + 1})
-    monkeypatch.setattr(report, "disk_limit", lambda: None)  # unknown: not checked
+    monkeypatch.setattr(report_costs, "disk_limit", lambda: None)  # unknown: not checked
     report.check_params("memory", **{**defaults["memory"], "decode_keys": 2**20 + 1})
 
 

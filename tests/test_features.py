@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-import attnlib
+
 from attnlib import (BOUND, FULL, PARTIAL, SKIP, MaskSpec, attention, attention_errors, random_qkv,
                      reference_attention, reference_scores)
 

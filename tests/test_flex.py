@@ -9,7 +9,7 @@ import torch
 from torch.nn.attention import flex_attention as fa
 
 import attnlib
-from attnlib.flex import from_torch
+from attnlib.core.flex import from_torch
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 # FlexAttention in eager mode is the reference here; its advice to compile is not for us.

@@ -1,13 +1,13 @@
-"""The verdict gate (attnlib.gate), the injected defects and the differential run."""
+"""The verdict gate (attnlib.evidence.gate), the injected defects and the differential run."""
 
 import numpy as np
 import pytest
 
 import attnlib
 from attnlib import FAMILIES, Gate, adversarial_qkv, attention, differential_cases, reference_scores
-from attnlib.defects import DEFECTS
-from attnlib.gate import U, tolerance
-from attnlib.inputs import DIFFERENTIAL_BLOCKS, longest_row
+from attnlib.evidence.defects import DEFECTS
+from attnlib.evidence.gate import U, tolerance
+from attnlib.evidence.inputs import DIFFERENTIAL_BLOCKS, longest_row
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 
@@ -160,9 +160,9 @@ def test_run_case_and_power_table():
 
 
 def test_feature_cases_exercise_every_option_and_pass():
-    cases = attnlib.inputs.feature_cases(16, seed=2, max_len=256)
+    cases = attnlib.evidence.inputs.feature_cases(16, seed=2, max_len=256)
     labels = {"documents": "documents=", "kv_splits": "kv_splits=", "lazy": "lazy tau="}
-    for i, feature in enumerate(attnlib.inputs.FEATURES):  # case c always has FEATURES[c % 9]
+    for i, feature in enumerate(attnlib.evidence.inputs.FEATURES):  # case c always has FEATURES[c % 9]
         assert labels.get(feature, feature) in cases[i].features
     for case in cases:
         row = attnlib.run_case(case, defects=["window_edge", "alibi_signed", "softcap_after_mask"])
@@ -240,7 +240,7 @@ def test_subnormal_weights_are_judged_absolutely():
     v[256:, 0] = 0.0
     gate, out, lse = _judge(q, k, v, block_k=256)
     judged = gate.judge(out, lse)
-    assert 0 < np.abs(gate.ref[:, 0]).max() < attnlib.metrics.TINY  # subnormal outputs
+    assert 0 < np.abs(gate.ref[:, 0]).max() < attnlib.evidence.metrics.TINY  # subnormal outputs
     assert judged["passed"] and judged["rel_error"] < attnlib.BOUND, judged
     bad = out.copy()
     bad[:, 1] *= 1 + 1e-8  # a normal column keeps its relative tolerance (~1e-11 at logits ~744)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib.backward import attention_backward
-from attnlib.defects import BACKWARD_DEFECTS
-from attnlib.gate import GradientGate
+from attnlib.core.backward import attention_backward
+from attnlib.evidence.defects import BACKWARD_DEFECTS
+from attnlib.evidence.gate import GradientGate
 
 OPTIONS = [
     dict(),

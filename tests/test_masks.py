@@ -38,7 +38,7 @@ def test_unknown_alignment_is_refused():
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlib.masks import BAND_CACHE_BYTES
+from attnlib.core.masks import BAND_CACHE_BYTES
 
 
 @st.composite

@@ -3,8 +3,9 @@ after a warm-up."""
 
 import pytest
 
-from attnlib import memory, random_qkv
-from attnlib.memory import CAP_BYTES, peak_memory, rss_growth
+from attnlib.evidence import memory
+from attnlib import random_qkv
+from attnlib.evidence.memory import CAP_BYTES, peak_memory, rss_growth
 
 STRICT = {"divide": "raise", "over": "raise", "invalid": "raise"}
 DECODE_KEYS = 131072  # a 128 MiB memmapped cache: 1% of it is 1.28 MiB
@@ -56,12 +57,17 @@ def decode():
     return peak_memory("stream", 1, DECODE_KEYS, **kw), rss_growth("stream", 1, DECODE_KEYS, **kw)
 
 
+@pytest.fixture(scope="module")
+def decode_twice_as_long():
+    return rss_growth("stream", 1, 2 * DECODE_KEYS, d=64, causal=True, block_k=512)
+
+
 def test_measurement_processes_run_numpy_in_strict_mode(peaks, decode):
     for result in (peaks["tiled", 4096], peaks["dense", 4096], *decode):
         assert {k: result["numpy_errors"][k] for k in STRICT} == STRICT, result["path"]
 
 
-def test_decode_traced_and_rss_side_by_side(decode):
+def test_decode_traced_and_rss_side_by_side(decode, decode_twice_as_long):
     traced, rss = decode
     cache = 2 * DECODE_KEYS * 64 * 8
     assert traced["cache_bytes"] == rss["cache_bytes"] == cache
@@ -70,8 +76,13 @@ def test_decode_traced_and_rss_side_by_side(decode):
         assert rss["anon_bytes"] is None and rss["rss_split"].startswith("not measured")
         pytest.skip("no RssAnon/RssFile in /proc/self/status here")
     assert rss["rss_split"] == memory.PROC_STATUS
-    # What the process allocates stays small; what grows is the memmapped cache's pages.
-    assert 0 <= rss["anon_bytes"] < min(CAP_BYTES, cache / 100)
+    # What the process allocates stays small and does not grow with the cache; what grows is
+    # the memmapped cache's pages.  (The anonymous level itself, about 1.3-1.8 MB here, moves
+    # with the heap the fresh process starts from, e.g. how much of attnlib it imported.)
+    assert 0 <= rss["anon_bytes"] < CAP_BYTES
+    longer = decode_twice_as_long
+    assert longer["cache_bytes"] == 2 * cache
+    assert longer["anon_bytes"] - rss["anon_bytes"] < cache / 100  # < 1% of the cache it added
     # One causal decode query at the end reads every key: the whole cache is mapped in.
     assert 0.95 * cache <= rss["file_bytes"] <= 1.05 * cache
     # memory_profiler's total RSS counts those file-backed pages too.

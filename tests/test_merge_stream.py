@@ -6,7 +6,7 @@ import pytest
 import attnlib
 from attnlib import (attention, attention_errors, attention_stream, merge_attention, random_qkv,
                      reference_attention)
-from attnlib.memory import peak_memory
+from attnlib.evidence.memory import peak_memory
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -126,4 +126,4 @@ def test_decode_against_a_memmapped_cache_in_bounded_memory():
     r = peak_memory("stream", 64, 2**18, 64, block_k=512, chunk=65536)
     assert r["cache_bytes"] == 2 * 2**18 * 64 * 8
     assert r["working_bytes"] < r["cache_bytes"] / 100
-    assert r["working_bytes"] < attnlib.memory.CAP_BYTES
+    assert r["working_bytes"] < attnlib.evidence.memory.CAP_BYTES

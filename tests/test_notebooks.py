@@ -11,8 +11,9 @@ import pytest
 
 import attnlib
 from attnlib import BOUND, bench, check, report
-from attnlib.defects import BACKWARD_DEFECTS, DEFECTS
-from attnlib.memory import CAP_BYTES
+from attnlib.report import runner as report_runner
+from attnlib.evidence.defects import BACKWARD_DEFECTS, DEFECTS
+from attnlib.evidence.memory import CAP_BYTES
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -314,9 +315,9 @@ def tiny_notebook(nb_dir, *cells, name="rescales"):
 def tiny_root(tmp_path, monkeypatch):
     """A checkout of its own: notebooks/ with a tiny rescales notebook, reports/, reports-local/."""
     tiny_notebook(tmp_path / "notebooks")
-    monkeypatch.setattr(report, "ROOT", tmp_path)
-    monkeypatch.setattr(report, "REPORTS", tmp_path / "reports")
-    monkeypatch.setattr(report, "LOCAL_REPORTS", tmp_path / "reports-local")
+    monkeypatch.setattr(report_runner, "ROOT", tmp_path)
+    monkeypatch.setattr(report_runner, "REPORTS", tmp_path / "reports")
+    monkeypatch.setattr(report_runner, "LOCAL_REPORTS", tmp_path / "reports-local")
     return tmp_path
 
 
@@ -333,7 +334,7 @@ def test_quick_and_overridden_runs_write_outside_reports_and_are_marked(tiny_roo
     local = tiny_root / "reports-local"
     data = results(local, "rescales")
     quick = report.NOTEBOOKS["rescales"].quick
-    defaults = report._notebook_defaults(tiny_root / "notebooks" / "rescales.ipynb")
+    defaults = report_runner._notebook_defaults(tiny_root / "notebooks" / "rescales.ipynb")
     assert data["default_params"] is False and data["strict"] is True
     assert data["overrides"] == {k: {"default": defaults[k], "actual": v} for k, v in quick.items()}
     banner = "NON-DEFAULT PARAMETERS</b>: n=256 (default 4096), block_q=32 (default 64)"
@@ -462,7 +463,7 @@ def test_equivalence_report_fails_with_a_defect_in_the_kernel(tmp_path, monkeypa
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "from attnlib.defects import DEFECTS\n"
+        "from attnlib.evidence.defects import DEFECTS\n"
         "ACTIVE = DEFECTS['exp_1e-12x'].active()  # kept alive: the defect stays in\n"
         "ACTIVE.__enter__()\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
@@ -487,7 +488,7 @@ def test_runs_that_cannot_be_honest_are_refused_or_marked(tmp_path, monkeypatch)
     assert data["default_params"] is False and data["overrides"]["notebook"]["actual"] == str(nb_dir / "rescales.ipynb")
     assert "NON-DEFAULT PARAMETERS" in (out / "index.html").read_text()
     # a subfolder of reports/ counts as reports/
-    monkeypatch.setattr(report, "REPORTS", tmp_path / "reports")
+    monkeypatch.setattr(report_runner, "REPORTS", tmp_path / "reports")
     status, _, errors = run_tiny(nb_dir=nb_dir, out_dir=tmp_path / "reports" / "sub")
     assert status == 2 and "allow-nondefault-reports" in errors[0]
 
@@ -499,7 +500,7 @@ def test_a_report_that_cannot_be_written_is_an_error(tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report, "render_html", full_disk)
+    monkeypatch.setattr(report_runner, "render_html", full_disk)
     status, _, errors = run_tiny(nb_dir=nb_dir, out_dir=out)
     assert status == 1 and "writing its report failed" in errors[0] and "No space left" in errors[0]
     assert json.loads((out / "rescales.status.json").read_text())["status"] == "ERROR"

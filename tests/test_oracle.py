@@ -49,7 +49,7 @@ def test_oracle_refusals(monkeypatch):
     big = random_qkv(128, 128, 512, seed=0)
     with pytest.raises(ValueError, match="exceeds its limit"):
         oracle_attention(*big, method="decimal")
-    monkeypatch.setattr(attnlib.oracle, "_LONGDOUBLE_BITS", 53)
+    monkeypatch.setattr(attnlib.core.oracle, "_LONGDOUBLE_BITS", 53)
     with pytest.raises(ValueError, match="use method='decimal'"):
         oracle_attention(q, k, v, method="longdouble")
 

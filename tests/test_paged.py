@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib import memory
-from attnlib.metrics import rel_error
-from attnlib.paged import gather_pages
+from attnlib.evidence import memory
+from attnlib.evidence.metrics import rel_error
+from attnlib.core.paged import gather_pages
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 

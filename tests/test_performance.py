@@ -5,9 +5,11 @@ import pytest
 
 import threading
 
-from attnlib import _args, attention, attention_backward, attention_stream, bench, random_qkv, tiled
-from attnlib.backward import _Turns
-from attnlib.tiled import _MIN_UNITS, _UNIT_BYTES, Aborted, run_tiles, work_units
+from attnlib.core import validate
+from attnlib import attention, attention_backward, attention_stream, bench, random_qkv
+from attnlib.core import hooks, tiles
+from attnlib.core.backward import _Turns
+from attnlib.core.parallel import _MIN_UNITS, _UNIT_BYTES, Aborted, run_tiles, work_units
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=(50, None)),
@@ -76,7 +78,7 @@ def test_work_units_cover_every_head_once(lead, rows, keys, n_q_tiles):
 
 
 def test_default_is_every_available_cpu_and_bit_identical():
-    assert _args.workers(None) == _args.workers(-1) == _args.available_cpus() >= 1
+    assert validate.workers(None) == validate.workers(-1) == validate.available_cpus() >= 1
     q, k, v = random_qkv(200, 200, 16, heads=3, seed=0)
     for fn in (lambda **w: attention(q, k, v, causal=True, block_q=32, **w),
                lambda **w: attention_stream(q, ((k[..., i:i + 64, :], v[..., i:i + 64, :])
@@ -85,20 +87,19 @@ def test_default_is_every_available_cpu_and_bit_identical():
         assert fn().tobytes() == fn(workers=1).tobytes()
 
 
-def test_blas_is_held_to_one_thread_even_with_one_worker(monkeypatch):
+def test_blas_is_held_to_one_thread_even_with_one_worker():
     # A multithreaded BLAS on tile-sized matmuls only costs: under load it was 25x slower.
     import threadpoolctl
 
     seen = []
-    real = tiled.absorb
+    real = tiles.absorb
 
     def absorb(*args, **kwargs):
         seen.append({i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiled, "absorb", absorb)
     q, k, v = random_qkv(64, 64, 8, seed=0)
-    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+    with threadpoolctl.threadpool_limits(limits=2, user_api="blas"), hooks.replaced(absorb=absorb):
         for workers in (1, 2):
             attention(q, k, v, block_q=16, workers=workers)
     assert seen and all(s == {1} for s in seen)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from attnlib import attention, oracle_attention, random_qkv, reference_attention
-from attnlib._args import precision
+from attnlib.core.problem import precision
 
 DTYPES = ["float32", "float16", "bfloat16"]
 

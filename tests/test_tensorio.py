@@ -1,4 +1,4 @@
-"""attnlib.tensorio never trusts a header (issue 13): every hostile or malformed tensor file
+"""attnlib.core.tensorio never trusts a header (issue 13): every hostile or malformed tensor file
 raises TensorFileError -- exit 2 with one line from the CLI -- before anything the header
 claims is allocated; reading any file allocates at most about twice its size."""
 
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from attnlib import check
-from attnlib.tensorio import TensorFileError, load_tensor, save_safetensors
+from attnlib.core.tensorio import TensorFileError, load_tensor, save_safetensors
 
 MiB = 1 << 20
 

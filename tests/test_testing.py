@@ -8,7 +8,7 @@ import torch
 
 import attnlib
 from attnlib import check
-from attnlib.check.arrays import as_numpy
+from attnlib.core.arrays import as_numpy
 from attnlib.testing import assert_attention_close
 
 sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib.backward import attention_backward
-from attnlib.defects import DEFECTS
-from attnlib.gate import Gate, GradientGate
-from attnlib.tiled import DEFAULT_TILES, default_tiles, keys_first_for
+from attnlib.core.backward import attention_backward
+from attnlib.evidence.defects import DEFECTS
+from attnlib.evidence.gate import Gate, GradientGate
+from attnlib.core.tilesizes import DEFAULT_TILES, default_tiles
+from attnlib.core.tiles import keys_first_for
 
 #: Defects of 1e-12 (3e-12 in the score matmul) the gate catches on the default path.
 SMALL = ("exp_1e-12x", "pv_matmul_1e-12", "lse_1e-12", "rescale_l_1e-12", "qk_matmul_3e-12")

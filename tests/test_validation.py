@@ -48,9 +48,9 @@ def test_non_finite_inputs(fn, name, bad):
 
 
 def test_finite_check_scans_every_chunk(monkeypatch):
-    import attnlib._args as args_mod
+    from attnlib.core import arrays
 
-    monkeypatch.setattr(args_mod, "_FINITE_CHUNK", 8)
+    monkeypatch.setattr(arrays, "_FINITE_CHUNK", 8)
     q, k, v = random_qkv(50, 40, 4, seed=0)
     k[37, 1] = np.nan
     with pytest.raises(ValueError, match=r"k contains NaN or inf \(first at index \(37, 1\)\)"):

@@ -24,8 +24,7 @@ from .peers import DEFAULT, backward_implementations, implementations
 from .phases import phase_breakdown
 from .roofline import roofline_seconds, tile_rates
 from .sweep import tile_sweep
-from .timing import (BACKWARD_CASES, CASES, QUICK_BACKWARD_CASES, QUICK_CASES, SHAPES, BenchCase,
-                     time_cases)
+from .timing import BACKWARD_CASES, CASES, QUICK_BACKWARD_CASES, QUICK_CASES, SHAPES, BenchCase, time_cases
 
 __all__ = ["main", "under_load", "mask_cases", "time_masks", "DEFAULT", "implementations",
            "backward_implementations", "phase_breakdown", "roofline_seconds", "tile_rates",

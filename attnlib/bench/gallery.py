@@ -13,10 +13,7 @@ long-context runs are attnlib's exact traced peak (tracemalloc) in a fresh proce
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 import tracemalloc
 import warnings
@@ -24,8 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..inputs import random_qkv
-from ..tiled import attention
+from ..evidence.inputs import random_qkv
+from ..core.tiled import attention
+from ..evidence.fresh import run_fresh_or_error
 
 
 def _tanh(x):
@@ -124,11 +122,11 @@ def run_entry(entry: Entry, n: int, heads: int, d: int, block: int, seed: int = 
     """Equality figures of one entry at ``n``: attnlib against the dense reference (the gate)
     and against its built-in equivalent (values and tile map), its processed tiles against
     an independent dense count, and the backward against the dense gradient."""
-    from ..backward import attention_backward, reference_attention_backward
-    from ..flex import create_block_mask
-    from ..gate import Gate
-    from ..masks import SKIP
-    from ..metrics import gradient_errors
+    from ..core.backward import attention_backward, reference_attention_backward
+    from ..core.flex import create_block_mask
+    from ..evidence.gate import Gate
+    from ..core.masks import SKIP
+    from ..evidence.metrics import gradient_errors
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
     mods = dict(mask_mod=entry.mask_mod, score_mod=entry.score_mod)
@@ -193,7 +191,7 @@ def _flex(entry, heads):
 
 
 def _attnlib(entry, heads, block, workers=None):
-    from ..flex import create_block_mask
+    from ..core.flex import create_block_mask
 
     def prepare(q, k, v):
         n = q.shape[-2]
@@ -211,8 +209,8 @@ def versus_flex(entries, n, heads, d, block, repeats=3) -> list[dict]:
     """Per entry: the largest difference from FlexAttention eager in float64 (``P @ |V|``
     relative, as the contract's ``rel_error``) and the median seconds of both (block masks
     made before timing, interleaved)."""
-    from ..metrics import rel_error
-    from ..reference import reference_attention
+    from ..evidence.metrics import rel_error
+    from ..core.reference import reference_attention
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=0)
     rows = []
@@ -244,25 +242,19 @@ def peak(entry_index: int, n: int, heads: int, d: int, block: int, impl: str, to
     ``entry_index`` at ``n``, in a fresh process after a warm-up: ``{"bytes", "seconds"}``
     (RSS growth, or attnlib's exact traced peak with ``tool="tracemalloc"``, inputs and block
     mask made before), or ``{"error"}``."""
-    spec = json.dumps(dict(entry=entry_index, n=n, heads=heads, d=d, block=block, impl=impl, tool=tool))
-    proc = subprocess.run([sys.executable, "-m", "attnlib.bench.gallery", spec], capture_output=True,
-                          text=True, timeout=timeout)
-    if proc.returncode != 0:
-        how = (f"killed by signal {-proc.returncode} (e.g. out of memory)" if proc.returncode < 0
-               else f"exit status {proc.returncode}")
-        return {"error": f"{how}: {proc.stderr.strip().splitlines()[-1:] or ''}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = dict(entry=entry_index, n=n, heads=heads, d=d, block=block, impl=impl, tool=tool)
+    return run_fresh_or_error(_measure, spec, timeout=timeout)
 
 
 def _measure(spec: dict) -> dict:
-    from .._args import STRICT
+    from ..core.problem import STRICT
 
     np.seterr(**STRICT)
 
     def impl(n):
         entry = gallery(n, spec["heads"])[spec["entry"]]
         # One worker: each thread holds its own tiles, and whether two threads' are alive at
-        # once is a matter of timing (see attnlib.memory).
+        # once is a matter of timing (see attnlib.evidence.memory).
         pair = (_attnlib(entry, spec["heads"], spec["block"], workers=1) if spec["impl"] == "attnlib"
                 else _flex(entry, spec["heads"]))
         if pair is None:
@@ -286,6 +278,3 @@ def _measure(spec: dict) -> dict:
         used = int(max(0.0, max(memory_usage((run, (args,), {}), interval=0.005)) - base) * 2**20)
     return {"bytes": int(used), "seconds": time.perf_counter() - start}
 
-
-if __name__ == "__main__":
-    print(json.dumps(_measure(json.loads(sys.argv[1]))))

@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
-from ..inputs import random_qkv
-from ..tiled import attention
+from ..evidence.inputs import random_qkv
+from ..core.tiled import attention
 
 #: The busy process: pure Python, one core, until killed.
 HOG = "while True: pass"

@@ -12,17 +12,15 @@ to tracemalloc, so RSS is the common measure).
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..inputs import random_qkv
-from ..tiled import attention
+from ..evidence.inputs import random_qkv
+from ..core.tiled import attention
+from ..evidence.fresh import run_fresh_or_error
 from .peers import DEFAULT, torch_or_none
 
 #: The sliding window of the window case (FlashAttention's ``window_size = (256, 0)``).
@@ -180,20 +178,14 @@ def peak_rss(case_index: int, n: int, impl: str, timeout: float = 600.0) -> dict
     """RSS growth of one call of ``impl`` on ``mask_cases(n)[case_index]``, in a fresh
     process after a warm-up call at a small size; ``{"rss_bytes", "seconds"}`` or
     ``{"error"}``."""
-    spec = json.dumps({"case": case_index, "n": n, "impl": impl})
-    proc = subprocess.run([sys.executable, "-m", "attnlib.bench.masks", spec],
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        how = (f"killed by signal {-proc.returncode} (e.g. out of memory)" if proc.returncode < 0
-               else f"exit status {proc.returncode}")
-        return {"error": f"{how}: {proc.stderr.strip().splitlines()[-1:] or ''}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    spec = {"case": case_index, "n": n, "impl": impl}
+    return run_fresh_or_error(_measure, spec, timeout=timeout)
 
 
 def _measure(spec: dict) -> dict:
     from memory_profiler import memory_usage
 
-    from .._args import STRICT
+    from ..core.problem import STRICT
 
     np.seterr(**STRICT)
     warm = mask_cases(256)[spec["case"]]
@@ -208,6 +200,3 @@ def _measure(spec: dict) -> dict:
     return {"rss_bytes": int(max(0.0, max(usage) - base) * 2**20),
             "seconds": time.perf_counter() - start}
 
-
-if __name__ == "__main__":
-    print(json.dumps(_measure(json.loads(sys.argv[1]))))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backward import attention_backward, reference_attention_backward
-from ..reference import reference_attention
-from ..tiled import attention
+from ..core.backward import attention_backward, reference_attention_backward
+from ..core.reference import reference_attention
+from ..core.tiled import attention
 
 #: The name of attnlib's kernel called with default arguments (every CPU, BLAS at one thread).
 DEFAULT = "attnlib"

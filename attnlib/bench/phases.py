@@ -1,13 +1,13 @@
 """Where the tiled forward's time goes: a breakdown by phase.
 
-The kernel's steps for one tile (`tiled.tile_scores` and `OnlineSoftmax.update` with the
+The kernel's steps for one tile (`tiles.tile_scores` and `OnlineSoftmax.update` with the
 keys-first layout) are replayed one at a time on a tile of the case's own data, on one
 thread, each timed over many repetitions; multiplied by the number of FULL and PARTIAL
 tiles the case processes, they predict the serial time of everything the kernel does with
 numpy.  What the measured serial time holds beyond the sum is the rest: Python's per-tile
 work, per-unit setup (tile classes, the query tile's copy, ``finalize``) and cache effects
 of running the steps back to back.  The replay is one head per tile; the kernel batches
-up to `tiled._UNIT_BYTES` of heads into one tile, which changes the Python work per
+up to `parallel._UNIT_BYTES` of heads into one tile, which changes the Python work per
 head, not the numpy work.
 """
 
@@ -17,10 +17,12 @@ import time
 
 import numpy as np
 
-from ..inputs import random_qkv
-from ..masks import FULL, PARTIAL, MaskSpec
-from ..online import OnlineSoftmax, _shift
-from ..tiled import TileSizes, _parallel_settings, attention, default_tiles
+from ..evidence.inputs import random_qkv
+from ..core.masks import FULL, PARTIAL, MaskSpec
+from ..core.online import OnlineSoftmax, _shift
+from ..core.tilesizes import TileSizes, default_tiles
+from ..core.parallel import _parallel_settings
+from ..core.tiled import attention
 from .timing import seconds
 
 #: The phases, in the order the kernel runs them.
@@ -97,7 +99,7 @@ def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, work
     ``workers``; None: the default, every CPU), ``workers``, ``tiles`` (FULL and PARTIAL
     tile counts over all heads) and ``rest`` (measured serial minus the phases' sum).
     """
-    from .._args import workers as resolve
+    from ..core.validate import workers as resolve
 
     threads = resolve(workers)
     tiles = default_tiles(case.d) if tiles is None else tiles  # the forward's own

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..tiled import TileSizes, _parallel_settings, default_tiles
+from ..core.tilesizes import TileSizes, default_tiles
+from ..core.parallel import _parallel_settings
 
 
 def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, tiles: TileSizes | None = None,
@@ -34,11 +35,11 @@ def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, t
     Each operation runs on every thread concurrently for about ``seconds`` per repeat;
     the median of ``repeats`` gives the rate.  ``workers``: as the kernels take it (None:
     every available CPU, the kernels' default); ``tiles``: default, the forward's own
-    (`tiled.default_tiles` of ``d``).  Returns ``qk_gflops`` and ``pv_gflops``
+    (`tilesizes.default_tiles` of ``d``).  Returns ``qk_gflops`` and ``pv_gflops``
     (GFLOP/s over all threads), ``exp_gps`` (G exponentials/s over all threads), and the
     shapes measured.
     """
-    from .._args import workers as resolve
+    from ..core.validate import workers as resolve
 
     workers = resolve(workers)
     tiles = default_tiles(d) if tiles is None else tiles

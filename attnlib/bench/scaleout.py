@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from ..inputs import random_qkv
-from ..masks import mask_specs
+from ..evidence.inputs import random_qkv
+from ..core.masks import mask_specs
 
 
 def save_case(folder, b: int, h: int, n: int, d: int, seed: int = 0) -> tuple:

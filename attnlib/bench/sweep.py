@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from ..inputs import random_qkv
-from ..tiled import attention
+from ..evidence.inputs import random_qkv
+from ..core.tiled import attention
 from .timing import BenchCase
 
 
@@ -22,6 +22,6 @@ def tile_sweep(case=BenchCase(1, 1, 4096), sizes=(64, 128, 256, 512), workers=No
                 start = time.perf_counter()
                 attention(q, k, v, causal=case.causal, block_q=bq, block_k=bk, workers=workers)
                 grid[i, j] = min(grid[i, j], time.perf_counter() - start)
-    from .._args import workers as resolve
+    from ..core.validate import workers as resolve
 
     return {"sizes": list(sizes), "seconds": grid.tolist(), "case": case.name, "workers": resolve(workers)}

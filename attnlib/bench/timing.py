@@ -10,8 +10,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from ..inputs import random_qkv
-from ..memory import dense_fits
+from ..evidence.inputs import random_qkv
+from ..evidence.memory import dense_fits
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ there, and the kernel passes when every ``|kernel - ref|`` is within it:
 * below float64, FlashAttention's test rule per head,
   ``2 max |naive - ref| + atol``, with ``naive`` plain attention in the kernel's precision
   and ``atol`` scaled with the output's size in the kernel's type;
-* for float64 kernels, the verdict gate's float64 rounding bound per row (`attnlib.gate`),
+* for float64 kernels, the verdict gate's float64 rounding bound per row (`attnlib.evidence.gate`),
   since a float64 "naive" rounds as much as the kernel does.
 
 When the output fails, the check names the likely causes, row by row: NaN and inf, rows
@@ -18,7 +18,7 @@ The parts: `rule` (the allowances), `diagnosis`, `text` (what the CLI prints), `
 (``python -m attnlib check``), `shapes` (layouts), `verdict` (`check_kernel`).
 """
 
-from .arrays import UnreadableInput
+from ..core.arrays import UnreadableInput
 from .cli import NOTEBOOK_PARAMETERS, load_and_check, main, save_json
 from .rule import TensorVerdict
 from .shapes import LAYOUTS, TENSORS, UnusableInput, to_bhsd

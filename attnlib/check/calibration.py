@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _args
-from ..inputs import random_qkv
-from ..memory import dense_fits
-from ..oracle import ORACLE_PRECISION, oracle_attention
-from ..reference import reference_attention
-from ..tiled import attention
+from ..core import problem
+from ..core.options import Options
+from ..evidence.inputs import random_qkv
+from ..evidence.memory import dense_fits
+from ..core.oracle import ORACLE_PRECISION, oracle_attention
+from ..core.reference import reference_attention
+from ..core.tiled import attention
 from .rule import expect, judge_lse, judge_out
 
 #: (batch, heads, seqlen_q, seqlen_k, headdim, causal): prefill shapes and decode shapes.
@@ -47,7 +48,7 @@ def _torch_dtype(torch, name):
 def correct_kernels(prec_name: str) -> dict:
     """``name -> fn(q, k, v, causal) -> (out, lse or None)``: bhsd arrays in the kernel's
     type (float64 values), results as float64 values of the kernel's output type."""
-    prec = _args.precision(prec_name)
+    prec = problem.precision(prec_name)
     kernels = {
         "attnlib tiled, 32 x 32 tiles": lambda q, k, v, c: attention(
             q, k, v, causal=c, block_q=32, block_k=32, compute_dtype=prec_name, return_lse=True),
@@ -115,7 +116,7 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
     ``kernels``: substrings; only correct kernels whose name holds one run (default all);
     ``defects``: run the defective kernels too.
     """
-    prec = _args.precision(prec_name)
+    prec = problem.precision(prec_name)
     if perturbation is None:
         perturbation = {"float64": 1e-9, "float32": 1e-4}.get(prec_name, 64 * prec.eps)
     good, bad = correct_kernels(prec_name), defective_kernels(prec_name, perturbation)
@@ -130,8 +131,7 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
         dense = dense_fits(sq, heads=b * h, sk=sk)
         for seed in seeds:
             q, k, v, causal = _problem(shape, prec, seed)
-            expected = expect(q, k, v, dict(causal=causal, causal_align="bottom_right", window=None,
-                                            softcap=None, scale=None, kv_lengths=None), prec, 1, dense)
+            expected = expect(q, k, v, Options.parse(causal=causal), prec, 1, dense)
             for kind, kernels in (("correct", good), ("defective", bad)):
                 for name, fn in kernels.items():
                     if kind == "defective" and np.array_equal(exact_bad[name](q, k, v, causal)[0],

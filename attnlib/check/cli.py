@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .._args import cli_window, window_side
-from ..tensorio import TensorFileError, load_indices, load_tensor, split_spec
+from ..core.validate import cli_window, window_side
+from ..core.tensorio import TensorFileError, load_indices, load_tensor, split_spec
 from .shapes import LAYOUTS, TENSORS, UnusableInput
 from .text import format_text
 from .verdict import KernelCheck, check_kernel
@@ -169,7 +169,7 @@ def _cluster(args):
 
 def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     """Run the kernel-check notebook on the files and render it to ``target``."""
-    from ..report import ReportError, execute
+    from ..report.runner import ReportError, execute
 
     notebook = NOTEBOOK
     if not notebook.exists():

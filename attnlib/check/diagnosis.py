@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 import numpy as np
 
-from .. import _args
-from ..gate import row_stats
-from ..tiled import attention
-from .rule import expect, per_head_max, ratios
+from ..core import arrays
+from ..core import problem
+from ..core.options import Options
+from ..evidence.gate import row_stats
+from ..core.tiled import forward
+from .rule import expect, per_head_max, ratios, row_masks
 from .shapes import AXES, other_layout, positions, shape_problem, to_bhsd, where
 
 #: At most this many failing batch entries are re-run under each alternative.
@@ -46,20 +49,23 @@ class ModFailed(Exception):
 #: user's functions failing on the alternative's indices (ModFailed).
 DROPPED = (ValueError, TypeError, ModFailed)
 
-#: The user's functions among the options, and where their batch index ``b`` is.
-_MODS = (("mask_mod", 0), ("score_mod", 1), ("score_mod_grad", 1))
+#: The user's functions among the options, and where their batch index ``b`` is (the
+#: ``score_mod_grad`` beside them: `guard_grad`).
+_MODS = (("mask_mod", 0), ("score_mod", 1))
 
 
-def guard_mods(options: dict, entries=None) -> dict:
-    """``options`` with the user's functions wrapped for an alternative problem: whatever
+def guard_mods(opts: Options, entries=None) -> Options:
+    """``opts`` with the user's functions wrapped for an alternative problem: whatever
     they raise becomes `ModFailed` (the alternative is dropped, see `DROPPED`).  ``entries``:
     the batch entries of the problem as given that the alternative's batch axis holds, so
     that a function indexing a per-entry table (document ids) sees the right ``b``."""
-    guarded = dict(options)
-    for name, b_at in _MODS:
-        if options.get(name) is not None:
-            guarded[name] = _guarded(options[name], name, b_at, entries)
-    return guarded
+    return replace(opts, **{name: _guarded(getattr(opts, name), name, b_at, entries)
+                            for name, b_at in _MODS if getattr(opts, name) is not None})
+
+
+def guard_grad(mod_grad, entries=None):
+    """The ``score_mod_grad`` wrapped as `guard_mods` wraps the mods (None stays None)."""
+    return None if mod_grad is None else _guarded(mod_grad, "score_mod_grad", 1, entries)
 
 
 def _guarded(fn, name, b_at, entries):
@@ -71,7 +77,7 @@ def _guarded(fn, name, b_at, entries):
         except Exception as e:  # noqa: BLE001 - the user's function, on another problem
             raise ModFailed(f"{name} raised {type(e).__name__}: {e}") from e
 
-    # No functools.wraps; a `from_torch` wrapper's mark is kept, so that attnlib.flex calls
+    # No functools.wraps; a `from_torch` wrapper's mark is kept, so that attnlib.core.flex calls
     # the guarded function as it would the user's (never retried with tensors).
     if getattr(fn, "_attnlib_torch_source", None) is not None:
         guarded._attnlib_torch_source = fn._attnlib_torch_source
@@ -79,7 +85,7 @@ def _guarded(fn, name, b_at, entries):
 
 
 def _take(entries, b):
-    """``entries[b]`` for numpy index arrays and, through `attnlib.flex.from_torch`, tensors."""
+    """``entries[b]`` for numpy index arrays and, through `attnlib.core.flex.from_torch`, tensors."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(b, torch.Tensor):
         return torch.as_tensor(entries, device=b.device)[b]
@@ -118,7 +124,7 @@ def trend(row_ratio) -> str:
     return f"no trend ({words})"
 
 
-def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given, prec, dense,
+def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, given, prec, dense,
              workers) -> list:
     """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values)."""
     found = []
@@ -164,9 +170,9 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
                      "correct kernel that sums or scales in yet another order can land here, while "
                      "the bugs the check looks for fail by orders of magnitude")
     if todo.any():
-        found += _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers)
+        found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers)
         if not marginal:
-            found += _tile_boundary(todo, qh, kh, options)
+            found += _tile_boundary(todo, qh, kh, opts)
     # The other layout, and axes swapped inside the output.
     other = other_layout(layout)
     if given["out"].ndim >= 3 and shape_problem(given, other)[0] is None:
@@ -174,7 +180,7 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
         # The mods as given: if the files are in the other layout, they were written for that
         # problem; one indexing a table by the declared heads fails here, and the reading with it.
         try:
-            alt = expect(q1, k1, v1, guard_mods(options), prec, workers, dense)
+            alt = expect(q1, k1, v1, guard_mods(opts), prec, workers, dense)
         except DROPPED:
             alt = None
         if alt is not None and _passes(kern1, alt.ref, alt.allowance):
@@ -192,7 +198,7 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
             found.append(f"only heads {np.flatnonzero(head_bad).tolist()} fail: look at the head "
                          "indexing (GQA mapping, strides)")
     if todo.any() and not marginal and len(found) == 0:
-        found += _lower_precision(kernel, qh, kh, vh, options, prec, workers, dense)
+        found += _lower_precision(kernel, qh, kh, vh, opts, prec, workers, dense)
     if not found:
         first = describe(tuple(np.argwhere(row_bad)[0]) + (0,)) if n_bad else None
         found.append("no known cause matched; see the worst positions and the error along the "
@@ -204,15 +210,15 @@ def diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
 _LOWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
 
 
-def _lower_precision(kernel, qh, kh, vh, options, prec, workers, dense) -> list:
+def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense) -> list:
     """Whether the output passes when judged as a kernel of a lower precision."""
-    options = guard_mods(options)
+    opts = guard_mods(opts)
     for name in _LOWER.get(prec.name, ()):
         try:
-            low = _args.precision(name)
-            _args.check_representable(low, q=qh, k=kh, v=vh)  # values beyond it: not that kernel
+            low = problem.precision(name)
+            problem.check_representable(low, q=qh, k=kh, v=vh)  # values beyond it: not that kernel
             alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
-                         low.round(vh).astype(np.float64), options, low, workers, dense)
+                         low.round(vh).astype(np.float64), opts, low, workers, dense)
         except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range, a mod failing
             continue
         if _passes(kernel, alt.ref, alt.allowance):
@@ -241,7 +247,7 @@ def _rows_hold_mean_v(kernel, vh, rows, prec) -> bool:
     return bool((np.abs(kernel - mean).max(axis=-1) <= tol)[rows].all())
 
 
-def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -> list:
+def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, workers) -> list:
     """Other problems the failing rows match: scales, masks, alignment, padding.
 
     Each alternative's float64 reference is computed on the failing batch entries, and a
@@ -253,9 +259,9 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     if kernel.ndim == 4:
         failing_entries = np.flatnonzero(todo.any(axis=(-1, -2)))
         entries = failing_entries[:MAX_ENTRIES]
-    options = guard_mods(options, entries)  # b: the entry's index in the problem as given
+    opts = guard_mods(opts, entries)  # b: the entry's index in the problem as given
     d = qh.shape[-1]
-    s0 = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(d)
+    s0 = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
     log2e = 1.0 / math.log(2.0)
     alternatives = [
         (dict(scale=1.0), "scale 1 (the softmax scale is never applied)"),
@@ -263,23 +269,23 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
         (dict(scale=s0 * log2e), "scale x log2(e) (an exp2-based softmax given a pre-multiplied scale)"),
         (dict(scale=s0 / log2e), "scale / log2(e) (an exp2-based softmax without the log2(e) factor)"),
     ]
-    if options["causal"]:
+    if opts.causal:
         alternatives.append((dict(causal=False), "no causal mask"))
-        left = (options["window"] or (None, None))[0]
+        left = opts.window[0]
         alternatives.append((dict(causal=False, window=(left, 1)),
                              "a causal mask that lets each query see one future key (off by one)"))
         if shape["sq"] != shape["sk"]:
-            other = "top_left" if options["causal_align"] == "bottom_right" else "bottom_right"
-            alternatives.append((dict(causal_align=other), f"causal alignment {other} instead of {options['causal_align']}"))
+            other = "top_left" if opts.causal_align == "bottom_right" else "bottom_right"
+            alternatives.append((dict(causal_align=other), f"causal alignment {other} instead of {opts.causal_align}"))
     else:
         alternatives.append((dict(causal=True), "a causal mask (bottom_right) that was not asked for"))
-    if options["kv_lengths"] is not None:
+    if opts.kv_lengths is not None:
         alternatives.append((dict(kv_lengths=None), "kv_lengths ignored (padding keys attended)"))
-    if options.get("softcap") is not None and (options["causal"] or options["window"] is not None):
-        alternatives.append((_softcap_after_mask(options, shape),
+    if opts.softcap is not None and (opts.causal or opts.window != (None, None)):
+        alternatives.append((_softcap_after_mask(opts, shape),
                              "the softcap applied after masking (masked pairs get -softcap, not -inf)"))
-    if options.get("mask_mod") is not None:
-        alternatives += _mask_neighbours(options["mask_mod"], shape["sq"], shape["sk"])
+    if opts.mask_mod is not None:
+        alternatives += _mask_neighbours(opts.mask_mod, shape["sq"], shape["sk"])
 
     allowance = np.broadcast_to(expected.allowance, kernel.shape)
     # Rows with no visible key have allowance 0; under an alternative they may see keys.
@@ -288,26 +294,25 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     if entries is not None:
         if failing_entries.size > entries.size:
             scope = f" in the first {entries.size} failing batch entries (of {failing_entries.size})"
-        opts = dict(options)
+        taken = {}
         for key in ("kv_lengths", "q_lengths"):  # per batch entry: those of the failing entries
-            if options.get(key) is not None:
-                opts[key] = np.broadcast_to(np.ravel(options[key]), (shape["batch"],))[entries]
-        if options.get("sinks") is not None and np.ndim(options["sinks"]) == 2:  # (batch, H)
-            opts["sinks"] = options["sinks"][entries]
+            if getattr(opts, key) is not None:
+                taken[key] = np.broadcast_to(np.ravel(getattr(opts, key)), (shape["batch"],))[entries]
+        if opts.sinks is not None and np.ndim(opts.sinks) == 2:  # (batch, H)
+            taken["sinks"] = opts.sinks[entries]
+        opts = replace(opts, **taken)
 
         def pick(x):
             return x[entries]
     else:
-        opts = dict(options)
-
         def pick(x):
             return x
     q, k, v, kern, failing, allow = (pick(x) for x in (qh, kh, vh, kernel, todo, allowance))
     n_fail = int(failing.sum())
     scored = []
     for change, words in alternatives:
-        try:
-            alt = attention(q, k, v, workers=workers, **(opts | change))
+        try:  # the change checked as the user's options are (a scale x log2(e) beyond the range)
+            alt = forward(q, k, v, opts.replace(**change), workers=workers)
         except DROPPED:  # e.g. a mask_mod that indexes past its ids at q_idx + 1
             continue
         row_ok = ratios(kern, alt, allow)[1].max(axis=-1, initial=0.0) <= 1
@@ -328,14 +333,14 @@ def _alternatives(kernel, qh, kh, vh, options, todo, shape, expected, workers) -
     return [words for _, words in sorted(scored, key=lambda s: -s[0])]
 
 
-def _softcap_after_mask(options, shape) -> dict:
-    """The problem with the mask turned into ``-cap`` scores after the softcap, as a kernel
-    that caps the masked scores does (``c tanh(-inf / c) = -c``)."""
-    cap = float(options["softcap"])
-    o = shape["sk"] - shape["sq"] if options["causal_align"] == "bottom_right" else 0
-    left, right = options["window"] or (None, None)
-    right = 0 if options["causal"] else right
-    user = options.get("score_mod")  # the problem's own, on the capped scores (attnlib's order)
+def _softcap_after_mask(opts: Options, shape) -> dict:
+    """The change to ``opts`` that turns the mask into ``-cap`` scores after the softcap, as a
+    kernel that caps the masked scores does (``c tanh(-inf / c) = -c``)."""
+    cap = float(opts.softcap)
+    o = shape["sk"] - shape["sq"] if opts.causal_align == "bottom_right" else 0
+    left, right = opts.window
+    right = 0 if opts.causal else right
+    user = opts.score_mod  # the problem's own, on the capped scores (attnlib's order)
 
     def score_mod(score, b, h, i, j):
         vis = np.ones(np.broadcast(i, j).shape, dtype=bool)
@@ -344,7 +349,7 @@ def _softcap_after_mask(options, shape) -> dict:
         if right is not None:
             vis &= j <= i + o + right
         return np.where(vis, score if user is None else np.asarray(user(score, b, h, i, j)), -cap)
-    return dict(causal=False, window=None, score_mod=score_mod)
+    return dict(causal=False, window=(None, None), score_mod=score_mod)
 
 
 def _mask_neighbours(mask_mod, sq, sk) -> list:
@@ -374,12 +379,11 @@ def _mask_neighbours(mask_mod, sq, sk) -> list:
     ]
 
 
-def _tile_boundary(todo, qh, kh, options) -> list:
+def _tile_boundary(todo, qh, kh, opts: Options) -> list:
     """Rows that see at most T keys pass and rows that see a few more than T fail (T a power
     of two): the error comes from combining key tiles.  Counts visible keys per row, so rows
     with none and problems where every row sees the same keys never trigger it."""
-    masks = {key: options[key] for key in ("causal", "causal_align", "window", "kv_lengths")}
-    n_vis = row_stats(qh, kh, scale=options["scale"], **masks)[1]  # (..., H, S)
+    n_vis = row_stats(qh, kh, options=row_masks(opts))[1]  # (..., H, S)
     seen = n_vis > 0
     bad_counts = n_vis[todo & seen]
     if not bad_counts.size:
@@ -397,7 +401,7 @@ def _tile_boundary(todo, qh, kh, options) -> list:
             "and output when a later tile raises the row max)"]
 
 
-__all__ = ["diagnose", "trend", "row_ratios", "guard_mods", "ModFailed", "DROPPED"]
+__all__ = ["diagnose", "trend", "row_ratios", "guard_mods", "guard_grad", "ModFailed", "DROPPED"]
 
 
 # -- gradients and the LSE ------------------------------------------------------------------------
@@ -463,7 +467,7 @@ def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=(), prec
     lower = []
     for low in _LOWER.get(prec_name, ()):
         try:
-            lower.append((low, _args.finfo(_args.precision(low).compute)))
+            lower.append((low, arrays.finfo(problem.precision(low).compute)))
         except ValueError:  # bfloat16 without ml_dtypes
             continue
     for low, fi in sorted(lower, key=lambda x: float(x[1].eps)):  # the finest type that explains it

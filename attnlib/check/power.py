@@ -27,9 +27,10 @@ import warnings
 
 import numpy as np
 
-from .. import _args
-from ..backward import attention_backward
-from ..tiled import attention
+from ..core.problem import precision
+from ..core.backward import tiled_backward
+from ..core.options import Options
+from ..core.tiled import attention, forward as tiled_forward
 from .calibration import _torch_dtype
 from .rule import FINAL_ROUNDINGS, unit
 from .verdict import check_kernel
@@ -49,7 +50,7 @@ SCALED = {"float32": 1e-4, "bfloat16": 16 * 2.0 ** -8, "float16": 16 * 2.0 ** -1
 def problem(shape, prec_name, magnitude, seed=0):
     """``(q, k, v, dout, causal)`` in bhsd, rounded to the precision (float64 values)."""
     b, hq, hk, sq, sk, d, causal = shape
-    prec = _args.precision(prec_name)
+    prec = precision(prec_name)
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((b, hq, sq, d))
     k = rng.standard_normal((b, hk, sk, d))
@@ -69,11 +70,11 @@ def _rounded(prec, *xs):
     return tuple(None if x is None else _round(prec, x) for x in xs)
 
 
-def _exact(q, k, v, dout, prec, **options):
-    """The float64 answer to the problem ``options`` describe, rounded once to ``prec``:
+def _exact(q, k, v, dout, prec, opts: Options):
+    """The float64 answer to the problem ``opts`` describe, rounded once to ``prec``:
     ``(out, lse, dq, dk, dv)`` (the lse in float32, as 16-bit kernels keep it)."""
-    out, lse = attention(q, k, v, return_lse=True, **options)
-    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, **options)
+    out, lse = tiled_forward(q, k, v, opts, return_lse=True)
+    dq, dk, dv = tiled_backward(q, k, v, out, lse, dout, opts)
     lse = lse.astype(np.float32).astype(np.float64) if not prec.is_float64 else lse
     return _rounded(prec, out) + (lse,) + _rounded(prec, dq, dk, dv)
 
@@ -85,18 +86,18 @@ def _own_key_dropped(causal, sq, sk):
 
 def wrong_kernels(shape, prec_name) -> dict:
     """``name -> (tensor, fn(q, k, v, dout, causal) -> dict of the kernel's tensors)``."""
-    prec = _args.precision(prec_name)
+    prec = precision(prec_name)
     _, hq, hk, sq, sk, d, _ = shape
     s0 = 1.0 / math.sqrt(d)
 
     def forward(**change):
         def run(q, k, v, dout, c):
-            out, lse, *_ = _exact(q, k, v, dout, prec, **({"causal": c} | change))
+            out, lse, *_ = _exact(q, k, v, dout, prec, Options.parse(**({"causal": c} | change)))
             return dict(out=out, lse=lse)
         return run
 
     def right(q, k, v, dout, c):
-        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, causal=c)
+        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, Options.parse(causal=c))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
     def grads(edit):
@@ -131,7 +132,7 @@ def wrong_kernels(shape, prec_name) -> dict:
         kernels["no causal mask"] = ("out", forward(causal=False))
 
         def noncausal(t, q, k, v, dout, c):
-            _, _, dq, dk, dv = _exact(q, k, v, dout, prec, causal=False)
+            _, _, dq, dk, dv = _exact(q, k, v, dout, prec, Options.parse(causal=False))
             return dict(dq=dq, dk=dk, dv=dv)
         kernels["gradients of the non-causal problem"] = ("grads", grads(noncausal))
     if hk > 1:
@@ -141,10 +142,10 @@ def wrong_kernels(shape, prec_name) -> dict:
 
 def correct_kernels(shape, prec_name) -> dict:
     """``name -> fn(q, k, v, dout, causal) -> dict of the kernel's tensors``."""
-    prec = _args.precision(prec_name)
+    prec = precision(prec_name)
 
     def rounded_once(q, k, v, dout, c):
-        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, causal=c)
+        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, Options.parse(causal=c))
         return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
     def tiled(q, k, v, dout, c):
@@ -210,7 +211,7 @@ def _changed(tensors, right, judged, prec_name) -> list:
     correctly rounded answer at some entry; the others hold a defect below the type's
     resolution there."""
     names = ("dq", "dk", "dv") if judged == "grads" else (judged,)
-    dtype = np.float32 if judged == "lse" else _args.precision(prec_name).compute
+    dtype = np.float32 if judged == "lse" else precision(prec_name).compute
     with np.errstate(invalid="ignore", over="ignore"):
         return [n for n in names if n in tensors and not np.all(
             np.abs(tensors[n] - right[n]) <= RESOLVED_ULPS * unit(np.abs(right[n]), dtype))]
@@ -283,7 +284,7 @@ def long_gradients(n, prec_name="float32", d=64, seed=0, relative=None) -> list[
     for name, fn in torch_kernels.items():
         if "math" in name:
             cases.append(("correct", name, fn(q, k, v, dout, causal)))
-    prec = _args.precision(prec_name)
+    prec = precision(prec_name)
     scaled = {g: _round(prec, right[g] * (1 + relative)) for g in ("dq", "dk", "dv")}
     cases.append(("wrong", f"gradients x (1 + {relative:.3g})", dict(right, **scaled)))
     rows = []

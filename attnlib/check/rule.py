@@ -52,7 +52,7 @@ at every magnitude.
 *float64* kernels make errors of the reference's own size, so "twice the naive error"
 would compare rounding noise with rounding noise (below one key tile the naive dense
 result is bit-identical to attnlib's and the bound collapses to ``atol``).  There the
-allowance is the verdict gate's (`attnlib.gate`): a first-order float64 rounding bound on
+allowance is the verdict gate's (`attnlib.evidence.gate`): a first-order float64 rounding bound on
 how far two correct implementations can differ, per row, relative to ``P @ |V|``, with
 the kernel's tiling taken at its worst case (``block_k = 1``: any order of summation),
 capped by the contract's ``rel_error < 1e-9``.  It needs no naive baseline and is sound
@@ -66,7 +66,7 @@ computation).  Rows with no visible key must be ``-inf`` (attnlib, PyTorch) or `
 (FlashAttention).
 
 *Gradients* below float64: the same rule, with the naive backward in the kernel's
-precision in four formulations (`~attnlib.backward.FORMULATIONS`: PyTorch's eager
+precision in four formulations (`~attnlib.core.backward.FORMULATIONS`: PyTorch's eager
 autograd; the same with ``scale * ds`` rounded, as Hugging Face's eager attention does;
 FlashAttention's, with ``D = dout . out`` from the stored output; and one summed key by
 key as a tiled kernel accumulates) and each entry's size ``|ref| + rss`` from the dense
@@ -91,17 +91,20 @@ FlashAttention's ``attention_ref``): their allowance is 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .. import _args
-from ..backward import FORMULATIONS, attention_backward, reference_attention_backward
-from ..gate import C_EXP, LAMBDA, row_stats, tolerance
-from ..memory import dense_fits
-from ..metrics import BOUND, TINY
-from ..reference import reference_attention
-from ..tiled import DEFAULT_TILES, attention
+from ..core import arrays
+from ..core import problem
+from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
+from ..core.options import Options
+from ..evidence.gate import C_EXP, LAMBDA, row_stats, tolerance
+from ..evidence.memory import dense_fits
+from ..evidence.metrics import BOUND, TINY
+from ..core.reference import dense_attention
+from ..core.tilesizes import DEFAULT_TILES
+from ..core.tiled import forward
 from .shapes import UnusableInput, positions, to_bhsd
 
 
@@ -180,7 +183,7 @@ def unit(size, dtype) -> np.ndarray:
     correctly rounded result, and below the normal range (float16 from 6.1e-5) it is the
     type's absolute resolution.  It scales with the entry: no constant anchors it.
     """
-    fi = _args.finfo(dtype)
+    fi = arrays.finfo(dtype)
     return float(fi.eps) * np.asarray(size, dtype=np.float64) + float(fi.smallest_subnormal)
 
 
@@ -192,61 +195,68 @@ def naive_allowance(naive_err, size, dtype) -> np.ndarray:
     return (2 * per_head_max(naive_err / u) + FINAL_ROUNDINGS) * u
 
 
-def doubled_options(options, d) -> dict:
-    """``options`` with every score doubled: ``softmax(2 s) = p**2 / sum p**2``, which gives
+def doubled_options(opts: Options, d) -> Options:
+    """``opts`` with every score doubled: ``softmax(2 s) = p**2 / sum p**2``, which gives
     ``sum_j p_j**2 x_j`` as ``attention(q, k, x) * exp(lse(2 s) - 2 lse(s))``."""
-    scale = options["scale"] if options.get("scale") is not None else 1.0 / math.sqrt(d)
-    doubled = dict(options, scale=2 * scale)
-    for key in ("softcap", "sinks", "alibi_slopes"):  # 2 c tanh(2 t / 2c) = 2 c tanh(t / c)
-        if options.get(key) is not None:
-            doubled[key] = 2 * np.asarray(options[key], dtype=np.float64)
-    mod = options.get("score_mod")
+    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
+    doubled = dict(scale=float(2 * scale))
+    for key in ("sinks", "alibi_slopes"):
+        if getattr(opts, key) is not None:
+            doubled[key] = 2 * np.asarray(getattr(opts, key), dtype=np.float64)
+    if opts.softcap is not None:  # 2 c tanh(2 t / 2c) = 2 c tanh(t / c)
+        doubled["softcap"] = 2 * opts.softcap
+    mod = opts.score_mod
     if mod is not None:
         doubled["score_mod"] = lambda score, b, h, i, j: 2 * mod(score / 2, b, h, i, j)
-    if doubled.get("softcap") is not None:
-        doubled["softcap"] = float(doubled["softcap"])
-    return doubled
+    return replace(opts, **doubled)
 
 
-def forward_rss(run, qh, kh, vh, options, ref_lse) -> np.ndarray:
+def row_masks(opts: Options) -> Options:
+    """What `row_stats` is given for a row's score size and visible keys here: the built-in
+    masks, ``kv_lengths`` and the scale (neither ``q_lengths`` nor the mods)."""
+    return Options(causal=opts.causal, causal_align=opts.causal_align, window=opts.window,
+                   kv_lengths=opts.kv_lengths, scale=opts.scale)
+
+
+def forward_rss(run, qh, kh, vh, opts: Options, ref_lse) -> np.ndarray:
     """``sqrt(sum_j p_ij**2 v_jc**2)`` per output entry: the root-sum-square size of what
-    it sums, the scale of its independent rounding errors.  ``run(q, k, v, **options)``
+    it sums, the scale of its independent rounding errors.  ``run(q, k, v, opts)``
     returns ``(out, lse)`` (the tiled kernel, or the cluster)."""
-    out2, lse2 = run(qh, kh, vh * vh, **doubled_options(options, qh.shape[-1]))
+    out2, lse2 = run(qh, kh, vh * vh, doubled_options(opts, qh.shape[-1]))
     seen = np.isfinite(ref_lse)
     with np.errstate(under="ignore"):  # lse(2 s) <= 2 lse(s): a factor in (0, 1]
         ratio = np.exp(np.where(seen, lse2 - 2 * np.where(seen, ref_lse, 0.0), -np.inf))
     return np.sqrt(np.maximum(out2, 0.0) * ratio[..., None])
 
 
-def expect(qh, kh, vh, options, prec, workers, dense, scheduler=None) -> Expected:
-    """The reference and the allowance for ``attention(qh, kh, vh, **options)`` (bhsd layout,
-    float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits.
+def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None) -> Expected:
+    """The reference and the allowance for ``attention(qh, kh, vh, **opts.given())`` (bhsd
+    layout, float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits.
     ``scheduler`` (a Dask client or scheduler address): the float64 reference and
     ``P @ |V|`` are computed on that cluster (`attnlib.distributed.attention`)."""
     if scheduler is None:
-        def run(q, k, v, **kw):
-            return attention(q, k, v, return_lse=True, workers=workers, **kw)
+        def run(q, k, v, o):
+            return forward(q, k, v, o, return_lse=True, workers=workers)
     else:
         from ..distributed import attention as on_cluster
 
-        def run(q, k, v, **kw):
-            return on_cluster(q, k, v, return_lse=True, client=scheduler, **kw)
-    ref, ref_lse = run(qh, kh, vh, **options)
+        def run(q, k, v, o):
+            return on_cluster(q, k, v, return_lse=True, client=scheduler, **o.given())
+    ref, ref_lse = run(qh, kh, vh, opts)
     # P @ |V|: the size of what each entry sums, by the same tiled kernel.
-    ref_abs = run(qh, kh, np.abs(vh), **options)[0]
+    ref_abs = run(qh, kh, np.abs(vh), opts)[0]
     empty = np.isneginf(ref_lse)
     if prec.is_float64:
-        tol = tolerance(qh, kh, vh, ref_lse, block_k=1, **options)
+        tol = tolerance(qh, kh, vh, ref_lse, block_k=1, options=opts)
         allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))
         return Expected(ref, ref_lse, allowance, tol.lse, None, None,
                         "float64 rounding bound (the verdict gate, any tiling)")
-    naive_err, naive_lse_err, baseline = _naive_errors(qh, kh, vh, options, prec, workers, dense,
+    naive_err, naive_lse_err, baseline = _naive_errors(qh, kh, vh, opts, prec, workers, dense,
                                                        ref, ref_lse)
     # Each entry's own size: |ref| (errors relative to the whole, as in 1 / l) plus the
     # root-sum-square of its terms (independent errors of p and of the sum); pooled over a
     # head in ulps of it, so a batch entry or row with large values lends the others nothing.
-    size = np.abs(ref) + forward_rss(run, qh, kh, vh, options, ref_lse)
+    size = np.abs(ref) + forward_rss(run, qh, kh, vh, opts, ref_lse)
     allowance = naive_allowance(naive_err, size, prec.compute)
     allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0
     # lse as (..., H, S, 1) for the per-head maxima: twice the naive error plus an ulp of
@@ -257,32 +267,32 @@ def expect(qh, kh, vh, options, prec, workers, dense, scheduler=None) -> Expecte
     return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline)
 
 
-def _naive_errors(qh, kh, vh, options, prec, workers, dense, ref, ref_lse):
+def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse):
     """``(naive_err, naive_lse_err, words)``: the larger error of plain attention in ``prec``
     over its plain formulations (see the module docstring), entry by entry."""
     sk, d = kh.shape[-2], qh.shape[-1]
-    scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(d)
+    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
     root = math.sqrt(abs(scale))
-    plain = {key: val for key, val in options.items() if key != "scale"}
+    unscaled = replace(opts, scale=1.0)  # q and k carry the scale
     with np.errstate(over="ignore", invalid="ignore"):  # a naive that overflows is left out below
         # q and k each scaled by sqrt(scale) and rounded, as PyTorch's math path does.
         q_s = prec.round(qh * (root if scale >= 0 else -root)).astype(np.float64)
         k_s = prec.round(kh * root).astype(np.float64)
-        def blocked(q, k, **kw):
+        def blocked(q, k, o):
             if dense:
-                return reference_attention(q, k, vh, return_lse=True, compute_dtype=prec.name,
-                                           check_finite=False, **kw)
-            return attention(q, k, vh, return_lse=True, compute_dtype=prec.name, workers=workers,
-                             check_finite=False, **kw)
+                return dense_attention(q, k, vh, o, return_lse=True, compute_dtype=prec.name,
+                                       check_finite=False)
+            return forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name, workers=workers,
+                           check_finite=False)
 
         order = "BLAS order" if dense else "tiled, BLAS order"
-        candidates = {order: blocked(qh, kh, **options)}
+        candidates = {order: blocked(qh, kh, opts)}
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
-            candidates[f"{order}, q and k scaled by sqrt(scale) first"] = blocked(q_s, k_s, scale=1.0, **plain)
+            candidates[f"{order}, q and k scaled by sqrt(scale) first"] = blocked(q_s, k_s, unscaled)
             q_tiles = -(-qh.shape[-2] // DEFAULT_TILES.block_q)
-            candidates["key by key, q and k scaled first"] = attention(
-                q_s, k_s, vh, return_lse=True, compute_dtype=prec.name, workers=workers, scale=1.0,
-                block_k=max(1, -(-q_tiles * sk // SEQUENTIAL_WORK)), **plain)
+            candidates["key by key, q and k scaled first"] = forward(
+                q_s, k_s, vh, unscaled, return_lse=True, compute_dtype=prec.name, workers=workers,
+                block_k=max(1, -(-q_tiles * sk // SEQUENTIAL_WORK)))
     empty = np.isneginf(ref_lse)
     r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
     naive_err = np.zeros(ref.shape)
@@ -365,9 +375,9 @@ def judge_lse(lse, expected: Expected, stored) -> TensorVerdict:
     empty = expected.empty
     allowance = np.array(expected.lse_allowance, dtype=np.float64)
     stored = np.dtype(stored)
-    if _args.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
+    if arrays.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
         with np.errstate(over="ignore"):
-            top = np.minimum(np.abs(np.where(empty, 0.0, ref_lse)), float(_args.finfo(stored).max))
+            top = np.minimum(np.abs(np.where(empty, 0.0, ref_lse)), float(arrays.finfo(stored).max))
             allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64))
     # Empty rows are judged below, by what they hold: here they are 0 against 0.
     k = np.where(empty, 0.0, lse)[..., None]
@@ -393,11 +403,11 @@ def judge_lse(lse, expected: Expected, stored) -> TensorVerdict:
     return verdict
 
 
-def gradient_rounding(qh, kh, vh, options, prec) -> float:
+def gradient_rounding(qh, kh, vh, opts: Options, prec) -> float:
     """``e_g``: a first-order bound on one implementation's gradient error, relative to the
     gradient's componentwise size (`reference_attention_backward` with ``return_abs``).
 
-    In the verdict gate's terms (`attnlib.gate`), with ``u`` the unit roundoff of the
+    In the verdict gate's terms (`attnlib.evidence.gate`), with ``u`` the unit roundoff of the
     kernel's type, ``N = max(Sq, Sk)`` and ``delta`` the largest exponent error of any row:
     ``p`` is off by ``2 delta + C_EXP u + h`` relative (``h = g(N) + 2 N u``, the row sum,
     its sequential steps at the worst case), ``dp = dout . v`` by ``g(Dv)``, ``D`` by
@@ -412,8 +422,7 @@ def gradient_rounding(qh, kh, vh, options, prec) -> float:
     accuracy where it is small.
     """
     u = float(np.finfo(prec.accumulate).eps) / 2
-    masks = {key: options[key] for key in ("causal", "causal_align", "window", "kv_lengths")}
-    sigma, _ = row_stats(qh, kh, scale=options["scale"], **masks)
+    sigma, _ = row_stats(qh, kh, options=row_masks(opts))
     sigma = float(sigma.max(initial=0.0))
 
     def g(n):
@@ -424,16 +433,16 @@ def gradient_rounding(qh, kh, vh, options, prec) -> float:
     return 4 * delta + 2 * C_EXP * u + 4 * g(n) + 8 * n * u + 2 * g(dv) + 3 * u
 
 
-def _naive_gradient_errors(qh, kh, vh, douth, options, prec, ref_grads, names):
+def _naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, names):
     """``{name: |naive - ref| or None}``: per gradient, the largest error of the naive
     backward in ``prec`` over its formulations (PyTorch's eager autograd, FlashAttention's,
-    key by key: `~attnlib.backward.FORMULATIONS`), entry by entry; None where every
+    key by key: `~attnlib.core.backward.FORMULATIONS`), entry by entry; None where every
     formulation overflows the type for that gradient."""
     errs = dict.fromkeys(names)
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing formulation is left out
         for formulation in FORMULATIONS:
-            naive = reference_attention_backward(qh, kh, vh, douth, compute_dtype=prec.name,
-                                                 formulation=formulation, check_finite=False, **options)
+            naive = dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name,
+                                   formulation=formulation, check_finite=False)
             for n, x in zip(names, naive):
                 x = np.asarray(x, dtype=np.float64)
                 if not np.isfinite(x).all():
@@ -443,35 +452,37 @@ def _naive_gradient_errors(qh, kh, vh, douth, options, prec, ref_grads, names):
     return errs
 
 
-def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, layout, shape,
-                workers, context=None) -> dict:
+def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
+                workers, context=None, mod_grad=None) -> dict:
     """The gradients' rule (see the module docstring) on each given gradient.  ``context``
     (a dict): filled with each judged gradient's ``kernel``, ``ref`` and ``allowance`` (bhsd,
-    float64) for the diagnosis."""
+    float64) for the diagnosis; ``mod_grad``: the ``score_mod_grad`` (required with a
+    ``score_mod``)."""
+    mod_grad = _score_mod_grad(mod_grad, opts)  # refused as the backward's keyword arguments are
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
     # dsinks: the sinks' gradient, (H,) or (batch, H), when the problem has sinks.
-    names = ("dq", "dk", "dv") + (("dsinks",) if options.get("sinks") is not None else ())
+    names = ("dq", "dk", "dv") + (("dsinks",) if opts.sinks is not None else ())
     # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays (measured:
     # 528 MiB against 384 MiB at n = 4096); with its sizes, or in long double, twice that.
     dense = dense_fits(sq, heads=4 * heads, sk=sk)
     allowances, naive_errs, unjudged = None, {}, {}
     why = "the dense gradient the rule needs would not fit in memory at this length"
-    if dense and prec.is_float64 and options["softcap"] is None:
+    if dense and prec.is_float64 and opts.softcap is None:
         # float64: the first-order rounding bound on the componentwise size.
-        ref_grads, sizes = reference_attention_backward(qh, kh, vh, douth, return_abs=True, **options)
+        ref_grads, sizes = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_abs=True)
         ref_grads, sizes = dict(zip(names, ref_grads)), dict(zip(names, sizes))
-        e_g = gradient_rounding(qh, kh, vh, options, prec)
+        e_g = gradient_rounding(qh, kh, vh, opts, prec)
         allowances = {n: 2 * e_g * sizes[n] for n in names}
         naive_errs = dict.fromkeys(names)
     elif dense and not prec.is_float64:
         # The naive backward in the kernel's precision, in ulps of each entry's own size.
         accumulate = float(np.finfo(prec.accumulate).eps) / prec.eps  # float32 sums of 16-bit values
-        ref_grads, rss = reference_attention_backward(qh, kh, vh, douth, return_rss=True,
-                                                      rss_accumulate=accumulate, **options)
+        ref_grads, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True,
+                                        rss_accumulate=accumulate)
         ref_grads, rss = dict(zip(names, ref_grads)), dict(zip(names, rss))
-        naive_errs = _naive_gradient_errors(qh, kh, vh, douth, options, prec, ref_grads, names)
-        top = float(_args.finfo(prec.compute).max)
+        naive_errs = _naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, names)
+        top = float(arrays.finfo(prec.compute).max)
         allowances, unjudged = {}, {}
         for n in names:
             biggest = float(np.abs(ref_grads[n]).max(initial=0.0))
@@ -485,18 +496,17 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, options, la
             else:
                 allowances[n] = naive_allowance(naive_errs[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
     else:
-        ref_grads = dict(zip(names, attention_backward(qh, kh, vh, ref, ref_lse, douth, workers=workers,
-                                                       **options)))
+        ref_grads = dict(zip(names, tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad,
+                                                   workers=workers)))
         # float64 softcap: against a long double reference, so the naive errs for real.
-        ext = _args.extended_precision()
+        ext = problem.extended_precision()
         if ext is None or heads * sq * sk * qh.shape[-1] > EXTENDED_MAX_WORK:
             dense = False
             why = ("float64 softcap gradients are judged against a long double dense gradient, "
                    "which this platform lacks or which has no BLAS at this size")
         elif dense:
-            ref_grads = dict(zip(names, reference_attention_backward(
-                qh, kh, vh, douth, compute_dtype=ext, **options)))
-            naive, rss = reference_attention_backward(qh, kh, vh, douth, return_rss=True, **options)
+            ref_grads = dict(zip(names, dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=ext)))
+            naive, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True)
             naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
             allowances = {n: naive_allowance(naive_errs[n], np.abs(ref_grads[n].astype(np.float64)) + r,
                                              np.float64) for n, r in zip(names, rss)}

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.arrays import UnusableInput  # raised here and by the core's conversions
+
 LAYOUTS = ("bshd", "bhsd")
 TENSORS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")
 AXES = {"bshd": "(batch, seqlen, nheads, headdim)", "bhsd": "(batch, nheads, seqlen, headdim)"}
-
-
-class UnusableInput(ValueError):
-    """Inputs the check cannot judge (exit code 2); the message names the tensor and why."""
 
 
 def to_bhsd(x: np.ndarray, layout: str) -> np.ndarray:

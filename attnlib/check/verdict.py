@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import _args, flex
-from ..memory import dense_fits
-from .arrays import as_numpy
-from ..backward import reference_attention_backward
-from ..tiled import attention
-from .diagnosis import DROPPED, diagnose, diagnose_gradient, diagnose_lse, guard_mods, row_ratios, trend
-from .packing import unpack_paged, unpack_varlen
+from ..core import arrays
+from ..core import problem
+from ..core import flex
+from ..evidence.memory import dense_fits
+from ..core.arrays import as_numpy
+from ..core.backward import dense_backward
+from ..core.options import Options
+from ..core.tiled import forward
+from .diagnosis import (DROPPED, diagnose, diagnose_gradient, diagnose_lse, guard_grad, guard_mods,
+                        row_ratios, trend)
+from ..evidence.packing import unpack_paged, unpack_varlen
 from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
 
@@ -58,7 +62,7 @@ def _as_float(x, name):
     x = as_numpy(x, name)
     if isinstance(x, np.ndarray) and x.dtype.kind == "f":
         return x, x.dtype
-    if isinstance(x, np.ndarray) and _args._is_ml_float(x.dtype):
+    if isinstance(x, np.ndarray) and arrays._is_ml_float(x.dtype):
         return x.astype(np.float32), x.dtype  # bfloat16, float8: exact in float32
     raise UnusableInput(f"{name}: expected a floating-point array, got {x.dtype}")
 
@@ -86,7 +90,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         ``"bhsd"`` (PyTorch SDPA's); 3-D without the batch axis, 2-D ``(seqlen, headdim)``.
         numpy floating arrays, ml_dtypes ones (bfloat16, float8), torch tensors on any
         device in any float type, or anything with ``__array__``/``__dlpack__`` (every
-        tensor argument: converted exactly, see `attnlib.check.arrays`).
+        tensor argument: converted exactly, see `attnlib.core.arrays`).
     out : ndarray
         The kernel's output, in the layout of ``q`` with ``headdim`` of ``v``.  NaN or inf
         in it is a failure, reported with its positions.
@@ -119,7 +123,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
     cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
         A varlen kernel's offsets ``(batch + 1,)`` and used keys ``(batch,)`` (layout
-        ``thd``): judged as its sequences padded into a batch (`attnlib.check.packing`), so
+        ``thd``): judged as its sequences padded into a batch (`attnlib.evidence.packing`), so
         positions in the verdict are (sequence, position in it).
     block_table, cache_seqlens : array of int, optional
         A paged KV cache: ``k`` and ``v`` are the pages ``(num_blocks, page_size, nheads,
@@ -140,7 +144,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     UnusableInput
         Inconsistent shapes (with a hint when the layout looks swapped), non-float data,
         NaN or inf in the inputs; `UnreadableInput` (a TypeError too) for a tensor holding
-        no values to read (`attnlib.check.arrays`).  A failing kernel gets a verdict, never
+        no values to read (`attnlib.core.arrays`).  A failing kernel gets a verdict, never
         an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
     names = {n: n for n in TENSORS} | (names or {})
@@ -189,17 +193,13 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if dsinks is not None:
         dsinks = _as_float(dsinks, names.get("dsinks", "dsinks"))[0]
     try:
-        prec = _args.precision(dtype if dtype is not None else stored["q"].name)
+        prec = problem.precision(dtype if dtype is not None else stored["q"].name)
     except ValueError:
         given_as = f"{dtype!r}" if dtype is not None else f"q's storage type {stored['q'].name}"
         raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
                             f"float16, bfloat16; got {given_as} (pass dtype=/--dtype)") from None
     kv_lengths = as_numpy(kv_lengths, names.get("kv_lengths", "kv_lengths"))
     q_lengths = as_numpy(q_lengths, names.get("q_lengths", "q_lengths"))
-    options = dict(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
-                   scale=scale, kv_lengths=kv_lengths, sinks=sinks)
-    if q_lengths is not None:
-        options["q_lengths"] = q_lengths
     if block_mask is not None:
         # The rule runs the reference at other tilings too (the naive baselines): the mask,
         # not one tiling's map of it (a mask_mod and another function's block mask: both).
@@ -207,13 +207,14 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
             mask_mod = flex.visible_mod(mask_mod, block_mask)
         except TypeError as e:
             raise UnusableInput(str(e)) from None
-    for name, value in (("mask_mod", mask_mod), ("score_mod", score_mod)):
-        if value is not None:
-            options[name] = value
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     try:
-        expected = expect(qh, kh, vh, options, prec, workers, dense, scheduler)
+        # One parse of the options, handed to every reference, baseline and diagnosis below.
+        opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
+                             scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
+                             mask_mod=mask_mod, score_mod=score_mod)
+        expected = expect(qh, kh, vh, opts, prec, workers, dense, scheduler)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
         raise UnusableInput(str(e)) from None
     kernel = to_bhsd(given["out"], layout).astype(np.float64)
@@ -225,34 +226,36 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     naive_ratio = _naive_ratio(expected)
     diagnosis = []
     if verdict.passed is False:
-        diagnosis = diagnose(kernel, qh, kh, vh, options, expected, ratio, shape, layout, given,
+        diagnosis = diagnose(kernel, qh, kh, vh, opts, expected, ratio, shape, layout, given,
                              prec, dense, workers)
     lse_verdict = None
     if lse is not None:
         lse_verdict = judge_lse(given["lse"], expected, lse_dtype or stored["lse"])
         if lse_verdict.passed is False:
-            _diagnose_lse(lse_verdict, given["lse"], expected, qh, kh, vh, options, workers)
+            _diagnose_lse(lse_verdict, given["lse"], expected, qh, kh, vh, opts, workers)
     grads = {}
     if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
         kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
-        grad_options = options if score_mod_grad is None else dict(options, score_mod_grad=score_mod_grad)
         context = {}
         douth = to_bhsd(given["dout"], layout).astype(np.float64)
         try:
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
                                 expected.ref_lse, douth, prec,
-                                grad_options, layout, shape, workers, context)
+                                opts, layout, shape, workers, context, mod_grad=score_mod_grad)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from None
-        _diagnose_grads(grads, context, qh, kh, vh, douth, grad_options, prec.name)
+        _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:
         sample = np.random.default_rng(0).choice(err.size, size=SAMPLE, replace=False)
     row_err = err.max(axis=-1, initial=0.0)
     row_err = row_err.reshape((-1, row_err.shape[-1])).max(axis=0) if row_err.ndim > 1 else row_err
+    shown = options_dict(opts, window=window, softcap=softcap, scale=scale)  # as the caller gave them
+    if layout_note:
+        shown["layout_note"] = layout_note
     return KernelCheck(
-        shape=shape, options=dict(options, layout_note=layout_note) if layout_note else options, dtype=prec.name, eps=prec.eps, baseline=expected.baseline,
+        shape=shape, options=shown, dtype=prec.name, eps=prec.eps, baseline=expected.baseline,
         out=verdict, lse=lse_verdict, grads=grads, row_err=row_err, row_ratio=row_ratio,
         row_naive_ratio=None if naive_ratio is None else row_ratios(naive_ratio[0], naive_ratio[1], expected.allowance),
         head_row_ratio=head_row_ratio, ratios=finite.ravel()[sample],
@@ -260,21 +263,39 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         trend=trend(row_ratio), diagnosis=diagnosis)
 
 
-def _problem_alternatives(options) -> list:
+#: The keys `KernelCheck.options` always has; ``q_lengths``, ``mask_mod`` and ``score_mod``
+#: follow when given (and ``layout_note`` for a varlen or paged problem).
+RESULT_OPTIONS = ("causal", "causal_align", "window", "softcap", "scale", "kv_lengths", "sinks")
+
+
+def options_dict(opts: Options, **as_given) -> dict:
+    """``opts`` as `KernelCheck.options` holds them, for `format_text` and the user: every key of
+    `RESULT_OPTIONS`, then ``q_lengths``, ``mask_mod`` and ``score_mod`` where not None.
+    ``as_given``: options as the caller spelled them, in place of the parsed values, which
+    `Options.parse` normalises (``window`` None and ``(None, None)`` are one there, a
+    ``softcap`` of 30 is 30.0); without them ``window`` is None for no window."""
+    result = {name: getattr(opts, name) for name in RESULT_OPTIONS}
+    result["window"] = None if opts.window == (None, None) else opts.window
+    result |= {name: getattr(opts, name) for name in ("q_lengths", "mask_mod", "score_mod")
+               if getattr(opts, name) is not None}
+    return result | as_given
+
+
+def _problem_alternatives(opts: Options) -> list:
     """``(words, options)``: the neighbouring problems a wrong kernel may have computed."""
     alts = []
-    if options["causal"]:
-        alts.append(("no causal mask", dict(options, causal=False)))
+    if opts.causal:
+        alts.append(("no causal mask", replace(opts, causal=False)))
     else:
-        alts.append(("a causal mask (bottom_right) that was not asked for", dict(options, causal=True)))
-    if options.get("kv_lengths") is not None:
-        alts.append(("kv_lengths ignored (padding keys attended)", dict(options, kv_lengths=None)))
-    if options.get("sinks") is not None:
-        alts.append(("no sinks", dict(options, sinks=None)))
+        alts.append(("a causal mask (bottom_right) that was not asked for", replace(opts, causal=True)))
+    if opts.kv_lengths is not None:
+        alts.append(("kv_lengths ignored (padding keys attended)", replace(opts, kv_lengths=None)))
+    if opts.sinks is not None:
+        alts.append(("no sinks", replace(opts, sinks=None)))
     return alts
 
 
-def _diagnose_grads(grads, context, qh, kh, vh, douth, options, prec_name):
+def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, prec_name):
     """Diagnosis notes on each failing gradient: its sign, the scale, a neighbouring problem's
     gradient, heads swapped, a constant factor."""
     failing = [n for n, v in grads.items() if v.passed is False and n in context]
@@ -282,16 +303,17 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, options, prec_name):
         return
     names = ("dq", "dk", "dv", "dsinks")
     alternatives = []
-    for words, alt in _problem_alternatives(guard_mods(options)):
+    mod_grad = guard_grad(mod_grad)
+    for words, alt in _problem_alternatives(guard_mods(opts)):
         try:
-            g = reference_attention_backward(qh, kh, vh, douth, **alt)
+            g = dense_backward(qh, kh, vh, douth, alt, mod_grad)
         except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
         g = dict(zip(names, g))
         if "dsinks" in g:
             g["dsinks"] = np.asarray(g["dsinks"])[..., None, None]
         alternatives.append((words, g))
-    scale = options["scale"] if options["scale"] is not None else 1.0 / math.sqrt(qh.shape[-1])
+    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(qh.shape[-1])
     for n in failing:
         c = context[n]
         found = diagnose_gradient(n, c["kernel"], c["ref"], c["allowance"], scale,
@@ -299,12 +321,12 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, options, prec_name):
         grads[n].notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
 
 
-def _diagnose_lse(verdict, lse, expected, qh, kh, vh, options, workers):
+def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, workers):
     """Diagnosis notes on a failing lse: base 2, its neighbour's row, a neighbouring problem's."""
     alternatives = []
-    for words, alt in _problem_alternatives(guard_mods(options)):
+    for words, alt in _problem_alternatives(guard_mods(opts)):
         try:
-            alternatives.append((words, attention(qh, kh, vh, return_lse=True, workers=workers, **alt)[1]))
+            alternatives.append((words, forward(qh, kh, vh, alt, return_lse=True, workers=workers)[1]))
         except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
     kernel = np.asarray(lse, dtype=np.float64).reshape(expected.ref_lse.shape)

@@ -19,8 +19,8 @@ import os
 import sys
 
 
-from .._args import cli_window, window_side
-from ..tensorio import TensorFileError, load_tensor, split_spec
+from ..core.validate import cli_window, window_side
+from ..core.tensorio import TensorFileError, load_tensor, split_spec
 
 
 def _parser():

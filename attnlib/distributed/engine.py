@@ -9,10 +9,12 @@ import uuid
 
 import numpy as np
 
-from .. import _args
-from ..masks import mask_specs
-from ..online import lse_of, merge_parts
-from ..tiled import _run, default_tiles
+from ..core import problem
+from ..core import validate
+from ..core.online import lse_of, merge_parts
+from ..core.options import Options
+from ..core.tiled import Setup, run_keys
+from ..core.tilesizes import default_tiles
 from .plan import MERGE_FANIN, make_plan
 from .sources import Input, aligned, materialize
 
@@ -34,15 +36,17 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
     try:
         q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
         with np.errstate(divide="raise", over="raise", invalid="raise"):
-            q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=True)
+            q5, k5, v5, pb = problem.parse(q, k, v, scale=scale, check_finite_inputs=True)
             slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
             sink = None if sink is None else sink.reshape(pb.hk, pb.group)
             tiles = default_tiles(pb.d)
-            check = _args.scores_may_overflow(q5, k5, pb.scale)
+            check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
+                                                k_max=pb.max_of("k", k5))
+            setup = Setup(specs={(): spec}, tiles=tiles, cap=cap, slopes=slopes, sink=sink, mods=None,
+                          prec=problem.precision(None), check=check, v_max=pb.max_of("v", v5))
             n_k_tiles = -(-pb.sk // tiles.block_k)
             # One thread per task: the cluster's workers are the parallelism.
-            out, parts, _, _ = _run(q5, k5, v5, pb, {(): spec}, tiles, cap, slopes, False,
-                                    (0, n_k_tiles), 1, check=check, sink=sink, lse_parts=True)
+            out, parts, _, _ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
@@ -125,7 +129,7 @@ def _client(client):
     if current is not None:
         yield current
         return
-    with LocalCluster(n_workers=_args.available_cpus(), threads_per_worker=1, processes=True,
+    with LocalCluster(n_workers=validate.available_cpus(), threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as c:
         yield c
 
@@ -213,22 +217,21 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     the mask hides.  With nothing to compute (``Sq``, ``Sk`` or a batch axis of 0, every
     length 0) no cluster is used at all: ``out = 0``, ``lse = -inf`` (the sink with sinks).
     """
-    block_q = _args.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
-    kv_block = _args.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
-    heads_per_task = _args.positive_int(heads_per_task, "heads_per_task")
-    return_lse = _args.flag(return_lse, "return_lse")
+    block_q = validate.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
+    kv_block = validate.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
+    heads_per_task = validate.positive_int(heads_per_task, "heads_per_task")
+    return_lse = validate.flag(return_lse, "return_lse")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     inputs = [Input(x, name, layout == "bshd") for x, name in ((q, "q"), (k, "k"), (v, "v"))]
     # The contract's layout checks, on stand-ins of the right shapes (no data read).
     stand_ins = [np.broadcast_to(np.zeros(()), x.shape) for x in inputs]
-    _, _, _, pb = _args.parse(*stand_ins, scale=scale, check_finite_inputs=False)
-    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
-                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    cap = _args.softcap(softcap)
-    slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
-    sink = _args.sinks(sinks, pb)  # (..., hk, g)
+    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, q_lengths=q_lengths,
+                         kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                         scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    _, _, _, pb = problem.parse(*stand_ins, scale=opts.scale, check_finite_inputs=False)
+    specs = opts.specs(pb)
+    cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
     blocks = make_plan(pb.batch, pb.hk, pb.sq, pb.sk, specs, block_q, kv_block, heads_per_task)
 
     squeeze, g = pb.squeeze, pb.group

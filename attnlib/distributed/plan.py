@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..masks import PARTIAL, SKIP
+from ..core.masks import PARTIAL, SKIP
 
 #: Partial results merged by one merge task (the running result and the next pieces, by
 #: key range): a worker holds at most this many per query block, however long the key axis.

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _args
-from ..tensorio import TensorFileError, read_npy_header
+from ..core import arrays
+from ..core.tensorio import TensorFileError, read_npy_header
 
 @dataclass(frozen=True)
 class NpyFile:
@@ -132,7 +132,7 @@ class Input:
         self.bshd = bshd and len(shape) >= 3
         self.shape = shape[:-3] + (shape[-2], shape[-3], shape[-1]) if self.bshd else shape
         self.dtype = np.dtype(meta.dtype)
-        if not (np.issubdtype(self.dtype, np.floating) or _args._is_ml_float(self.dtype)):
+        if not (np.issubdtype(self.dtype, np.floating) or arrays._is_ml_float(self.dtype)):
             raise TypeError(f"{name} must hold real floating numbers, got dtype {self.dtype}")
 
     @staticmethod

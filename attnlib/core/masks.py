@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _args
+from . import validate
 
 #: Tile classes of the contract.
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -66,7 +66,7 @@ class MaskSpec:
     align_offset: int | None = None
 
     def __post_init__(self):
-        _args.causal_align(self.causal_align)
+        validate.causal_align(self.causal_align)
 
     @property
     def rows(self) -> int:
@@ -337,12 +337,12 @@ def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bo
     When nothing depends on the batch the result is ``{(): spec}``, one rule for every
     batch entry (processed together); otherwise one spec per batch index.
     """
-    causal = _args.flag(causal, "causal")
-    causal_align = _args.causal_align(causal_align)
-    win = _args.window(window, limit=sq + sk)  # wider sides bound nothing: None
-    q_len = _args.lengths(q_lengths, "q_lengths", batch, sq, "Sq")
-    kv_len = _args.lengths(kv_lengths, "kv_lengths", batch, sk, "Sk")
-    q_ids, kv_ids = _args.segment_ids(q_segment_ids, kv_segment_ids, batch, sq, sk)
+    causal = validate.flag(causal, "causal")
+    causal_align = validate.causal_align(causal_align)
+    win = validate.window(window, limit=sq + sk)  # wider sides bound nothing: None
+    q_len = validate.lengths(q_lengths, "q_lengths", batch, sq, "Sq")
+    kv_len = validate.lengths(kv_lengths, "kv_lengths", batch, sk, "Sk")
+    q_ids, kv_ids = validate.segment_ids(q_segment_ids, kv_segment_ids, batch, sq, sk)
     common = dict(sq=sq, sk=sk, causal=causal, causal_align=causal_align, window=win)
     if q_len is None and kv_len is None and q_ids is None:
         return {(): MaskSpec(**common)}

@@ -8,13 +8,19 @@ far larger than memory.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import numpy as np
 
-from . import _args
+from . import arrays
+from . import problem
+from . import validate
+from .options import MODS, Options
 from .masks import SKIP, MaskSpec
-from .online import OnlineSoftmax
-from .tiled import DEFAULT_TILES, TileSizes, absorb, keys_first_for, run_tiles
+from .tilesizes import DEFAULT_TILES, TileSizes
+from . import hooks
+from .tiles import keys_first_for
+from .parallel import run_tiles
 
 
 def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
@@ -68,27 +74,37 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
     >>> bool(np.allclose(out, attnlib.reference_attention(q, k, v, causal=True), atol=1e-14))
     True
     """
+    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, scale=scale)
+    return stream_forward(q, kv_chunks, opts, total_keys=total_keys, block_q=block_q, block_k=block_k,
+                          workers=workers, return_lse=return_lse, check_finite=check_finite)
+
+
+def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None, block_k=None,
+                   workers=None, return_lse=False, check_finite=True):
+    """`attention_stream` with its options already parsed into ``opts``."""
+    refused = sorted(opts.given(("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids") + MODS))
+    if refused:
+        raise ValueError(f"{', '.join(refused)} cannot be combined with streamed keys")
     tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,
                       DEFAULT_TILES.block_k if block_k is None else block_k)
-    causal = _args.flag(causal, "causal")
-    causal_align = _args.causal_align(causal_align)
-    win = _args.window(window)
-    cap = _args.softcap(softcap)
-    return_lse = _args.flag(return_lse, "return_lse")
-    workers = _args.workers(workers)
+    causal, causal_align, win, cap = opts.causal, opts.causal_align, opts.window, opts.softcap
+    alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
+    return_lse = validate.flag(return_lse, "return_lse")
+    workers = validate.workers(workers)
     if total_keys is not None:
-        total_keys = _args.count(total_keys, "total_keys")
+        total_keys = validate.count(total_keys, "total_keys")
     needs_offset = causal or win != (None, None) or alibi_slopes is not None
     if needs_offset and causal_align == "bottom_right" and total_keys is None:
         raise ValueError(
             "total_keys is needed: the bottom_right alignment puts query i at key position "
             "i + total_keys - Sq (or pass causal_align='top_left')")
 
-    q_arr = _args.as_float_array(q, "q")
+    q_arr = arrays.as_float_array(q, "q")
     if check_finite and q_arr.ndim >= 2:
-        _args.check_finite(q_arr, "q")
+        q_max = arrays.check_finite(q_arr, "q")  # max |q| on the way, as for each chunk below
     if total_keys is not None and q_arr.ndim >= 2:  # sides past Sq + Sk bound nothing
-        win = _args.window(window, limit=q_arr.shape[-2] + total_keys)
+        win = validate.window(window, limit=q_arr.shape[-2] + total_keys)
     try:
         kv_chunks = iter(kv_chunks)
     except TypeError:
@@ -96,21 +112,23 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
                         f"{type(kv_chunks).__name__}") from None
     state = None
     position = 0  # absolute position of the next key
-    v_max, v_exp = 0.0, 0  # values near the range are summed / 2**v_exp (`_args.value_exponent`)
+    v_max, v_exp = 0.0, 0  # values near the range are summed / 2**v_exp (`problem.value_exponent`)
     for t, chunk in enumerate(kv_chunks):
         if not (isinstance(chunk, (tuple, list)) and len(chunk) == 2):
             raise ValueError(f"kv_chunks[{t}] must be a (k_chunk, v_chunk) pair")
-        q5, k5, v5, pb = _args.parse(q_arr, chunk[0], chunk[1], scale=scale,
+        q5, k5, v5, pb = problem.parse(q_arr, chunk[0], chunk[1], scale=scale,
                                      check_finite_inputs=False)
         if check_finite:
-            _args.check_finite(k5, f"k of kv_chunks[{t}]")
-            _args.check_finite(v5, f"v of kv_chunks[{t}]")
+            maxima = (q_max, arrays.check_finite(k5, f"k of kv_chunks[{t}]"),
+                      arrays.check_finite(v5, f"v of kv_chunks[{t}]"))
+            pb = replace(pb, maxima=maxima)  # one pass over each chunk: its check gave its maxima
         if state is None:
-            slopes = _args.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
-            sink = _args.sinks(sinks, pb)  # (..., hk, g): each row starts from its head's sink
+            slopes = problem.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+            sink = problem.sinks(sinks, pb)  # (..., hk, g): each row starts from its head's sink
             sink = None if sink is None else sink[..., None]
-            state = [OnlineSoftmax.empty(q5.shape[:-2] + (rows,), pb.dv, keys_first=keys_first_for(rows),
-                                         sink=sink)
+            state_class = hooks.get("state")  # the step "state" (`attnlib.core.hooks`): OnlineSoftmax
+            state = [state_class.empty(q5.shape[:-2] + (rows,), pb.dv, keys_first=keys_first_for(rows),
+                                       sink=sink)
                      for rows in (min(pb.sq, q0 + tiles.block_q) - q0 for q0 in range(0, pb.sq, tiles.block_q))]
             first = pb
         elif (pb.batch, pb.hk, pb.dv) != (first.batch, first.hk, first.dv):
@@ -122,9 +140,10 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             raise ValueError(f"the chunks hold more than total_keys={total_keys} keys")
         spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, causal,
                         causal_align, win)
-        check = _args.scores_may_overflow(q5, k5, pb.scale)  # then each tile checks its scores
-        v_max = max(v_max, _args.abs_max(v5))
-        grown = _args.value_exponent(v_max, end) - v_exp
+        check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
+                                            k_max=pb.max_of("k", k5))  # then each tile checks its scores
+        v_max = max(v_max, pb.max_of("v", v5))
+        grown = problem.value_exponent(v_max, end) - v_exp
         if grown:  # what the states hold so far, divided by the new power of two (exact)
             for st in state:
                 st.acc *= 2.0 ** -grown
@@ -141,8 +160,8 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
             if todo.size:
                 with np.errstate(over="ignore") if check else contextlib.nullcontext():
                     q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
-                absorb(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
-                       cap, slopes, key_offset=position, check=check, v_scale=v_scale)
+                hooks.get("absorb")(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
+                                    cap, slopes, key_offset=position, check=check, v_scale=v_scale)
 
         # Each query tile's state is its own: threads take them in any order, bit-identically.
         run_tiles(query_tile, range(len(state) - 1, -1, -1), workers)
@@ -152,7 +171,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
                          "possibly with 0 keys")
     if total_keys is not None and position != total_keys:
         raise ValueError(f"the chunks hold {position} keys, but total_keys={total_keys}")
-    finals = [(_args.unscale_values(o, v_exp, v_max), lse) for o, lse in (s.finalize() for s in state)]
+    finals = [(problem.unscale_values(o, v_exp, v_max), lse) for o, lse in (s.finalize() for s in state)]
     out = np.concatenate([f[0] for f in finals], axis=-2) if finals else \
         np.zeros(q5.shape[:-2] + (0, first.dv))
     lse = np.concatenate([f[1] for f in finals], axis=-1) if finals else np.zeros(q5.shape[:-2] + (0,))

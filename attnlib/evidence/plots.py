@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .masks import FULL, PARTIAL, SKIP, TILE_KIND_NAMES
+from ..core.masks import FULL, PARTIAL, SKIP, TILE_KIND_NAMES
 from .metrics import BOUND, log10_histogram
 
 MIB = 2**20
@@ -96,7 +96,7 @@ def gate_power(rows, defects):
     """Each case's ratio to the gate (error / tolerance, the larger of out and lse), for the
     real kernel and for each injected defect, on a log10 axis with the gate at 1.
 
-    ``rows``: `~attnlib.differential.run_case` rows with a ``"defects"`` entry; cases a
+    ``rows``: `~attnlib.evidence.differential.run_case` rows with a ``"defects"`` entry; cases a
     defect leaves unchanged (e.g. an off-by-one causal mask on an unmasked case) are drawn
     hollow.  A ratio of 0 or inf is drawn at the axis edge.
     """
@@ -216,7 +216,7 @@ def rescales_vs_expected(measured, expected, maximum=None):
 def memory_timelines(traces: dict, cap_bytes, output_bytes):
     """Memory over time, tiled vs dense: traced numpy bytes (left) and RSS (right).
 
-    ``traces[(path, tool)]`` are `attnlib.memory.memory_timeline` results.  The cap is
+    ``traces[(path, tool)]`` are `attnlib.evidence.memory.memory_timeline` results.  The cap is
     drawn over the output (inputs are not counted in either panel).
     """
     fig, axes = _figure(1, 2, figsize=(12, 4.4))
@@ -245,7 +245,7 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
                 title="Working memory vs sequence length (tracemalloc, fresh process each)"):
     """Peak working memory vs n: tiled (measured), dense (measured, then computed).
 
-    ``tiled``/``dense`` are `attnlib.memory.peak_memory` results; ``dense_model`` is a
+    ``tiled``/``dense`` are `attnlib.evidence.memory.peak_memory` results; ``dense_model`` is a
     list of ``(n, bytes)`` computed beyond the sizes dense was run at.
     """
     fig, ax = _figure(figsize=(11, 4.5))
@@ -276,7 +276,7 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
 def decode_memory(traced, rss, cap_bytes):
     """The streaming decode over a memmapped cache: what tracemalloc and the OS see.
 
-    ``traced``/``rss`` are `attnlib.memory.peak_memory` / `attnlib.memory.rss_growth`
+    ``traced``/``rss`` are `attnlib.evidence.memory.peak_memory` / `attnlib.evidence.memory.rss_growth`
     results for the same decode runs, in the same order.  Left: the RSS over time of the
     run with the most queries, total and split into anonymous and file-backed (where
     ``/proc`` gives the split).  Right: per run, the traced working memory, the anonymous
@@ -390,7 +390,7 @@ def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None,
 
 
 def sink_rescales(rows, rows_total):
-    """Rescale events against the sink's value (`attnlib.differential.sink_rescales` rows):
+    """Rescale events against the sink's value (`attnlib.evidence.differential.sink_rescales` rows):
     the kernel's count, the independent recount, the level without a sink, and the share of
     rows whose running max never leaves the sink (right axis, of ``rows_total``)."""
     fig, ax = _figure(figsize=(8, 4.2))

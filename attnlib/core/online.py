@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import _is_ml_float, as_numpy
+
 
 #: The largest lazy-rescale threshold: weights stay below exp(100) ~ 2.7e43, so sums over even
 #: 2**63 keys stay far below float64's 1.8e308.
@@ -190,12 +192,8 @@ def _real_float(x, name: str) -> np.ndarray:
     numbers (whose imaginary part a cast would drop) are not.  ml_dtypes floats (bfloat16)
     are converted.
     """
-    from ._args import _is_ml_float  # _args imports this module
-
     if type(x) is not np.ndarray and (isinstance(x, np.ndarray) or hasattr(x, "__dlpack__")
                                       or hasattr(x, "__array__")):  # tensors, masked arrays: read exactly or refused
-        from .check.arrays import as_numpy
-
         x = as_numpy(x, name)
     try:
         arr = np.asarray(x)

@@ -13,11 +13,12 @@ from dataclasses import asdict
 import numpy as np
 
 from .defects import DEFECTS
-from .gate import Gate
+from .gate import Gate, GradientGate
 from .inputs import FAMILIES, adversarial_qkv
-from .metrics import Errors, _visible_keys_per_row
-from .reference import reference_attention, reference_scores
-from .tiled import attention
+from .metrics import Errors, _gradient_figures, _visible_keys_per_row, gradient_errors
+from ..core.backward import attention_backward
+from ..core.reference import reference_attention, reference_scores
+from ..core.tiled import attention
 
 
 def _judge_defects(gate, defects, call) -> dict:
@@ -48,12 +49,12 @@ def crossing_fraction(sq, sk, block_k, causal, causal_align) -> float:
 
 
 def run_case(case, defects=()) -> dict:
-    """One `~attnlib.inputs.Case` through the tiled kernel, judged by the gate.
+    """One `~attnlib.evidence.inputs.Case` through the tiled kernel, judged by the gate.
 
-    Returns a flat dict: the case's fields, the `~attnlib.metrics.Errors` fields, the
+    Returns a flat dict: the case's fields, the `~attnlib.evidence.metrics.Errors` fields, the
     gate's ``lse_error``, ``out_ratio``, ``lse_ratio`` and ``passed``, the rescale total
     and the fraction of rows crossing two key tiles; with ``defects`` (names in
-    `~attnlib.defects.DEFECTS`), ``"defects": {name: judged}`` against the same reference.
+    `~attnlib.evidence.defects.DEFECTS`), ``"defects": {name: judged}`` against the same reference.
     """
     q, k, v = case.qkv()
     gate = Gate(q, k, v, block_k=case.block_k, **case.mask_kwargs())
@@ -81,10 +82,10 @@ def _tolerances(gate) -> dict:
 
 def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
                oracle=False, defects=()) -> dict:
-    """One adversarial family (see `~attnlib.inputs.FAMILIES`) through the tiled kernel.
+    """One adversarial family (see `~attnlib.evidence.inputs.FAMILIES`) through the tiled kernel.
 
     Returns a flat dict: the family, its purpose, its logit span over visible pairs, the
-    `~attnlib.metrics.Errors` fields and the gate's figures against the dense reference,
+    `~attnlib.evidence.metrics.Errors` fields and the gate's figures against the dense reference,
     the rescale total; with ``oracle``, ``oracle_tiled_ratio`` and ``oracle_dense_ratio``
     (and ``oracle_tiled_error``, ``oracle_dense_error``): each implementation against the
     extended-precision oracle, judged by one implementation's tolerance.
@@ -125,7 +126,7 @@ def sink_rescales(sinks, n=1024, d=64, heads=4, *, block_q=128, block_k=128, see
     independent count of `reference_rescales` (``agree``: every tile's count equal), the
     rows whose max never leaves the sink, and the gate's figures against the dense reference."""
     from .inputs import random_qkv
-    from .reference import reference_rescales
+    from ..core.reference import reference_rescales
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
     scores = reference_scores(q, k, causal=True)
@@ -146,11 +147,11 @@ def sink_rescales(sinks, n=1024, d=64, heads=4, *, block_q=128, block_k=128, see
 
 
 def run_varlen(case) -> dict:
-    """One `~attnlib.inputs.Packed` problem through `attention_varlen`, judged by the gate
+    """One `~attnlib.evidence.inputs.Packed` problem through `attention_varlen`, judged by the gate
     on the same problem padded into a batch (``q_lengths``, ``kv_lengths``: an independent
     route to attending each sequence alone)."""
-    from .check.packing import unpack_varlen
-    from .varlen import attention_varlen
+    from .packing import unpack_varlen
+    from ..core.varlen import attention_varlen
 
     q, k, v, cu_q, cu_k, options = case.arrays()
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
@@ -166,9 +167,9 @@ def run_varlen(case) -> dict:
 
 
 def run_paged(case) -> dict:
-    """One `~attnlib.inputs.Paged` problem through `attention` over its page table, judged
+    """One `~attnlib.evidence.inputs.Paged` problem through `attention` over its page table, judged
     by the gate on the contiguous keys (``kv_lengths = cache_seqlens``)."""
-    from .paged import gather_pages
+    from ..core.paged import gather_pages
 
     q, k_cache, v_cache, table, lens, options = case.arrays()
     out, lse = attention(q, k_cache, v_cache, block_table=table, cache_seqlens=lens, return_lse=True,
@@ -218,6 +219,76 @@ def power_table(groups, defects=None) -> list[dict]:
         table.append(entry)
     return table
 
+
+def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
+    out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
+    dout = np.random.default_rng(seed).standard_normal(out.shape)
+    grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
+    gate = GradientGate(q, k, v, dout, sizes=True, **kwargs)  # one dense backward for both
+    errors = _gradient_figures(grads, gate.ref, gate.sizes)
+    row = {f"{name}_error": err for name, err in errors.items()}
+    verdict = gate.judge(grads)
+    row.update(gate_e=gate.e, gate_ratio=max(verdict[f"{n}_ratio"] for n in gate.names),
+               gate_passed=verdict["passed"])
+    caught = {}
+    # The kernel's own rounding, entry by entry: a defect that moves no entry by more than
+    # twice it is below what float64 resolves there (None: not counted).
+    noise = [2 * np.abs(np.asarray(g, dtype=np.float64) - r) for g, r in zip(grads, gate.ref)]
+    for defect in defects:  # each through the same gate
+        with defect.active():
+            bad = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
+        changed = any(np.any(np.abs(np.asarray(b, dtype=np.float64) - g) > e)
+                      for b, g, e in zip(bad, grads, noise))
+        caught[defect.name] = (not gate.judge(bad)["passed"]) if changed else None
+    if defects:
+        row["defects_caught"] = caught
+    return row
+
+
+def run_case_gradients(case, defects=()) -> dict:
+    """`run_case` for the backward pass: tiled vs dense ``dq, dk, dv`` for a standard normal
+    upstream gradient; returns the case's fields, the `gradient_errors` fields with an
+    ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...), the verdict of the
+    gradient gate (`attnlib.evidence.gate.GradientGate`: ``gate_ratio``, ``gate_passed``, ``gate_e``)
+    and, for each of ``defects`` (`attnlib.evidence.defects.BACKWARD_DEFECTS` values), whether the
+    gate fails the backward with it injected (``defects_caught``; None where it moves no
+    entry by more than twice the real backward's own error there: below float64's
+    resolution on that problem)."""
+    q, k, v = case.qkv()
+    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), defects, **case.mask_kwargs())
+    return {**asdict(case), "mask": case.mask_name, "features": case.features, **errors}
+
+
+def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
+                         defects=()) -> dict:
+    """`run_family` for the backward pass: gradient errors on one adversarial family, the
+    gate's verdict and the ``defects`` caught (as `run_case_gradients`)."""
+    q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
+    errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), defects, causal=causal)
+    return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
+
+
+def run_varlen_gradients(case, seed=0) -> dict:
+    """`attention_varlen_backward` on a `~attnlib.evidence.inputs.Packed` problem against the dense
+    gradient of the same problem padded into a batch (``q_lengths``, ``kv_lengths``), for a
+    standard normal ``dout``: the `gradient_errors` fields with an ``_error`` suffix."""
+    from .packing import unpack_varlen
+    from ..core.varlen import attention_varlen, attention_varlen_backward
+
+    q, k, v, cu_q, cu_k, options = case.arrays()
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
+    dout = np.random.default_rng(seed).standard_normal(out.shape)
+    grads = attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, seqused_k=case.seqused_k, **options)
+    names = {n: n for n in ("q", "k", "v", "dout", "dq", "dk", "dv")}
+    padded, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, dout=dout, dq=grads[0], dk=grads[1],
+                                                       dv=grads[2]), cu_q, cu_k, case.seqused_k, None, names)
+    bhsd = {n: np.swapaxes(x, 1, 2) for n, x in padded.items()}
+    errors = gradient_errors((bhsd["dq"], bhsd["dk"], bhsd["dv"]) + tuple(grads[3:]), bhsd["q"], bhsd["k"],
+                             bhsd["v"], bhsd["dout"], q_lengths=q_lengths, kv_lengths=kv_lengths, **options)
+    return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
+            "seqused_k": case.seqused_k is not None, "heads": case.heads, "kv_heads": case.kv_heads,
+            "options": case.options, "dsinks_error": None,  # None: the problem has no sinks
+            **{f"{name}_error": err for name, err in errors.items()}}
 
 __all__ = ["run_case", "run_family", "power_table", "crossing_fraction", "sink_rescales", "run_varlen",
            "run_paged"]

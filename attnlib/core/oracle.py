@@ -25,8 +25,9 @@ from decimal import Decimal
 
 import numpy as np
 
-from . import _args
-from .reference import _dense, pair_terms
+from . import problem
+from .options import MODS
+from .reference import _dense, dense_options, pair_terms
 
 #: Significant decimal digits of the ``"decimal"`` oracle (about 166 bits).
 DECIMAL_DIGITS = 50
@@ -82,29 +83,28 @@ def oracle_attention(q, k, v, *, method=None, return_lse=False, check_finite=Tru
     if method == "longdouble" and _LONGDOUBLE_BITS < 64:
         raise ValueError(f"np.longdouble has {_LONGDOUBLE_BITS} mantissa bits here, fewer than "
                          "the oracle needs (64); use method='decimal'")
-    q5, k5, v5, pb = _args.parse(q, k, v, scale=options.pop("scale", None),
-                                 check_finite_inputs=check_finite)
+    opts = dense_options(**options)
+    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     if method == "longdouble":
-        out, lse = _dense(q5, k5, v5, pb, np.longdouble, options)
+        out, lse = _dense(q5, k5, v5, pb, np.longdouble, opts)
     else:
         work = int(np.prod(pb.batch, dtype=np.int64)) * pb.hq * pb.sq * pb.sk * pb.d
         if work > DECIMAL_MAX_WORK:
             raise ValueError(
                 f"the decimal oracle computes pair by pair in Python; batch * Hq * Sq * Sk * D = "
                 f"{work:,} exceeds its limit of {DECIMAL_MAX_WORK:,} (use smaller shapes)")
-        out, lse = _decimal_dense(q5, k5, v5, pb, options)
+        out, lse = _decimal_dense(q5, k5, v5, pb, opts)
     return (out, lse) if return_lse else out
 
 
-def _decimal_dense(q5, k5, v5, pb, options):
+def _decimal_dense(q5, k5, v5, pb, opts):
     """``(out, lse)`` in the caller's layout, each pair's score and weight in `decimal`."""
-    options = dict(options)
-    given = sorted(n for n in ("mask_mod", "score_mod", "block_mask") if options.get(n) is not None)
+    given = sorted(opts.given(MODS))
     if given:
         raise ValueError(f"the decimal oracle does not take {', '.join(given)} (its arithmetic is per pair "
                          "in Decimal); use method='longdouble'")
-    sink = _args.sinks(options.pop("sinks", None), pb)  # (..., hk, g) or None
-    visible, distance, cap, slopes = pair_terms(pb, **options)
+    sink = problem.sinks(opts.sinks, pb)  # (..., hk, g) or None
+    visible, distance, cap, slopes = pair_terms(pb, opts)
     lead = np.broadcast_shapes(q5.shape[:-2], k5.shape[:-2])  # (*batch, hk, g)
     if sink is not None:
         sink = np.broadcast_to(sink, lead)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..paged import gather_pages, page_tables
-from ..varlen import sequences
-from .shapes import UnusableInput
+from ..core.paged import gather_pages, page_tables
+from ..core.varlen import sequences
+from ..core.arrays import UnusableInput
 
 #: The packed tensors by which offsets index their first axis.
 _BY_QUERY = ("q", "out", "dout", "dq")

@@ -11,9 +11,9 @@ import numpy as np
 
 from .gate import Gate
 from .inputs import adversarial_qkv, random_qkv
-from .oracle import oracle_attention
-from .reference import reference_attention
-from .tiled import attention
+from ..core.oracle import oracle_attention
+from ..core.reference import reference_attention
+from ..core.tiled import attention
 
 EPS64 = float(np.finfo(np.float64).eps)
 
@@ -31,7 +31,7 @@ def _scaled_qkv(n, d, logit_scale, seed, heads=1):
 
 def float64_vs_oracle(ns, ds, logit_scales, *, causal=True, seed=0) -> list[dict]:
     """Errors of dense and tiled float64 against the oracle, in float64 epsilons, and each
-    one's ratio to one implementation's share of the verdict gate (`~attnlib.gate.Gate`
+    one's ratio to one implementation's share of the verdict gate (`~attnlib.evidence.gate.Gate`
     with ``oracle=True``: out and lse; <= 1 is within what float64 rounding allows)."""
     rows = []
     for n in ns:

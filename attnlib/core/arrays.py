@@ -18,11 +18,14 @@ Nothing given is ever modified.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
 
-from .shapes import UnusableInput
+
+class UnusableInput(ValueError):
+    """Inputs the check cannot judge (exit code 2); the message names the tensor and why."""
 
 
 class UnreadableInput(UnusableInput, TypeError):
@@ -178,3 +181,87 @@ def as_numpy(x, what: str):
         return np.asarray(x)
     raise UnreadableInput(f"{what}: expected an array (numpy, torch, or anything with __array__ or "
                           f"__dlpack__), got {type(x).__module__}.{type(x).__name__}")
+
+# The finite check looks at this many elements at a time, so it keeps the kernel's
+# memory bound (a full ``np.isfinite(q)`` would allocate a bool copy of q).
+_FINITE_CHUNK = 1 << 16
+
+# Floating types of ml_dtypes (bfloat16, float8): not numpy floating subtypes, but real
+# floating values all the same, converted to float64 exactly.
+_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2",
+              "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu", "float6_e2m3fn",
+              "float6_e3m2fn", "float4_e2m1fn")
+
+
+def _is_ml_float(dtype: np.dtype) -> bool:
+    ml_dtypes = sys.modules.get("ml_dtypes")  # an array of its types means it is imported
+    if ml_dtypes is None:
+        return False
+    return any(dtype == np.dtype(t) for t in (getattr(ml_dtypes, n, None) for n in _ML_FLOATS)
+               if t is not None)
+
+
+def as_float_array(x, name: str) -> np.ndarray:
+    """``x`` as an ndarray of a real floating dtype (no copy for numpy float arrays).
+
+    Arrays of the ml_dtypes floating types (bfloat16, float8) are converted to float64
+    (exactly): numpy does not count them as floating, but they are real floats.  torch
+    tensors (any device, any float type, with or without grad) are read exactly as well.
+    """
+    if type(x) is not np.ndarray:  # tensors, lists, subclasses (masked arrays): read exactly or refused
+        x = as_numpy(x, name)
+    arr = np.asarray(x)
+    if not np.issubdtype(arr.dtype, np.floating):
+        if _is_ml_float(arr.dtype):
+            return arr.astype(np.float64)
+        kind = "complex" if np.iscomplexobj(arr) else str(arr.dtype)
+        raise TypeError(
+            f"{name} must have a real floating dtype (float16/32/64, bfloat16), got {kind}"
+        )
+    return arr
+
+
+def check_finite(x: np.ndarray, name: str) -> float:
+    """``max |x|``, or ValueError if ``x`` holds NaN or inf.
+
+    Two reductions, no temporary: ``min`` and ``max`` propagate NaN and show inf, so finite
+    extremes prove the whole array finite, and give ``max |x|`` on the way (`parse` keeps
+    it in the `Problem`, for `scores_may_overflow` and the value scaling).  Only an array
+    that fails is scanned again, along the sequence axis in chunks, to name the first bad
+    entry.
+    """
+    if x.size == 0:
+        return 0.0
+    low, high = float(x.min()), float(x.max())
+    if math.isfinite(low) and math.isfinite(high):
+        return max(abs(low), abs(high))
+    per_row = x.size // x.shape[-2] if x.shape[-2] else 1
+    step = max(1, _FINITE_CHUNK // max(per_row, 1))
+    for s0 in range(0, x.shape[-2], step):
+        finite = np.isfinite(x[..., s0 : s0 + step, :])
+        if not finite.all():
+            where = np.argwhere(~finite)[0]
+            where[-2] += s0
+            raise ValueError(
+                f"{name} contains NaN or inf (first at index {tuple(int(w) for w in where)});"
+                " pass check_finite=False to skip this check"
+            )
+
+
+
+
+def abs_max(x: np.ndarray) -> float:
+    """``max |x|`` from two reductions (no ``|x|`` copy); 0 for an empty array."""
+    if not x.size:
+        return 0.0
+    return max(abs(float(x.max())), abs(float(x.min())))
+
+
+def finfo(dtype):
+    """``np.finfo``, or ``ml_dtypes.finfo`` for its types (bfloat16), which numpy does not know."""
+    try:
+        return np.finfo(dtype)
+    except ValueError:
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)

@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import _args
-from .backward import attention_backward, reference_attention_backward
-from .inputs import FAMILIES, adversarial_qkv
-from .masks import MaskSpec
-from .reference import reference_attention
-from .tiled import attention
+from ..core import arrays
+from ..core import validate
+from ..core.backward import reference_attention_backward
+from ..core.masks import MaskSpec
+from ..core.options import Options
+from ..core.reference import dense_attention, dense_options
 
 #: The project's accuracy bound on `rel_error` against the float64 dense reference.
 BOUND = 1e-9
@@ -32,7 +32,7 @@ TINY = float(np.finfo(np.float64).tiny)
 def _error(out, ref, name="out") -> np.ndarray:
     """``|out - ref|`` in float64, for ``out`` of exactly ``ref``'s shape: a wrongly shaped
     output must not broadcast against the reference (one row standing for all)."""
-    out = _args.as_float_array(out, name)
+    out = arrays.as_float_array(out, name)
     ref = np.asarray(ref)
     if out.shape != ref.shape:
         raise ValueError(f"{name} has shape {out.shape}, the reference {ref.shape}: they must be equal")
@@ -76,18 +76,20 @@ def normwise_error(out, ref, name="out") -> float:
     return err / size if size > 0 else err
 
 
-def reference_with_abs(q, k, v, *, return_lse=False, **kwargs):
+def reference_with_abs(q, k, v, *, return_lse=False, options=None, **kwargs):
     """``(ref, P @ |V|)`` from one dense reference call on ``[v, |v|]`` stacked along Dv.
 
     Each output column depends only on its own value column, so stacking is exact.
-    ``kwargs`` are those of `reference_attention` (masking and scale); with
-    ``return_lse`` the reference's ``lse`` comes third.
+    ``kwargs`` are those of `reference_attention` (masking and scale, or parsed into
+    ``options``, an `~attnlib.core.options.Options`); with ``return_lse`` the reference's
+    ``lse`` comes third.
     """
-    v = _args.as_float_array(v, "v")
+    opts, rest = Options.split(options, **kwargs)
+    v = arrays.as_float_array(v, "v")
     if v.ndim < 2:
         raise ValueError(f"v must have at least 2 dimensions (..., Sk, Dv), got shape {v.shape}")
-    both, lse = reference_attention(q, k, np.concatenate([v, np.abs(v)], axis=-1),
-                                    return_lse=True, **kwargs)
+    both, lse = dense_attention(q, k, np.concatenate([v, np.abs(v)], axis=-1), dense_options(opts),
+                                return_lse=True, **rest)
     dv = v.shape[-1]
     return (both[..., :dv], both[..., dv:]) + ((lse,) if return_lse else ())
 
@@ -166,79 +168,6 @@ def log10_histogram(errors, lo: float = -18.0, hi: float = -6.0, bins_per_decade
     return edges, counts
 
 
-def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
-    from .gate import GradientGate  # the gate imports this module
-
-    out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
-    dout = np.random.default_rng(seed).standard_normal(out.shape)
-    grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
-    gate = GradientGate(q, k, v, dout, sizes=True, **kwargs)  # one dense backward for both
-    errors = _gradient_figures(grads, gate.ref, gate.sizes)
-    row = {f"{name}_error": err for name, err in errors.items()}
-    verdict = gate.judge(grads)
-    row.update(gate_e=gate.e, gate_ratio=max(verdict[f"{n}_ratio"] for n in gate.names),
-               gate_passed=verdict["passed"])
-    caught = {}
-    # The kernel's own rounding, entry by entry: a defect that moves no entry by more than
-    # twice it is below what float64 resolves there (None: not counted).
-    noise = [2 * np.abs(np.asarray(g, dtype=np.float64) - r) for g, r in zip(grads, gate.ref)]
-    for defect in defects:  # each through the same gate
-        with defect.active():
-            bad = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
-        changed = any(np.any(np.abs(np.asarray(b, dtype=np.float64) - g) > e)
-                      for b, g, e in zip(bad, grads, noise))
-        caught[defect.name] = (not gate.judge(bad)["passed"]) if changed else None
-    if defects:
-        row["defects_caught"] = caught
-    return row
-
-
-def run_case_gradients(case, defects=()) -> dict:
-    """`run_case` for the backward pass: tiled vs dense ``dq, dk, dv`` for a standard normal
-    upstream gradient; returns the case's fields, the `gradient_errors` fields with an
-    ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...), the verdict of the
-    gradient gate (`attnlib.gate.GradientGate`: ``gate_ratio``, ``gate_passed``, ``gate_e``)
-    and, for each of ``defects`` (`attnlib.defects.BACKWARD_DEFECTS` values), whether the
-    gate fails the backward with it injected (``defects_caught``; None where it moves no
-    entry by more than twice the real backward's own error there: below float64's
-    resolution on that problem)."""
-    q, k, v = case.qkv()
-    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), defects, **case.mask_kwargs())
-    return {**asdict(case), "mask": case.mask_name, "features": case.features, **errors}
-
-
-def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
-                         defects=()) -> dict:
-    """`run_family` for the backward pass: gradient errors on one adversarial family, the
-    gate's verdict and the ``defects`` caught (as `run_case_gradients`)."""
-    q, k, v = adversarial_qkv(family, n, d=d, block_k=block_k, causal=causal, seed=seed)
-    errors = _gradients_row(q, k, v, seed + 1, dict(block_q=block_q, block_k=block_k), defects, causal=causal)
-    return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
-
-
-def run_varlen_gradients(case, seed=0) -> dict:
-    """`attention_varlen_backward` on a `~attnlib.inputs.Packed` problem against the dense
-    gradient of the same problem padded into a batch (``q_lengths``, ``kv_lengths``), for a
-    standard normal ``dout``: the `gradient_errors` fields with an ``_error`` suffix."""
-    from .check.packing import unpack_varlen
-    from .varlen import attention_varlen, attention_varlen_backward
-
-    q, k, v, cu_q, cu_k, options = case.arrays()
-    out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
-    dout = np.random.default_rng(seed).standard_normal(out.shape)
-    grads = attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, seqused_k=case.seqused_k, **options)
-    names = {n: n for n in ("q", "k", "v", "dout", "dq", "dk", "dv")}
-    padded, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, dout=dout, dq=grads[0], dk=grads[1],
-                                                       dv=grads[2]), cu_q, cu_k, case.seqused_k, None, names)
-    bhsd = {n: np.swapaxes(x, 1, 2) for n, x in padded.items()}
-    errors = gradient_errors((bhsd["dq"], bhsd["dk"], bhsd["dv"]) + tuple(grads[3:]), bhsd["q"], bhsd["k"],
-                             bhsd["v"], bhsd["dout"], q_lengths=q_lengths, kv_lengths=kv_lengths, **options)
-    return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
-            "seqused_k": case.seqused_k is not None, "heads": case.heads, "kv_heads": case.kv_heads,
-            "options": case.options, "dsinks_error": None,  # None: the problem has no sinks
-            **{f"{name}_error": err for name, err in errors.items()}}
-
-
 def _visible_keys_per_row(sq, sk, causal, causal_align):
     """How many keys each query row sees: a prefix ``0 .. L-1`` under a causal mask."""
     if not causal:
@@ -249,10 +178,10 @@ def _visible_keys_per_row(sq, sk, causal, causal_align):
 
 def _tile_key_counts(sq, sk, block_q, block_k, causal, causal_align):
     """``(L, c, C)``: visible keys per row, per (row, key tile), and cumulative through the tile."""
-    sq, sk = _args.count(sq, "sq"), _args.count(sk, "sk")
-    block_q, block_k = _args.positive_int(block_q, "block_q"), _args.positive_int(block_k, "block_k")
-    causal, causal_align = _args.flag(causal, "causal"), _args.causal_align(causal_align)
-    _args.check_allocation(8 * 4 * sq * -(-sk // block_k), f"the per-row counts of {sq} rows by "
+    sq, sk = validate.count(sq, "sq"), validate.count(sk, "sk")
+    block_q, block_k = validate.positive_int(block_q, "block_q"), validate.positive_int(block_k, "block_k")
+    causal, causal_align = validate.flag(causal, "causal"), validate.causal_align(causal_align)
+    validate.check_allocation(8 * 4 * sq * -(-sk // block_k), f"the per-row counts of {sq} rows by "
                            f"{-(-sk // block_k)} key tiles (block_k={block_k})")
     L = _visible_keys_per_row(sq, sk, causal, causal_align)[:, None]  # (sq, 1)
     k0 = np.arange(0, sk, block_k)[None, :]  # (1, nk)

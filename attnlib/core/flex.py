@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _args
+from . import validate
 from .masks import FULL, PARTIAL, SKIP
+from .tilesizes import DEFAULT_TILES
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _call(fn, args, name):
             raise
         raise TypeError(f"{name} raised {type(failure).__name__}: {failure} on numpy index arrays, and "
                         f"{type(e).__name__}: {e} on torch tensors; attnlib calls it on numpy arrays "
-                        "(see attnlib.flex), or on tensors through attnlib.flex.from_torch") from failure
+                        "(see attnlib.core.flex), or on tensors through attnlib.core.flex.from_torch") from failure
     if _weakrefable(fn):
         _TORCH_WRITTEN[fn] = torch_fn
     return out
@@ -314,18 +315,16 @@ def create_block_mask(mask_mod, B, H, Sq, Sk, block_q=None, block_k=None) -> Blo
     Cost: ``mask_mod`` once on every ``(b, h, i, j)``, a tile at a time; memory: one
     ``(B, H, block_q, block_k)`` boolean tile and the map.
     """
-    from .tiled import DEFAULT_TILES
-
     _check_callable(mask_mod, "mask_mod")
     if mask_mod is None:
         raise TypeError("create_block_mask needs a mask_mod")
-    nb = 1 if B is None else _args.positive_int(B, "B")
-    nh = 1 if H is None else _args.positive_int(H, "H")
-    sq, sk = _args.count(Sq, "Sq"), _args.count(Sk, "Sk")
-    bq = _args.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
-    bk = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
+    nb = 1 if B is None else validate.positive_int(B, "B")
+    nh = 1 if H is None else validate.positive_int(H, "H")
+    sq, sk = validate.count(Sq, "Sq"), validate.count(Sk, "Sk")
+    bq = validate.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
+    bk = validate.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     nq, nk = -(-sq // bq), -(-sk // bk)
-    _args.check_allocation(nb * nh * nq * nk, f"a block mask of {nb} x {nh} x {nq} x {nk} tiles "
+    validate.check_allocation(nb * nh * nq * nk, f"a block mask of {nb} x {nh} x {nq} x {nk} tiles "
                            f"(block_q={bq}, block_k={bk})")
     kinds = np.empty((nb, nh, nq, nk), dtype=np.int8)
     b = np.arange(nb).reshape(nb, 1, 1, 1)

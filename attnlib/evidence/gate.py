@@ -1,6 +1,6 @@
 """The verdict gate: what float64 rounding allows between two correct attention codes.
 
-The contract's requirement is ``rel_error < 1e-9`` (`~attnlib.metrics.BOUND`).  Correct
+The contract's requirement is ``rel_error < 1e-9`` (`~attnlib.evidence.metrics.BOUND`).  Correct
 float64 code does far better, so a gate at 1e-9 lets a real defect through: an ``exp``
 off by ``1e-11 * x`` gives ~1e-11.  This module derives, per query row, how far two
 correct float64 computations of the contract (the tiled kernel and the dense reference)
@@ -88,16 +88,21 @@ SIAM J. Sci. Comput. 41(5), A2815-A2835, 2019.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import _args, flex
-from .masks import SKIP, mask_specs
+from ..core import arrays
+from ..core import problem
+from ..core import validate
+from ..core import flex
+from ..core.masks import SKIP
 from .metrics import BOUND, TINY, reference_with_abs
-from .oracle import oracle_attention
-from .reference import reference_scores
-from .tiled import DEFAULT_TILES, tile_scores
+from ..core.oracle import oracle_attention
+from ..core.options import Options
+from ..core.reference import dense_options, reference_scores
+from ..core.tilesizes import DEFAULT_TILES
+from ..core.tiles import tile_scores
 
 #: Unit roundoff of float64.
 U = 2.0 ** -53
@@ -144,29 +149,30 @@ class Tolerance:
                          self.delta)
 
 
-def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
+def tolerance(q, k, v, ref_lse, *, block_k=None, options=None, **given) -> Tolerance:
     """The gate's per-row tolerances for ``attention(q, k, v, **options)`` (see module doc).
 
     ``ref_lse`` is the reference's ``lse`` (for the ``u |lse|`` term; None: 0); ``block_k`` the
     tiled kernel's key tile (default `DEFAULT_TILES`), which sets the number of rescale
     steps (``block_k=1`` for an implementation whose tiling is unknown: the worst case);
-    ``options`` the masking and score arguments.  Memory: bounded in the sequence length
+    ``given`` the masking and score arguments (or ``options``, an `~attnlib.core.options.Options`,
+    with ``given`` on top; a ``score_mod_grad`` is ignored).  Memory: bounded in the sequence length
     (`row_stats` visits the score matrix tile by tile); the result is ``(..., Hq, Sq, Dv)``.
     """
-    q = _args.as_float_array(q, "q")
-    k = _args.as_float_array(k, "k")
-    v = _args.as_float_array(v, "v")
-    block_k = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
+    q = arrays.as_float_array(q, "q")
+    k = arrays.as_float_array(k, "k")
+    v = arrays.as_float_array(v, "v")
+    block_k = validate.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     d, sq, sk = q.shape[-1], q.shape[-2], k.shape[-2]
-    scale = options.pop("scale", None)
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cap = _args.softcap(options.get("softcap"))
-    slopes = options.pop("alibi_slopes", None)
+    given.pop("score_mod_grad", None)  # the backward's: not a forward option
+    opts = Options.parse(options, **given)
+    scale = 1.0 / math.sqrt(d) if opts.scale is None else opts.scale
+    cap = opts.softcap
+    slopes = opts.alibi_slopes
     # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
     # any other), and a row with no visible key then has lse = sink.
-    sinks = options.pop("sinks", None)
-    plain = {key: val for key, val in options.items() if key != "score_mod_grad"}
-    stats = row_stats(q, k, scale=scale, **plain)
+    sinks = opts.sinks
+    stats = row_stats(q, k, options=replace(opts, scale=scale, alibi_slopes=None, sinks=None))
     sigma, n_vis = stats[:2]
     # An overflowing size (|q| . |k| beyond the range) is held at the largest float: an
     # infinite one would allow any error, a gate without power.
@@ -204,27 +210,28 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, **options) -> Tolerance:
                      underflow=np.where(seen[..., None], 2 * underflow, 0.0), delta=delta)
 
 
-def row_stats(q, k, *, scale=None, block_q=None, block_k=None, mask_mod=None, score_mod=None,
-              block_mask=None, softcap=None, **masks):
+def row_stats(q, k, *, block_q=None, block_k=None, options=None, **given):
     """``(sigma, n_vis)``, each ``(..., Hq, Sq)``: a row's score size and visible key count.
 
     ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for a
     row with none) and ``n_vis_i`` their number, computed tile by tile as the tiled kernel
     visits them (SKIP tiles never touched), so memory stays bounded at any length.
-    ``masks`` are the masking arguments of `~attnlib.attention`; ``mask_mod`` (or a block
-    mask's) joins them.  With ``score_mod`` a third array comes back: ``max |score_mod(s)|``
+    ``given`` are the masking arguments of `~attnlib.attention` (or ``options``, an
+    `~attnlib.core.options.Options`, with ``given`` on top); ``mask_mod`` (or a block mask's)
+    joins them; ALiBi and sinks are not the scores' size and are not read.  With ``score_mod`` a third array comes back: ``max |score_mod(s)|``
     over the row's visible keys (``s`` the scores after ``softcap``), the size of what
     the modification computes.
     """
-    q = _args.as_float_array(q, "q")
-    k = _args.as_float_array(k, "k")
+    opts = dense_options(options, **given)  # contiguous keys, as the dense reference it bounds
+    q = arrays.as_float_array(q, "q")
+    k = arrays.as_float_array(k, "k")
     # parse checks the shapes and groups the heads; a one-column v stands in for v.
-    q5, k5, _, pb = _args.parse(q, k, k[..., :1], scale=scale, check_finite_inputs=False)
-    bq = _args.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
-    bk = _args.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
-    specs = mask_specs(pb.batch, pb.sq, pb.sk, **masks)
-    mask_mod = flex.visible_mod(mask_mod, block_mask)  # a block mask carries its own mask_mod
-    cap = _args.softcap(softcap)
+    q5, k5, _, pb = problem.parse(q, k, k[..., :1], scale=opts.scale, check_finite_inputs=False)
+    bq = validate.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
+    bk = validate.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
+    specs = opts.specs(pb)
+    mask_mod = flex.visible_mod(opts.mask_mod, opts.block_mask)  # a block mask carries its own mask_mod
+    score_mod, cap = opts.score_mod, opts.softcap
     mod_size = np.zeros(q5.shape[:-1]) if score_mod is not None else None
     qa = np.abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
     ka = np.abs(k5)  # (*batch, hk, 1, sk, d)
@@ -275,14 +282,14 @@ class Gate:
     """The dense reference of one problem with its tolerances; judges ``(out, lse)`` pairs.
 
     Building it runs the reference once (``out``, ``P @ |V|`` and ``lse``) and the
-    tolerances; with ``oracle=True`` the reference is `~attnlib.oracle.oracle_attention`
+    tolerances; with ``oracle=True`` the reference is `~attnlib.core.oracle.oracle_attention`
     (extended precision) and the tolerance one implementation's, half the default; `judge` is then cheap, so many candidate outputs (the real kernel and
     injected defects) can be judged against one reference.
 
     Examples
     --------
     >>> import attnlib
-    >>> from attnlib.gate import Gate
+    >>> from attnlib.evidence.gate import Gate
     >>> q, k, v = attnlib.random_qkv(300, 400, 64, seed=0)
     >>> gate = Gate(q, k, v, block_k=64, causal=True)
     >>> out, lse = attnlib.attention(q, k, v, causal=True, block_k=64, return_lse=True)
@@ -292,14 +299,15 @@ class Gate:
     False
     """
 
-    def __init__(self, q, k, v, *, block_k=None, oracle=False, **options):
-        self.ref, self.ref_abs, self.ref_lse = reference_with_abs(q, k, v, return_lse=True, **options)
-        self.tol = tolerance(q, k, v, self.ref_lse, block_k=block_k, **options)
+    def __init__(self, q, k, v, *, block_k=None, oracle=False, options=None, **given):
+        self.options = Options.parse(options, **given)  # once, for every reference below
+        self.ref, self.ref_abs, self.ref_lse = reference_with_abs(q, k, v, return_lse=True, options=self.options)
+        self.tol = tolerance(q, k, v, self.ref_lse, block_k=block_k, options=self.options)
         self.oracle = bool(oracle)
         if self.oracle:
             # Against the extended-precision oracle only one implementation's error remains:
             # half the tolerance of two.  P @ |V| is a size and stays the float64 one.
-            self.ref, self.ref_lse = oracle_attention(q, k, v, return_lse=True, **options)
+            self.ref, self.ref_lse = oracle_attention(q, k, v, return_lse=True, **self.options.given())
             self.tol = self.tol.halved()
 
     def judge(self, out, lse) -> dict:
@@ -310,8 +318,8 @@ class Gate:
         (equal infinities, ``-inf`` on rows with no key, count as no error).  Passes when
         ``rel_error < BOUND`` (the contract's requirement) and both ratios are ``<= 1``.
         """
-        out = _args.as_float_array(out, "out").astype(np.float64, copy=False)
-        lse = _args.as_float_array(lse, "lse").astype(np.float64, copy=False)
+        out = arrays.as_float_array(out, "out").astype(np.float64, copy=False)
+        lse = arrays.as_float_array(lse, "lse").astype(np.float64, copy=False)
         if out.shape != self.ref.shape or lse.shape != self.ref_lse.shape:
             raise ValueError(f"out {out.shape} and lse {lse.shape} must have the reference's "
                              f"shapes {self.ref.shape} and {self.ref_lse.shape}")
@@ -366,7 +374,7 @@ class GradientGate:
     Examples
     --------
     >>> import attnlib
-    >>> from attnlib.gate import GradientGate
+    >>> from attnlib.evidence.gate import GradientGate
     >>> q, k, v = attnlib.random_qkv(200, 300, 32, seed=0)
     >>> dout = attnlib.random_qkv(200, 1, 32, seed=1)[0]
     >>> gate = GradientGate(q, k, v, dout, causal=True)
@@ -378,25 +386,28 @@ class GradientGate:
     False
     """
 
-    def __init__(self, q, k, v, dout, *, sizes=False, **options):
-        from .backward import reference_attention_backward
+    def __init__(self, q, k, v, dout, *, sizes=False, options=None, **given):
+        from ..core.backward import _score_mod_grad, dense_backward
+
+        mod_grad = given.pop("score_mod_grad", None)
+        self.options = Options.parse(options, **given)  # once, for both backwards and the tolerance
+        mod_grad = _score_mod_grad(mod_grad, self.options)
 
         # rss: the terms' sizes with |dp| and D's terms; dot: with what the dot products
         # dp = dout . v and D sum, componentwise (|dp| may cancel), carrying only their g(Dv).
         # sizes: also `gradient_errors`'s P @ |V|-like sizes (``self.sizes``), from the same call.
-        first = reference_attention_backward(q, k, v, dout, return_rss=True, rss_accumulate=0.0,
-                                             return_abs=_args.flag(sizes, "sizes"), **options)
+        first = dense_backward(q, k, v, dout, self.options, mod_grad, return_rss=True, rss_accumulate=0.0,
+                               return_abs=validate.flag(sizes, "sizes"))
         self.ref, rss = first[0], first[-1]
         self.sizes = first[1] if sizes else None
-        _, dot = reference_attention_backward(q, k, v, dout, return_rss="dot", **options)
+        _, dot = dense_backward(q, k, v, dout, self.options, mod_grad, return_rss="dot")
         self.names = ("dq", "dk", "dv", "dsinks")[:len(self.ref)]
-        q = _args.as_float_array(q, "q")
-        k = _args.as_float_array(k, "k")
-        v = _args.as_float_array(v, "v")
-        plain = {key: val for key, val in options.items() if key != "score_mod_grad"}
-        delta = tolerance(q, k, v, None, block_k=1, **plain).delta
+        q = arrays.as_float_array(q, "q")
+        k = arrays.as_float_array(k, "k")
+        v = arrays.as_float_array(v, "v")
+        delta = tolerance(q, k, v, None, block_k=1, options=self.options).delta
         self.e = gradient_rounding(float(np.max(delta, initial=0.0)), max(q.shape[-2], k.shape[-2]),
-                                   v.shape[-1], _args.softcap(options.get("softcap")))
+                                   v.shape[-1], self.options.softcap)
         e_dot = 2 * _g(v.shape[-1])  # dp's and D's sums of Dv terms, each implementation
         self.tol = tuple(2 * (self.e * np.maximum(np.abs(r) + s, TINY) + e_dot * t)
                          for r, s, t in zip(self.ref, rss, dot))
@@ -408,7 +419,7 @@ class GradientGate:
             raise ValueError(f"grads must be {len(self.ref)} arrays ({', '.join(self.names)}), got {len(grads)}")
         result = {}
         for name, g, r, tol in zip(self.names, grads, self.ref, self.tol):
-            g = _args.as_float_array(g, name).astype(np.float64, copy=False)
+            g = arrays.as_float_array(g, name).astype(np.float64, copy=False)
             if g.shape != r.shape:
                 raise ValueError(f"{name} must have the reference's shape {r.shape}, got {g.shape}")
             err = np.where(np.isfinite(g), np.abs(g - r), np.inf)

@@ -12,8 +12,11 @@ import numbers
 
 import numpy as np
 
-from . import _args, flex
-from .masks import mask_specs
+from . import arrays
+from . import problem
+from . import validate
+from . import flex
+from .options import Options
 
 
 def reference_scores(q, k, *, check_finite=True, **options):
@@ -22,15 +25,25 @@ def reference_scores(q, k, *, check_finite=True, **options):
     ``s[i, j] = scale * (q[i] . k[j])``, softcapped, ``-inf`` where invisible, plus ALiBi.
     ``options`` are the masking and score arguments of `attention`.
     """
-    k = _args.as_float_array(k, "k")
-    q5, k5, _, pb = _args.parse(q, k, k[..., :1], scale=options.pop("scale", None),
-                                check_finite_inputs=check_finite)
-    return pb.merge_heads(_scores(q5, k5, pb, **options), 2)
+    opts = dense_options(**options)
+    k = arrays.as_float_array(k, "k")
+    q5, k5, _, pb = problem.parse(q, k, k[..., :1], scale=opts.scale, check_finite_inputs=check_finite)
+    return pb.merge_heads(_scores(q5, k5, pb, opts), 2)
 
 
-def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, block_mask=None,
-            **options):
-    visible, distance, cap, slopes = pair_terms(pb, dtype=dtype, **options)
+def dense_options(options=None, /, **given) -> Options:
+    """`Options.parse` for the dense references, which take contiguous keys only."""
+    opts = Options.parse(options, **given)
+    if opts.paged:
+        raise ValueError("the dense reference takes contiguous keys: gather a paged cache first "
+                         "(attnlib.core.paged.gather_pages)")
+    return opts
+
+
+def _scores(q5, k5, pb, opts: Options, dtype=np.float64):
+    """The scores ``(..., hk, g, sq, sk)`` in ``dtype``, ``-inf`` where invisible."""
+    visible, distance, cap, slopes = pair_terms(pb, opts, dtype)
+    mask_mod, score_mod, block_mask = opts.mask_mod, opts.score_mod, opts.block_mask
     flex.check_elementwise(mask_mod, score_mod, pb.sq, pb.sk)
     mask_mod = flex.visible_mod(mask_mod, block_mask)  # a block mask carries its own mask_mod
     b, h = flex.index_grids(pb, ())  # (*batch, hk, g): each head's batch entry and query head
@@ -40,12 +53,13 @@ def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, bloc
         visible = visible & flex.mask_values(mask_mod, b, h, i, j, b.shape[:-2] + (pb.sq, pb.sk))
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
     # computes the same function more precisely, not a different one.
-    may_overflow = _args.scores_may_overflow(q5, k5, pb.scale, dtype)
+    may_overflow = problem.scores_may_overflow(q5, k5, pb.scale, dtype, q_max=pb.max_of("q", q5),
+                                               k_max=pb.max_of("k", k5))
     # An overflow is reported below, and only where a visible pair has it.
     with np.errstate(over="ignore", invalid="ignore") if may_overflow else contextlib.nullcontext():
         s = dtype(pb.scale) * np.matmul(q5.astype(dtype), np.swapaxes(k5.astype(dtype), -1, -2))
     if may_overflow and (~np.isfinite(s) & visible).any():
-        raise ValueError(_args.overflow_message(s.dtype))
+        raise ValueError(problem.overflow_message(s.dtype))
     if cap is not None:
         with np.errstate(over="ignore"):  # s / cap beyond the range: tanh(+-inf) = +-1, exact
             s = dtype(cap) * np.tanh(s / dtype(cap))
@@ -59,14 +73,12 @@ def _scores(q5, k5, pb, *, dtype=np.float64, mask_mod=None, score_mod=None, bloc
         with np.errstate(over="ignore") if may_overflow else contextlib.nullcontext():
             biased = s - slopes.astype(dtype)[..., None, None] * distance
         if may_overflow and (np.isfinite(s) & ~np.isfinite(biased)).any():  # a score beyond the range
-            raise ValueError(_args.overflow_message(s.dtype))
+            raise ValueError(problem.overflow_message(s.dtype))
         s = biased
     return s
 
 
-def pair_terms(pb, *, causal=False, causal_align="bottom_right", window=None, kv_lengths=None,
-               q_lengths=None, q_segment_ids=None, kv_segment_ids=None, softcap=None,
-               alibi_slopes=None, dtype=np.float64):
+def pair_terms(pb, opts: Options, dtype=np.float64):
     """What the score options say about each pair: ``(visible, distance, cap, slopes)``.
 
     ``visible`` (bool) and ``distance`` (the ALiBi ``|i + o - j|``, or None without ALiBi)
@@ -74,12 +86,9 @@ def pair_terms(pb, *, causal=False, causal_align="bottom_right", window=None, kv
     entry; ``cap`` is the softcap or None; ``slopes`` the ALiBi slopes ``(..., hk, g)`` or
     None.
     """
-    specs = mask_specs(pb.batch, pb.sq, pb.sk, causal=causal, causal_align=causal_align,
-                       window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-    cap = _args.softcap(softcap)
-    cap = _args.softcap_in(cap, dtype, "low-precision")  # a low-precision baseline keeps it in float32
-    slopes = _args.alibi_slopes(alibi_slopes, pb, dtype)  # (..., hk, g)
+    specs = opts.specs(pb)
+    cap = problem.softcap_in(opts.softcap, dtype, "low-precision")  # a low-precision baseline keeps it in float32
+    slopes = problem.alibi_slopes(opts.alibi_slopes, pb, dtype)  # (..., hk, g)
     i, j = np.arange(pb.sq), np.arange(pb.sk)
 
     def per_pair(fn):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
@@ -131,28 +140,32 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     before ``exp`` (where it is finite) so that nothing overflows and logits of ``-1e4``
     do not all underflow to 0.
     """
-    q5, k5, v5, pb = _args.parse(q, k, v, scale=options.pop("scale", None),
-                                 check_finite_inputs=check_finite)
-    prec = _args.precision(compute_dtype)
-    _args.check_representable(prec, q=q5, k=k5, v=v5)
+    return dense_attention(q, k, v, dense_options(**options), return_lse=return_lse,
+                           check_finite=check_finite, compute_dtype=compute_dtype)
+
+
+def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None):
+    """`reference_attention` with its options parsed into ``opts``."""
+    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
+    prec = problem.precision(compute_dtype)
+    problem.check_representable(prec, q=q5, k=k5, v=v5)
     if prec.is_float64:
-        out, lse = _dense(q5, k5, v5, pb, np.float64, options)
+        out, lse = _dense(q5, k5, v5, pb, np.float64, opts)
     else:
         out, lse = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
-                          prec.accumulate.type, options, prec.round)
+                          prec.accumulate.type, opts, prec.round)
         out = out.astype(prec.compute)
     return (out, lse) if return_lse else out
 
 
-def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
+def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None):
     """``(out, lse)`` in the caller's layout, computed densely in ``dtype``.
 
     ``round_lowp`` rounds the scores and the weights to a low compute precision (the naive
     same-precision baseline); None computes everything in ``dtype``.
     """
-    options = dict(options)
-    sink = _args.sinks(options.pop("sinks", None), pb, dtype)  # (..., hk, g) or None
-    s = _scores(q5, k5, pb, dtype=dtype, **options)  # (..., hk, g, sq, sk)
+    sink = problem.sinks(opts.sinks, pb, dtype)  # (..., hk, g) or None
+    s = _scores(q5, k5, pb, opts, dtype)  # (..., hk, g, sq, sk)
     if round_lowp is not None:
         s = round_lowp(s)  # a naive kernel stores its scores in the compute type
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # -inf for rows with no key
@@ -166,11 +179,11 @@ def _dense(q5, k5, v5, pb, dtype, options, round_lowp=None):
         with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
             l = l + np.exp(sink - m)  # the sink's weight joins the denominator only
     seen = l > 0
-    v_max = _args.abs_max(v5)
-    e = _args.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
+    v_max = pb.max_of("v", v5)
+    e = problem.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
     v_scaled = v5.astype(dtype) if not e else np.ldexp(v5.astype(dtype), -e)
     out = np.matmul(p if round_lowp is None else round_lowp(p), v_scaled)
-    out = _args.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
+    out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1)
@@ -190,10 +203,10 @@ def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,
     ``(..., n_q_tiles, n_k_tiles)``, summed over the rows of each query tile, to compare
     with the kernel's ``stats.rescales``.
     """
-    scores = _args.as_float_array(scores, "scores")
+    scores = arrays.as_float_array(scores, "scores")
     if scores.ndim < 2:
         raise ValueError(f"scores must have shape (..., Sq, Sk), got {scores.shape}")
-    block_q, block_k = _args.positive_int(block_q, "block_q"), _args.positive_int(block_k, "block_k")
+    block_q, block_k = validate.positive_int(block_q, "block_q"), validate.positive_int(block_k, "block_k")
     if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, numbers.Real) \
             or not 0 <= threshold < np.inf:
         raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")

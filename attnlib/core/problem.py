@@ -1,102 +1,28 @@
-"""Argument checking shared by every entry point.
+"""The checked problem of one call: its shapes, its precision and the per-head options.
 
-Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind,
-wrong value) with a message that names the argument and what was wrong.  Nothing here
-copies or writes to the inputs: `split_heads` returns views.
+`parse` checks q, k, v against the contract's layout once and returns grouped views and a
+`Problem`; `Precision` is the type a kernel under test computes in.  The per-head score
+options (ALiBi slopes, sinks, the softcap) are resolved against the problem here.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
-import sys
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from .online import MAX_THRESHOLD
-
-ALIGNS = ("bottom_right", "top_left")
-
-# The finite check looks at this many elements at a time, so it keeps the kernel's
-# memory bound (a full ``np.isfinite(q)`` would allocate a bool copy of q).
-_FINITE_CHUNK = 1 << 16
+from .arrays import abs_max, as_float_array, check_finite, finfo
 
 
 #: The contract's strict floating-point mode: a division by zero, an overflow or an invalid
 #: operation (inf - inf, 0 / 0, ...) raises instead of leaving an inf or a NaN behind.
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 
-# Floating types of ml_dtypes (bfloat16, float8): not numpy floating subtypes, but real
-# floating values all the same, converted to float64 exactly.
-_ML_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2",
-              "float8_e5m2fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu", "float6_e2m3fn",
-              "float6_e3m2fn", "float4_e2m1fn")
 
-
-def _is_ml_float(dtype: np.dtype) -> bool:
-    ml_dtypes = sys.modules.get("ml_dtypes")  # an array of its types means it is imported
-    if ml_dtypes is None:
-        return False
-    return any(dtype == np.dtype(t) for t in (getattr(ml_dtypes, n, None) for n in _ML_FLOATS)
-               if t is not None)
-
-
-def as_float_array(x, name: str) -> np.ndarray:
-    """``x`` as an ndarray of a real floating dtype (no copy for numpy float arrays).
-
-    Arrays of the ml_dtypes floating types (bfloat16, float8) are converted to float64
-    (exactly): numpy does not count them as floating, but they are real floats.  torch
-    tensors (any device, any float type, with or without grad) are read exactly as well.
-    """
-    if type(x) is not np.ndarray:  # tensors, lists, subclasses (masked arrays): read exactly or refused
-        from .check.arrays import as_numpy  # bfloat16 and float8 exactly, any device
-
-        x = as_numpy(x, name)
-    arr = np.asarray(x)
-    if not np.issubdtype(arr.dtype, np.floating):
-        if _is_ml_float(arr.dtype):
-            return arr.astype(np.float64)
-        kind = "complex" if np.iscomplexobj(arr) else str(arr.dtype)
-        raise TypeError(
-            f"{name} must have a real floating dtype (float16/32/64, bfloat16), got {kind}"
-        )
-    return arr
-
-
-def check_finite(x: np.ndarray, name: str) -> None:
-    """Raise ValueError if ``x`` holds NaN or inf.
-
-    Two reductions, no temporary: ``min`` and ``max`` propagate NaN and show inf, so finite
-    extremes prove the whole array finite, and give ``max |x|`` for `scores_may_overflow`
-    on the way (kept for the rest of this call in this thread, see `abs_max`).  Only an
-    array that fails is scanned again, along the sequence axis in chunks, to name the
-    first bad entry.
-    """
-    if x.size == 0:
-        return
-    low, high = float(x.min()), float(x.max())
-    if math.isfinite(low) and math.isfinite(high):
-        key = _identity(x)
-        if key is not None:
-            _seen.maxima[key] = max(abs(low), abs(high))
-        return
-    per_row = x.size // x.shape[-2] if x.shape[-2] else 1
-    step = max(1, _FINITE_CHUNK // max(per_row, 1))
-    for s0 in range(0, x.shape[-2], step):
-        finite = np.isfinite(x[..., s0 : s0 + step, :])
-        if not finite.all():
-            where = np.argwhere(~finite)[0]
-            where[-2] += s0
-            raise ValueError(
-                f"{name} contains NaN or inf (first at index {tuple(int(w) for w in where)});"
-                " pass check_finite=False to skip this check"
-            )
-
-
-def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.float64) -> bool:
+def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.float64, *,
+                        q_max=None, k_max=None) -> bool:
     """Whether some score ``scale * q_i . k_j`` might overflow ``dtype``, from an O(n) bound.
 
     ``|scale * q_i . k_j| <= D * max|q| * max|k| * |scale|``; the bound used,
@@ -105,54 +31,17 @@ def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.flo
     order of the additions.  False means no score can overflow, so the kernels skip their
     per-tile check; True only means they make it (see `overflow_message`).  Inputs holding
     NaN or inf (passed with ``check_finite=False``) are not checked: their scores are
-    non-finite by the caller's choice.
+    non-finite by the caller's choice.  ``q_max``, ``k_max``: the maxima, if known
+    (`Problem.max_of`).
     """
     if q.size == 0 or k.size == 0:
         return False
-    q_max, k_max = abs_max(q), abs_max(k)
+    q_max = abs_max(q) if q_max is None else q_max
+    k_max = abs_max(k) if k_max is None else k_max
     if not (math.isfinite(q_max) and math.isfinite(k_max)):
         return False  # non-finite inputs (check_finite=False): the caller gets what they asked for
     bound = q.shape[-1] * q_max * max(k_max, 1.0) * max(abs(float(scale)), 1.0)  # inf if huge
     return not bound < float(np.finfo(dtype).max) / 16
-
-
-class _Seen(threading.local):
-    """``max |x|`` of the arrays `check_finite` passed in this thread's current call."""
-
-    def __init__(self):
-        self.maxima = {}
-
-
-_seen = _Seen()
-
-
-def _identity(x: np.ndarray):
-    """The elements a C-contiguous array holds, for its reshaped views alike (``q`` and its
-    grouped ``q5``): start, size and type fix them.  None for any other array, whose
-    start and size do not (``X[:4]`` and ``X[::2]`` share both)."""
-    if not x.flags.c_contiguous:
-        return None
-    return x.__array_interface__["data"][0], x.size, x.dtype.str
-
-
-def abs_max(x: np.ndarray) -> float:
-    """``max |x|`` from two reductions (no ``|x|`` copy); 0 for an empty array.  Free when
-    `check_finite` has just scanned the same memory in this call (see `parse`)."""
-    if not x.size:
-        return 0.0
-    key = _identity(x)
-    known = None if key is None else _seen.maxima.get(key)
-    return known if known is not None else max(abs(float(x.max())), abs(float(x.min())))
-
-
-def finfo(dtype):
-    """``np.finfo``, or ``ml_dtypes.finfo`` for its types (bfloat16), which numpy does not know."""
-    try:
-        return np.finfo(dtype)
-    except ValueError:
-        import ml_dtypes
-
-        return ml_dtypes.finfo(dtype)
 
 
 def check_representable(prec: "Precision", **arrays) -> None:
@@ -213,71 +102,6 @@ def overflow_message(dtype) -> str:
     return (f"scores overflow {dtype}: |scale * q . k| exceeds {float(np.finfo(dtype).max):.3g} "
             "for a visible pair of q and k (their softmax is undefined in this precision); "
             "scale q or k down")
-
-
-def positive_int(x, name: str) -> int:
-    """``x`` as a positive Python int; bools and non-integral numbers are refused."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer, got {x!r}")
-    if x <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {x!r}")
-    return int(x)
-
-
-def count(x, name: str) -> int:
-    """``x`` as a non-negative Python int."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be a non-negative integer, got {x!r}")
-    if x < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {x!r}")
-    return int(x)
-
-
-def physical_memory() -> int | None:
-    """This machine's memory in bytes (None where the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, OSError, ValueError):  # Windows
-        return None
-
-
-def check_allocation(nbytes: int, what: str) -> None:
-    """ValueError when an array the call would make, ``what``, needs more than this
-    machine's memory: said before the allocation, rather than a MemoryError (or numpy's
-    "array is too big") part way through."""
-    limit = physical_memory()
-    if limit is not None and nbytes > limit:
-        raise ValueError(f"{what} would take {nbytes / 2**30:.3g} GiB, more than this machine's "
-                         f"{limit / 2**30:.3g} GiB")
-
-
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-def workers(x) -> int:
-    """Thread count: a positive integer; None or -1 for every available CPU (the default
-    of the kernels; -1 is SciPy's spelling)."""
-    if x is None:
-        return available_cpus()
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral) or not (x >= 1 or x == -1):
-        raise ValueError(f"workers must be a positive integer, -1 or None (all CPUs), got {x!r}")
-    return available_cpus() if x == -1 else int(x)
-
-
-def threshold(x) -> float:
-    """A lazy-rescale threshold in natural-log units, ``0 <= x <= MAX_THRESHOLD``."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(f"rescale_threshold must be a real number, got {x!r}")
-    if not (0 <= x <= MAX_THRESHOLD):
-        raise ValueError(
-            f"rescale_threshold must be in [0, {MAX_THRESHOLD:g}] (natural-log units; larger "
-            f"would let exp(s - m) overflow), got {x!r}")
-    return float(x)
 
 
 @dataclass(frozen=True)
@@ -351,24 +175,13 @@ def extended_precision() -> Precision | None:
     return Precision("longdouble", dt, dt, float(info.eps))
 
 
-def flag(x, name: str) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {x!r}")
-    return bool(x)
-
-
-def causal_align(x) -> str:
-    if x not in ALIGNS:
-        raise ValueError(f"causal_align must be one of {ALIGNS}, got {x!r}")
-    return x
-
-
 @dataclass(frozen=True)
 class Problem:
     """The checked shape of one attention call.
 
     ``batch`` are the leading axes; ``hq``/``hk`` the query and key/value heads
     (``group = hq // hk`` query heads share one kv head); ``squeeze`` marks 2-D inputs.
+    ``maxima``: ``max |q|, max |k|, max |v|`` when the finite check found them, else None.
     """
 
     batch: tuple
@@ -380,10 +193,18 @@ class Problem:
     dv: int
     scale: float
     squeeze: bool
+    maxima: tuple | None = None
 
     @property
     def group(self) -> int:
         return self.hq // self.hk
+
+    def max_of(self, name: str, x: np.ndarray) -> float:
+        """``max |x|`` of the grouped input ``name`` ("q", "k" or "v"): the finite check's
+        figure when it ran, else two reductions of ``x``."""
+        if self.maxima is None:
+            return abs_max(x)
+        return self.maxima["qkv".index(name)]
 
     def merge_heads(self, x: np.ndarray, tail: int) -> np.ndarray:
         """``(*batch, hk, group, *tail)`` back to the caller's ``(*batch, hq, *tail)`` layout."""
@@ -409,10 +230,9 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
             "q, k and v must have the same number of dimensions, got shapes "
             f"q {q.shape}, k {k.shape}, v {v.shape}"
         )
-    _seen.maxima = {}  # a new call: what earlier calls saw may have changed since
+    maxima = None
     if check_finite_inputs:
-        for x, name in ((q, "q"), (k, "k"), (v, "v")):
-            check_finite(x, name)
+        maxima = tuple(check_finite(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     squeeze = q.ndim == 2
     if squeeze:  # one head: (S, D) -> (1, S, D)
         q, k, v = q[None], k[None], v[None]
@@ -451,111 +271,8 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
     q5 = q.reshape(batch + (hk, g, sq, d))  # splitting one axis: always a view
     k5 = k[..., None, :, :]
     v5 = v[..., None, :, :]
-    problem = Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze)
+    problem = Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze, maxima)
     return q5, k5, v5, problem
-
-
-#: A window side this wide is unbounded for any array numpy can hold; mapping it to None keeps
-#: the mask arithmetic (``i + o + right`` in int64) far from wrapping around.
-_WINDOW_UNBOUNDED = 1 << 62
-
-
-def window(x, limit: int | None = None):
-    """``(left, right)``: each a non-negative integer or None (unbounded); None = no window.
-
-    A side ``>= limit`` (give ``Sq + Sk``: no pair is that far apart, whatever the
-    alignment) or ``>= 2**62`` is returned as None, since it bounds nothing: so that
-    ``window=(None, sys.maxsize)`` or ``(10**30, None)`` means exactly no window instead of
-    overflowing the int64 index arithmetic.
-    """
-    if x is None:
-        return (None, None)
-    if not isinstance(x, (tuple, list)) or len(x) != 2:
-        raise ValueError(f"window must be a pair (left, right) or None, got {x!r}")
-    sides = []
-    for side, value in zip(("left", "right"), x):
-        if value is None:
-            sides.append(None)
-            continue
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"window {side} must be a non-negative integer or None, got {value!r}")
-        value = int(value)
-        if value < 0:
-            raise ValueError(f"window {side} must be a non-negative integer or None, got {value!r}")
-        unbounded = value >= _WINDOW_UNBOUNDED or (limit is not None and value >= limit)
-        sides.append(None if unbounded else value)
-    return tuple(sides)
-
-
-def window_side(text: str) -> int:
-    """One ``--window`` side of the command lines: an integer ``>= 0``, or -1 for unbounded
-    (argparse reports anything else as a usage error, exit status 2)."""
-    import argparse
-
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if x < -1:
-        raise argparse.ArgumentTypeError(f"{x} is not a window side: give an integer >= 0, or -1 for "
-                                         "an unbounded side")
-    return x
-
-
-def cli_window(values):
-    """``--window L R`` of the command lines as `window` takes it: -1 is an unbounded side
-    (FlashAttention's convention); None stays None."""
-    if values is None:
-        return None
-    return tuple(None if x < 0 else x for x in values)
-
-
-def _integers(x, name):
-    arr = np.asarray(x)
-    if arr.size == 0 and arr.dtype == np.float64 and not isinstance(x, np.ndarray):
-        arr = arr.astype(np.int64)  # an empty list: no value to be anything but an integer
-    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr
-
-
-def lengths(x, name: str, batch: tuple, limit: int, limit_name: str):
-    """Per-batch-entry lengths: integers of shape ``batch`` in ``[0, limit]``."""
-    if x is None:
-        return None
-    arr = _integers(x, name)
-    if arr.shape != batch:
-        raise ValueError(f"{name} must have the batch shape {batch}, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > limit):
-        raise ValueError(
-            f"{name} must be in [0, {limit_name}={limit}], got values in [{arr.min()}, {arr.max()}]")
-    return arr
-
-
-def segment_ids(q_ids, kv_ids, batch: tuple, sq: int, sk: int):
-    """Document ids ``(*batch, Sq)`` and ``(*batch, Sk)``: both or neither."""
-    if q_ids is None and kv_ids is None:
-        return None, None
-    if q_ids is None or kv_ids is None:
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    q_ids = _integers(q_ids, "q_segment_ids")
-    kv_ids = _integers(kv_ids, "kv_segment_ids")
-    if q_ids.shape != batch + (sq,):
-        raise ValueError(f"q_segment_ids must have shape {batch + (sq,)} (batch axes, Sq), got {q_ids.shape}")
-    if kv_ids.shape != batch + (sk,):
-        raise ValueError(f"kv_segment_ids must have shape {batch + (sk,)} (batch axes, Sk), got {kv_ids.shape}")
-    return q_ids, kv_ids
-
-
-def softcap(x):
-    """``c > 0`` caps scores as ``c * tanh(s / c)``; None or 0 means no cap (FlashAttention's 0.0)."""
-    if x is None:
-        return None
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(f"softcap must be a real number or None, got {x!r}")
-    if not math.isfinite(x) or x < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {x!r}")
-    return float(x) if x > 0 else None
 
 
 def softcap_in(cap, dtype, kernel: str):

@@ -23,12 +23,10 @@ same moment depends on timing, which would make a peak a matter of chance.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
-from . import _args
+from ..core import validate
+from .fresh import FreshProcessError, run_fresh
 
 PATHS = ("tiled", "dense")
 #: ``peak_memory`` also measures "stream" (`attention_stream` over a memmapped KV cache),
@@ -46,15 +44,10 @@ TOOLS = ("peak", "tracemalloc", "rss")
 def _in_subprocess(case: dict, timeout: float) -> dict:
     if case["path"] not in ALL_PATHS:
         raise ValueError(f"path must be one of {ALL_PATHS}, got {case['path']!r}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "attnlib.memory", json.dumps(case)],
-        capture_output=True, text=True, timeout=timeout,
-    )
-    if proc.returncode != 0:
-        how = (f"killed by signal {-proc.returncode} (e.g. out of memory)" if proc.returncode < 0
-               else f"exit status {proc.returncode}")
-        raise RuntimeError(f"memory measurement {case} failed ({how}):\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return run_fresh(_measure, case, timeout=timeout)
+    except FreshProcessError as e:
+        raise RuntimeError(f"memory measurement {case} failed ({e.how}):\n{e.stderr}") from None
 
 
 def peak_memory(path: str, sq: int, sk: int | None = None, d: int = 64, *,
@@ -126,8 +119,10 @@ def memory_timeline(path: str, tool: str, n: int, d: int = 64, *, causal: bool =
 
 
 def _call(case, q, k, v, grad_inputs=None):
-    from . import (attention, attention_backward, attention_stream, reference_attention,
-                   reference_attention_backward)
+    from ..core.tiled import attention
+    from ..core.backward import attention_backward, reference_attention_backward
+    from ..core.stream import attention_stream
+    from ..core.reference import reference_attention
 
     if case["path"] == "tiled_backward":
         out, lse, dout = grad_inputs
@@ -290,7 +285,7 @@ def _measure(case: dict) -> dict:
 
     # Strict mode: a division by zero, overflow or invalid operation raises, in the
     # warm-up and in the measured call alike.
-    from ._args import STRICT
+    from ..core.problem import STRICT
 
     np.seterr(**STRICT)
     backward = case["path"].endswith("_backward")
@@ -298,7 +293,7 @@ def _measure(case: dict) -> dict:
     def grads_for(q, k, v, seed):  # forward results and an upstream gradient, made untraced
         if not backward:
             return None
-        from . import attention
+        from ..core.tiled import attention
 
         out, lse = attention(q, k, v, causal=case["causal"], return_lse=True)
         return out, lse, np.random.default_rng(seed).standard_normal(out.shape)
@@ -357,10 +352,6 @@ def _measure(case: dict) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    print(json.dumps(_measure(json.loads(sys.argv[1]))))
-
-
 def dense_bytes(sq: int, sk: int, heads: int = 1) -> int:
     """The dense reference's working memory: about three ``(heads, Sq, Sk)`` float64 arrays
     (scores, masked scores, their exp), as `peak_memory` measures it."""
@@ -369,7 +360,7 @@ def dense_bytes(sq: int, sk: int, heads: int = 1) -> int:
 
 def physical_memory() -> int:
     """This machine's physical memory in bytes (0 if it cannot be read)."""
-    return _args.physical_memory() or 0
+    return validate.physical_memory() or 0
 
 
 def dense_fits(n: int, heads: int = 1, sk: int | None = None) -> bool:

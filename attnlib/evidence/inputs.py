@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import _args
+from ..core import validate
 
 
 def _shape(batch, heads, s, d):
@@ -32,8 +32,8 @@ def _check_sizes(sq, sk, d, dv):
     for value, name in ((sq, "sq"), (sk, "sk")):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    _args.positive_int(d, "d")
-    _args.positive_int(dv, "dv")
+    validate.positive_int(d, "d")
+    validate.positive_int(dv, "dv")
 
 
 def _heads(heads, kv_heads):
@@ -41,8 +41,8 @@ def _heads(heads, kv_heads):
         if kv_heads is not None:
             raise ValueError("kv_heads needs heads")
         return None, None
-    heads = _args.positive_int(heads, "heads")
-    kv_heads = heads if kv_heads is None else _args.positive_int(kv_heads, "kv_heads")
+    heads = validate.positive_int(heads, "heads")
+    kv_heads = heads if kv_heads is None else validate.positive_int(kv_heads, "kv_heads")
     if heads % kv_heads:
         raise ValueError(f"heads must be a multiple of kv_heads, got {heads} and {kv_heads}")
     return heads, kv_heads
@@ -60,7 +60,7 @@ def random_qkv(sq, sk=None, d=64, dv=None, *, batch=(), heads=None, kv_heads=Non
     _check_sizes(sq, sk, d, dv)
     heads, kv_heads = _heads(heads, kv_heads)
     shapes = [_shape(batch, heads, sq, d), _shape(batch, kv_heads, sk, d), _shape(batch, kv_heads, sk, dv)]
-    _args.check_allocation(8 * sum(math.prod(s) for s in shapes),
+    validate.check_allocation(8 * sum(math.prod(s) for s in shapes),
                            f"random_qkv's q {shapes[0]}, k {shapes[1]} and v {shapes[2]} (float64)")
     rng = np.random.default_rng(seed)
     q = rng.standard_normal(_shape(batch, heads, sq, d))
@@ -196,8 +196,8 @@ def adversarial_qkv(family, sq, sk=None, d=64, dv=None, *, causal=True,
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
-    block_k = _args.positive_int(block_k, "block_k")
-    _args.causal_align(causal_align)
+    block_k = validate.positive_int(block_k, "block_k")
+    validate.causal_align(causal_align)
     if not (isinstance(peak, (int, float)) and math.isfinite(peak) and peak > 0):
         raise ValueError(f"peak must be a positive finite number, got {peak!r}")
     # The noise z, z' and the values: standard normal, exactly as random_qkv draws them.
@@ -303,8 +303,8 @@ def random_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096) -> list[Cas
     GQA ratio 1, 2 or ``Hq``, no mask or causal with either alignment, random tiles.
     The first cases pin the corners: ``Sq = Sk = max_len``, ``Sq > Sk`` and ``Sq < Sk``.
     """
-    n = _args.positive_int(n, "n")
-    max_len = _args.positive_int(max_len, "max_len")
+    n = validate.positive_int(n, "n")
+    max_len = validate.positive_int(max_len, "max_len")
     rng = np.random.default_rng(seed)
     cases = []
     for c in range(n):
@@ -351,10 +351,10 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
     cross at least two key tiles (three for the longest) and the rescale path runs.  The
     first three cases pin the corners ``Sq = Sk = max_len``, ``Sq > Sk`` and ``Sq < Sk``.
     """
-    n = _args.positive_int(n, "n")
-    max_len = _args.positive_int(max_len, "max_len")
-    d = _args.positive_int(d, "d")
-    min_len = _args.positive_int(min_len, "min_len")
+    n = validate.positive_int(n, "n")
+    max_len = validate.positive_int(max_len, "max_len")
+    d = validate.positive_int(d, "d")
+    min_len = validate.positive_int(min_len, "min_len")
     if min_len > max_len or 2 * DIFFERENTIAL_BLOCKS[0] > min_len:
         raise ValueError(f"min_len must be in [{2 * DIFFERENTIAL_BLOCKS[0]}, max_len], "
                          f"got {min_len} with max_len {max_len}")
@@ -400,8 +400,8 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
     so every option is exercised and most in combination; the case pinned to ALiBi has no
     causal mask, so that keys lie on both sides of its queries.
     """
-    n = _args.positive_int(n, "n")
-    max_len = _args.positive_int(max_len, "max_len")
+    n = validate.positive_int(n, "n")
+    max_len = validate.positive_int(max_len, "max_len")
     rng = np.random.default_rng(seed)
     cases = []
     for c in range(n):
@@ -489,7 +489,7 @@ def varlen_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Pac
     ``8..max_len`` (a fifth of them empty on the query or the key side), ``Sq != Sk`` per
     sequence in half of them (decode-like), ``seqused_k`` in a third, GQA, head dim 32 or 64,
     and the options of `LAYOUT_OPTIONS` in turn."""
-    n = _args.positive_int(n, "n")
+    n = validate.positive_int(n, "n")
     rng = np.random.default_rng(seed + 31337)
     names = list(LAYOUT_OPTIONS)
     cases = []
@@ -548,7 +548,7 @@ def paged_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Page
     """``n`` seeded paged-cache problems: 1 to 4 entries of log-uniform key lengths in
     ``16..max_len`` (some empty), ragged page sizes (1, 7, 16, 64, 256), decode (``Sq = 1``) and
     short prefill (``Sq`` up to 64), GQA, and the options of `LAYOUT_OPTIONS` in turn."""
-    n = _args.positive_int(n, "n")
+    n = validate.positive_int(n, "n")
     rng = np.random.default_rng(seed + 271828)
     names = list(LAYOUT_OPTIONS)
     cases = []

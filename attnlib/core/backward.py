@@ -27,32 +27,37 @@ import threading
 
 import numpy as np
 
-from . import _args, flex
-from .masks import PARTIAL, SKIP, mask_specs
+from . import arrays
+from . import problem
+from . import validate
+from . import flex
+from . import hooks
+from .masks import PARTIAL, SKIP
+from .options import Options
 from .reference import _scores
-from .tiled import DEFAULT_TILES, Aborted, TileSizes, attention, run_tiles, tile_scores
-
-_MASKS = ("causal", "causal_align", "window", "kv_lengths", "q_lengths", "q_segment_ids",
-          "kv_segment_ids")
-_OPTIONS = _MASKS + ("softcap", "alibi_slopes", "sinks", "mask_mod", "score_mod", "block_mask",
-                     "score_mod_grad")
+from .tilesizes import DEFAULT_TILES
+from .parallel import Aborted, run_tiles
+from .tiled import attention
 
 
-#: The backward's one declared hook for injected defects (`attnlib.defects`): None, or
-#: ``hook(stage, x, **where)`` returning what the pass uses instead of ``x``, at these stages:
-#: ``"delta"`` (``D``, per row), ``"ds"`` (a tile's ``ds``), ``"dq_tile"`` / ``"dk_tile"`` /
-#: ``"dv_tile"`` (a tile's ``ds @ k_j``, ``ds^T q_i``, ``p^T dout_i``; a None ``dq_tile``
-#: drops it; ``where``: ``a``, ``b``, ``last`` = the last visible key tile of query tile
-#: ``a``) and ``"grads"`` (the finished ``(dq, dk, dv[, dsinks])``).  Read once per call.
-DEFECT_HOOK = None
 
 
-def _score_mod_grad(options):
-    """``score_mod_grad``, required with a ``score_mod`` (numpy has no autograd)."""
+def _options(scale, options: dict):
+    """``(Options, score_mod_grad)`` of a backward's keyword arguments: the forward's masking
+    and score options (not a paged cache) and the derivative of its ``score_mod``."""
+    options = dict(options)
     grad = options.pop("score_mod_grad", None)
-    if grad is not None and options.get("score_mod") is None:
+    opts = Options.parse(scale=scale, **options)
+    if opts.paged:
+        raise ValueError("the backward takes contiguous keys, not a paged KV cache")
+    return opts, _score_mod_grad(grad, opts)
+
+
+def _score_mod_grad(grad, opts: Options):
+    """``score_mod_grad``, required with a ``score_mod`` (numpy has no autograd)."""
+    if grad is not None and opts.score_mod is None:
         raise ValueError("score_mod_grad was given without a score_mod: it is the derivative of one")
-    if options.get("score_mod") is not None and grad is None:
+    if opts.score_mod is not None and grad is None:
         raise ValueError("the backward of a score_mod needs its derivative: pass score_mod_grad(score, b, h, "
                          "q_idx, kv_idx) -> d score_mod / d score (numpy has no autograd)")
     if grad is not None and not callable(grad):
@@ -60,21 +65,15 @@ def _score_mod_grad(options):
     return grad
 
 
-def _check_options(options: dict) -> None:
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: scale, {', '.join(_OPTIONS)}")
-
-
-def _grad_inputs(pb, check_finite, **arrays):
+def _grad_inputs(pb, check_finite, **given):
     """``out``/``dout`` ``(..., Hq, Sq, Dv)`` and ``lse`` ``(..., Hq, Sq)``, checked, as
     grouped views ``(*batch, hk, g, sq[, dv])``."""
     heads = pb.batch + (pb.hq, pb.sq)
     grouped = pb.batch + (pb.hk, pb.group, pb.sq)
     result = []
-    for name, x in arrays.items():
+    for name, x in given.items():
         tail = () if name == "lse" else (pb.dv,)
-        x = _args.as_float_array(x, name)
+        x = arrays.as_float_array(x, name)
         shape = (heads + tail)[1:] if pb.squeeze else heads + tail  # 2-D inputs: no head axis
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
@@ -82,7 +81,7 @@ def _grad_inputs(pb, check_finite, **arrays):
             if np.isnan(x).any() or np.isposinf(x).any():
                 raise ValueError("lse must be finite or -inf (rows without a visible key)")
         elif check_finite:
-            _args.check_finite(x, name)
+            arrays.check_finite(x, name)
         result.append(x.reshape(grouped + tail))
     return result
 
@@ -111,23 +110,23 @@ def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
     |k|) Sq g) max(1, |scale|)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of
     the range.  0, every bit as before, for any ordinary input.  ``values``: ``v`` (and ``out``).
     """
-    dout_max = _args.abs_max(dout5)
-    vo_max = max(_args.abs_max(x) for x in values)
+    dout_max = arrays.abs_max(dout5)
+    vo_max = max(arrays.abs_max(x) for x in values)
     if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
         return 0
-    qk_max = max(_args.abs_max(q5), _args.abs_max(k5))
+    qk_max = max(pb.max_of("q", q5), pb.max_of("k", k5))
     # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
     # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
     spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
     if qk_max and math.isfinite(qk_max):
         spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
-    return _args.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
+    return problem.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
                                 + spread, dtype)
 
 
 def _scaled_dout(dout, e: int) -> np.ndarray:
     """``dout / 2**e`` (a new array; the caller's is never modified)."""
-    return np.ldexp(_args.as_float_array(dout, "dout").astype(np.float64), -e)
+    return np.ldexp(arrays.as_float_array(dout, "dout").astype(np.float64), -e)
 
 
 def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks")):
@@ -219,19 +218,28 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     written out (see the module docstring).  Rows with no visible key have ``P = 0`` and
     contribute nothing.
     """
-    _check_options(options)
+    opts, mod_grad = _options(scale, options)
+    return dense_backward(q, k, v, dout, opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
+                          rss_accumulate=rss_accumulate, check_finite=check_finite,
+                          compute_dtype=compute_dtype, formulation=formulation)
+
+
+def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=False, return_rss=False,
+                   rss_accumulate=1.0, check_finite=True, compute_dtype=None, formulation="math"):
+    """`reference_attention_backward` with its options parsed into ``opts`` (and ``mod_grad``
+    the ``score_mod_grad``)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    prec = _args.precision(compute_dtype)
-    q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
+    prec = problem.precision(compute_dtype)
+    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
-    _args.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
+    problem.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
     e = _grad_exponent(pb, dout5, (v5,), q5, k5) if prec.is_float64 else 0
     if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
-        return _unscale_grads(reference_attention_backward(
-            q, k, v, _scaled_dout(dout, e), scale=scale, return_abs=return_abs, return_rss=return_rss,
+        return _unscale_grads(dense_backward(
+            q, k, v, _scaled_dout(dout, e), opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
             rss_accumulate=rss_accumulate, check_finite=check_finite, compute_dtype=compute_dtype,
-            formulation=formulation, **options), e)
+            formulation=formulation), e)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
@@ -239,10 +247,9 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     flash = formulation == "flash" and not prec.is_float64
     keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
-    mod_grad = _score_mod_grad(options)
-    sinks = options.pop("sinks", None)
-    sink = _args.sinks(sinks, pb, dtype)  # (..., hk, g) or None
-    s = keep(_scores(q5, k5, pb, dtype=dtype, **options))  # (..., hk, g, sq, sk), -inf where invisible
+    sinks = opts.sinks
+    sink = problem.sinks(sinks, pb, dtype)  # (..., hk, g) or None
+    s = keep(_scores(q5, k5, pb, opts, dtype))  # (..., hk, g, sq, sk), -inf where invisible
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
@@ -256,7 +263,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         l = l + w_sink
         p_sink = w_sink / l  # l >= 1: the sink's share of each row
     p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
-    cap = _args.softcap(options.get("softcap"))
+    cap = opts.softcap
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
     if cap is not None or mod_grad is not None:
         # Only visible pairs matter (ds is 0 elsewhere).  A masked pair's product may
@@ -410,28 +417,28 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     >>> max(errors["dq"], errors["dk"], errors["dv"]) < 1e-12
     True
     """
-    _check_options(options)
-    mod_grad = _score_mod_grad(options)
-    block_mask = flex.as_block_mask(options.get("block_mask"))  # FlexAttention's too
-    base = DEFAULT_TILES  # or the block mask's tiles
-    if block_mask is not None:
-        base = TileSizes(block_mask.block_q, block_mask.block_k)
-    tiles = TileSizes(base.block_q if block_q is None else block_q,
-                      base.block_k if block_k is None else block_k)
-    workers = _args.workers(workers)
-    q5, k5, v5, pb = _args.parse(q, k, v, scale=scale, check_finite_inputs=check_finite)
+    opts, mod_grad = _options(scale, options)
+    return tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
+                          workers=workers, check_finite=check_finite)
+
+
+def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, block_q=None, block_k=None,
+                   workers=None, check_finite=True):
+    """`attention_backward` with its options parsed into ``opts`` (and ``mod_grad`` the
+    ``score_mod_grad``)."""
+    tiles = opts.tiles_for(DEFAULT_TILES, block_q, block_k)  # or the block mask's tiles
+    workers = validate.workers(workers)
+    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     out5, lse5, dout5 = _grad_inputs(pb, check_finite, out=out, lse=lse, dout=dout)
     e = _grad_exponent(pb, dout5, (v5, out5), q5, k5)
     if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
-        return _unscale_grads(attention_backward(
-            q, k, v, out, lse, _scaled_dout(dout, e), scale=scale, block_q=block_q, block_k=block_k,
-            workers=workers, check_finite=check_finite, **options), e)
-    specs = mask_specs(pb.batch, pb.sq, pb.sk, **{n: options[n] for n in _MASKS if n in options})
-    cap = _args.softcap(options.get("softcap"))
-    slopes = _args.alibi_slopes(options.get("alibi_slopes"), pb)  # (..., hk, g)
-    sinks = options.get("sinks")
-    sink = _args.sinks(sinks, pb)  # (..., hk, g)
-    mods = flex.mods_for(options.get("mask_mod"), options.get("score_mod"), block_mask, pb, pb.sq, pb.sk, tiles)
+        return _unscale_grads(tiled_backward(
+            q, k, v, out, lse, _scaled_dout(dout, e), opts, mod_grad, block_q=block_q, block_k=block_k,
+            workers=workers, check_finite=check_finite), e)
+    specs = opts.specs(pb)
+    cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
+    sinks = opts.sinks
+    mods = opts.mods(pb, tiles)
     if sink is not None and check_finite and np.isneginf(lse5).any():
         raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
                          "pass the lse of attention(..., sinks=sinks, return_lse=True)")
@@ -444,17 +451,19 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way
         # (and D = dout . out = 0 for dsinks).
         return _split_grads(pb, dq, dk, dv, dsink, sinks)
-    check = _args.scores_may_overflow(q5, k5, pb.scale)  # then every tile checks its scores
-    hook = DEFECT_HOOK
+    check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
+                                        k_max=pb.max_of("k", k5))  # then every tile checks its scores
+    hook = hooks.get("backward")  # the stage edits (`attnlib.core.hooks`)
+    hook = None if hook is hooks.keep else hook  # the identity: not called at all
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
         delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
-                          spec, tiles, cap, _args.for_entry(slopes, idx),
+                          spec, tiles, cap, problem.for_entry(slopes, idx),
                           dq[idx], dk[idx], dv[idx], workers, check,
                           None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad,
                           hook)
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
             with np.errstate(over="ignore"):  # sink - lse below -max: weight exactly 0
-                p_sink = np.exp(np.broadcast_to(_args.for_entry(sink, idx), delta.shape[:-1])[..., None]
+                p_sink = np.exp(np.broadcast_to(problem.for_entry(sink, idx), delta.shape[:-1])[..., None]
                                 - lse5[idx])  # (*lead, sq)
             dsink[idx] = -np.sum(p_sink * delta, axis=-1)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
@@ -478,6 +487,10 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     in ascending key-tile order whatever the number of ``workers``, so the result is
     bit-identical to the serial run (FlashAttention-2's deterministic backward orders its
     dq additions the same way).  Returns ``D = rowsum(dout * out)``, ``(*lead, sq)``.
+    ``hook``: the step ``"backward"`` of `attnlib.core.hooks` (its stages are listed there),
+    read once per call by `attention_backward`, or None for its default, the identity (no
+    call per tile); the scores and masks are the steps
+    ``"tile_scores"`` and ``"tile_visible"``, as in the forward.
     """
     bq, bk = tiles.block_q, tiles.block_k
     sq = q.shape[-2]
@@ -504,6 +517,8 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
         delta = hook("delta", delta)
     shift = np.where(np.isfinite(lse), lse, 0.0)  # (*lead, sq)
     per_thread = threading.local()
+    # The declared steps (`attnlib.core.hooks`), as the forward's: the same masks and scores.
+    tile_visible, scores_of = hooks.get("tile_visible"), hooks.get("tile_scores")
     last = np.where(visible.any(axis=1), visible.shape[1] - 1 - np.argmax(visible[:, ::-1], axis=1), -1)
 
     def key_tile(b):
@@ -528,14 +543,14 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 with np.errstate(over="ignore") if check else contextlib.nullcontext():
                     q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
                 dout_i = np.require(dout[..., q0:q1, :].astype(np.float64, copy=False), requirements="A")
-                vis = (spec.tile_visible(np.arange(q0, q1), k0, k1, contiguous=True, cache=band_masks)
+                vis = (tile_visible(spec, np.arange(q0, q1), k0, k1, contiguous=True, cache=band_masks)
                        if kinds[a, b] == PARTIAL else None)  # (bq, bk)
                 if mods is not None and kinds[a, b] == PARTIAL:  # AND mask_mod, per head
                     vis = mods.visible(vis, np.arange(q0, q1), cols)
                 grad = None if mod_grad is None else [mod_grad]
-                s, th = tile_scores(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
-                                    slopes, keep_tanh=True, out=s_buf, check=check, vis=vis, mods=mods,
-                                    mod_grad=grad)
+                s, th = scores_of(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
+                                  slopes, keep_tanh=True, out=s_buf, check=check, vis=vis, mods=mods,
+                                  mod_grad=grad)
                 with np.errstate(over="ignore"):  # below -max: -inf, whose exp is the exact 0
                     s -= shift[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities; exp only where visible (see

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import replace
+
 import numpy as np
 
-from . import _args
-from .stream import attention_stream
-from .tiled import DEFAULT_TILES, run_tiles
+from . import arrays
+from .arrays import as_numpy
+from . import problem
+from . import validate
+from .options import Options
+from .stream import stream_forward
+from .tilesizes import DEFAULT_TILES
+from .parallel import run_tiles
 
 #: Keys per chunk (a whole number of pages, at least one) when not given.
 DEFAULT_CHUNK_KEYS = DEFAULT_TILES.block_k
@@ -31,12 +38,10 @@ def page_tables(block_table, cache_seqlens, batch: int, num_blocks: int, page_si
     """Checked ``(block_table (batch, max_blocks) int64, cache_seqlens (batch,) int64)``:
     every page a sequence reads (its first ``ceil(len / page_size)`` entries) is a page of
     the cache; entries past them are never read (they may hold anything, e.g. -1)."""
-    from .check.arrays import as_numpy
-
-    table = _args._integers(as_numpy(block_table, "block_table"), "block_table")
+    table = validate._integers(as_numpy(block_table, "block_table"), "block_table")
     if table.ndim != 2 or table.shape[0] != batch:
         raise ValueError(f"block_table must have shape (batch={batch}, max_blocks), got {table.shape}")
-    lens = _args.lengths(as_numpy(cache_seqlens, "cache_seqlens"), "cache_seqlens", (batch,),
+    lens = validate.lengths(as_numpy(cache_seqlens, "cache_seqlens"), "cache_seqlens", (batch,),
                          table.shape[1] * page_size, "max_blocks * page_size")
     table, lens = table.astype(np.int64), lens.astype(np.int64)
     for b in range(batch):
@@ -92,9 +97,20 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, causal=F
     float64 and its score tile per thread, plus the queries' state and the output;
     independent of the number of pages in the cache.
     """
-    q = _args.as_float_array(q, "q")
-    k_cache = _args.as_float_array(k_cache, "k_cache")
-    v_cache = _args.as_float_array(v_cache, "v_cache")
+    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, block_table=block_table,
+                         cache_seqlens=cache_seqlens)
+    return paged_forward(q, k_cache, v_cache, opts, block_q=block_q, chunk_keys=chunk_keys, workers=workers,
+                         return_lse=return_lse, check_finite=check_finite)
+
+
+def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_keys=None, workers=None,
+                  return_lse=False, check_finite=True):
+    """`paged_attention` with its options (the page table among them) parsed into ``opts``."""
+    block_table, cache_seqlens = opts.block_table, opts.cache_seqlens
+    q = arrays.as_float_array(q, "q")
+    k_cache = arrays.as_float_array(k_cache, "k_cache")
+    v_cache = arrays.as_float_array(v_cache, "v_cache")
     if q.ndim != 4:
         raise ValueError(f"q must be (batch, Hq, Sq, D) with a paged cache, got shape {q.shape}")
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -104,18 +120,18 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, causal=F
         raise ValueError(f"k_cache and v_cache must have the same pages and heads, got {k_cache.shape} "
                          f"and {v_cache.shape}")
     if check_finite:  # the pages are checked as they are read (only those read)
-        _args.check_finite(q, "q")
+        arrays.check_finite(q, "q")
     batch, hq = q.shape[0], q.shape[1]
     num_blocks, page_size = k_cache.shape[:2]
     if page_size == 0:
         raise ValueError("the cache's page_size (axis 1 of k_cache) must be at least 1")
     table, lens = page_tables(block_table, cache_seqlens, batch, num_blocks, page_size)
-    chunk = DEFAULT_CHUNK_KEYS if chunk_keys is None else _args.positive_int(chunk_keys, "chunk_keys")
+    chunk = DEFAULT_CHUNK_KEYS if chunk_keys is None else validate.positive_int(chunk_keys, "chunk_keys")
     pages_per_chunk = max(1, chunk // page_size)
-    workers = _args.workers(workers)
-    return_lse = _args.flag(return_lse, "return_lse")
-    slopes = _args.per_entry(alibi_slopes, "alibi_slopes", batch, hq)
-    sink = _args.per_entry(sinks, "sinks", batch, hq)
+    workers = validate.workers(workers)
+    return_lse = validate.flag(return_lse, "return_lse")
+    slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", batch, hq)
+    sink = problem.per_entry(opts.sinks, "sinks", batch, hq)
     out = np.empty(q.shape[:3] + (v_cache.shape[-1],))
     lse = np.empty(q.shape[:3])
 
@@ -143,10 +159,10 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, causal=F
 
     def entry(b):
         block_k = min(pages_per_chunk * page_size, max(1, int(lens[b])))
-        out[b], lse[b] = attention_stream(
-            q[b], chunks(b), causal=causal, causal_align=causal_align, window=window, softcap=softcap,
-            alibi_slopes=slopes(b), sinks=sink(b), scale=scale, total_keys=int(lens[b]),
-            block_q=block_q, block_k=block_k, workers=1, return_lse=True, check_finite=False)
+        # This entry's slopes and sinks: already checked, so set without a second parse.
+        entry_opts = replace(opts, alibi_slopes=slopes(b), sinks=sink(b), block_table=None, cache_seqlens=None)
+        out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
+                                        block_k=block_k, workers=1, return_lse=True, check_finite=False)
 
     run_tiles(entry, range(batch), min(workers, max(1, batch)))
     return (out, lse) if return_lse else out

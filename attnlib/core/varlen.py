@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import numbers
 
+from dataclasses import replace
+
 import numpy as np
 
-from . import _args
-from .backward import attention_backward, reference_attention_backward
-from .reference import reference_attention
-from .tiled import attention
+from . import arrays
+from .arrays import as_numpy
+from . import problem
+from . import validate
+from .backward import _score_mod_grad, dense_backward, tiled_backward
+from .options import Options
+from .reference import dense_attention
+from .tiled import forward
 
 #: Options that describe padding or documents: varlen says that with ``cu_seqlens`` and
 #: ``seqused_k`` instead.
@@ -25,18 +31,21 @@ _NOT_IN_VARLEN = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", 
                   "cache_seqlens", "mask_mod", "score_mod", "block_mask")
 
 
-def _refuse_padding(options):
-    for name in _NOT_IN_VARLEN:
-        if options.get(name) is not None:
-            raise ValueError(f"{name} is not taken in the varlen layout: each sequence is attended "
-                             "on its own (cu_seqlens_q/k), and seqused_k limits its keys")
+def _split(options: dict) -> tuple:
+    """``(Options, the other keyword arguments)``: the masking and score options parsed once,
+    those varlen says otherwise (padding, documents, pages, mods) refused."""
+    opts, rest = Options.split(**options)
+    for name in opts.given(_NOT_IN_VARLEN):
+        raise ValueError(f"{name} is not taken in the varlen layout: each sequence is attended "
+                         "on its own (cu_seqlens_q/k), and seqused_k limits its keys")
+    return opts, rest
 
 
 def _offsets(x, name: str, total: int, batch: int | None) -> np.ndarray:
     """``cu_seqlens``: integers, ``batch + 1`` of them, from 0, non-decreasing, to ``total``."""
     if x is None:
         raise ValueError(f"{name} is required: the batch + 1 offsets of the packed sequences")
-    arr = _args._integers(_as_host(x), name)
+    arr = validate._integers(_as_host(x), name)
     if arr.ndim != 1 or arr.size < 1:
         raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {arr.shape}")
     if batch is not None and arr.size != batch + 1:
@@ -50,8 +59,6 @@ def _offsets(x, name: str, total: int, batch: int | None) -> np.ndarray:
 
 def _as_host(x):
     """Offsets and lengths from torch (any device) or numpy, as numpy."""
-    from .check.arrays import as_numpy
-
     return as_numpy(x, "offsets")
 
 
@@ -67,7 +74,7 @@ def sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k, seqused_k=None, max_
     cu_k = _offsets(cu_seqlens_k, "cu_seqlens_k", total_k, cu_q.size - 1)
     q_lens, k_lens = np.diff(cu_q), np.diff(cu_k)
     if seqused_k is not None:
-        used = _args.lengths(_as_host(seqused_k), "seqused_k", (q_lens.size,), int(k_lens.max(initial=0)),
+        used = validate.lengths(_as_host(seqused_k), "seqused_k", (q_lens.size,), int(k_lens.max(initial=0)),
                              "the longest key sequence")
         if np.any(used > k_lens):
             b = int(np.flatnonzero(used > k_lens)[0])
@@ -86,9 +93,9 @@ def sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k, seqused_k=None, max_
 
 def _packed(q, k, v):
     """Check the packed layout: ``(total_q, Hq, D)``, ``(total_k, Hk, D)``, ``(total_k, Hk, Dv)``."""
-    q = _args.as_float_array(q, "q")
-    k = _args.as_float_array(k, "k")
-    v = _args.as_float_array(v, "v")
+    q = arrays.as_float_array(q, "q")
+    k = arrays.as_float_array(k, "k")
+    v = arrays.as_float_array(v, "v")
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if x.ndim != 3:
             raise ValueError(f"{name} must be packed as (total, heads, headdim) (FlashAttention's varlen "
@@ -105,18 +112,18 @@ def _heads_first(x):
 def _run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, options):
     """``fn(q_b, k_b, v_b, **options_b)`` per sequence; ``(out (total_q, Hq, Dv), lse (Hq, total_q),
     per-sequence extras)``."""
-    _refuse_padding(options)
+    opts, options = _split(options)
     q, k, v = _packed(q, k, v)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k, max_seqlen_q, max_seqlen_k)
     hq, dv = q.shape[1], v.shape[2]
-    slopes = _args.per_entry(options.pop("alibi_slopes", None), "alibi_slopes", len(seqs), hq)
-    sinks = _args.per_entry(options.pop("sinks", None), "sinks", len(seqs), hq)
+    slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", len(seqs), hq)
+    sinks = problem.per_entry(opts.sinks, "sinks", len(seqs), hq)
     out = np.zeros((q.shape[0], hq, dv))
     lse = np.full((hq, q.shape[0]), -np.inf)
     extras = []
     for b, (q0, q1, k0, k1) in enumerate(seqs):
         result = fn(_heads_first(q[q0:q1]), _heads_first(k[k0:k1]), _heads_first(v[k0:k1]),
-                    alibi_slopes=slopes(b), sinks=sinks(b), **options)
+                    replace(opts, alibi_slopes=slopes(b), sinks=sinks(b)), **options)
         out[q0:q1] = np.swapaxes(result[0], 0, 1)
         lse[:, q0:q1] = result[1]
         extras.append(result[2:])
@@ -178,9 +185,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
     >>> bool(np.allclose(out[3:], alone.swapaxes(0, 1), rtol=0, atol=1e-15))
     True
     """
-    return_lse = _args.flag(return_lse, "return_lse")
-    return_stats = _args.flag(return_stats, "return_stats")
-    out, lse, extras = _run(lambda *a, **o: attention(*a, return_lse=True, return_stats=return_stats, **o),
+    return_lse = validate.flag(return_lse, "return_lse")
+    return_stats = validate.flag(return_stats, "return_stats")
+    out, lse, extras = _run(lambda *a, **o: forward(*a, return_lse=True, return_stats=return_stats, **o),
                             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                             max_seqlen_k, dict(options))
     result = [out] + ([lse] if return_lse else []) + ([[e[0] for e in extras]] if return_stats else [])
@@ -191,7 +198,7 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
                                max_seqlen_q=None, max_seqlen_k=None, return_lse=False, **options):
     """`attention_varlen` by the dense float64 reference, sequence by sequence (each
     sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time)."""
-    out, lse, _ = _run(lambda *a, **o: reference_attention(*a, return_lse=True, **o), q, k, v,
+    out, lse, _ = _run(lambda *a, **o: dense_attention(*a, return_lse=True, **o), q, k, v,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dict(options))
     return (out, lse) if return_lse else out
 
@@ -209,28 +216,30 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     """
     q, k, v = _packed(q, k, v)
     hq = q.shape[1]
-    out = _args.as_float_array(out, "out")
-    dout = _args.as_float_array(dout, "dout")
-    lse = _args.as_float_array(lse, "lse")
+    out = arrays.as_float_array(out, "out")
+    dout = arrays.as_float_array(dout, "dout")
+    lse = arrays.as_float_array(lse, "lse")
     for x, name, shape in ((out, "out", q.shape[:2] + v.shape[2:]), (dout, "dout", q.shape[:2] + v.shape[2:]),
                            (lse, "lse", (hq, q.shape[0]))):
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
-    sinks = options.get("sinks")
+    opts, options = _split(options)
+    mod_grad = _score_mod_grad(options.pop("score_mod_grad", None), opts)
+    sinks = opts.sinks
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = None if sinks is None else np.zeros(np.shape(sinks))
-    _refuse_padding(options)
-    slopes = _args.per_entry(options.pop("alibi_slopes", None), "alibi_slopes", len(seqs), hq)
-    per_sink = _args.per_entry(options.pop("sinks", None), "sinks", len(seqs), hq)
+    slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", len(seqs), hq)
+    per_sink = problem.per_entry(opts.sinks, "sinks", len(seqs), hq)
     for b, (q0, q1, k0, k1) in enumerate(seqs):
         qb, kb, vb = _heads_first(q[q0:q1]), _heads_first(k[k0:k1]), _heads_first(v[k0:k1])
         doutb = _heads_first(dout[q0:q1])
-        o = dict(options, alibi_slopes=slopes(b), sinks=per_sink(b))
+        o = replace(opts, alibi_slopes=slopes(b), sinks=per_sink(b))
         if reference:
-            g = reference_attention_backward(qb, kb, vb, doutb, **o)
+            g = dense_backward(qb, kb, vb, doutb, o, mod_grad, **options)
         else:
-            g = attention_backward(qb, kb, vb, _heads_first(out[q0:q1]), lse[:, q0:q1], doutb, **o)
+            g = tiled_backward(qb, kb, vb, _heads_first(out[q0:q1]), lse[:, q0:q1], doutb, o, mod_grad,
+                               **options)
         dq[q0:q1] = np.swapaxes(g[0], 0, 1)
         dk[k0:k1] = np.swapaxes(g[1], 0, 1)
         dv[k0:k1] = np.swapaxes(g[2], 0, 1)

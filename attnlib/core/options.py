@@ -1,0 +1,173 @@
+"""The contract's masking and score options of one call, parsed and validated once.
+
+Every entry point (the forward, stream, paged, varlen, backward, the references, the
+distributed oracle, the check and the gate) takes its keyword arguments as before, turns
+them into one `Options` with `Options.parse`, and hands that object on: to `mask_specs`
+through `Options.specs`, to the per-head terms through `Options.score_terms`, to the
+programmable masks through `Options.mods`, and to another entry point through
+`Options.given`.  Adding an option is one field here, its check in `Options.parse`, and
+the kernels that read it.
+
+What can be checked without the problem's shapes is checked in `parse` (types, ranges,
+callables, a FlexAttention block mask converted); what needs them (lengths against the
+batch, slopes and sinks against the heads) when the options meet a `problem.Problem`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import numpy as np
+
+from . import flex, problem, validate
+from .masks import mask_specs
+from .tilesizes import TileSizes
+
+#: The fields by what they shape: the mask, the scores, FlexAttention's mods, a paged cache.
+MASKING = ("causal", "causal_align", "window", "q_lengths", "kv_lengths", "q_segment_ids",
+           "kv_segment_ids")
+SCORES = ("softcap", "alibi_slopes", "sinks", "scale")
+MODS = ("mask_mod", "score_mod", "block_mask")
+PAGING = ("block_table", "cache_seqlens")
+
+
+@dataclass(frozen=True, eq=False)
+class Options:
+    """The masking and score options of `docs/semantics.md`, checked.
+
+    The fields are `attnlib.attention`'s keyword arguments of the same names; ``window``
+    is held as ``(left, right)`` (None: that side unbounded), ``softcap`` as a positive
+    float or None, ``block_mask`` as an attnlib `flex.BlockMask` (FlexAttention's
+    converted).  Arrays (lengths, segment ids, slopes, sinks, page tables) are held as
+    given, never copied or written.
+    """
+
+    causal: bool = False
+    causal_align: str = "bottom_right"
+    window: tuple = (None, None)
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    softcap: float | None = None
+    alibi_slopes: Any = None
+    sinks: Any = None
+    scale: float | None = None
+    mask_mod: Callable | None = None
+    score_mod: Callable | None = None
+    block_mask: Any = None
+    block_table: Any = None
+    cache_seqlens: Any = None
+
+    @classmethod
+    def parse(cls, options: "Options | None" = None, /, **given) -> "Options":
+        """The checked options of ``given`` (keyword arguments named as the fields), on top
+        of ``options`` when given.  A name that is not a field is a ``TypeError`` naming it;
+        a value of the wrong kind a ``TypeError``, of the right kind but out of range a
+        ``ValueError``, each naming the argument."""
+        names = _names()
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {', '.join(names)}")
+        if options is not None:
+            if not isinstance(options, Options):
+                raise TypeError(f"options must be an attnlib Options, got {type(options).__name__}")
+            given = {**options.given(), **given}
+        scale = given.get("scale")
+        if scale is not None:
+            if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+                raise TypeError(f"scale must be a real number or None, got {scale!r}")
+            if not math.isfinite(scale):
+                raise ValueError(f"scale must be finite, got {scale!r}")
+            scale = float(scale)
+        paging = [given.get(n) is not None for n in PAGING]
+        if any(paging) and not all(paging):
+            raise ValueError("a paged KV cache needs both block_table and cache_seqlens")
+        return cls(
+            causal=validate.flag(given.get("causal", False), "causal"),
+            causal_align=validate.causal_align(given.get("causal_align", "bottom_right")),
+            window=validate.window(given.get("window")),
+            q_lengths=given.get("q_lengths"), kv_lengths=given.get("kv_lengths"),
+            q_segment_ids=given.get("q_segment_ids"), kv_segment_ids=given.get("kv_segment_ids"),
+            softcap=validate.softcap(given.get("softcap")),
+            alibi_slopes=given.get("alibi_slopes"), sinks=given.get("sinks"), scale=scale,
+            mask_mod=_callable(given.get("mask_mod"), "mask_mod"),
+            score_mod=_callable(given.get("score_mod"), "score_mod"),
+            block_mask=flex.as_block_mask(given.get("block_mask")),
+            block_table=given.get("block_table"), cache_seqlens=given.get("cache_seqlens"),
+        )
+
+    @classmethod
+    def split(cls, options: "Options | None" = None, /, **given) -> tuple:
+        """``(Options.parse(options, **the fields among given), the rest of given)``: for an
+        entry point whose keyword arguments mix the options with its own."""
+        names = set(_names())
+        opts = cls.parse(options, **{n: v for n, v in given.items() if n in names})
+        return opts, {n: v for n, v in given.items() if n not in names}
+
+    def given(self, *groups) -> dict:
+        """The options that differ from the defaults, as keyword arguments (of the fields of
+        ``groups``, e.g. ``MASKING``, when named): what another entry point is called with."""
+        names = [n for g in groups for n in g] if groups else _names()
+        return {n: getattr(self, n) for n in names if not _is_default(n, getattr(self, n))}
+
+    def replace(self, **changes) -> "Options":
+        """These options with ``changes`` (checked like `parse`)."""
+        return Options.parse(self, **changes)
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def has_mods(self) -> bool:
+        return any(getattr(self, n) is not None for n in MODS)
+
+    def specs(self, pb: "problem.Problem") -> dict:
+        """``{batch index: MaskSpec}`` for the problem (`masks.mask_specs`)."""
+        return mask_specs(pb.batch, pb.sq, pb.sk, **self.given(MASKING))
+
+    def score_terms(self, pb: "problem.Problem", prec: "problem.Precision | None" = None,
+                    kernel: str = "float64"):
+        """``(cap, slopes, sink)`` for the problem in the type the scores are kept in:
+        the softcap, and the ALiBi slopes and sinks grouped like q's heads ``(..., hk, g)``
+        (None where not given)."""
+        dtype = np.float64 if prec is None else prec.accumulate
+        cap = problem.softcap_in(self.softcap, dtype, kernel if prec is None else prec.name)
+        return (cap, problem.alibi_slopes(self.alibi_slopes, pb, dtype),
+                problem.sinks(self.sinks, pb, dtype))
+
+    def tiles_for(self, base, block_q=None, block_k=None):
+        """The tile sizes: ``block_q``/``block_k`` when given, else the block mask's, else
+        ``base`` (a `tilesizes.TileSizes`)."""
+        if self.block_mask is not None:  # its tiles, unless asked otherwise
+            base = TileSizes(self.block_mask.block_q, self.block_mask.block_k)
+        return TileSizes(base.block_q if block_q is None else validate.positive_int(block_q, "block_q"),
+                         base.block_k if block_k is None else validate.positive_int(block_k, "block_k"))
+
+    def mods(self, pb: "problem.Problem", tiles):
+        """`flex.mods_for` of the programmable options: None without any."""
+        return flex.mods_for(self.mask_mod, self.score_mod, self.block_mask, pb, pb.sq, pb.sk, tiles)
+
+
+def _callable(fn, name):
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable as FlexAttention's, got {type(fn).__name__}")
+    return fn
+
+
+def _is_default(name, value) -> bool:
+    default = _DEFAULTS[name]
+    return value is None if default is None else value == default  # arrays: default None
+
+
+def _names() -> tuple:
+    return tuple(f.name for f in fields(Options))
+
+
+_DEFAULTS = {f.name: f.default for f in fields(Options)}
+
+__all__ = ["Options", "MASKING", "SCORES", "MODS", "PAGING"]

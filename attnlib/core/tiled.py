@@ -1,0 +1,508 @@
+"""The tiled attention kernel: FlashAttention's forward pass in numpy, in float64.
+
+The Python loop runs over ``(query tile, key tile)`` pairs; every batch and head is
+processed at once inside a tile by broadcasting matmul.  Working memory is a few
+``(..., block_q, block_k)`` and ``(..., block_q, Dv)`` arrays, independent of ``Sq`` and
+``Sk``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import arrays
+from . import problem
+from . import validate
+from . import flex
+from . import hooks
+from . import tiles as tile_steps
+from .masks import SKIP
+from .options import Options
+from .paged import paged_forward
+from .parallel import _unit_of, run_tiles, work_units
+from .tilesizes import DEFAULT_TILES, LARGE_HEAD_TILES, TileSizes, default_tiles
+from .online import lse_of, merge_attention, merge_parts
+
+
+@dataclass(frozen=True)
+class AttentionStats:
+    """What the kernel did, tile by tile (the contract's "Stats").
+
+    Attributes
+    ----------
+    block_q, block_k : int
+        Tile sizes used; tile ``(a, b)`` starts at ``(q0, k0) = (a*block_q, b*block_k)``.
+    tile_kind : ndarray of int8, shape ``(..., n_q_tiles, n_k_tiles)``
+        ``0 = SKIP, 1 = PARTIAL, 2 = FULL``; leading axes are the batch axes (the same map
+        for every entry unless padding or segments differ between them).
+    rescales : ndarray of int64, shape ``(..., Hq, n_q_tiles, n_k_tiles)``
+        Rescale events per tile and head: query rows whose running max was finite and
+        strictly grew in that tile.  For 2-D inputs ``(n_q_tiles, n_k_tiles)``, as ``out``
+        has no head axis then.
+    rescale_counts : dict
+        ``{(q0, k0): events}`` summed over batch and heads, for every processed tile.
+    processed_tiles, skipped_tiles, total_rescales : int
+        Totals over all (batch, head, tile) triples.
+    """
+
+    block_q: int
+    block_k: int
+    tile_kind: np.ndarray = field(repr=False)
+    rescales: np.ndarray = field(repr=False)
+    rescale_counts: dict = field(repr=False)
+    processed_tiles: int
+    skipped_tiles: int
+    total_rescales: int
+
+
+def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
+              kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
+              softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
+              kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
+              return_lse=False, return_stats=False, check_finite=True, block_table=None,
+              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None):
+    """Exact attention computed tile by tile with the online softmax.
+
+    Equal to `reference_attention` up to float64 rounding, in working memory independent of
+    the sequence lengths: a few ``(..., block_q, block_k)`` and ``(..., block_q, Dv)``
+    arrays, plus a few integers per key tile for the tile classes of one query tile.
+
+    Parameters
+    ----------
+    q : array_like, shape ``(..., Hq, Sq, D)`` or ``(Sq, D)``
+    k : array_like, shape ``(..., Hk, Sk, D)`` or ``(Sk, D)``
+    v : array_like, shape ``(..., Hk, Sk, Dv)`` or ``(Sk, Dv)``
+        Real floating arrays (computed in float64; ml_dtypes' bfloat16 and float8 too,
+        converted exactly); equal leading (batch) axes;
+        ``Hq % Hk == 0``: query head ``h`` reads kv head ``h // (Hq // Hk)`` (GQA, and
+        MQA when ``Hk == 1``).  ``Dv`` may differ from ``D``; ``Sq`` or ``Sk`` may be 0.
+    causal : bool
+        Query ``i`` sees key ``j`` only if ``j <= i + o``.
+    causal_align : {"bottom_right", "top_left"}
+        ``o = Sk - Sq`` (default; FlashAttention >= 2.1) or ``o = 0`` (torch SDPA
+        ``is_causal``), with the actual lengths of a padded row.  For ``Sq = 2, Sk = 5``::
+
+            bottom_right      top_left
+            1 1 1 1 0         1 0 0 0 0
+            1 1 1 1 1         1 1 0 0 0
+
+    window : (left, right), optional
+        Sliding window: ``i + o - left <= j <= i + o + right``; ``None`` leaves a side
+        unbounded; ``causal=True`` forces ``right = 0``.
+    kv_lengths, q_lengths : array_like of int, shape ``(...)`` (the batch axes), optional
+        Padding: keys ``j >= kv_lengths[b]`` are invisible, rows ``i >= q_lengths[b]``
+        give 0 (and ``lse = -inf``).
+    q_segment_ids, kv_segment_ids : array_like of int, ``(..., Sq)`` and ``(..., Sk)``
+        Document masking (packed samples): a pair is visible only within one id.
+    softcap : float, optional
+        ``s = softcap * tanh(s / softcap)`` before masking; 0 or None: off.
+    alibi_slopes : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
+        Adds ``-slope[h] * |i + o - j|`` to the scores after masking (not scaled).
+    sinks : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
+        Attention sinks (gpt-oss ``s_aux``, FlashAttention ``learnable_sink``): a finite
+        logit per head that joins every row's softmax denominator with no value,
+        ``out_i = sum_j e^{s_ij} v_j / (e^{sink_h} + sum_j e^{s_ij})`` and
+        ``lse_i = log(e^{sink_h} + sum_j e^{s_ij})``.  Taken as given: no scale, softcap
+        or ALiBi applies to it.  A row with no visible key gives ``out = 0`` and
+        ``lse = sink_h``.  In the online softmax it is the rows' initial state
+        ``(m, l, acc) = (sink, 1, 0)``, so a tile whose max exceeds it counts as a rescale.
+    scale : float, optional
+        Score scale, ``1/sqrt(D)`` by default.
+    block_q, block_k : int, optional
+        Tile sizes; the last tiles may be ragged.  Default: `default_tiles` of ``D``
+        (256 x 256, and 512 x 512 for ``D >= 128``; ``stats`` says which were used).
+    kv_splits : int
+        Split the key tiles into this many contiguous ranges, attend to each separately and
+        combine the partial results with `merge_attention` (split-KV / FlashDecoding); more
+        splits than key tiles count as one per tile (the others would be empty).
+    rescale_threshold : float
+        Lazy rescaling (FlashAttention-4): a row keeps its stale running max until a tile's
+        max exceeds it by more than this many natural-log units (``0 <= tau <= 100``);
+        0 is the eager rule.  Same result up to rounding; ``stats`` then counts the
+        rescales actually applied.  A stale max lets the weights reach ``exp(tau)``, so the
+        threshold used is clamped to the largest one the precision can hold (see
+        `_safe_threshold`): ``log(max_acc / (Sk * max(1, max|v|))) - log 2`` for the state
+        ``(l, acc)`` in the accumulate type (float32 unless float64: about
+        ``88.7 - log(Sk)``), and ``log(max_compute) - log 2 ~ 10.4`` for float16, whose
+        rounded ``p`` must stay finite.  In float64 with ordinary ``v`` nothing is clamped.
+    compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
+        The precision a kernel under test runs in: q, k, v and the weights ``p`` are
+        rounded to it, the scores and ``(m, l, acc)`` kept in float32 (for the 16-bit types,
+        as GPU kernels do; bfloat16 needs ``ml_dtypes``).  ``out`` is returned in it and
+        ``lse`` in float32.  Default: float64 throughout.
+    workers : int, optional
+        Threads that take (head block, query tile) units in parallel; default (None, or
+        -1): one per available CPU.  numpy releases the GIL in matmul and ``exp``.  The
+        result is bit-identical for every thread count (the units and their arithmetic do
+        not depend on it), and the working memory grows by one tile's buffers per thread.
+        BLAS is held to one thread meanwhile, so the machine is never oversubscribed.
+    return_lse : bool
+        Also return ``lse: (..., Hq, Sq)``.
+    return_stats : bool
+        Also return an `AttentionStats` (costs ``O(Hq * n_q_tiles * n_k_tiles)`` memory).
+    check_finite : bool
+        Refuse inputs holding NaN or inf (checked in chunks, within the memory bound).
+    mask_mod, score_mod : callable, optional
+        FlexAttention's programmable mask ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and score
+        ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called on numpy index arrays of
+        one tile at a time (see `attnlib.core.flex`): the mask combines with the built-in ones by
+        AND; ``score`` is ``scale * q.k`` after the softcap, and the mask and ALiBi come after.
+    block_mask : BlockMask, optional
+        `create_block_mask` of ``mask_mod``: its tiles become the kernel's, its SKIP tiles are
+        never touched; made here (one ``mask_mod`` evaluation per pair) when only
+        ``mask_mod`` is given.
+    block_table, cache_seqlens : array_like of int, shapes ``(batch, max_blocks)`` and ``(batch,)``
+        A paged KV cache (FlashAttention's ``flash_attn_with_kvcache``, vLLM): ``k`` and
+        ``v`` are then the pages ``(num_blocks, page_size, Hk, D)``, ``q`` is
+        ``(batch, Hq, Sq, D)``, and entry ``b``'s key ``j < cache_seqlens[b]`` is
+        ``k[block_table[b, j // page_size], j % page_size]``.  Read in place, a few pages at
+        a time, with key tiles on page boundaries (`attnlib.core.paged.paged_attention`, whose
+        further options apply); the masks and score options as above, except the padding
+        and document ones, split-KV, lazy rescaling, low precision and stats.
+
+    Raises
+    ------
+    ValueError
+        Also if finite q and k give a score ``scale * q . k`` that overflows (float64, or
+        float32 for a lower ``compute_dtype``) for a visible pair: the softmax of such a
+        row is undefined in that precision.  Checked tile by tile only when an ``O(n)``
+        bound, ``D * max|q| * max|k| * |scale|``, says an overflow is possible.
+
+    Returns
+    -------
+    out : ndarray, shape ``(..., Hq, Sq, Dv)``, float64
+    lse : ndarray, shape ``(..., Hq, Sq)``, if ``return_lse``
+    stats : AttentionStats, if ``return_stats``
+
+    Notes
+    -----
+    Scores are formed in the contract's order: ``scale * q.k``, softcap, mask (``-inf``),
+    ALiBi.  Each query tile carries an `OnlineSoftmax` state ``(m_i, l_i, acc)`` over its
+    key tiles in ascending order.  Tiles are classified in closed form from the window
+    bounds, the lengths and the segment id ranges: SKIP tiles are never touched, FULL tiles
+    do no mask work, PARTIAL tiles set their invisible scores to ``-inf``.  When padding or
+    segments make the mask depend on the batch entry, the entries are processed one at a
+    time (heads still together), so that each skips its own tiles.  Rows with no visible
+    key give ``out = 0`` and ``lse = -inf``; no step divides by zero, overflows or forms
+    ``inf - inf``, so the call runs clean under
+    ``np.errstate(divide="raise", over="raise", invalid="raise")``.
+
+    References
+    ----------
+    T. Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
+    IO-Awareness", NeurIPS 2022; T. Dao, "FlashAttention-2", 2023.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlib
+    >>> q, k, v = attnlib.random_qkv(300, 500, 64, seed=0)
+    >>> out, lse = attnlib.attention(q, k, v, causal=True, window=(64, None), return_lse=True)
+    >>> attnlib.attention_errors(out, q, k, v, causal=True, window=(64, None)).rel_error < 1e-12
+    True
+    """
+    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, kv_lengths=kv_lengths,
+                         q_lengths=q_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
+                         mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask,
+                         block_table=block_table, cache_seqlens=cache_seqlens)
+    return forward(q, k, v, opts, block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
+                   rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
+                   return_stats=return_stats, check_finite=check_finite)
+
+
+def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, workers=None,
+            rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
+            check_finite=True):
+    """`attention` with its masking and score options already parsed into ``opts``."""
+    if opts.paged:
+        unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
+                                     "mask_mod", "score_mod", "block_mask")),
+                       "return_stats": return_stats or None,
+                       "kv_splits": None if kv_splits == 1 else kv_splits,
+                       "rescale_threshold": rescale_threshold or None,
+                       "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
+        given = sorted(name for name, value in unsupported.items() if value is not None)
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with a paged KV cache "
+                             "(cache_seqlens gives the key lengths)")
+        if block_k is not None:  # paged_attention calls it chunk_keys
+            validate.positive_int(block_k, "block_k")
+        return paged_forward(q, k, v, opts, block_q=block_q, chunk_keys=block_k, workers=workers,
+                             return_lse=return_lse, check_finite=check_finite)
+    kv_splits = validate.positive_int(kv_splits, "kv_splits")
+    workers = validate.workers(workers)
+    tau = validate.threshold(rescale_threshold)
+    prec = problem.precision(compute_dtype)
+    return_lse = validate.flag(return_lse, "return_lse")
+    return_stats = validate.flag(return_stats, "return_stats")
+    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
+    setup = prepare(q5, k5, v5, pb, opts, block_q=block_q, block_k=block_k, prec=prec, tau=tau)
+    tiles = setup.tiles
+    n_k_tiles = -(-pb.sk // tiles.block_k)
+    # More ranges than key tiles would only add empty ones (each a pass over the queries).
+    splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
+    # The sink joins the first key range's state only: once per row, whatever the split.
+    # float64 partials keep their lse in two parts (m, log l), which merge without the loss
+    # of a one-float lse at large scores; a low precision merges its lse, as its kernel does.
+    parts = len(splits) > 1 and prec.is_float64
+    partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
+                         (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
+                         count_rescales=return_stats, lse_parts=parts)
+                for r, part in enumerate(splits)]
+    if len(partials) == 1:
+        out, lse = partials[0][:2]
+    elif parts:
+        out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials])
+        lse = lse_of(merged)
+    else:
+        out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
+    if not prec.is_float64:  # what a kernel in that precision would write out
+        out, lse = out.astype(prec.compute), lse.astype(prec.accumulate)
+
+    result = [pb.merge_heads(out, 2)]
+    if return_lse:
+        result.append(pb.merge_heads(lse, 1))
+    if return_stats:
+        rescales = sum(p[2] for p in partials)
+        result.append(_stats(rescales, partials[0][3], pb, tiles))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def _safe_threshold(tau, prec, n_keys, v_max):
+    """The largest lazy-rescale threshold ``<= tau`` whose weights cannot overflow ``prec``.
+
+    With a stale max every weight is ``p = exp(s - m) <= exp(tau)``, and until the max
+    moves the state sums them: ``l <= n_keys * exp(tau)`` and
+    ``|acc| <= n_keys * exp(tau) * v_max``, in the accumulate type (float32 for the low
+    precisions: ``exp(100)`` alone overflows it).  With a 16-bit ``p`` (rounded to the
+    compute type before ``p @ v``) also ``exp(tau) <= max_compute`` (float16: 65504, so
+    ``tau <= 11.09``).  Both get a factor-2 margin for rounding::
+
+        tau <= log(max_acc) - log(n_keys) - log(max(1, v_max)) - log 2
+        tau <= log(max_compute) - log 2            (low precision only)
+
+    The result is clamped to ``[0, tau]``: 0 (eager) needs no bound, as its weights are
+    ``<= 1``.  ``prec`` is a `problem.Precision` or a ``compute_dtype`` value.  Clamping
+    changes only the reference point of the weights, not the result (up to rounding);
+    ``stats`` count the rescales done with the clamped threshold.
+    """
+    if not tau:
+        return tau
+    if not isinstance(prec, problem.Precision):
+        prec = problem.precision(prec)
+    margin = math.log(2.0)
+    bound = (math.log(float(arrays.finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
+             - math.log(max(v_max, 1.0)) - margin)
+    if not prec.is_float64:
+        bound = min(bound, math.log(float(arrays.finfo(prec.compute).max)) - margin)
+    return min(float(tau), max(0.0, bound))
+
+
+@dataclass(frozen=True, eq=False)
+class Setup:
+    """What the forward needs of one call's options, resolved against its `problem.Problem`:
+    the mask specs, the tiles, the score terms in the type the scores are kept in, the mods,
+    the precision, whether scores may overflow, ``max |v|`` and the lazy-rescale threshold."""
+
+    specs: dict  # {batch index: MaskSpec}, {(): spec} when the mask is the same for all
+    tiles: TileSizes
+    cap: float | None
+    slopes: np.ndarray | None  # (..., hk, g)
+    sink: np.ndarray | None  # (..., hk, g): the rows' initial state
+    mods: tuple | None  # flex.mods_for
+    prec: problem.Precision
+    check: bool  # problem.scores_may_overflow: each tile checks its scores
+    v_max: float
+    tau: float = 0.0
+
+
+def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=None, tau=0.0) -> Setup:
+    """The `Setup` of a call on the grouped ``q5, k5, v5`` (`problem.parse`) with ``opts``."""
+    prec = problem.precision(prec)
+    tiles = opts.tiles_for(default_tiles(pb.d), block_q, block_k)
+    specs = opts.specs(pb)
+    cap, slopes, sink = opts.score_terms(pb, prec)
+    mods = opts.mods(pb, tiles)
+    problem.check_representable(prec, q=q5, k=k5, v=v5)
+    check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=pb.max_of("q", q5),
+                                        k_max=pb.max_of("k", k5))
+    v_max = pb.max_of("v", v5)  # once, for every key range
+    if tau:
+        tau = _safe_threshold(tau, prec, pb.sk, v_max)
+    return Setup(specs, tiles, cap, slopes, sink, mods, prec, check, v_max, tau)
+
+
+def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=False, lse_parts=False):
+    """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
+    ``lse_parts``: ``lse`` as ``(..., sq, 2)`` parts ``(m, log l)``, for partials to merge
+    (`online.merge_parts`).
+
+    ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``setup.specs`` (all batch entries
+    at once when the mask does not depend on them), and the work items of every plan on
+    one pool of ``workers`` threads, so that batch entries with masks of their own
+    (padding, documents) run in parallel too.  ``setup.sink``: the grouped sinks
+    ``(..., hk, g)`` that start the rows, or None (a later key range of a split).
+    """
+    specs, tiles, cap, slopes, sink, mods = (setup.specs, setup.tiles, setup.cap, setup.slopes,
+                                             setup.sink, setup.mods)
+    prec, check, v_max, tau = setup.prec, setup.check, setup.v_max, setup.tau
+    lead = q.shape[:-2]
+    # Values near the type's range are summed divided by 2**e (see `problem.value_exponent`).
+    v_exp = problem.value_exponent(v_max, pb.sk, prec.accumulate)
+    out = np.empty(lead + (pb.sq, pb.dv))
+    lse = np.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()))
+    kinds = rescales = None
+    if count_rescales:
+        # The tile map and per-tile counts grow as (Sq / block_q) * (Sk / block_k): kept
+        # only when stats are asked for.
+        shape = (-(-pb.sq // tiles.block_q), -(-pb.sk // tiles.block_k))
+        validate.check_allocation(9 * math.prod(lead + shape), f"return_stats's per-tile counts of "
+                               f"{shape[0]} x {shape[1]} tiles per head (block_q={tiles.block_q}, "
+                               f"block_k={tiles.block_k})")
+        kinds = np.empty(pb.batch + shape, dtype=np.int8)
+        rescales = np.zeros(lead + shape, dtype=np.int64)
+    if not math.prod(lead):  # a zero-size batch axis: nothing to compute, no tile to map
+        return out, lse, rescales, kinds
+    plans = []  # (items, fn) per entry
+    per_thread = threading.local()  # each thread's tile buffers, shared by every entry's plan
+    for idx, spec in specs.items():
+        # idx = () selects everything: all batch entries share one mask.
+        plans.append(_forward(q[idx], k[idx], v[idx], pb.scale, spec, tiles, cap,
+                              problem.for_entry(slopes, idx),
+                              out[idx], lse[idx],
+                              None if rescales is None else rescales[idx],
+                              None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
+                              per_thread, problem.for_entry(sink, idx),
+                              None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
+                              (v_exp, v_max), lse_parts))
+    starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
+
+    def item(i):
+        p = int(np.searchsorted(starts, i, side="right")) - 1
+        plans[p][1](i - int(starts[p]))
+
+    run_tiles(item, range(int(starts[-1])), workers)
+    return out, lse, rescales, kinds
+
+
+def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
+             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False):
+    """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
+
+    ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
+    dv)``, ``lse (*lead, sq)`` and, when given, the tile map ``kinds (..., nq, nk)`` and
+    per-tile ``rescales (*lead, nq, nk)`` in place.  The work is split into (head block,
+    query tile) units (see `work_units`); they are independent, so threads may take them
+    in any order: each writes only its own rows, with the same arithmetic, so the result
+    is bit-identical.  ``check`` has every tile's scores checked for overflow (see
+    `tile_scores`).  ``per_thread``, a ``threading.local`` shared by the plans of one call,
+    holds each thread's tile buffers (keyed by shape), so that the working memory is one
+    set of buffers per thread however many batch entries have masks of their own.
+    ``sink`` (broadcastable to ``lead``) starts every row from its head's sink.
+    ``values``: ``(e, max|v|)``, the values summed divided by ``2**e`` (`problem.value_exponent`).
+    """
+    v_exp, v_max = values
+    bq, bk = tiles.block_q, tiles.block_k
+    lead, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
+    in_range = np.zeros(k_starts.size, dtype=bool)
+    in_range[key_tiles[0]:key_tiles[1]] = True
+    n_q_tiles = -(-sq // bq)
+    # GQA packing (decode): when a group's query rows fit one tile together, the g query
+    # heads that share a kv head become one tile of g * rows rows, k_j q_i^T one matmul per
+    # kv head instead of g matrix-vector products.  ALiBi's slopes differ per head: not then.
+    g = lead[-1] if lead else 1
+    packed = g > 1 and slopes is None and mods is None and g * min(bq, sq) <= bq
+    groups = g if packed else 1  # query heads per tile row block
+    units = work_units(lead[:-1] if packed else lead, groups * min(bq, sq), min(bk, k.shape[-2]),
+                       n_q_tiles)
+    if slopes is not None:
+        slopes = np.broadcast_to(slopes, lead)  # (*lead,): one slope per head
+    if sink is not None:
+        sink = np.broadcast_to(sink, lead)  # (*lead,): one sink per head
+
+    def unit_tile(item):
+        # The longest (last, under causal) query tiles go first so the threads finish together.
+        a, unit = n_q_tiles - 1 - item // len(units), units[item % len(units)]
+        q0, q1 = a * bq, min(sq, (a + 1) * bq)
+        tile_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), closed form
+        if kinds is not None:  # the same values from every unit of this query tile
+            if mods is None:
+                kinds[..., a, :] = tile_kinds
+            else:  # per batch entry, over all its heads
+                for e in np.ndindex(kinds.shape[:-2]):
+                    kinds[e + (a,)] = mods.unit(e).tile_kinds(a, tile_kinds)
+        mods_u = None
+        if mods is not None:  # this unit's heads: the block mask's classes AND the built-in ones
+            mods_u = mods.unit(unit)
+            tile_kinds = mods_u.tile_kinds(a, tile_kinds)
+        q_u, k_u, v_u = q[unit], _unit_of(k, unit), _unit_of(v, unit)
+        if packed:  # (..., 1, sk, .) -> (..., sk, .): the group's shared kv head
+            k_u, v_u = k_u[..., 0, :, :], v_u[..., 0, :, :]
+        if prec is None or prec.is_float64:
+            # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
+            with np.errstate(over="ignore") if check else contextlib.nullcontext():
+                q_i = q_u[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d); inf: caught below
+            dtype = np.float64
+        else:  # rounded q; the scale goes on the float32 scores, as in low-precision kernels
+            q_i = prec.round(q_u[..., q0:q1, :])
+            dtype = prec.accumulate
+        rows = None
+        if packed:  # (..., g, r, d) -> (..., g * r, d); the rows' positions repeat per head
+            q_i = q_i.reshape(q_i.shape[:-3] + (g * (q1 - q0), q_i.shape[-1]))
+            rows = np.tile(np.arange(q0, q1), g)
+        sink_rows = None
+        if sink is not None:  # each row starts from its head's sink
+            sink_rows = (np.repeat(sink[unit], q1 - q0, axis=-1) if packed  # (..., g * rows)
+                         else sink[unit][..., None])  # (..., 1) against (..., rows)
+        # The steps "state" and "absorb" (`attnlib.core.hooks`): OnlineSoftmax, tiles.absorb.
+        state = hooks.get("state").empty(q_i.shape[:-1], dv, dtype,
+                                         keys_first=tile_steps.keys_first_for(q_i.shape[-2]), sink=sink_rows)
+        todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
+        events = hooks.get("absorb")(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],
+                                     tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],
+                                     count=rescales is not None, threshold=tau, prec=prec, scale=scale,
+                                     buffers=per_thread.__dict__.setdefault("buffers", {}), check=check,
+                                     rows=rows, row_groups=groups, mods=mods_u, v_scale=math.ldexp(1.0, -v_exp))
+        if rescales is not None:
+            rescales[unit][..., a, todo] = events
+        o_i, lse_i = state.finalize_parts() if lse_parts else state.finalize()
+        o_i = problem.unscale_values(o_i, v_exp, v_max)
+        tail = lse_i.shape[-1:] if lse_parts else ()  # (m, log l) of each row
+        if packed:
+            o_i = o_i.reshape(o_i.shape[:-2] + (g, q1 - q0, dv))
+            lse_i = lse_i.reshape(lse_i.shape[:-1 - len(tail)] + (g, q1 - q0) + tail)
+        out[unit][..., q0:q1, :] = o_i
+        lse[unit][(..., slice(q0, q1)) + ((slice(None),) if lse_parts else ())] = lse_i
+
+    return n_q_tiles * len(units), unit_tile
+
+
+def _stats(rescales, kinds, pb, tiles) -> AttentionStats:
+    """Stats from the per-tile counts ``(*batch, hk, g, nq, nk)`` and map ``(*batch, nq, nk)``."""
+    # (*batch, hk, g, nq, nk) -> (*batch, hq, nq, nk), or (nq, nk) for 2-D inputs as for out.
+    rescales = pb.merge_heads(rescales, 2)
+    per_tile = rescales.sum(axis=tuple(range(rescales.ndim - 2)))  # (nq, nk)
+    processed = kinds != SKIP  # (*batch, nq, nk)
+    anywhere = processed.any(axis=tuple(range(processed.ndim - 2)))  # (nq, nk)
+    n_processed = int(np.count_nonzero(processed))
+    return AttentionStats(
+        block_q=tiles.block_q,
+        block_k=tiles.block_k,
+        tile_kind=kinds,
+        rescales=rescales,
+        rescale_counts={
+            (int(a) * tiles.block_q, int(b) * tiles.block_k): int(per_tile[a, b])
+            for a, b in np.argwhere(anywhere)
+        },
+        processed_tiles=n_processed * pb.hq,
+        skipped_tiles=(kinds.size - n_processed) * pb.hq,
+        total_rescales=int(rescales.sum()),
+    )
+
+
+__all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles"]

@@ -1,0 +1,177 @@
+"""One query tile against its key tiles: the scores in the contract's order and the online
+softmax's update, shared by the forward, the stream, the paged cache and the backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from . import problem
+from . import flex
+from . import hooks
+from .masks import PARTIAL
+
+
+#: Fewest rows in a tile for the keys-first layout (see `keys_first_for`).
+KEYS_FIRST_MIN_ROWS = 64
+
+
+def keys_first_for(rows: int) -> bool:
+    """Whether a tile of ``rows`` query rows is laid out keys first, ``(..., bk, rows)``.
+
+    Keys first, the per-row max, shift and sum run along the outer axis over contiguous
+    rows: at 256 x 256 the max took 0.38 ns per score against 0.65 rows first, and ``v^T p``
+    is the faster product.  With few rows (decode: one query per head, or a GQA group of
+    them) that axis is too short to vectorise: at 4 rows by 256 keys the max took 106 us
+    keys first and 8 us rows first (8 heads, measured), so such tiles stay rows first.
+    """
+    return rows >= KEYS_FIRST_MIN_ROWS
+
+
+def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
+           key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None,
+           check=False, rows=None, row_groups=1, mods=None, v_scale=1.0):
+    """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
+
+    ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
+    the keys from absolute position ``key_offset`` on (0, or a streamed chunk's start);
+    ``kinds`` says which tiles are PARTIAL.  Scores follow the contract's order: softcap,
+    mask (``-inf``), ALiBi.  ``threshold`` is the lazy-rescale threshold of
+    `OnlineSoftmax.update`.  With a low precision ``prec`` (`problem.Precision`), ``q_i``
+    is rounded but unscaled, k and v are rounded per tile, ``scale`` multiplies the
+    float32 scores and ``p`` is rounded before ``p @ v``.  ``buffers``, a dict the caller
+    keeps (one per thread), lets the score and ``p @ v`` buffers be reused from one query
+    tile to the next.  ``check`` has each tile's scores checked for overflow (see
+    `tile_scores`).  ``rows``: the absolute positions of the tile's rows (default
+    ``q0, q0 + 1, ...``); a GQA-packed tile repeats them once per head, and
+    ``row_groups`` (its head count) splits the rescale events per head.  Returns the
+    rescale events per tile ``(..., n_tiles)`` (``(..., row_groups, n_tiles)`` when
+    packed) when ``count``, else None.  ``mods``: the `attnlib.core.flex.Mods` of the tile's
+    heads (``mask_mod`` joins the PARTIAL tiles' visibility, ``score_mod`` every tile's scores).
+    ``v_scale``: a power of two the values are multiplied by (`problem.value_exponent`).
+    The masks and scores are the steps ``"tile_visible"`` and ``"tile_scores"`` of
+    `attnlib.core.hooks`; callers reach this function as its step ``"absorb"``.
+    """
+    contiguous = rows is None  # a packed tile's rows repeat per head
+    rows = np.arange(q0, q0 + q_i.shape[-2]) if rows is None else rows
+    keys_first = keys_first_for(q_i.shape[-2])
+    groups = (row_groups,) if row_groups > 1 else ()
+    events = np.zeros(state.m.shape[:-1] + groups + (len(k0s),), dtype=np.int64) if count else None
+    low = prec is not None and not prec.is_float64
+    # The declared steps (`attnlib.core.hooks`), looked up once per query tile.
+    tile_visible, scores_of = hooks.get("tile_visible"), hooks.get("tile_scores")
+    # One score and one p @ v buffer per tile shape, reused tile after tile, and the band
+    # masks of the PARTIAL tiles (`MaskSpec.tile_visible`).
+    buffers = {} if buffers is None else buffers
+    band_masks = buffers.setdefault("band masks", {})
+    for t, (k0, k1) in enumerate(zip(k0s, k1s)):
+        a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
+        if low:
+            k_j, v_j = prec.round(k[..., a:b, :]), prec.round(v[..., a:b, :])
+        else:
+            # Aligned (a copy only if not): numpy multiplies misaligned arrays in its own loop,
+            # not BLAS, with other roundings, so the bits would depend on where the input lies.
+            k_j = np.require(k[..., a:b, :].astype(np.float64, copy=False), requirements="A")  # (..., bk, d)
+            v_j = np.require(v[..., a:b, :].astype(np.float64, copy=False), requirements="A")  # (..., bk, dv)
+        if v_scale != 1.0:  # exact: a power of two
+            v_j = v_j * v_scale
+        shape = (state.acc.shape, b - a, state.acc.dtype)
+        if shape not in buffers:
+            lead = np.broadcast_shapes(q_i.shape[:-2], k_j.shape[:-2])
+            tile = (b - a, q_i.shape[-2]) if keys_first else (q_i.shape[-2], b - a)
+            pv = state.acc.shape[:-2] + (state.acc.shape[:-3:-1] if keys_first else state.acc.shape[-2:])
+            buffers[shape] = (np.empty(lead + tile, dtype=state.acc.dtype),
+                              np.empty(pv, dtype=state.acc.dtype))  # (..., dv, bq) keys first
+        s_buf, pv_buf = buffers[shape]
+        # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
+        vis = (tile_visible(spec, rows, k0, k1, keys_first, contiguous=contiguous, cache=band_masks)
+               if kinds[t] == PARTIAL else None)  # laid out as s
+        if mods is not None and kinds[t] == PARTIAL:  # AND mask_mod: (..., tile), per head
+            vis = mods.visible(vis, rows, np.arange(k0, k1), keys_first)
+        s, _ = scores_of(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
+                         post_scale=scale if low else None, check=check, keys_first=keys_first,
+                         vis=vis, mods=mods)
+        rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
+                                round_p=prec.round if low else None,
+                                keys_first=keys_first, visible=vis)  # s now holds p
+        if count:  # per head: a packed tile's rows are row_groups heads' rows
+            events[..., t] = rescaled.reshape(rescaled.shape[:-1] + groups + (-1,)).sum(axis=-1)
+    return events
+
+
+def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
+                post_scale=None, check=False, keys_first=False, vis=None, mods=None, mod_grad=None):
+    """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
+
+    ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
+    query and key positions; ``out`` an optional buffer for the result; ``post_scale``
+    multiplies the product instead (low precision: q is rounded unscaled).  Returns
+    ``(s, th)``: ``s: (..., bq, bk)`` with ``-inf`` on invisible pairs, and
+    ``th = tanh(t / cap)`` of the pre-cap scores ``t`` when ``keep_tanh`` (the backward
+    pass needs ``1 - th**2``), else None.  ``keys_first``: ``s`` is the transposed tile
+    ``(..., bk, bq) = k_j q_i^T`` instead (what `OnlineSoftmax.update` takes with
+    ``keys_first``; BLAS reads ``q_i`` transposed in place).  ``check``: raise ValueError
+    if a visible pair's scaled product ``scale * q . k`` is not finite (callers ask for it
+    only when `problem.scores_may_overflow` says it may be, so the usual tile pays nothing).
+    ``vis``: a PARTIAL tile's visibility laid out as ``s``, if the caller has it
+    (`MaskSpec.tile_visible`); else it is evaluated here.  ``mods`` (`attnlib.core.flex.Mods`):
+    its ``score_mod`` modifies the scores after the softcap, before the mask (``vis`` then
+    already holds its ``mask_mod``); ``mod_grad``, a list, receives
+    ``score_mod_grad(score, b, h, q_idx, kv_idx)`` of the pre-modification scores for the
+    backward pass (``mod_grad[0]`` is that function on entry).
+    """
+    # An overflow (only possible when `check` is asked for) is reported below.
+    with np.errstate(over="ignore", invalid="ignore") if check else contextlib.nullcontext():
+        if keys_first:
+            s = np.matmul(k_j, np.swapaxes(q_i, -1, -2), out=out)  # (..., bk, bq)
+        else:
+            s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
+        if post_scale is not None:
+            s *= post_scale
+
+    def pairs(grid):  # a (bq, bk) grid over the pairs, laid out as s
+        return grid.T if keys_first else grid
+
+    if kind == PARTIAL and vis is None:
+        vis = spec.visible(rows, cols, keys_first)
+    if check:
+        bad = ~np.isfinite(s)
+        if bad.any():
+            # Only a visible pair's score is used; an invisible one is set to 0 (masked
+            # below), which keeps softcap's tanh and its derivative finite.
+            if kind != PARTIAL or (bad & vis).any():
+                raise ValueError(problem.overflow_message(s.dtype))
+            s[bad] = 0.0
+    th = None
+    if cap is not None:  # softcap, before masking
+        with np.errstate(over="ignore"):  # s / cap beyond the range: tanh(+-inf) = +-1, exact
+            s /= cap
+        np.tanh(s, out=s)
+        th = s.copy() if keep_tanh else None
+        s *= cap
+    if mods is not None and mods.score_mod is not None:  # score_mod: after the softcap, before masks
+        grids = mods.grids(rows, cols, keys_first)
+        if mod_grad is not None:
+            mod_grad.append(flex.score_values(mod_grad[0], s, *grids, name="score_mod_grad"))
+        s[...] = flex.score_values(mods.score_mod, s, *grids)
+    if kind == PARTIAL:
+        np.copyto(s, -np.inf, where=~vis)
+    if mods is not None and mods.score_mod is not None:
+        # A visible pair's modified score must be a number or -inf (FlexAttention's way to
+        # mask from a score_mod); NaN or +inf would make the softmax undefined.
+        bad = np.isnan(s) | np.isposinf(s)
+        if bad.any():
+            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (query "
+                             f"{int(np.asarray(rows)[np.argwhere(bad)[0][-1 if keys_first else -2]])}); "
+                             "it must return finite scores, or -inf to mask")
+    if slopes is not None:  # ALiBi, after masking: -inf stays -inf
+        # A bias on a score near -max may overflow it (only where `check` is asked for: else
+        # |s| < max / 16 and the bias < max / 4): a visible score beyond the range, refused.
+        finite = np.isfinite(s) if check else None
+        with np.errstate(over="ignore") if check else contextlib.nullcontext():
+            s -= slopes[..., None, None] * pairs(spec.distance(rows, cols))
+        if check and (finite & ~np.isfinite(s)).any():
+            raise ValueError(problem.overflow_message(s.dtype))
+    return s, th

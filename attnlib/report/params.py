@@ -1,0 +1,317 @@
+"""The notebooks' parameters: the check of each (`positive`, `sizes`, ...), the runner's
+record of each notebook (`Notebook`, `NOTEBOOKS`) and `check_params`, which a notebook's
+second cell calls on the values of its ``parameters`` cell.
+
+The checks live here, the defaults in the notebooks, so a bad value fails with the same
+message in the notebook and in the runner (which checks before it starts anything).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core import problem, validate
+from ..core.oracle import ORACLE_PRECISION
+from ..evidence.memory import dense_fits
+from .costs import (
+    _check_rule_costs,
+    _equivalence_costs,
+    _flex_gallery_costs,
+    _gradients_costs,
+    _memory_costs,
+    _numerics_costs,
+    _performance_costs,
+    _rescales_costs,
+    _scaleout_costs,
+    check_costs,
+)
+
+
+def _int(name, x, lo):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"parameter {name} must be an integer, got {x!r}")
+    if x < lo:
+        raise ValueError(f"parameter {name} must be >= {lo}, got {x!r}")
+    return int(x)
+
+
+def positive(name, x):
+    return _int(name, x, 1)
+
+
+def non_negative(name, x):
+    return _int(name, x, 0)
+
+
+def flag(name, x):
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"parameter {name} must be True or False, got {x!r}")
+    return bool(x)
+
+
+def text(name, x):
+    if not isinstance(x, str):
+        raise TypeError(f"parameter {name} must be a string, got {x!r}")
+    return x
+
+
+def seconds(name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not (0 < x < 10 and math.isfinite(x)):
+        raise ValueError(f"parameter {name} must be a number of seconds in (0, 10), got {x!r}")
+    return float(x)
+
+
+def sizes(name, x):
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of integers, got {x!r}")
+    values = [positive(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    if values != sorted(set(values)):
+        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
+    return values
+
+
+def thresholds(name, x):
+    """A strictly increasing list of lazy-rescale thresholds, each as `attention` accepts it."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
+    try:
+        values = [validate.threshold(v) for v in x]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"parameter {name}: {e}") from None
+    if values != sorted(set(values)):
+        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
+    return values
+
+
+def precisions(name, x):
+    """A non-empty list of distinct kernel precisions, as `check_kernel` takes them."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of precisions, got {x!r}")
+    values = [text(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    for v in values:
+        try:
+            problem.precision(v)
+        except ValueError:
+            raise ValueError(f"parameter {name}: {v!r} is not one of float64, float32, float16, "
+                             "bfloat16") from None
+    if len(set(values)) != len(values):
+        raise ValueError(f"parameter {name} must not repeat a precision, got {x!r}")
+    return values
+
+
+def _shape_list(name, x, fields):
+    """A non-empty list of ``[*fields]``: positive integers, then a causal flag last."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of shapes, got {x!r}")
+    shapes = []
+    for i, shape in enumerate(x):
+        if not isinstance(shape, (list, tuple)) or len(shape) != len(fields):
+            raise ValueError(f"parameter {name}[{i}] must be [{', '.join(fields)}], got {shape!r}")
+        dims = [positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(shape[:-1])]
+        shapes.append(dims + [flag(f"{name}[{i}][{len(fields) - 1}]", shape[-1])])  # lists: papermill passes JSON
+    return shapes
+
+
+def check_shapes(name, x):
+    """A non-empty list of ``[batch, heads, seqlen_q, seqlen_k, headdim, causal]``."""
+    return _shape_list(name, x, ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
+
+
+def backward_defect(name, x):
+    """Empty, or the name of one of `attnlib.evidence.defects.BACKWARD_DEFECTS`."""
+    from ..evidence.defects import BACKWARD_DEFECTS
+
+    x = text(name, x)
+    if x and x not in BACKWARD_DEFECTS:
+        raise ValueError(f"parameter {name} must be empty or one of {sorted(BACKWARD_DEFECTS)}, got {x!r}")
+    return x
+
+
+def magnitudes(name, x):
+    """A strictly increasing, non-empty list of positive finite numbers."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
+    values = []
+    for i, v in enumerate(x):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+            raise ValueError(f"parameter {name}[{i}] must be a positive finite number, got {v!r}")
+        values.append(float(v))
+    if values != sorted(set(values)):
+        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
+    return values
+
+
+def power_shapes(name, x):
+    """A non-empty list of ``[batch, heads, kv_heads, seqlen_q, seqlen_k, headdim, causal]``."""
+    shapes = _shape_list(name, x, ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
+    for i, shape in enumerate(shapes):
+        if shape[1] % shape[2]:
+            raise ValueError(f"parameter {name}[{i}]: heads ({shape[1]}) must be a multiple of kv_heads ({shape[2]})")
+    return shapes
+
+def check_resources(notebook: str, params: dict) -> None:
+    """Refuse ``params`` (checked values) whose run cannot fit this machine: see `Cost`."""
+    costs_of = NOTEBOOKS[notebook].costs
+    if costs_of is not None:
+        check_costs(costs_of(params), params)
+
+
+@dataclass(frozen=True)
+class Notebook:
+    """What the runner knows of one evidence notebook (its defaults live in the notebook).
+
+    ``parameters`` maps each parameter to its check; ``quick`` holds tiny values for
+    ``--quick`` runs and the test suite; ``dense_runs`` lists ``(parameter, heads)`` pairs
+    whose value is an ``n`` the dense path runs at, with that many ``(n, n)`` heads;
+    ``costs`` maps the checked parameters to the notebook's stages (`Cost`), which bound
+    every size-like parameter by the memory, disk and work it asks for.
+    """
+
+    title: str
+    parameters: dict
+    quick: dict
+    dense_runs: tuple = ()
+    costs: object = None
+
+
+NOTEBOOKS = {
+    "equivalence": Notebook(
+        "Equivalence: tiled attention equals the dense float64 reference",
+        {"n_cases": positive, "seed": non_negative, "max_len": positive, "d": positive,
+         "broad_cases": positive, "broad_max_len": positive, "feature_cases": positive,
+         "feature_max_len": positive, "sink_cases": positive, "sink_n": positive,
+         "layout_cases": positive, "layout_max_len": positive, "paged_pages": sizes,
+         "adversarial_n": positive, "adversarial_d": positive,
+         "block_q": positive, "block_k": positive, "oracle_max_n": non_negative, "results_json": text},
+        {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "feature_cases": 9,
+         "feature_max_len": 256, "sink_cases": 3, "sink_n": 256, "layout_cases": 6,
+         "layout_max_len": 128, "paged_pages": [256, 2560], "adversarial_n": 256, "oracle_max_n": 256},
+        # The reference holds [v, |v|] outputs and the gate a (Sq, Sk) size matrix besides.
+        # The sink sweep: 4 heads of scores, and the gate's reference and sizes for them.
+        (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("sink_n", 16), ("adversarial_n", 2)),
+        costs=_equivalence_costs),
+    "rescales": Notebook(
+        "Rescales: where the online softmax's running max grows",
+        {"n": positive, "d": positive, "block_q": positive, "block_k": positive,
+         "causal": flag, "seed": non_negative, "dense_check_max_n": non_negative,
+         "results_json": text},
+        {"n": 256, "block_q": 32, "block_k": 32},
+        (("dense_check_max_n", 1),), costs=_rescales_costs),
+    "memory": Notebook(
+        "Memory: the tiled kernel streams in constant working memory",
+        {"n": positive, "d": positive, "causal": flag, "sweep": sizes,
+         "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
+         "decode_queries": sizes, "results_json": text},
+        {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
+         "decode_keys": 262144, "decode_queries": [1, 16]},
+        (("n", 1), ("dense_max_n", 1)), costs=_memory_costs),
+    "gradients": Notebook(
+        "Gradients: the tiled backward pass equals the dense float64 gradient",
+        {"n_cases": positive, "seed": non_negative, "max_len": positive, "sink_cases": positive,
+         "varlen_cases": positive,
+         "adversarial_n": positive, "adversarial_d": positive, "block_q": positive,
+         "block_k": positive, "sweep": sizes, "dense_max_n": positive, "inject": backward_defect,
+         "results_json": text},
+        {"n_cases": 5, "max_len": 256, "sink_cases": 3, "varlen_cases": 3, "adversarial_n": 256,
+         "sweep": [1024, 2048],
+         "dense_max_n": 2048},
+        # The dense gradient holds about twice the forward's (Sq, Sk) arrays.
+        (("max_len", 8), ("adversarial_n", 2), ("dense_max_n", 2)), costs=_gradients_costs),
+    "performance": Notebook(
+        "Performance: attnlib against dense numpy and PyTorch SDPA",
+        {"workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
+         "torch_max_n": positive, "full_cases": flag, "mask_n": positive, "mask_memory": flag,
+         "sweep_sizes": sizes, "results_json": text},
+        {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
+         "torch_max_n": 512, "full_cases": False, "mask_n": 512, "sweep_sizes": [64, 128]},
+        (("dense_max_n", 1),), costs=_performance_costs),
+    "numerics": Notebook(
+        "Numerics: float64 and low precisions against an extended-precision oracle; lazy rescaling",
+        {"ns": sizes, "ds": sizes, "logit_stds": sizes, "precision_n": positive, "blocks": sizes,
+         "precision_ns": sizes, "taus": thresholds, "lazy_n": positive, "seed": non_negative,
+         "results_json": text},
+        {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
+         "precision_ns": [64, 128], "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256},
+        # its dense runs are bounded by the oracle's sizes (check_params)
+        costs=_numerics_costs),
+    "scaleout": Notebook(
+        "Scale-out: the exact float64 oracle on a Dask cluster",
+        {"n": positive, "heads": positive, "d": positive, "block": positive, "workers": sizes,
+         "repeats": positive, "sweep": sizes, "project_n": positive, "project_heads": positive,
+         "project_d": positive, "project_machines": sizes, "project_cores": positive,
+         "results_json": text},
+        {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096]},
+        costs=_scaleout_costs),
+    "flex_gallery": Notebook(
+        "Programmable attention: a gallery of FlexAttention masks and scores, exact",
+        {"n": positive, "heads": positive, "d": positive, "block": positive, "repeats": positive,
+         "memory_entries": non_negative, "long_ns": sizes, "results_json": text},
+        {"n": 256, "heads": 2, "d": 16, "block": 64, "repeats": 1, "memory_entries": 1,
+         "long_ns": [1024, 4096]},
+        # The dense reference, P @ |V| and the gate's sizes for every head, and the dense
+        # mask count; FlexAttention eager holds n x n scores per head as well.
+        (("n", 16),), costs=_flex_gallery_costs),
+    "check_rule": Notebook(
+        "Check rule: correct kernels pass, buggy kernels fail",
+        {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes,
+         "power_magnitudes": magnitudes, "power_shapes": power_shapes, "power_seeds": positive,
+         "long_gradient_n": positive, "results_json": text},
+        {"n_seeds": 1, "precisions": ["float64", "float32"],
+         "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]],
+         "power_magnitudes": [1e-4, 1.0], "power_shapes": [[1, 4, 2, 64, 64, 32, True]], "power_seeds": 1,
+         "long_gradient_n": 512},
+        costs=_check_rule_costs),
+}
+
+
+def check_params(notebook: str, **values) -> dict:
+    """Check one notebook's parameters; returns them, converted, or raises a clear error."""
+    if notebook not in NOTEBOOKS:
+        raise ValueError(f"unknown notebook {notebook!r}; known: {sorted(NOTEBOOKS)}")
+    schema = NOTEBOOKS[notebook].parameters
+    unknown = sorted(set(values) - set(schema))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) for {notebook}: {unknown}; known: {sorted(schema)}")
+    missing = sorted(set(schema) - set(values))
+    if missing:
+        raise ValueError(f"missing parameter(s) for {notebook}: {missing}")
+    params = {name: schema[name](name, values[name]) for name in schema}
+    # The dense path only ever runs where it fits in memory, with room to spare.
+    for name, heads in NOTEBOOKS[notebook].dense_runs:
+        if not dense_fits(params[name], heads=heads):
+            raise ValueError(
+                f"parameter {name}={params[name]} would run the dense reference out of memory "
+                "on this machine; choose a smaller value")
+    if notebook == "check_rule":
+        for shape in params["power_shapes"]:
+            b, h, _, sq, sk = shape[:5]
+            if not dense_fits(sq, heads=4 * b * h, sk=sk):  # the dense gradient and its baselines
+                raise ValueError(f"parameter power_shapes: {list(shape)} would run the dense gradient out "
+                                 "of memory on this machine; choose a smaller shape")
+        if not dense_fits(params["long_gradient_n"], heads=4):
+            raise ValueError(f"parameter long_gradient_n={params['long_gradient_n']} would run the dense "
+                             "gradient out of memory on this machine; choose a smaller value")
+        for shape in params["shapes"]:
+            b, h, sq, sk = shape[:4]
+            if not dense_fits(sq, heads=2 * b * h, sk=sk):  # the naive baseline and the exact answer
+                raise ValueError(f"parameter shapes: {list(shape)} would run the dense baseline out of "
+                                 "memory on this machine; choose a smaller shape")
+    if notebook == "numerics":
+        if max(params["ns"] + params["precision_ns"] + [params["precision_n"], params["lazy_n"]]) > 4096:
+            raise ValueError("the long-double oracle has no BLAS: keep ns, precision_ns, precision_n "
+                             "and lazy_n <= 4096")
+        if ORACLE_PRECISION["method"] != "longdouble":
+            raise ValueError("the numerics report needs a long double of >= 64 mantissa bits, which "
+                             "this platform's numpy lacks (the decimal oracle takes small shapes only)")
+    if notebook == "equivalence" and params["max_len"] < 64:
+        raise ValueError("parameter max_len must be >= 64: the differential run's lengths are "
+                         "drawn from 64..max_len, so that rows cross two key tiles")
+    if notebook in ("memory", "gradients") and params["dense_max_n"] > params["sweep"][-1]:
+        raise ValueError("parameter dense_max_n must not exceed the largest sweep size")
+    check_resources(notebook, params)
+    return params
+

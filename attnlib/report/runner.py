@@ -1,0 +1,444 @@
+"""Running the notebooks: the plan (every parameter checked before anything starts),
+papermill and its kernel, the progress pump, one notebook's run (`execute`, `run_one`) and
+a whole run (`run`) under a lock on its output folder.
+
+A report is replaced only when its notebook ran to the end; a notebook that fails keeps its
+previous report, and ``<out>/<name>.status.json`` and ``<out>/failed/<name>.ipynb`` record
+why (see the package's docstring).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from .notebook import PROGRESS_ENV, ROOT, Verdict, _now
+from .params import NOTEBOOKS, check_params
+from .render import _banner, _write_json, render_html, write_index
+
+REPORTS = ROOT / "reports"  # the committed full runs, at the notebooks' defaults
+LOCAL_REPORTS = ROOT / "reports-local"  # git-ignored: --quick and -p runs
+
+
+class ReportError(Exception):
+    """A report run that cannot start (bad arguments or parameters)."""
+
+
+class NotebookError(ReportError):
+    """A notebook that started and did not run to the end, or wrote no results.
+
+    ``cell`` is ``"cell N ('first line')"`` (N counted in the stored notebook) or "" when
+    unknown; ``error`` is ``"ExcName: message"``; ``executed`` is where the executed
+    notebook, traceback included, was kept (None: not kept).
+    """
+
+    def __init__(self, notebook: str, cell: str, error: str, dead: bool = False):
+        self.notebook, self.cell, self.error, self.dead = notebook, cell, error, dead
+        self.executed = None
+        where = f" in {cell}" if cell else ""
+        what = "lost its kernel" if dead else "failed"
+        super().__init__(f"{notebook} {what}{where}: {error}")
+
+
+def _parse_value(raw: str):
+    lowered = {"true": True, "false": False}.get(raw.strip().lower())
+    if lowered is not None:
+        return lowered
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+#: What the runner and the notebooks import from the report extra (``pip install
+#: 'attnlib[report]'``): papermill runs the notebooks, nbformat and nbconvert read and render
+#: them, ipykernel is their kernel, matplotlib draws and memory_profiler measures.
+REPORT_MODULES = ("papermill", "nbformat", "nbconvert", "ipykernel", "matplotlib", "memory_profiler")
+INSTALL_REPORT = "pip install 'attnlib[report]'"
+
+
+def missing_report_modules() -> list[str]:
+    """The `REPORT_MODULES` that cannot be imported here (found without importing them)."""
+    import importlib.util
+
+    missing = []
+    for name in REPORT_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a blocked import, or a module without a spec
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _needs_report_extra(missing) -> ReportError:
+    return ReportError(f"the report runner needs the report extra ({', '.join(missing)} not "
+                       f"importable): {INSTALL_REPORT}")
+
+
+def _notebook_defaults(path: Path) -> dict:
+    try:
+        import papermill
+    except ImportError as e:  # found, but broken: the same one line as when missing
+        raise _needs_report_extra([e.name or "papermill"]) from None
+
+    declared = papermill.inspect_notebook(str(path))
+    return {name: ast.literal_eval(p["default"]) for name, p in declared.items()}
+
+
+def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, Path, dict]]:
+    """Check everything before running: ``[(name, notebook path, parameters), ...]``.
+
+    ``overrides`` are ``"key=value"`` (every selected notebook that declares ``key``) or
+    ``"notebook.key=value"`` strings; a key no selected notebook declares is refused.
+    """
+    return [(name, path, params) for name, path, params, _ in _plan(names, overrides, quick, nb_dir)]
+
+
+def _plan(names, overrides, quick, nb_dir) -> list[tuple[str, Path, dict, dict]]:
+    """`plan`, with each notebook's declared defaults as a fourth item."""
+    missing = missing_report_modules()
+    if missing:  # nothing can run: one line naming the extra, not a traceback
+        raise _needs_report_extra(missing)
+    nb_dir = Path(nb_dir) if nb_dir else ROOT / "notebooks"
+    names = list(NOTEBOOKS) if not names else list(names)
+    for name in names:
+        if name not in NOTEBOOKS:
+            raise ReportError(f"unknown notebook {name!r}; known: {', '.join(NOTEBOOKS)}")
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ReportError(f"parameters are given as key=value, got {item!r}")
+        target, _, key = key.rpartition(".")
+        if key == "results_json":
+            raise ReportError("results_json is where the runner collects a notebook's figures, "
+                              "not a parameter to set")
+        if target and target not in names:
+            raise ReportError(f"parameter {item!r} names notebook {target!r}, which is not selected")
+        if not any(key in NOTEBOOKS[n].parameters for n in ([target] if target else names)):
+            where = target or ", ".join(names)
+            raise ReportError(f"unknown parameter {key!r} for {where}")
+        parsed.append((target, key, _parse_value(raw)))
+    runs = []
+    for name in names:
+        path = nb_dir / f"{name}.ipynb"
+        if not path.exists():
+            raise ReportError(f"notebook {path} not found")
+        defaults = _notebook_defaults(path)
+        if set(defaults) != set(NOTEBOOKS[name].parameters):
+            raise ReportError(
+                f"{path.name}: its parameters cell declares {sorted(defaults)}, "
+                f"but attnlib checks {sorted(NOTEBOOKS[name].parameters)}")
+        values = {**defaults, **(NOTEBOOKS[name].quick if quick else {})}
+        values.update({k: v for t, k, v in parsed if t in ("", name) and k in NOTEBOOKS[name].parameters})
+        try:
+            params = check_params(name, **values)
+        except (TypeError, ValueError) as e:
+            raise ReportError(f"{name}: {e}") from None
+        runs.append((name, path, params, defaults))
+    return runs
+
+
+def overridden(params: dict, defaults: dict) -> dict:
+    """``{name: {"default": ..., "actual": ...}}`` for each parameter not at its default."""
+    return {name: {"default": defaults[name], "actual": value} for name, value in params.items()
+            if name != "results_json" and name in defaults and value != defaults[name]}
+
+
+def _failed_cell(executed: Path) -> str:
+    """``cell N ('first line')`` of the failing cell, N counted in the stored notebook.
+
+    The cell with an error output, else (a dead kernel leaves none) the last cell papermill
+    started; "" when the executed notebook is missing or no cell started.
+    """
+    import nbformat
+
+    added = {"injected-parameters", "papermill-error-cell-tag"}  # cells papermill inserts
+    try:
+        nb = nbformat.read(str(executed), as_version=4)
+    except Exception:  # never written (the kernel did not start) or cut short
+        return ""
+    cells = [c for c in nb.cells if not added & set(c.metadata.get("tags", []))]
+    failed = [i for i, c in enumerate(cells)
+              if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    started = [i for i, c in enumerate(cells) if c.metadata.get("papermill", {}).get("start_time")]
+    if not failed and not started:
+        return ""
+    index = (failed or started)[0 if failed else -1]
+    source = cells[index].source.strip()
+    return f"cell {index} ({source.splitlines()[0] if source else ''!r})"
+
+def _kernel_options() -> dict:
+    """papermill keyword arguments for a quiet kernel with a private connection.
+
+    Where jupyter_client can provision CurveZMQ keys (and pyzmq has CURVE), the kernel's
+    sockets are encrypted: ipykernel then has no reason to warn that it runs over plain TCP.
+    """
+    # The kernel's own log (e.g. "KeyboardInterrupt caught in kernel" when the runner stops it
+    # at the end) goes to the user's terminal: only critical lines.  A notebook's errors reach
+    # the runner through the cells' outputs, not this log.
+    options = {"extra_arguments": ["--IPKernelApp.log_level=CRITICAL"]}
+    try:
+        import zmq
+        from jupyter_client.manager import KernelManager
+        from traitlets.config import Config
+    except ImportError:
+        return options
+    if "transport_encryption" not in KernelManager.class_trait_names() or not zmq.has("curve"):
+        return options
+    return {**options, "config": Config({"KernelManager": {"transport_encryption": "auto"}})}
+
+
+class _Reported(logging.Filter):
+    """Drops papermill's log records of errors the runner reports itself, more precisely."""
+
+    def filter(self, record):
+        return "Kernel died while waiting for execute reply" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _kernel_environment(progress_file: Path | None):
+    """The kernel's environment and the runner's filters while papermill runs a notebook.
+
+    * ``PYDEVD_DISABLE_FILE_VALIDATION=1``: no debugpy warning about frozen modules at
+      kernel start (papermill's own CLI sets it too);
+    * ``$ATTNLIB_REPORT_PROGRESS``: the file `stage` writes to (or unset);
+    * RuntimeWarnings raised in the kernel transport (zmq, jupyter_client, nbclient), e.g.
+      about event loops at shutdown, are ignored; warnings from anywhere else still show.
+    """
+    saved = {key: os.environ.get(key) for key in ("PYDEVD_DISABLE_FILE_VALIDATION", PROGRESS_ENV)}
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    if progress_file is None:
+        os.environ.pop(PROGRESS_ENV, None)
+    else:
+        os.environ[PROGRESS_ENV] = str(progress_file)
+    reported = _Reported()
+    papermill_log = logging.getLogger("papermill")
+    papermill_log.addFilter(reported)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=RuntimeWarning,
+                                    module=r"(zmq|jupyter_client|nbclient)(\.|$)")
+            yield
+    finally:
+        papermill_log.removeFilter(reported)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _progress_pump(progress_file: Path | None, progress):
+    """Calls ``progress(line)`` for each line `stage` appends to ``progress_file``."""
+    if progress_file is None or progress is None:
+        yield
+        return
+    progress_file.write_bytes(b"")
+    stop = threading.Event()
+
+    def pump():
+        offset = 0
+        while True:
+            done = stop.wait(0.2)
+            try:
+                with open(progress_file, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                chunk = b""
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode("utf-8", "replace").splitlines():
+                progress(line)
+            if done:
+                return
+
+    thread = threading.Thread(target=pump, name="attnlib-report-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def execute(path: Path, params: dict, target: Path, *, banner: str = "", progress=None,
+            keep_failed: Path | None = None) -> dict:
+    """Run one notebook with papermill and render it to ``target``; returns its results JSON.
+
+    ``results_json`` is added to ``params`` (a temporary file the notebook writes).  Raises
+    `NotebookError` (a `ReportError`) naming the failed cell, when the kernel dies or does
+    not start, or when the notebook wrote no results; ``target`` is then left as it was,
+    and the executed notebook, traceback included, is copied to ``keep_failed`` if given.
+    ``progress(line)`` receives the notebook's `stage` lines as they come; ``banner``
+    (HTML) goes under the report's title.
+    """
+    import papermill
+
+    with tempfile.TemporaryDirectory(prefix=f"attnlib-{path.stem}-") as tmp:
+        executed = Path(tmp) / path.name
+        results = Path(tmp) / f"{path.stem}.json"
+        progress_file = Path(tmp) / "progress.txt" if progress is not None else None
+        failure = None
+        try:
+            with _kernel_environment(progress_file), _progress_pump(progress_file, progress):
+                papermill.execute_notebook(
+                    str(path), str(executed), parameters={**params, "results_json": str(results)},
+                    kernel_name="python3", progress_bar=False, cwd=str(path.parent),
+                    **_kernel_options(),
+                )
+        except papermill.PapermillExecutionError as e:
+            failure = NotebookError(path.name, _failed_cell(executed), f"{e.ename}: {e.evalue}")
+        except Exception as e:  # the kernel died (killed, e.g. out of memory) or never started
+            dead = type(e).__name__ == "DeadKernelError"
+            error = f"{type(e).__name__}: {e}".rstrip(": ")
+            if dead:
+                error += " (the notebook's process was killed, e.g. for lack of memory)"
+            failure = NotebookError(path.name, _failed_cell(executed), error, dead=dead)
+        else:
+            if not results.exists():
+                failure = NotebookError(path.name, "", "it ran but wrote no results JSON")
+        if failure is not None:
+            if keep_failed is not None and executed.exists():
+                keep_failed.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(executed, keep_failed)
+                failure.executed = keep_failed
+            raise failure
+        data = json.loads(results.read_text())
+        render_html(executed, target, banner)
+    return data
+
+def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict | None = None,
+            progress=None, marks: dict | None = None) -> tuple[bool, str]:
+    """Execute one notebook and render it; the previous report stays unless this succeeds.
+
+    Returns ``(ran, message)``.  On success the results JSON records ``default_params`` and
+    ``overrides`` against ``defaults`` (the notebook's declared values; None: not known, taken
+    as default) and any error marker of an earlier run is cleared.  On failure
+    ``<name>.status.json`` records the error and ``failed/<name>.ipynb`` keeps the executed
+    notebook.  ``marks`` are further ``{name: {"default": ..., "actual": ...}}`` entries that
+    make the run non-default (e.g. a notebook from another folder).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    overrides = {**overridden(params, defaults or {}), **(marks or {})}
+    status_file, kept = out_dir / f"{name}.status.json", out_dir.resolve() / "failed" / f"{name}.ipynb"
+    started = time.perf_counter()
+
+    def stage(line):
+        progress(f"{line} ({time.perf_counter() - started:.0f} s in)")
+
+    try:
+        try:
+            data = execute(path, params, out_dir / f"{name}.html", banner=_banner(overrides) if overrides else "",
+                           progress=stage if progress else None, keep_failed=kept)
+        except OSError as e:  # the notebook ran, but its report could not be rendered or written
+            raise NotebookError(path.name, "", f"writing its report failed: {type(e).__name__}: {e}") from e
+    except NotebookError as e:
+        _write_json(status_file, {
+            "notebook": e.notebook, "status": "ERROR", "cell": e.cell, "error": e.error,
+            "kernel_died": e.dead, "executed": str(e.executed) if e.executed else None,
+            "date (UTC)": _now(), "params": {**params, "results_json": ""},
+            "default_params": not overrides, "overrides": overrides})
+        kept_line = f"; the executed notebook is kept in {e.executed}" if e.executed else ""
+        return False, f"ERROR: {e}{kept_line}"
+    elapsed = time.perf_counter() - started
+    data["seconds"] = round(elapsed, 1)
+    data["params"] = {**data["params"], "results_json": ""}
+    data["default_params"], data["overrides"] = not overrides, overrides
+    _write_json(out_dir / f"{name}.json", data)
+    status_file.unlink(missing_ok=True)
+    kept.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # only when empty
+        kept.parent.rmdir()
+    label = Verdict(data["passed"], data["verdict"]).label
+    marker = f" [NON-DEFAULT PARAMETERS: {', '.join(overrides)}]" if overrides else ""
+    return True, f"{label}: {data['verdict']} ({elapsed:.1f} s){marker}"
+
+def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print, error=None,
+        allow_nondefault_reports=False) -> int:
+    """Run the selected notebooks and write their reports; returns an exit status.
+
+    0: every notebook ran and passed its checks (or, measuring only, reported INFO);
+    1: a notebook failed (its previous report is kept) or its verdict is FAIL; 2: bad
+    arguments, nothing was run.
+
+    ``log`` receives progress lines, ``error`` (default: ``log``) the errors and the FAIL
+    and ERROR lines.  ``out_dir`` defaults to `REPORTS` for a run of the default notebooks
+    at their defaults and to `LOCAL_REPORTS` for any other (``quick``, ``overrides`` or
+    ``nb_dir``); such a run into `REPORTS` needs ``allow_nondefault_reports``.
+    """
+    error = error or log
+    try:
+        runs = _plan(names, overrides, quick, nb_dir)
+    except ReportError as e:
+        error(f"error: {e}")
+        return 2
+    other_notebooks = nb_dir is not None and Path(nb_dir).resolve() != (ROOT / "notebooks").resolve()
+    nondefault = bool(quick or overrides or other_notebooks)
+    if out_dir is None:
+        out_dir = LOCAL_REPORTS if nondefault else REPORTS
+    out_dir = Path(out_dir)
+    inside_reports = out_dir.resolve() == REPORTS.resolve() or REPORTS.resolve() in out_dir.resolve().parents
+    if nondefault and inside_reports and not allow_nondefault_reports:
+        error(f"error: {REPORTS} holds the full runs at the notebooks' defaults; a --quick, -p or "
+              f"--notebooks run writes to {LOCAL_REPORTS.name}/ (or give --out elsewhere, or add "
+              "--allow-nondefault-reports to write there anyway, marked NON-DEFAULT)")
+        return 2
+    if nondefault:
+        log(f"non-default run: reports go to {out_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(out_dir) as locked:
+        if not locked:
+            error(f"error: another report run is writing to {out_dir}; wait for it or use --out")
+            return 2
+        status = 0
+        for i, (name, path, params, defaults) in enumerate(runs, 1):
+            prefix = f"[{i}/{len(runs)}] {name}:"
+            log(f"{prefix} running {path.name} ...")
+            marks = ({"notebook": {"default": f"notebooks/{name}.ipynb", "actual": str(path)}}
+                     if other_notebooks else None)
+            ok, message = run_one(name, path, params, out_dir, defaults, marks=marks,
+                                  progress=lambda line, prefix=prefix: log(f"{prefix}   {line}"))
+            if not ok or message.startswith("FAIL"):
+                status = 1
+                error(f"{prefix} {message}")
+            else:
+                log(f"{prefix} {message}")
+        index = write_index(out_dir)
+    log(f"index: {index}")
+    return status
+
+
+@contextlib.contextmanager
+def _locked(out_dir: Path):
+    """An exclusive lock on ``out_dir/.lock`` while a run writes there; yields False when
+    another run holds it (POSIX ``flock``; where that does not exist, no lock)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
+    with open(out_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
