@@ -278,3 +278,16 @@ def test_a_defect_changes_nothing_on_the_paths_it_does_not_name(name, path):
     with ALL[name].active():
         got = result(path, key)
     assert same(got, expected), f"{name} changes {path}: add it to its paths"
+
+
+def test_blocks_that_end_out_of_order_leave_nothing_behind():
+    """Two blocks (two threads' defects) that end in the other order than they began: each
+    step falls back to what is still active, and at the end to its default."""
+    one, two = hooks.replaced(absorb=lambda *a, **k: None), hooks.replaced(absorb=lambda *a, **k: 1)
+    one.__enter__()
+    two.__enter__()
+    second = hooks.get("absorb")
+    one.__exit__(None, None, None)
+    assert hooks.get("absorb") is second  # the later block is still in force
+    two.__exit__(None, None, None)
+    assert hooks.replacements() == {} and hooks.get("absorb") is hooks.default("absorb")

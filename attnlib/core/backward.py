@@ -42,14 +42,14 @@ from .tiled import attention
 
 
 
-def _options(scale, options: dict):
+def _options(scale, options: dict, entry: str):
     """``(Options, score_mod_grad)`` of a backward's keyword arguments: the forward's masking
     and score options (not a paged cache) and the derivative of its ``score_mod``."""
-    options = dict(options)
-    grad = options.pop("score_mod_grad", None)
-    opts = Options.parse(scale=scale, **options)
+    opts, rest = Options.split(entry=entry, accept=("score_mod_grad",), scale=scale, **options)
+    grad = rest.get("score_mod_grad")
     if opts.paged:
-        raise ValueError("the backward takes contiguous keys, not a paged KV cache")
+        raise ValueError("block_table and cache_seqlens cannot be given to the backward, which takes "
+                         "contiguous keys: gather the pages first (attnlib.core.paged.gather_pages)")
     return opts, _score_mod_grad(grad, opts)
 
 
@@ -218,7 +218,7 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     written out (see the module docstring).  Rows with no visible key have ``P = 0`` and
     contribute nothing.
     """
-    opts, mod_grad = _options(scale, options)
+    opts, mod_grad = _options(scale, options, "reference_attention_backward")
     return dense_backward(q, k, v, dout, opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
                           rss_accumulate=rss_accumulate, check_finite=check_finite,
                           compute_dtype=compute_dtype, formulation=formulation)
@@ -417,7 +417,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     >>> max(errors["dq"], errors["dk"], errors["dv"]) < 1e-12
     True
     """
-    opts, mod_grad = _options(scale, options)
+    opts, mod_grad = _options(scale, options, "attention_backward")
     return tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
                           workers=workers, check_finite=check_finite)
 

@@ -52,7 +52,7 @@ not for use while other threads run attnlib calls that must not see it.
 from __future__ import annotations
 
 import contextlib
-import importlib
+import itertools
 import threading
 
 #: The declared steps: name -> what it is (see the module docstring for who calls each).
@@ -70,44 +70,35 @@ def keep(stage, x, **where):
     return x
 
 
-#: Where each default lives: (module of attnlib.core, attribute path); resolved on first use,
-#: since those modules import this one.
-_DEFAULT_AT = {
-    "state": ("online", "OnlineSoftmax"),
-    "tile_scores": ("tiles", "tile_scores"),
-    "tile_visible": ("masks", "MaskSpec.tile_visible"),
-    "absorb": ("tiles", "absorb"),
-}
-
-_defaults: dict = {}
-_current: dict = {}  # every step's object in force, filled with the defaults on first use
+# The defaults are declared by the modules that define them (`declare`, at their import:
+# online, masks and tiles), so that this module imports none of them: no cycle.
+_defaults: dict = {"backward": keep}
+_active: dict = {}  # name -> [(token, replacement), ...] in the order they came in force
+_current: dict = {"backward": keep}  # every step's object in force: the last active, or the default
 _lock = threading.Lock()
+_tokens = itertools.count()
 
 
-def _resolve() -> None:
+def declare(name: str, default) -> None:
+    """Record ``default`` as step ``name``'s default (called once, by its defining module)."""
+    if name not in STEPS:
+        raise ValueError(f"{name!r} is not a declared step; the steps are {', '.join(STEPS)}")
     with _lock:
-        if _defaults:
-            return
-        found = {"backward": keep}
-        for name, (module, path) in _DEFAULT_AT.items():
-            obj = importlib.import_module(f"{__package__}.{module}")
-            for attr in path.split("."):
-                obj = getattr(obj, attr)
-            found[name] = obj
-        _current.update(found)
-        _defaults.update(found)
+        _defaults[name] = default
+        _current.setdefault(name, default)
 
 
 def _checked(name: str) -> str:
     if name not in STEPS:
         raise ValueError(f"{name!r} is not a declared step; the steps are {', '.join(STEPS)}")
-    if not _defaults:
-        _resolve()
+    if name not in _defaults:  # declared by its module on import; every kernel imports tiles
+        raise LookupError(f"step {name!r} has no default yet: import attnlib.core.tiles, which "
+                          "declares every step")
     return name
 
 
 def get(name: str):
-    """The step ``name`` in force: its replacement, or its default.
+    """The step ``name`` in force: its latest replacement still active, or its default.
 
     Raises
     ------
@@ -127,9 +118,8 @@ def default(name: str):
 
 def replacements() -> dict:
     """``{name: replacement}`` of the steps replaced now (empty: the kernels as shipped)."""
-    if not _defaults:
-        _resolve()
-    return {name: obj for name, obj in _current.items() if obj is not _defaults[name]}
+    with _lock:
+        return {name: entries[-1][1] for name, entries in _active.items() if entries}
 
 
 @contextlib.contextmanager
@@ -169,12 +159,21 @@ def replaced(**steps):
                                 f"got {obj!r}")
         elif not callable(obj):
             raise TypeError(f"the {name!r} step takes a callable, got {obj!r}")
-    saved = {name: _current[name] for name in steps}
-    _current.update(steps)
+    token = next(_tokens)
+    with _lock:
+        for name, obj in steps.items():
+            _active.setdefault(name, []).append((token, obj))
+            _current[name] = obj
     try:
         yield
     finally:
-        _current.update(saved)
+        # Remove this block's entries, wherever they are: blocks in other threads may end in
+        # any order, and each step falls back to the latest one still active, or its default.
+        with _lock:
+            for name in steps:
+                entries = [e for e in _active[name] if e[0] != token]
+                _active[name] = entries
+                _current[name] = entries[-1][1] if entries else _defaults[name]
 
 
-__all__ = ["STEPS", "get", "default", "replaced", "replacements", "keep"]
+__all__ = ["STEPS", "get", "default", "declare", "replaced", "replacements", "keep"]

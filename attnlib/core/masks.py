@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import validate
+from . import hooks, validate
 
 #: Tile classes of the contract.
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -356,3 +356,6 @@ def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bo
         )
         for idx in np.ndindex(*batch)
     }
+
+
+hooks.declare("tile_visible", MaskSpec.tile_visible)  # the PARTIAL tiles' mask, replaceable (`hooks`)

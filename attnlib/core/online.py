@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import hooks
 from .arrays import _is_ml_float, as_numpy
 
 
@@ -301,3 +302,6 @@ def merge_attention(outs, lses):
                               [np.stack([lse, np.where(np.isfinite(lse), 0.0, -np.inf)], axis=-1)
                                for _, lse in parts])
     return out, lse_of(merged)
+
+
+hooks.declare("state", OnlineSoftmax)  # the forward paths' state, replaceable (`hooks`)

@@ -75,6 +75,8 @@ class Options:
         if options is not None:
             if not isinstance(options, Options):
                 raise TypeError(f"options must be an attnlib Options, got {type(options).__name__}")
+            if not given:  # already checked: the same object, not parsed again
+                return options
             given = {**options.given(), **given}
         scale = given.get("scale")
         if scale is not None:
@@ -101,12 +103,20 @@ class Options:
         )
 
     @classmethod
-    def split(cls, options: "Options | None" = None, /, **given) -> tuple:
+    def split(cls, options: "Options | None" = None, /, *, entry: str | None = None, accept=None,
+              **given) -> tuple:
         """``(Options.parse(options, **the fields among given), the rest of given)``: for an
-        entry point whose keyword arguments mix the options with its own."""
+        entry point whose keyword arguments mix the options with its own.  With ``accept``
+        (the names it takes besides the options), any other name is a ``TypeError`` naming
+        it and ``entry``, the function the caller called."""
         names = set(_names())
+        rest = {n: v for n, v in given.items() if n not in names}
+        unknown = sorted(set(rest) - set(accept)) if accept is not None else []
+        if unknown:
+            raise TypeError(f"{entry or 'this function'}() got unexpected keyword argument(s) {unknown}; "
+                            f"it takes the options {', '.join(_names())} and {', '.join(accept)}")
         opts = cls.parse(options, **{n: v for n, v in given.items() if n in names})
-        return opts, {n: v for n, v in given.items() if n not in names}
+        return opts, rest
 
     def given(self, *groups) -> dict:
         """The options that differ from the defaults, as keyword arguments (of the fields of

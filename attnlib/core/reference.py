@@ -26,6 +26,9 @@ def reference_scores(q, k, *, check_finite=True, **options):
     ``options`` are the masking and score arguments of `attention`.
     """
     opts = dense_options(**options)
+    if opts.sinks is not None:
+        raise ValueError("sinks are not scores of a key: reference_scores gives the (Sq, Sk) scores; "
+                         "the sink joins the softmax's denominator (reference_attention)")
     k = arrays.as_float_array(k, "k")
     q5, k5, _, pb = problem.parse(q, k, k[..., :1], scale=opts.scale, check_finite_inputs=check_finite)
     return pb.merge_heads(_scores(q5, k5, pb, opts), 2)
@@ -35,8 +38,8 @@ def dense_options(options=None, /, **given) -> Options:
     """`Options.parse` for the dense references, which take contiguous keys only."""
     opts = Options.parse(options, **given)
     if opts.paged:
-        raise ValueError("the dense reference takes contiguous keys: gather a paged cache first "
-                         "(attnlib.core.paged.gather_pages)")
+        raise ValueError("block_table and cache_seqlens cannot be given to the dense reference, which "
+                         "takes contiguous keys: gather the pages first (attnlib.core.paged.gather_pages)")
     return opts
 
 

@@ -12,6 +12,7 @@ from . import problem
 from . import flex
 from . import hooks
 from .masks import PARTIAL
+from .online import OnlineSoftmax  # the state absorb updates (its import declares the "state" step)
 
 
 #: Fewest rows in a tile for the keys-first layout (see `keys_first_for`).
@@ -30,7 +31,7 @@ def keys_first_for(rows: int) -> bool:
     return rows >= KEYS_FIRST_MIN_ROWS
 
 
-def absorb(state, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
+def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
            key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None,
            check=False, rows=None, row_groups=1, mods=None, v_scale=1.0):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
@@ -175,3 +176,8 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
         if check and (finite & ~np.isfinite(s)).any():
             raise ValueError(problem.overflow_message(s.dtype))
     return s, th
+
+
+# The steps this module defines, replaceable through `hooks` (see there).
+hooks.declare("tile_scores", tile_scores)
+hooks.declare("absorb", absorb)

@@ -31,10 +31,20 @@ _NOT_IN_VARLEN = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", 
                   "cache_seqlens", "mask_mod", "score_mod", "block_mask")
 
 
-def _split(options: dict) -> tuple:
+#: What each varlen entry point takes besides the options: its kernel's own arguments.
+_FORWARD = ("block_q", "block_k", "kv_splits", "workers", "rescale_threshold", "compute_dtype",
+            "check_finite")
+_DENSE = ("check_finite", "compute_dtype")
+_BACKWARD = ("block_q", "block_k", "workers", "check_finite", "score_mod_grad")
+_DENSE_BACKWARD = ("return_abs", "return_rss", "rss_accumulate", "check_finite", "compute_dtype",
+                   "formulation", "score_mod_grad")
+
+
+def _split(options: dict, entry: str, accept: tuple) -> tuple:
     """``(Options, the other keyword arguments)``: the masking and score options parsed once,
-    those varlen says otherwise (padding, documents, pages, mods) refused."""
-    opts, rest = Options.split(**options)
+    those varlen says otherwise (padding, documents, pages, mods) refused, and any other name
+    than ``accept`` refused naming ``entry``."""
+    opts, rest = Options.split(entry=entry, accept=accept, **options)
     for name in opts.given(_NOT_IN_VARLEN):
         raise ValueError(f"{name} is not taken in the varlen layout: each sequence is attended "
                          "on its own (cu_seqlens_q/k), and seqused_k limits its keys")
@@ -109,10 +119,11 @@ def _heads_first(x):
     return np.swapaxes(x, 0, 1)  # (S, H, D) -> (H, S, D), a view
 
 
-def _run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, options):
+def _run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, options,
+         entry="attention_varlen", accept=_FORWARD):
     """``fn(q_b, k_b, v_b, **options_b)`` per sequence; ``(out (total_q, Hq, Dv), lse (Hq, total_q),
     per-sequence extras)``."""
-    opts, options = _split(options)
+    opts, options = _split(options, entry, accept)
     q, k, v = _packed(q, k, v)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k, max_seqlen_q, max_seqlen_k)
     hq, dv = q.shape[1], v.shape[2]
@@ -199,7 +210,8 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
     """`attention_varlen` by the dense float64 reference, sequence by sequence (each
     sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time)."""
     out, lse, _ = _run(lambda *a, **o: dense_attention(*a, return_lse=True, **o), q, k, v,
-                       cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dict(options))
+                       cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dict(options),
+                       "reference_attention_varlen", _DENSE)
     return (out, lse) if return_lse else out
 
 
@@ -223,7 +235,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
                            (lse, "lse", (hq, q.shape[0]))):
         if x.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
-    opts, options = _split(options)
+    opts, options = _split(options, "attention_varlen_backward", _DENSE_BACKWARD if reference else _BACKWARD)
     mod_grad = _score_mod_grad(options.pop("score_mod_grad", None), opts)
     sinks = opts.sinks
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k, max_seqlen_q, max_seqlen_k)

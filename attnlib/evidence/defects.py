@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..core import hooks
-from ..core.online import _shift
+from ..core.online import _shift, lse_of
 
 #: The kernel paths a defect may reach: `attnlib.attention`, `attnlib.attention_stream`,
 #: `attnlib.attention` with a paged cache, `attnlib.attention_varlen` and
@@ -181,13 +181,18 @@ def _drop_last_tile():
 
 
 def _lse_plus(shift):
-    """A state whose ``finalize`` gives an ``lse`` off by ``shift``."""
+    """A state whose ``lse`` (``finalize``, and split-KV's ``finalize_parts``) is off by ``shift``."""
     base = hooks.get("state")
 
-    def finalize(self):
-        out, lse = base.finalize(self)
-        return out, lse + shift
-    return _state("LsePlus", finalize=finalize)
+    def finalize(self):  # the lse off by shift, rounded as before: (m + log l) + shift
+        out, parts = base.finalize_parts(self)
+        return out, lse_of(parts) + shift
+
+    def finalize_parts(self):  # split-KV's partials, merged later: log l off by shift (-inf stays)
+        out, parts = base.finalize_parts(self)
+        parts[..., 1] += shift
+        return out, parts
+    return _state("LsePlus", finalize=finalize, finalize_parts=finalize_parts)
 
 
 def _sink_weight_dropped():

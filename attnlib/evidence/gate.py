@@ -149,7 +149,7 @@ class Tolerance:
                          self.delta)
 
 
-def tolerance(q, k, v, ref_lse, *, block_k=None, options=None, **given) -> Tolerance:
+def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, **given) -> Tolerance:
     """The gate's per-row tolerances for ``attention(q, k, v, **options)`` (see module doc).
 
     ``ref_lse`` is the reference's ``lse`` (for the ``u |lse|`` term; None: 0); ``block_k`` the
@@ -172,7 +172,7 @@ def tolerance(q, k, v, ref_lse, *, block_k=None, options=None, **given) -> Toler
     # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
     # any other), and a row with no visible key then has lse = sink.
     sinks = opts.sinks
-    stats = row_stats(q, k, options=replace(opts, scale=scale, alibi_slopes=None, sinks=None))
+    stats = row_stats(q, k, block_q=block_q, options=replace(opts, scale=scale, alibi_slopes=None, sinks=None))
     sigma, n_vis = stats[:2]
     # An overflowing size (|q| . |k| beyond the range) is held at the largest float: an
     # infinite one would allow any error, a gate without power.
@@ -223,6 +223,9 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, **given):
     the modification computes.
     """
     opts = dense_options(options, **given)  # contiguous keys, as the dense reference it bounds
+    given_terms = sorted(opts.given(("alibi_slopes", "sinks")))
+    if given_terms:  # `tolerance` bounds those itself; a row's score size is the q.k terms'
+        raise ValueError(f"row_stats does not take {', '.join(given_terms)} (see tolerance)")
     q = arrays.as_float_array(q, "q")
     k = arrays.as_float_array(k, "k")
     # parse checks the shapes and groups the heads; a one-column v stands in for v.
