@@ -75,7 +75,7 @@ _PUBLIC = {
     'attention_stream': 'core.stream',
     'DEFAULT_TILES': 'core.tilesizes',
     'LARGE_HEAD_TILES': 'core.tilesizes',
-    'AttentionStats': 'core.tiled',
+    'AttentionStats': 'core.stats',
     'TileSizes': 'core.tilesizes',
     'attention': 'core.tiled',
     'default_tiles': 'core.tilesizes',

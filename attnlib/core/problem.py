@@ -223,6 +223,17 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
+    finite = None
+    if check_finite_inputs:
+        finite = lambda: tuple(check_finite(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    return group(q, k, v, scale=scale, maxima=finite)
+
+
+def group(q, k, v, *, scale, maxima=None):
+    """`parse`'s layout checks and grouping, for arrays already read (numpy arrays, or torch
+    tensors: `attnlib.core.device`): only ``ndim``, ``shape``, ``reshape`` and indexing are
+    used.  ``maxima``: a function returning ``(max|q|, max|k|, max|v|)`` (it raises for
+    non-finite inputs), called after the shape checks of ``q``, or None."""
     if q.ndim < 2:
         raise ValueError(f"q must have at least 2 dimensions (..., Sq, D), got shape {q.shape}")
     if not (q.ndim == k.ndim == v.ndim):
@@ -230,9 +241,8 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
             "q, k and v must have the same number of dimensions, got shapes "
             f"q {q.shape}, k {k.shape}, v {v.shape}"
         )
-    maxima = None
-    if check_finite_inputs:
-        maxima = tuple(check_finite(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if maxima is not None:
+        maxima = maxima()
     squeeze = q.ndim == 2
     if squeeze:  # one head: (S, D) -> (1, S, D)
         q, k, v = q[None], k[None], v[None]
@@ -273,6 +283,36 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
     v5 = v[..., None, :, :]
     problem = Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze, maxima)
     return q5, k5, v5, problem
+
+
+def safe_threshold(tau, prec, n_keys, v_max):
+    """The largest lazy-rescale threshold ``<= tau`` whose weights cannot overflow ``prec``.
+
+    With a stale max every weight is ``p = exp(s - m) <= exp(tau)``, and until the max
+    moves the state sums them: ``l <= n_keys * exp(tau)`` and
+    ``|acc| <= n_keys * exp(tau) * v_max``, in the accumulate type (float32 for the low
+    precisions: ``exp(100)`` alone overflows it).  With a 16-bit ``p`` (rounded to the
+    compute type before ``p @ v``) also ``exp(tau) <= max_compute`` (float16: 65504, so
+    ``tau <= 11.09``).  Both get a factor-2 margin for rounding::
+
+        tau <= log(max_acc) - log(n_keys) - log(max(1, v_max)) - log 2
+        tau <= log(max_compute) - log 2            (low precision only)
+
+    The result is clamped to ``[0, tau]``: 0 (eager) needs no bound, as its weights are
+    ``<= 1``.  ``prec`` is a `Precision` or a ``compute_dtype`` value.  Clamping
+    changes only the reference point of the weights, not the result (up to rounding);
+    ``stats`` count the rescales done with the clamped threshold.
+    """
+    if not tau:
+        return tau
+    if not isinstance(prec, Precision):
+        prec = precision(prec)
+    margin = math.log(2.0)
+    bound = (math.log(float(finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
+             - math.log(max(v_max, 1.0)) - margin)
+    if not prec.is_float64:
+        bound = min(bound, math.log(float(finfo(prec.compute).max)) - margin)
+    return min(float(tau), max(0.0, bound))
 
 
 def softcap_in(cap, dtype, kernel: str):

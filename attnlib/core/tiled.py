@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import arrays
 from . import problem
 from . import validate
 from . import flex
@@ -26,37 +25,8 @@ from .paged import paged_forward
 from .parallel import _unit_of, run_tiles, work_units
 from .tilesizes import DEFAULT_TILES, LARGE_HEAD_TILES, TileSizes, default_tiles
 from .online import lse_of, merge_attention, merge_parts
-
-
-@dataclass(frozen=True)
-class AttentionStats:
-    """What the kernel did, tile by tile (the contract's "Stats").
-
-    Attributes
-    ----------
-    block_q, block_k : int
-        Tile sizes used; tile ``(a, b)`` starts at ``(q0, k0) = (a*block_q, b*block_k)``.
-    tile_kind : ndarray of int8, shape ``(..., n_q_tiles, n_k_tiles)``
-        ``0 = SKIP, 1 = PARTIAL, 2 = FULL``; leading axes are the batch axes (the same map
-        for every entry unless padding or segments differ between them).
-    rescales : ndarray of int64, shape ``(..., Hq, n_q_tiles, n_k_tiles)``
-        Rescale events per tile and head: query rows whose running max was finite and
-        strictly grew in that tile.  For 2-D inputs ``(n_q_tiles, n_k_tiles)``, as ``out``
-        has no head axis then.
-    rescale_counts : dict
-        ``{(q0, k0): events}`` summed over batch and heads, for every processed tile.
-    processed_tiles, skipped_tiles, total_rescales : int
-        Totals over all (batch, head, tile) triples.
-    """
-
-    block_q: int
-    block_k: int
-    tile_kind: np.ndarray = field(repr=False)
-    rescales: np.ndarray = field(repr=False)
-    rescale_counts: dict = field(repr=False)
-    processed_tiles: int
-    skipped_tiles: int
-    total_rescales: int
+from .stats import AttentionStats, tile_stats
+from .device import on_device, resolve as device_of
 
 
 def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
@@ -64,7 +34,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
-              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None):
+              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, device=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -125,7 +95,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         0 is the eager rule.  Same result up to rounding; ``stats`` then counts the
         rescales actually applied.  A stale max lets the weights reach ``exp(tau)``, so the
         threshold used is clamped to the largest one the precision can hold (see
-        `_safe_threshold`): ``log(max_acc / (Sk * max(1, max|v|))) - log 2`` for the state
+        `problem.safe_threshold`): ``log(max_acc / (Sk * max(1, max|v|))) - log 2`` for the state
         ``(l, acc)`` in the accumulate type (float32 unless float64: about
         ``88.7 - log(Sk)``), and ``log(max_compute) - log 2 ~ 10.4`` for float16, whose
         rounded ``p`` must stay finite.  In float64 with ordinary ``v`` nothing is clamped.
@@ -209,9 +179,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
                          mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask,
                          block_table=block_table, cache_seqlens=cache_seqlens)
-    return forward(q, k, v, opts, block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
-                   rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
-                   return_stats=return_stats, check_finite=check_finite)
+    run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
+               rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
+               return_stats=return_stats, check_finite=check_finite)
+    dev = device_of(device, q, k, v)
+    if dev is None:
+        return forward(q, k, v, opts, **run)
+    from . import torch_tiled
+    return on_device(torch_tiled.forward(q, k, v, opts, dev=dev, **run), (q, k, v))
 
 
 def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, workers=None,
@@ -268,38 +243,8 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
         result.append(pb.merge_heads(lse, 1))
     if return_stats:
         rescales = sum(p[2] for p in partials)
-        result.append(_stats(rescales, partials[0][3], pb, tiles))
+        result.append(tile_stats(rescales, partials[0][3], pb, tiles))
     return result[0] if len(result) == 1 else tuple(result)
-
-
-def _safe_threshold(tau, prec, n_keys, v_max):
-    """The largest lazy-rescale threshold ``<= tau`` whose weights cannot overflow ``prec``.
-
-    With a stale max every weight is ``p = exp(s - m) <= exp(tau)``, and until the max
-    moves the state sums them: ``l <= n_keys * exp(tau)`` and
-    ``|acc| <= n_keys * exp(tau) * v_max``, in the accumulate type (float32 for the low
-    precisions: ``exp(100)`` alone overflows it).  With a 16-bit ``p`` (rounded to the
-    compute type before ``p @ v``) also ``exp(tau) <= max_compute`` (float16: 65504, so
-    ``tau <= 11.09``).  Both get a factor-2 margin for rounding::
-
-        tau <= log(max_acc) - log(n_keys) - log(max(1, v_max)) - log 2
-        tau <= log(max_compute) - log 2            (low precision only)
-
-    The result is clamped to ``[0, tau]``: 0 (eager) needs no bound, as its weights are
-    ``<= 1``.  ``prec`` is a `problem.Precision` or a ``compute_dtype`` value.  Clamping
-    changes only the reference point of the weights, not the result (up to rounding);
-    ``stats`` count the rescales done with the clamped threshold.
-    """
-    if not tau:
-        return tau
-    if not isinstance(prec, problem.Precision):
-        prec = problem.precision(prec)
-    margin = math.log(2.0)
-    bound = (math.log(float(arrays.finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
-             - math.log(max(v_max, 1.0)) - margin)
-    if not prec.is_float64:
-        bound = min(bound, math.log(float(arrays.finfo(prec.compute).max)) - margin)
-    return min(float(tau), max(0.0, bound))
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,7 +277,7 @@ def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=N
                                         k_max=pb.max_of("k", k5))
     v_max = pb.max_of("v", v5)  # once, for every key range
     if tau:
-        tau = _safe_threshold(tau, prec, pb.sk, v_max)
+        tau = problem.safe_threshold(tau, prec, pb.sk, v_max)
     return Setup(specs, tiles, cap, slopes, sink, mods, prec, check, v_max, tau)
 
 
@@ -480,29 +425,6 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         lse[unit][(..., slice(q0, q1)) + ((slice(None),) if lse_parts else ())] = lse_i
 
     return n_q_tiles * len(units), unit_tile
-
-
-def _stats(rescales, kinds, pb, tiles) -> AttentionStats:
-    """Stats from the per-tile counts ``(*batch, hk, g, nq, nk)`` and map ``(*batch, nq, nk)``."""
-    # (*batch, hk, g, nq, nk) -> (*batch, hq, nq, nk), or (nq, nk) for 2-D inputs as for out.
-    rescales = pb.merge_heads(rescales, 2)
-    per_tile = rescales.sum(axis=tuple(range(rescales.ndim - 2)))  # (nq, nk)
-    processed = kinds != SKIP  # (*batch, nq, nk)
-    anywhere = processed.any(axis=tuple(range(processed.ndim - 2)))  # (nq, nk)
-    n_processed = int(np.count_nonzero(processed))
-    return AttentionStats(
-        block_q=tiles.block_q,
-        block_k=tiles.block_k,
-        tile_kind=kinds,
-        rescales=rescales,
-        rescale_counts={
-            (int(a) * tiles.block_q, int(b) * tiles.block_k): int(per_tile[a, b])
-            for a, b in np.argwhere(anywhere)
-        },
-        processed_tiles=n_processed * pb.hq,
-        skipped_tiles=(kinds.size - n_processed) * pb.hq,
-        total_rescales=int(rescales.sum()),
-    )
 
 
 __all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles"]

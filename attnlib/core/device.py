@@ -1,0 +1,169 @@
+"""Where a call computes: numpy on the host's cores, or torch on a tensor's own device.
+
+A kernel engineer's tensors live on a GPU.  Given torch tensors (or an explicit ``device=``)
+the entry points compute with torch where the tensors are, in float64, and return torch
+tensors there: the same contract, the same tile classes and stats as the numpy kernel.  torch
+is imported only when a tensor or ``device=`` asks for it (`_is_torch_tensor` looks in
+``sys.modules``; a tensor means torch is already imported).
+
+Tensors are read exactly: every torch floating type (float64/32/16, bfloat16, float8) is
+kept as stored and converted to float64 one tile at a time, so the inputs are never copied
+whole.  What holds no values (meta, fake, nested, quantized, complex tensors) is refused with
+the host path's messages (`arrays._torch_refusal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import numpy as np
+
+from . import problem
+from .arrays import UnreadableInput, _is_torch_tensor, _torch_refusal, as_float_array
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ValueError("device= needs torch: pip install attnlib[torch]") from None
+    return torch
+
+
+def resolve(device, *arrays):
+    """The torch device a call computes on, or None for the numpy kernel.
+
+    ``device``: None (torch tensors among ``arrays`` choose: all on one device), or what
+    ``torch.device`` takes (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``).
+    """
+    tensors = [x for x in arrays if _is_torch_tensor(x)]
+    if device is None and not tensors:
+        return None
+    torch = _torch()
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a string such as 'cuda' or 'cpu', or a torch.device; "
+                            f"got {device!r}")
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+        if dev.type == "meta":
+            raise ValueError("device='meta' holds no values to compute with")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: torch {torch.__version__} sees no CUDA device here")
+        return dev
+    devices = {x.device for x in tensors if x.device.type != "meta"}  # meta: refused by name later
+    if not devices:
+        return torch.device("cpu")
+    if len(devices) > 1:
+        raise ValueError(f"the tensors are on different devices ({', '.join(sorted(map(str, devices)))}): "
+                         "move them to one, or pass device=")
+    return devices.pop()
+
+
+def as_tensor(x, name: str, dev):
+    """``x`` as a real floating torch tensor on ``dev``, exactly: a tensor keeps its type (read
+    one tile at a time), a numpy array becomes a tensor of its memory on the CPU."""
+    torch = _torch()
+    if _is_torch_tensor(x):
+        why = _torch_refusal(x, name)
+        if why is not None:
+            raise UnreadableInput(why)
+        t = x.detach()  # never touches x's values, nor its autograd graph
+        if t.layout != torch.strided:  # sparse, mkldnn
+            t = t.to_dense()
+        t = t.resolve_conj().resolve_neg()
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a real floating dtype (float16/32/64, bfloat16, float8), "
+                            f"got {t.dtype}")
+    else:
+        arr = as_float_array(x, name)  # numpy, lists, JAX, ml_dtypes (as float64): read exactly
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only array: never written here
+            try:
+                t = torch.from_numpy(arr)
+            except (TypeError, ValueError, RuntimeError):  # negative strides, a non-native byte order
+                t = torch.from_numpy(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
+    return t if t.device == dev else t.to(dev)
+
+
+def index_tensor(x, dev, dtype=None):
+    """Integers computed on the host (positions, lengths, ids) as a tensor on ``dev``."""
+    torch = _torch()
+    return torch.as_tensor(np.asarray(x), device=dev, dtype=dtype)
+
+
+def _first_bad(t, name):
+    """ValueError naming the first NaN or inf of ``t``, found a few rows at a time."""
+    torch = _torch()
+    rows = t.shape[-2]
+    step = max(1, (1 << 16) // max(1, t.numel() // max(rows, 1)))
+    for s0 in range(0, rows, step):
+        bad = ~torch.isfinite(t[..., s0:s0 + step, :])
+        if bool(bad.any()):
+            where = [int(w) for w in torch.nonzero(bad)[0].tolist()]
+            where[-2] += s0
+            raise ValueError(f"{name} contains NaN or inf (first at index {tuple(where)}); "
+                             "pass check_finite=False to skip this check")
+
+
+def _extremes(t):
+    """``[max, min]`` of ``t`` as a float64 tensor on its device (no host synchronisation)."""
+    torch = _torch()
+    if t.numel() == 0:
+        return torch.zeros(2, dtype=torch.float64, device=t.device)
+    if t.element_size() == 1:  # float8: no reductions of its own; a few rows at a time in float32
+        rows = t.shape[-2]
+        step = max(1, (1 << 20) // max(1, t.numel() // max(rows, 1)))
+        parts = [_extremes(t[..., s0:s0 + step, :].to(torch.float32)) for s0 in range(0, rows, step)]
+        stacked = torch.stack(parts)
+        return torch.stack([stacked[:, 0].max(), stacked[:, 1].min()])
+    lo, hi = torch.aminmax(t)
+    return torch.stack([hi, lo]).to(torch.float64)
+
+
+def parse(q, k, v, *, scale, check_finite_inputs: bool, dev):
+    """`problem.parse` for the torch kernel: ``(q5, k5, v5, problem)`` with grouped tensor views
+    on ``dev`` in their stored types.  The maxima are always found (one host synchronisation
+    for the three); with ``check_finite_inputs`` non-finite ones are refused, naming the entry."""
+    q, k, v = (as_tensor(x, name, dev) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+
+    def maxima():
+        ext = np.asarray(_torch().stack([_extremes(x) for x in (q, k, v)]).cpu())  # (3, 2): one copy
+        if check_finite_inputs and not np.isfinite(ext).all():
+            for x, name, (hi, lo) in zip((q, k, v), "qkv", ext):
+                if not (np.isfinite(hi) and np.isfinite(lo)):
+                    _first_bad(x, name)
+        return tuple(float(np.abs(e).max()) for e in ext)
+
+    return problem.group(q, k, v, scale=scale, maxima=maxima)
+
+
+@contextlib.contextmanager
+def threads(dev, workers):
+    """torch's intra-op threads on the CPU held to ``workers`` (None: as they are) for a call."""
+    torch = _torch()
+    if dev.type != "cpu" or workers is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(workers)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def on_device(result, given):
+    """A result as the caller gave its inputs: tensors stay on the device; numpy inputs run
+    with ``device=`` get numpy back (stats and other host objects pass through)."""
+    if any(_is_torch_tensor(x) for x in given):
+        return result
+    torch = _torch()
+
+    def host(x):
+        return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+    return tuple(host(x) for x in result) if isinstance(result, tuple) else host(result)

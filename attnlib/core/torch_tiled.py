@@ -1,0 +1,350 @@
+"""The tiled forward in torch, on the tensors' own device, in float64.
+
+The same algorithm as `attnlib.core.tiled` (the online softmax of `attnlib.core.online`
+over the tiles `attnlib.core.masks` classifies in closed form), written for a device: one
+query tile of every batch entry and head at once (a GQA group's query heads as one tile of
+``g * rows`` rows against their shared kv head), no host synchronisation inside the loop
+(the tile classes are planned on the host from the mask geometry; overflow and score
+errors are gathered in device flags and raised once at the end), tiles sized for the
+device.  Working memory: a few ``(..., block_q, block_k)`` tiles and the state of one query
+tile, independent of ``Sq`` and ``Sk``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import device as dev_mod
+from . import problem, validate
+from .masks import PARTIAL, SKIP
+from .options import Options
+from .parallel import _unit_of, run_tiles, work_units
+from .stats import tile_stats
+from .tilesizes import TileSizes
+
+#: Score tiles of this many bytes on a GPU (all heads of a query tile at once): large enough
+#: that the per-tile launches are a small part of the time, a few of them well within 4 GiB.
+GPU_TILE_BYTES = 1 << 27
+
+
+#: The CPU's tiles: torch's (MKL's) products gain from larger tiles than numpy's at every
+#: head size.  Measured on a 2-core Xeon, 2 threads, medians of 3 interleaved, torch time
+#: over numpy's default kernel at 256 -> 512: (1, 1, 4096, 64) 1.13 -> 0.82x, causal 1.16 ->
+#: 0.96x; (1, 8, 4096, 64) 0.90 -> 0.80x, causal 1.06 -> 0.90x.
+CPU_TILES = TileSizes(512, 512)
+
+
+def device_tiles(dev, heads: int) -> TileSizes:
+    """The default tiles on ``dev``: `CPU_TILES`, and on a GPU square tiles of up to 4096
+    whose ``heads * block_q * block_k`` float64 scores fit `GPU_TILE_BYTES` (a per-tile
+    Python loop is launch-bound there)."""
+    if dev.type == "cpu":
+        return CPU_TILES
+    side = 4096
+    while side > 256 and heads * side * side * 8 > GPU_TILE_BYTES:
+        side //= 2
+    return TileSizes(side, side)
+
+
+@dataclass
+class _State:
+    """``(m_i, l_i, acc)`` of one query tile, ``(..., hk, g, r)`` and ``(..., hk, g, r, dv)``."""
+
+    m: object
+    l: object
+    acc: object
+
+
+#: Most band masks one call keeps on the device (each at most one tile): a causal run or a
+#: sliding window has one or two diagonal offsets per tile shape.
+BAND_CACHE = 64
+
+
+def _hidden(spec, rows, cols, torch, seg, cache=None):
+    """``~MaskSpec.visible`` on the device: ``(r, c)`` bool, True where query ``rows[t]``
+    may not see key ``cols[u]`` (device int64 vectors).  ``seg``: the spec's segment ids on
+    the device, or None.  A tile under the band rules only (no length or document crosses
+    it) depends on ``cols[0] - rows[0]`` and its shape alone: kept in ``cache``, a dict."""
+    o = spec.offset
+    q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+    banded = seg is None and q1 <= spec.rows and k1 <= spec.keys
+    key = (k0 - q0, q1 - q0, k1 - k0)
+    if banded and cache is not None and key in cache:
+        return cache[key]
+    i, j = rows[:, None], cols[None, :]
+    hide = None
+
+    def either(rule):
+        return rule if hide is None else hide | rule
+
+    if q1 > spec.rows:
+        hide = either(i >= spec.rows)
+    if k1 > spec.keys:
+        hide = either(j >= spec.keys)
+    if spec.left is not None:
+        hide = either(j < i + (o - spec.left))
+    if spec.right is not None:
+        hide = either(j > i + (o + spec.right))
+    if seg is not None:
+        hide = either(seg[0][rows][:, None] != seg[1][cols][None, :])
+    if hide is None:
+        hide = torch.zeros((rows.numel(), cols.numel()), dtype=torch.bool, device=rows.device)
+    if banded and cache is not None and len(cache) < BAND_CACHE:
+        cache[key] = hide
+    return hide
+
+
+def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_splits=1, workers=None,
+            rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
+            check_finite=True):
+    """`attnlib.core.tiled.forward` computed with torch on ``dev``: torch tensors out (float64)."""
+    torch = dev_mod._torch()
+    refused = {**opts.given(("block_table", "cache_seqlens", "mask_mod", "score_mod", "block_mask")),
+               "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
+    given = sorted(name for name, value in refused.items() if value is not None)
+    if given:
+        raise ValueError(f"{', '.join(given)}: not yet computed on a torch device ({dev}); pass "
+                         "numpy arrays (the host kernel takes them)")
+    kv_splits = validate.positive_int(kv_splits, "kv_splits")
+    workers = None if workers is None else validate.workers(workers)
+    tau = validate.threshold(rescale_threshold)
+    return_lse = validate.flag(return_lse, "return_lse")
+    return_stats = validate.flag(return_stats, "return_stats")
+    q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev)
+    tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq), block_q, block_k)
+    specs = opts.specs(pb)
+    prec = problem.precision(None)
+    cap, slopes, sink = opts.score_terms(pb, prec)
+    q_max, k_max, v_max = pb.maxima
+    check = problem.scores_may_overflow(q5, k5, pb.scale, np.float64, q_max=q_max, k_max=k_max) \
+        if pb.sq and pb.sk else False
+    if tau:
+        tau = problem.safe_threshold(tau, prec, pb.sk, v_max)
+    n_k_tiles = -(-pb.sk // tiles.block_k)
+    splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
+    parts = len(splits) > 1
+    with dev_mod.threads(dev, workers), torch.no_grad():
+        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, tau, return_stats, workers)
+        partials = [kernel.run(q5, k5, v5, specs, sink if r == 0 else None,
+                               (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), parts)
+                    for r, part in enumerate(splits)]
+        if len(partials) == 1:
+            out, lse = partials[0][:2]
+        else:
+            out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials])
+            lse = lse_of(merged)
+        kernel.raise_flags()
+    result = [pb.merge_heads(out, 2)]
+    if return_lse:
+        result.append(pb.merge_heads(lse, 1))
+    if return_stats:
+        rescales = sum(np.asarray(p[2].cpu()) for p in partials)
+        result.append(tile_stats(rescales, partials[0][3], pb, tiles))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+class _Kernel:
+    """One call's tile loop on the device, with its flags (overflow) and constants."""
+
+    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers):
+        self.torch, self.dev, self.pb, self.tiles = torch, dev, pb, tiles
+        self.cap, self.check, self.tau, self.count, self.v_max = cap, check, tau, count, v_max
+        self.slopes = None if slopes is None else torch.as_tensor(slopes, device=dev)  # (..., hk, g)
+        # Values near float64's range are summed divided by 2**e (`problem.value_exponent`).
+        self.v_exp = problem.value_exponent(v_max, pb.sk, np.float64)
+        # The CPU runs (head block, query tile) units on threads, as the numpy kernel does (one
+        # torch thread each: tile-sized ops lose to torch's own threads, 330 against 165 us for
+        # a (256, 64) @ (64, 256) product on 2 threads, measured); a GPU takes every head at once.
+        self.workers = (validate.workers(None) if workers is None else workers) if dev.type == "cpu" else 1
+        self.bands = {}  # `_hidden`'s band masks, shared by the threads (each entry written once)
+        self.flags = []  # device bools: a visible pair's score overflowed (appended: thread-safe)
+
+    def raise_flags(self):
+        if self.flags and bool(self.torch.stack(self.flags).any()):  # one synchronisation, at the end
+            raise ValueError(problem.overflow_message(np.float64))
+
+    def run(self, q5, k5, v5, specs, sink, key_tiles, lse_parts):
+        """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``."""
+        torch, pb, tiles = self.torch, self.pb, self.tiles
+        lead = q5.shape[:-2]  # (*batch, hk, g)
+        f64 = dict(dtype=torch.float64, device=self.dev)
+        out = torch.empty(lead + (pb.sq, pb.dv), **f64)
+        lse = torch.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()), **f64)
+        shape = (-(-pb.sq // tiles.block_q), -(-pb.sk // tiles.block_k))
+        kinds = rescales = None
+        if self.count:
+            validate.check_allocation(9 * math.prod(lead + shape), f"return_stats's per-tile counts of "
+                                      f"{shape[0]} x {shape[1]} tiles per head")
+            kinds = np.empty(pb.batch + shape, dtype=np.int8)
+            rescales = torch.zeros(lead + shape, dtype=torch.int64, device=self.dev)
+        if not math.prod(lead):
+            return out, lse, rescales, kinds
+        sink_t = None if sink is None else torch.as_tensor(sink, device=self.dev)
+        items = []
+        for idx, spec in specs.items():  # idx = (): every batch entry shares one mask
+            seg = None
+            if spec.q_segments is not None:
+                seg = (dev_mod.index_tensor(spec.q_segments, self.dev),
+                       dev_mod.index_tensor(spec.kv_segments, self.dev))
+            items += self._plan(q5[idx], k5[idx], v5[idx], spec, seg,
+                                None if self.slopes is None else problem.for_entry(self.slopes, idx),
+                                None if sink_t is None else problem.for_entry(sink_t, idx),
+                                out[idx], lse[idx], None if rescales is None else rescales[idx],
+                                None if kinds is None else kinds[idx], key_tiles, lse_parts)
+        with dev_mod.threads(self.dev, 1 if self.workers > 1 else None):
+            run_tiles(lambda item: item(), items, self.workers)
+        return out, lse, rescales, kinds
+
+    def _plan(self, q, k, v, spec, seg, slopes, sink, out, lse, rescales, kinds, key_tiles, lse_parts):
+        """One mask's work: a list of callables, one per (query tile, head block) unit, each
+        writing its own rows of ``out``, ``lse`` and ``rescales``.  ``q: (..., hk, g, sq, d)``,
+        ``k, v: (..., hk, 1, sk, .)``; the longest (last, under causal) query tiles first."""
+        tiles = self.tiles
+        bq, bk = tiles.block_q, tiles.block_k
+        lead, sq = q.shape[:-2], q.shape[-2]
+        k_starts, k_ends, kv_ranges = spec.key_tiles(bk)
+        in_range = np.zeros(k_starts.size, dtype=bool)
+        in_range[key_tiles[0]:key_tiles[1]] = True
+        n_q_tiles = -(-sq // bq)
+        units = (work_units(lead, min(bq, sq), min(bk, k.shape[-2]), n_q_tiles)
+                 if self.dev.type == "cpu" else [()])
+        slopes = None if slopes is None else slopes.expand(lead)
+        sink = None if sink is None else sink.expand(lead)
+        items = []
+        for a in reversed(range(n_q_tiles)):
+            q0, q1 = a * bq, min(sq, (a + 1) * bq)
+            tile_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), on the host
+            if kinds is not None:
+                kinds[..., a, :] = tile_kinds
+            todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
+            for unit in units:
+                items.append(functools.partial(
+                    self._tile, q[unit], _unit_of(k, unit)[..., 0, :, :], _unit_of(v, unit)[..., 0, :, :],
+                    spec, seg, None if slopes is None else slopes[unit][..., None, None],
+                    None if sink is None else sink[unit], out[unit], lse[unit],
+                    None if rescales is None else rescales[unit], a, q0, q1,
+                    [(int(t), int(k_starts[t]), int(k_ends[t]), tile_kinds[t]) for t in todo], lse_parts))
+        return items
+
+    def _tile(self, q, k, v, spec, seg, slopes, sink, out, lse, rescales, a, q0, q1, todo, lse_parts):
+        """One query tile of one head block against its key tiles ``todo``:
+        ``q: (..., g, sq, d)``, ``k, v: (..., sk, .)`` (the group's kv head)."""
+        torch, pb = self.torch, self.pb
+        lead, dv, r = q.shape[:-2], v.shape[-1], q1 - q0
+        g = lead[-1] if lead else 1
+        f64 = dict(dtype=torch.float64, device=self.dev)
+        # The scale is applied once per query tile, as the host kernel does; a GQA group's
+        # query heads are one tile of g * r rows against their kv head.
+        q_i = (q[..., q0:q1, :].to(torch.float64) * pb.scale).reshape(lead[:-1] + (g * r, pb.d))
+        rows = torch.arange(q0, q1, device=self.dev)
+        shape = lead + (r,)
+        if sink is None:
+            st = _State(torch.full(shape, -math.inf, **f64), torch.zeros(shape, **f64),
+                        torch.zeros(shape + (dv,), **f64))
+        else:  # each row starts from its head's sink: (m, l, acc) = (sink, 1, 0)
+            st = _State(sink[..., None].expand(shape).clone(), torch.ones(shape, **f64),
+                        torch.zeros(shape + (dv,), **f64))
+        v_scale = math.ldexp(1.0, -self.v_exp)
+        for t, k0, k1, kind in todo:
+            k_j = k[..., k0:k1, :].to(torch.float64)  # (..., c, d)
+            v_j = v[..., k0:k1, :].to(torch.float64)  # (..., c, dv)
+            if v_scale != 1.0:  # exact: a power of two
+                v_j = v_j * v_scale
+            s = self._scores(q_i, k_j, spec, seg, rows, k0, k1, kind, slopes, lead, r)
+            events = self._update(st, s, v_j, lead, r)
+            if rescales is not None:
+                rescales[..., a, t] = events
+        self._finalize(st, out, lse, q0, q1, lse_parts)
+
+    def _scores(self, q_i, k_j, spec, seg, rows, k0, k1, kind, slopes, lead, r):
+        """One tile's scores ``(..., hk, g, r, c)`` in the contract's order: ``(scale q) k^T``,
+        softcap, mask (``-inf``), ALiBi."""
+        torch = self.torch
+        s = torch.matmul(q_i, k_j.transpose(-1, -2)).view(lead + (r, k1 - k0))  # (..., hk, g, r, c)
+        cols = torch.arange(k0, k1, device=self.dev) if kind == PARTIAL or slopes is not None else None
+        hide = _hidden(spec, rows, cols, torch, seg, self.bands) if kind == PARTIAL else None  # (r, c)
+        if self.check:  # a non-finite product of a visible pair: the softmax is undefined
+            bad = ~torch.isfinite(s)
+            self.flags.append((bad if hide is None else bad & ~hide).any())
+            s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked below; keeps tanh finite
+        if self.cap is not None:  # softcap, before masking
+            s = s.div_(self.cap).tanh_().mul_(self.cap)
+        if hide is not None:
+            s = s.masked_fill_(hide, -math.inf)
+        if slopes is not None:  # ALiBi, after masking: -inf stays -inf
+            dist = (rows[:, None] + spec.offset - cols[None, :]).abs().to(torch.float64)  # (r, c)
+            finite = torch.isfinite(s) if self.check else None
+            s = s.sub_(slopes * dist)
+            if self.check:
+                self.flags.append((finite & ~torch.isfinite(s)).any())
+        return s
+
+    def _update(self, st, s, v_j, lead, r):
+        """The online softmax's step (`attnlib.core.online.OnlineSoftmax.update`) on ``s``;
+        returns the rescale events per head ``(..., hk, g)`` (int64 on the device)."""
+        torch = self.torch
+        m_tile = s.amax(dim=-1)  # (..., hk, g, r)
+        if self.tau:  # lazy: keep a stale max until the tile's exceeds it by more than tau
+            m_new = torch.where(m_tile > st.m + self.tau, m_tile, st.m)
+        else:
+            m_new = torch.maximum(st.m, m_tile)
+        events = (torch.isfinite(st.m) & (m_new > st.m)).sum(dim=-1) if self.count else None
+        shift = torch.nan_to_num(m_new, neginf=0.0)  # m_new where finite, else 0: no -inf - -inf
+        alpha = (st.m - shift).exp_()  # (..., hk, g, r); 0 for rows with m = -inf
+        p = s.sub_(shift[..., None]).exp_()  # exponents <= 0; -inf gives exactly 0
+        st.l.mul_(alpha).add_(p.sum(dim=-1))
+        pv = torch.matmul(p.view(lead[:-1] + (lead[-1] * r, p.shape[-1])), v_j)  # (..., hk, g*r, dv)
+        st.acc.mul_(alpha[..., None]).add_(pv.view(lead + (r, v_j.shape[-1])))
+        st.m = m_new
+        return events
+
+    def _finalize(self, st, out, lse, q0, q1, lse_parts):
+        torch = self.torch
+        seen = st.l > 0  # l >= 1 for every row that saw a key
+        l_safe = torch.where(seen, st.l, 1.0)
+        o_i = torch.where(seen[..., None], st.acc / l_safe[..., None], 0.0)
+        if self.v_exp:  # the attention of the values divided by 2**e: held to +-max|v|, scaled back
+            bound = math.ldexp(self.v_max, -self.v_exp)
+            o_i = torch.ldexp(o_i.clamp(-bound, bound), torch.tensor(self.v_exp, device=self.dev))
+        out[..., q0:q1, :] = o_i
+        log_l = torch.where(seen, torch.log(l_safe), -math.inf)
+        if lse_parts:
+            lse[..., q0:q1, 0] = torch.where(seen, st.m, -math.inf)
+            lse[..., q0:q1, 1] = log_l
+        else:
+            lse[..., q0:q1] = torch.where(seen, st.m + log_l, -math.inf)
+
+
+def lse_of(parts):
+    """``m + log l`` of lse parts ``(..., 2)``; ``-inf`` where the row saw no key."""
+    torch = dev_mod._torch()
+    seen = torch.isfinite(parts[..., 1])
+    return torch.where(seen, parts[..., 0] + torch.where(seen, parts[..., 1], 0.0), -math.inf)
+
+
+def merge_parts(outs, parts):
+    """`attnlib.core.online.merge_parts` in torch: partials with two-part lse ``(m, log l)``."""
+    torch = dev_mod._torch()
+    big_m = parts[0][..., 0]
+    for p in parts[1:]:
+        big_m = torch.maximum(big_m, p[..., 0])
+    shift = torch.where(torch.isfinite(big_m), big_m, 0.0)
+    logs = [(p[..., 0] - shift) + p[..., 1] for p in parts]  # log(l_r exp(m_r - M)); -inf: none
+    top = logs[0]
+    for c in logs[1:]:
+        top = torch.maximum(top, c)
+    ref = torch.where(torch.isfinite(top), top, 0.0)  # the largest term: its weight exp(0) keeps L >= 1
+    big_l = sum(torch.exp(c - ref) for c in logs)
+    seen = big_l > 0
+    log_l = torch.where(seen, torch.log(torch.where(seen, big_l, 1.0)) + ref, -math.inf)  # log L, rel. to M
+    out = torch.zeros_like(outs[0])
+    for o_r, c in zip(outs, logs):
+        w = torch.exp(c - torch.where(seen, log_l, 0.0))  # sums to 1 over the partials; 0 where none
+        out = out + w[..., None] * torch.where(torch.isfinite(c)[..., None], o_r, 0.0)
+    bound = max(float(o_r.abs().max()) if o_r.numel() else 0.0 for o_r in outs)
+    merged = torch.stack([torch.where(seen, big_m, -math.inf), log_l], dim=-1)
+    return out.clamp(-bound, bound), merged

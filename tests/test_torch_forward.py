@@ -1,0 +1,219 @@
+"""The forward on a torch device (`attnlib.core.torch_tiled`), tested on torch CPU tensors:
+the same results as the numpy kernel (to rounding), the same tile classes and stats, the
+same errors, torch tensors out, and computed with torch."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import attnlib
+from attnlib.core import tiled
+
+torch = pytest.importorskip("torch")
+
+OPTION_CASES = [
+    {},
+    {"causal": True},
+    {"causal": True, "causal_align": "top_left"},
+    {"window": (17, 5)},
+    {"causal": True, "window": (40, None)},
+    {"window": (None, 0)},
+    {"softcap": 3.0},
+    {"alibi_slopes": np.linspace(0.05, 0.8, 4)},
+    {"alibi_slopes": np.linspace(0.05, 0.8, 8).reshape(2, 4), "causal": True},
+    {"sinks": np.array([-1.0, 0.5, 2.0, 8.0])},
+    {"kv_lengths": [150, 1], "q_lengths": [90, 0], "causal": True},
+    {"kv_lengths": [0, 77]},
+    {"q_segment_ids": np.repeat([[0, 1, 2], [3, 3, 4]], [30, 40, 30], axis=1),
+     "kv_segment_ids": np.repeat([[0, 1, 2], [3, 4, 4]], [50, 60, 40], axis=1)},
+    {"scale": 0.3, "softcap": 2.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4]), "window": (30, 10)},
+    {"sinks": np.array([1.0, 2.0, 3.0, 4.0]), "kv_lengths": [0, 150]},
+]
+
+
+def _tensors(*xs):
+    return [torch.from_numpy(np.ascontiguousarray(x)) for x in xs]
+
+
+def _compare(q, k, v, *, tq=None, tk=None, tv=None, **kw):
+    """The torch forward of (tq, tk, tv) (default: q, k, v as tensors) against numpy's on q, k, v."""
+    ref_kw = {n: x for n, x in kw.items() if n in attnlib.core.options.Options.__dataclass_fields__}
+    out, lse, stats = attnlib.attention(q, k, v, return_lse=True, return_stats=True, **kw)
+    t = _tensors(q, k, v) if tq is None else (tq, tk, tv)
+    t_out, t_lse, t_stats = attnlib.attention(*t, return_lse=True, return_stats=True, **kw)
+    assert isinstance(t_out, torch.Tensor) and isinstance(t_lse, torch.Tensor)
+    assert t_out.dtype == torch.float64 and t_out.shape == out.shape and t_lse.shape == lse.shape
+    got, got_lse = t_out.numpy(), t_lse.numpy()
+    err = attnlib.attention_errors(got, q, k, v, **ref_kw).rel_error
+    assert err < 1e-13, err
+    assert np.abs(got - out).max(initial=0) <= 1e-13 * max(1.0, np.abs(v).max(initial=0))
+    np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(lse))
+    np.testing.assert_array_equal(got_lse[~np.isfinite(lse)], lse[~np.isfinite(lse)])
+    fin = np.isfinite(lse)
+    assert np.all(np.abs(got_lse[fin] - lse[fin]) <= 1e-13 * np.maximum(1.0, np.abs(lse[fin])))
+    np.testing.assert_array_equal(t_stats.tile_kind, stats.tile_kind)
+    np.testing.assert_array_equal(t_stats.rescales, stats.rescales)
+    assert t_stats.rescale_counts == stats.rescale_counts
+    assert (t_stats.processed_tiles, t_stats.skipped_tiles) == (stats.processed_tiles, stats.skipped_tiles)
+    return err
+
+
+@pytest.mark.parametrize("kw", OPTION_CASES, ids=lambda kw: "-".join(kw) or "plain")
+@pytest.mark.parametrize("tiles", [(32, 64), (512, 512)])
+def test_every_option_equals_the_numpy_kernel(kw, tiles):
+    q, k, v = attnlib.random_qkv(100, 150, 16, dv=24, batch=(2,), heads=4, kv_heads=2, seed=1)
+    _compare(q, k, v, block_q=tiles[0], block_k=tiles[1], **kw)
+
+
+@pytest.mark.parametrize("kw", [{"kv_splits": 3}, {"kv_splits": 3, "sinks": np.arange(4.0)},
+                                {"rescale_threshold": 6.0}, {"workers": 1}, {"workers": 2}])
+def test_execution_options_equal_the_numpy_kernel(kw):
+    q, k, v = attnlib.random_qkv(130, 200, 16, batch=(2,), heads=4, kv_heads=1, seed=2)
+    _compare(q, k, v, block_q=32, block_k=48, causal=True, **kw)
+
+
+def test_bits_do_not_depend_on_the_thread_count():
+    q, k, v = _tensors(*attnlib.random_qkv(300, 300, 32, heads=8, seed=3))
+    one = attnlib.attention(q, k, v, causal=True, workers=1, block_q=64, block_k=64)
+    two = attnlib.attention(q, k, v, causal=True, workers=2, block_q=64, block_k=64)
+    assert torch.equal(one, two)
+
+
+@settings(max_examples=25)
+@given(sq=st.integers(0, 70), sk=st.integers(0, 90), heads=st.sampled_from([(1, 1), (4, 2), (3, 1)]),
+       causal=st.booleans(), left=st.one_of(st.none(), st.integers(0, 40)), bq=st.integers(1, 40),
+       bk=st.integers(1, 50), seed=st.integers(0, 99))
+def test_random_problems_equal_the_numpy_kernel(sq, sk, heads, causal, left, bq, bk, seed):
+    q, k, v = attnlib.random_qkv(sq, sk, 8, heads=heads[0], kv_heads=heads[1], seed=seed)
+    _compare(q, k, v, causal=causal, window=(left, None), block_q=bq, block_k=bk)
+
+
+def test_two_dimensional_and_empty_inputs():
+    q, k, v = attnlib.random_qkv(40, 50, 8, seed=4)  # (S, D): one head
+    _compare(q, k, v, block_q=16, block_k=16, causal=True)
+    for sq, sk in [(0, 5), (5, 0), (0, 0)]:
+        q, k, v = attnlib.random_qkv(sq, sk, 8, heads=2, seed=0)
+        out, lse = attnlib.attention(*_tensors(q, k, v), return_lse=True)
+        ref, ref_lse = attnlib.attention(q, k, v, return_lse=True)
+        np.testing.assert_array_equal(out.numpy(), ref)
+        np.testing.assert_array_equal(lse.numpy(), ref_lse)
+    q, k, v = (np.zeros((0, 2, 5, 8)),) * 3  # a zero-size batch axis
+    assert attnlib.attention(*_tensors(q, k, v)).shape == (0, 2, 5, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_low_precision_inputs_are_read_exactly_and_computed_in_float64(dtype):
+    q, k, v = attnlib.random_qkv(90, 120, 16, heads=4, kv_heads=2, seed=5)
+    tq, tk, tv = (t.to(getattr(torch, dtype)) for t in _tensors(q, k, v))
+    exact = [t.to(torch.float64).numpy() for t in (tq, tk, tv)]
+    before = [t.clone() for t in (tq, tk, tv)]
+    _compare(*exact, tq=tq, tk=tk, tv=tv, causal=True, block_q=32, block_k=32)
+    assert all(torch.equal(a, b) for a, b in zip(before, (tq, tk, tv)))  # never modified
+
+
+def test_float8_inputs():
+    q, k, v = attnlib.random_qkv(40, 60, 16, heads=2, seed=6)
+    t = [x.to(torch.float8_e4m3fn) for x in _tensors(q, k, v)]
+    _compare(*[x.to(torch.float64).numpy() for x in t], tq=t[0], tk=t[1], tv=t[2], block_q=16, block_k=16)
+
+
+def test_adversarial_and_huge_magnitudes(strict):
+    q, k, v = attnlib.random_qkv(64, 96, 8, heads=2, seed=7)
+    q = q * 1e4 / np.abs(q).max()  # logits of ~1e4
+    assert _compare(q, k, v, causal=True, block_q=16, block_k=32) < 1e-13
+    big_v = v * 1e307  # sums of the values beyond float64: the values are scaled by 2**-e
+    _compare(q, k, big_v, block_q=16, block_k=32)
+
+
+def test_strict_floating_point_mode(strict):
+    q, k, v = attnlib.random_qkv(50, 70, 8, heads=4, kv_heads=2, seed=8)
+    _compare(q, k, v, causal=True, window=(20, None), kv_lengths=[0] if False else None,
+             sinks=np.zeros(4), softcap=4.0, block_q=16, block_k=16)
+
+
+def test_requires_grad_tensors_are_read_and_left_alone():
+    q, k, v = _tensors(*attnlib.random_qkv(30, 40, 8, heads=2, seed=9))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = attnlib.attention(q, k, v, causal=True)
+    assert not out.requires_grad and q.grad is None
+
+
+def test_numpy_inputs_with_device_come_back_as_numpy():
+    q, k, v = attnlib.random_qkv(60, 80, 16, heads=2, seed=10)
+    out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True, device="cpu")
+    assert type(out) is np.ndarray and type(lse) is np.ndarray
+    ref = attnlib.attention(q, k, v, causal=True)
+    assert np.abs(out - ref).max() < 1e-14
+    out2 = attnlib.attention(q, k, v, causal=True, device=torch.device("cpu"))
+    np.testing.assert_array_equal(out, out2)
+
+
+def test_the_torch_path_computes_with_torch(monkeypatch):
+    q, k, v = _tensors(*attnlib.random_qkv(60, 80, 16, heads=2, seed=11))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the numpy kernel was called")
+
+    monkeypatch.setattr(tiled, "forward", refuse)
+    monkeypatch.setattr(attnlib.core.tiles, "absorb", refuse)
+    out = attnlib.attention(q, k, v, causal=True)
+    assert isinstance(out, torch.Tensor)
+    with pytest.raises(AssertionError, match="numpy kernel"):
+        attnlib.attention(q.numpy(), k.numpy(), v.numpy(), causal=True)
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"mask_mod": lambda b, h, i, j: i >= j}, "mask_mod"),
+    ({"compute_dtype": "float32"}, "compute_dtype"),
+])
+def test_options_not_on_the_device_are_refused_by_name(kw, name):
+    q, k, v = _tensors(*attnlib.random_qkv(20, 20, 8, heads=2, seed=0))
+    with pytest.raises(ValueError, match=name):
+        attnlib.attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("device, error", [("meta", ValueError), ("nonsense", ValueError),
+                                           (3, TypeError), (True, TypeError)])
+def test_bad_devices_are_refused(device, error):
+    q, k, v = attnlib.random_qkv(8, 8, 4, seed=0)
+    with pytest.raises(error, match="device"):
+        attnlib.attention(q, k, v, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_device_is_refused():
+    q, k, v = attnlib.random_qkv(8, 8, 4, seed=0)
+    with pytest.raises(ValueError, match="CUDA"):
+        attnlib.attention(q, k, v, device="cuda")
+
+
+def test_bad_tensors_get_the_host_paths_errors():
+    q, k, v = _tensors(*attnlib.random_qkv(20, 30, 8, heads=2, seed=0))
+    bad = q.clone()
+    bad[0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"q contains NaN or inf \(first at index \(0, 3, 1\)\)"):
+        attnlib.attention(bad, k, v)
+    with pytest.raises(TypeError, match="k must have a real floating dtype"):
+        attnlib.attention(q, k.to(torch.int64), v)
+    with pytest.raises(TypeError, match="meta"):
+        attnlib.attention(q, k, torch.empty(v.shape, device="meta"))
+    with pytest.raises(ValueError, match="same head dim"):
+        attnlib.attention(q, k[..., :4], v)
+    huge = q * 1e300
+    with pytest.raises(ValueError, match="scores overflow"):
+        attnlib.attention(huge, k * 1e10, v)
+    with pytest.raises(ValueError, match="scores overflow"):
+        attnlib.attention(huge.numpy(), k.numpy() * 1e10, v.numpy())
+
+
+def test_numpy_calls_never_import_torch():
+    code = ("import numpy as np, sys, attnlib\n"
+            "q, k, v = attnlib.random_qkv(64, 64, 8, heads=2, seed=0)\n"
+            "attnlib.attention(q, k, v, causal=True, return_stats=True)\n"
+            "attnlib.reference_attention(q, k, v, causal=True)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
