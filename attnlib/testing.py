@@ -17,7 +17,7 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                            window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None,
                            sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                            cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None,
-                           score_mod_grad=None, workers=None):
+                           score_mod_grad=None, workers=None, device=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
 
@@ -39,6 +39,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     layout, dtype, causal, causal_align, window, softcap, scale, kv_lengths, q_lengths, sinks, workers
         As in `attnlib.check.check_kernel`: the attention the kernel computes, and its
         compute precision (default: the type ``q`` is stored in).
+    device : str or torch.device, optional
+        Where the reference is computed with torch; default: torch tensors' own device (a
+        kernel's CUDA tensors are judged on its GPU), numpy inputs on the host's cores.
     cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
         A varlen kernel (``layout="thd"``, FlashAttention's ``flash_attn_varlen_func``).
     block_table, cache_seqlens : array of int, optional
@@ -73,7 +76,7 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                           block_table=block_table, cache_seqlens=cache_seqlens, mask_mod=mask_mod,
                           score_mod=score_mod, block_mask=block_mask, score_mod_grad=score_mod_grad,
-                          workers=workers)
+                          workers=workers, device=device)
     if not result.passed:
         raise AssertionError("attention output not close to the float64 reference\n\n"
                              + format_text(result))

@@ -187,9 +187,13 @@ def test_readable_inputs_give_the_right_result_and_are_not_modified(kind, tmp_pa
         np.testing.assert_array_equal(np.asarray(as_numpy(x, n), dtype=np.float64), want)
     # The kernels, in their (..., H, S, D) layout: the same bits as on the plain arrays.
     qb, kb, vb = (make(np.ascontiguousarray(bhsd(x)), tmp_path) for x in (q, k, v))
-    np.testing.assert_array_equal(attnlib.attention(qb, kb, vb), attnlib.attention(bhsd(q), bhsd(k), bhsd(v)))
-    np.testing.assert_array_equal(attnlib.reference_attention(qb, kb, vb),
-                                  attnlib.reference_attention(bhsd(q), bhsd(k), bhsd(v)))
+    plain = [np.ascontiguousarray(bhsd(x)) for x in (q, k, v)]
+    if isinstance(qb, torch.Tensor):  # computed with torch (the contract's "Tensors on a device")
+        plain = [torch.from_numpy(x) for x in plain]
+    for entry in (attnlib.attention, attnlib.reference_attention):
+        got, want = entry(qb, kb, vb), entry(*plain)
+        assert type(got) is type(want)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert check.check_kernel(given["q"], given["k"], given["v"], given["out"]).passed
     assert_attention_close(given["out"], given["q"], given["k"], given["v"])
     wrong = make(out + 1e-3, tmp_path)
@@ -236,8 +240,11 @@ def test_torch_views_of_every_float_type():
         qn, kn, vn = (np.asarray(as_numpy(x, "q"), dtype=np.float64) for x in (q, k, v))
         out = torch.from_numpy(ref_bshd(qn, kn, vn)).to(dtype)
         assert check.check_kernel(q, k, v, out).passed
-        np.testing.assert_array_equal(attnlib.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)),
-                                      attnlib.attention(bhsd(qn), bhsd(kn), bhsd(vn)))
+        # Computed with torch from the stored values (the contract's "Tensors on a device"):
+        # the same bits as from contiguous float64 copies of them.
+        got = attnlib.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        want = attnlib.attention(*(torch.from_numpy(np.ascontiguousarray(bhsd(x))) for x in (qn, kn, vn)))
+        assert torch.equal(got, want)
         assert q.grad is None
 
 
@@ -396,7 +403,7 @@ def test_attnlib_errors_in_a_diagnosis_are_not_hidden(monkeypatch):
     def broken(*args, **kw):
         raise IndexError("attnlib bug")
 
-    monkeypatch.setattr(diagnosis, "forward", broken)
+    monkeypatch.setattr(diagnosis, "forward_on", broken)
     with pytest.raises(IndexError, match="attnlib bug"):
         check.check_kernel(q, k, v, (out * 1.01).astype(np.float32), score_mod=alibi)
 

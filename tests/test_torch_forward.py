@@ -27,6 +27,10 @@ OPTION_CASES = [
     {"sinks": np.array([-1.0, 0.5, 2.0, 8.0])},
     {"kv_lengths": [150, 1], "q_lengths": [90, 0], "causal": True},
     {"kv_lengths": [0, 77]},
+    # Entries whose offsets differ (bottom_right with their own lengths) and whose band tiles
+    # lie inside both lengths: a band mask kept for one must not serve the other.
+    {"window": (40, 8), "kv_lengths": [150, 60]},
+    {"causal": True, "kv_lengths": [150, 90], "q_lengths": [100, 70]},
     {"q_segment_ids": np.repeat([[0, 1, 2], [3, 3, 4]], [30, 40, 30], axis=1),
      "kv_segment_ids": np.repeat([[0, 1, 2], [3, 4, 4]], [50, 60, 40], axis=1)},
     {"scale": 0.3, "softcap": 2.0, "alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4]), "window": (30, 10)},
@@ -168,7 +172,7 @@ def test_the_torch_path_computes_with_torch(monkeypatch):
 
 @pytest.mark.parametrize("kw, name", [
     ({"mask_mod": lambda b, h, i, j: i >= j}, "mask_mod"),
-    ({"compute_dtype": "float32"}, "compute_dtype"),
+    ({"block_table": np.zeros((2, 1), np.int64), "cache_seqlens": [1, 1]}, "block_table"),
 ])
 def test_options_not_on_the_device_are_refused_by_name(kw, name):
     q, k, v = _tensors(*attnlib.random_qkv(20, 20, 8, heads=2, seed=0))
@@ -217,3 +221,39 @@ def test_numpy_calls_never_import_torch():
             "attnlib.reference_attention(q, k, v, causal=True)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True, "kv_splits": 3},
+                                {"softcap": 3.0, "alibi_slopes": np.linspace(0.1, 0.5, 4), "sinks": np.arange(4.0)},
+                                {"rescale_threshold": 5.0, "window": (20, 30)}], ids=lambda kw: "-".join(kw) or "plain")
+def test_a_lower_compute_precision_follows_the_numpy_emulation(compute_dtype, kw):
+    """The same rounding steps: the outputs within an ulp of the type, the lse of float32."""
+    from attnlib.core.arrays import as_numpy, finfo
+    q, k, v = attnlib.random_qkv(130, 200, 16, heads=4, kv_heads=2, batch=(2,), seed=0)
+    out, lse = attnlib.attention(q, k, v, compute_dtype=compute_dtype, return_lse=True, block_q=32,
+                                 block_k=64, **kw)
+    t_out, t_lse = attnlib.attention(*_tensors(q, k, v), compute_dtype=compute_dtype, return_lse=True,
+                                     block_q=32, block_k=64, **kw)
+    assert str(t_out.dtype) == f"torch.{compute_dtype}" and t_lse.dtype == torch.float32
+    got = as_numpy(t_out, "out")
+    assert got.dtype == out.dtype
+    eps = float(finfo(out.dtype).eps)
+    assert np.abs(got.astype(np.float64) - out.astype(np.float64)).max() <= 2 * eps * np.abs(v).max()
+    fin = np.isfinite(lse)
+    np.testing.assert_array_equal(np.isfinite(t_lse.numpy()), fin)
+    assert np.abs(t_lse.numpy()[fin] - lse[fin]).max() <= 8 * np.finfo(np.float32).eps * np.abs(lse[fin]).max()
+    host = attnlib.attention(q, k, v, compute_dtype=compute_dtype, block_q=32, block_k=64, device="cpu", **kw)
+    assert type(host) is np.ndarray and host.dtype == out.dtype
+
+
+def test_float64_to_float16_rounds_once_as_numpy_does():
+    from attnlib.core.device import rounded
+    x = np.random.default_rng(0).standard_normal(10**6) * np.logspace(-9, 4, 10**6)
+    x[:4] = [65504.0, 65519.99, -70000.0, 2.0 ** -25]  # the largest, the last below inf, beyond, a tie to 0
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    got = rounded(torch.from_numpy(x), torch.float16).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert torch.equal(rounded(torch.from_numpy(x), torch.bfloat16),
+                       torch.from_numpy(x).to(torch.bfloat16))

@@ -114,6 +114,9 @@ def _parser():
                    help="the kernel's compute precision (default: the type q is stored in)")
     p.add_argument("--workers", type=int, default=None,
                    help="threads for the float64 reference (default: every available CPU)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="compute the float64 reference with torch on this device (cuda, cuda:1, cpu); "
+                        "default: numpy on this machine's cores")
     p.add_argument("--html", default=None, metavar="PATH", help="also write the verdict as an HTML report")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--scheduler", default=None, metavar="ADDRESS",
@@ -127,13 +130,17 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
                    window=cli_window(args.window), softcap=args.softcap or None, scale=args.scale,
-                   kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, workers=args.workers)
+                   kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, workers=args.workers,
+                   device=args.device)
     files = {name: getattr(args, name) for name in TENSORS + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:
         if args.html and on_cluster:
             raise UnusableInput("--html runs the check in a notebook on this machine: it does not take "
                                 "--scheduler or --distributed (leave --html out)")
+        if args.device is not None and (on_cluster or args.html):
+            raise UnusableInput("--device computes the reference here with torch: it does not take "
+                                "--scheduler, --distributed or --html")
         if args.html:
             text, code = _run_notebook(files, args.dtype or "", options, args.html)
         else:
@@ -191,6 +198,7 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
         path, key = split_spec(spec)
         return os.path.abspath(path) + (f":{key}" if key else "")
 
+    options = {n: x for n, x in options.items() if n != "device"}  # refused with --html (main)
     params = {**{n: absolute(s) if s else "" for n, s in files.items()}, "dtype": dtype, **options,
               "window": None if options["window"] is None else list(options["window"]),
               "softcap": options["softcap"] or 0.0, "scale": options["scale"] or 0.0}

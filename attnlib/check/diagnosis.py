@@ -26,7 +26,7 @@ from ..core import arrays
 from ..core import problem
 from ..core.options import Options
 from ..evidence.gate import row_stats
-from ..core.tiled import forward
+from ..core.tiled import forward_on
 from .rule import expect, per_head_max, ratios, row_masks
 from .shapes import AXES, other_layout, positions, shape_problem, to_bhsd, where
 
@@ -125,8 +125,9 @@ def trend(row_ratio) -> str:
 
 
 def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, given, prec, dense,
-             workers) -> list:
-    """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values)."""
+             workers, device=None) -> list:
+    """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values); ``device``: where
+    the alternatives' references are computed with torch (None: the host)."""
     found = []
     finite_row = np.isfinite(kernel).all(axis=-1)  # (..., H, S)
     row_bad = ratio.max(axis=-1, initial=0.0) > 1  # NaN/inf rows included (ratio inf)
@@ -170,9 +171,9 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
                      "correct kernel that sums or scales in yet another order can land here, while "
                      "the bugs the check looks for fail by orders of magnitude")
     if todo.any():
-        found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers)
+        found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device)
         if not marginal:
-            found += _tile_boundary(todo, qh, kh, opts)
+            found += _tile_boundary(todo, qh, kh, opts, device)
     # The other layout, and axes swapped inside the output.
     other = other_layout(layout)
     if given["out"].ndim >= 3 and shape_problem(given, other)[0] is None:
@@ -180,7 +181,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
         # The mods as given: if the files are in the other layout, they were written for that
         # problem; one indexing a table by the declared heads fails here, and the reading with it.
         try:
-            alt = expect(q1, k1, v1, guard_mods(opts), prec, workers, dense)
+            alt = expect(q1, k1, v1, guard_mods(opts), prec, workers, dense, device=device)
         except DROPPED:
             alt = None
         if alt is not None and _passes(kern1, alt.ref, alt.allowance):
@@ -198,7 +199,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
             found.append(f"only heads {np.flatnonzero(head_bad).tolist()} fail: look at the head "
                          "indexing (GQA mapping, strides)")
     if todo.any() and not marginal and len(found) == 0:
-        found += _lower_precision(kernel, qh, kh, vh, opts, prec, workers, dense)
+        found += _lower_precision(kernel, qh, kh, vh, opts, prec, workers, dense, device)
     if not found:
         first = describe(tuple(np.argwhere(row_bad)[0]) + (0,)) if n_bad else None
         found.append("no known cause matched; see the worst positions and the error along the "
@@ -210,7 +211,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
 _LOWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
 
 
-def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense) -> list:
+def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense, device=None) -> list:
     """Whether the output passes when judged as a kernel of a lower precision."""
     opts = guard_mods(opts)
     for name in _LOWER.get(prec.name, ()):
@@ -218,7 +219,7 @@ def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense) ->
             low = problem.precision(name)
             problem.check_representable(low, q=qh, k=kh, v=vh)  # values beyond it: not that kernel
             alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
-                         low.round(vh).astype(np.float64), opts, low, workers, dense)
+                         low.round(vh).astype(np.float64), opts, low, workers, dense, device=device)
         except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range, a mod failing
             continue
         if _passes(kernel, alt.ref, alt.allowance):
@@ -247,7 +248,7 @@ def _rows_hold_mean_v(kernel, vh, rows, prec) -> bool:
     return bool((np.abs(kernel - mean).max(axis=-1) <= tol)[rows].all())
 
 
-def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, workers) -> list:
+def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, workers, device=None) -> list:
     """Other problems the failing rows match: scales, masks, alignment, padding.
 
     Each alternative's float64 reference is computed on the failing batch entries, and a
@@ -312,7 +313,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     scored = []
     for change, words in alternatives:
         try:  # the change checked as the user's options are (a scale x log2(e) beyond the range)
-            alt = forward(q, k, v, opts.replace(**change), workers=workers)
+            alt = forward_on(q, k, v, opts.replace(**change), workers=workers, device=device)
         except DROPPED:  # e.g. a mask_mod that indexes past its ids at q_idx + 1
             continue
         row_ok = ratios(kern, alt, allow)[1].max(axis=-1, initial=0.0) <= 1
@@ -379,11 +380,11 @@ def _mask_neighbours(mask_mod, sq, sk) -> list:
     ]
 
 
-def _tile_boundary(todo, qh, kh, opts: Options) -> list:
+def _tile_boundary(todo, qh, kh, opts: Options, device=None) -> list:
     """Rows that see at most T keys pass and rows that see a few more than T fail (T a power
     of two): the error comes from combining key tiles.  Counts visible keys per row, so rows
     with none and problems where every row sees the same keys never trigger it."""
-    n_vis = row_stats(qh, kh, options=row_masks(opts))[1]  # (..., H, S)
+    n_vis = row_stats(qh, kh, options=row_masks(opts), device=device)[1]  # (..., H, S)
     seen = n_vis > 0
     bad_counts = n_vis[todo & seen]
     if not bad_counts.size:

@@ -104,7 +104,7 @@ from ..evidence.memory import dense_fits
 from ..evidence.metrics import BOUND, TINY
 from ..core.reference import dense_attention
 from ..core.tilesizes import DEFAULT_TILES
-from ..core.tiled import forward
+from ..core.tiled import forward, forward_on
 from .shapes import UnusableInput, positions, to_bhsd
 
 
@@ -229,12 +229,43 @@ def forward_rss(run, qh, kh, vh, opts: Options, ref_lse) -> np.ndarray:
     return np.sqrt(np.maximum(out2, 0.0) * ratio[..., None])
 
 
-def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None) -> Expected:
+class OnDevice:
+    """The check's arrays on a torch device: ``put`` gives ``qh``, ``kh``, ``vh`` there once
+    (each later call the same tensor), any other array by a copy; ``run`` is the tiled
+    kernel there (`attnlib.core.torch_tiled`), its results read back to the host."""
+
+    def __init__(self, device, *arrays_):
+        self.device, self.kept = device, {}
+        for x in arrays_:
+            self.put(x)
+
+    def put(self, x):
+        if id(x) not in self.kept:
+            self.kept[id(x)] = (x, _to_device(x, self.device))  # x kept: its id stays its own
+        return self.kept[id(x)][1]
+
+    def run(self, q, k, v, o, **run):
+        result = forward_on(self.put(q), self.put(k), self.put(v), o, device=self.device, **run)
+        return tuple(arrays.as_numpy(x, "the reference") for x in result)
+
+
+def _to_device(x, device):
+    from ..core.device import as_tensor
+    return as_tensor(x, "input", device)
+
+
+def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, device=None) -> Expected:
     """The reference and the allowance for ``attention(qh, kh, vh, **opts.given())`` (bhsd
     layout, float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits.
     ``scheduler`` (a Dask client or scheduler address): the float64 reference and
-    ``P @ |V|`` are computed on that cluster (`attnlib.distributed.attention`)."""
-    if scheduler is None:
+    ``P @ |V|`` are computed on that cluster (`attnlib.distributed.attention`).  ``device``
+    (a ``torch.device``): the reference, ``P @ |V|``, the score sizes of the allowance and the
+    tiled naive baselines are computed with torch there (`OnDevice`)."""
+    on = None if device is None or scheduler is not None else OnDevice(device, qh, kh, vh)
+    if on is not None:
+        def run(q, k, v, o):
+            return on.run(q, k, v, o, return_lse=True, workers=workers)
+    elif scheduler is None:
         def run(q, k, v, o):
             return forward(q, k, v, o, return_lse=True, workers=workers)
     else:
@@ -247,12 +278,13 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None) -> E
     ref_abs = run(qh, kh, np.abs(vh), opts)[0]
     empty = np.isneginf(ref_lse)
     if prec.is_float64:
-        tol = tolerance(qh, kh, vh, ref_lse, block_k=1, options=opts)
+        tol = tolerance(*((qh, kh) if on is None else (on.put(qh), on.put(kh))), vh, ref_lse, block_k=1,
+                        options=opts)
         allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))
         return Expected(ref, ref_lse, allowance, tol.lse, None, None,
                         "float64 rounding bound (the verdict gate, any tiling)")
     naive_err, naive_lse_err, baseline = _naive_errors(qh, kh, vh, opts, prec, workers, dense,
-                                                       ref, ref_lse)
+                                                       ref, ref_lse, on)
     # Each entry's own size: |ref| (errors relative to the whole, as in 1 / l) plus the
     # root-sum-square of its terms (independent errors of p and of the sum); pooled over a
     # head in ulps of it, so a batch entry or row with large values lends the others nothing.
@@ -267,9 +299,11 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None) -> E
     return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline)
 
 
-def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse):
+def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse, on=None):
     """``(naive_err, naive_lse_err, words)``: the larger error of plain attention in ``prec``
-    over its plain formulations (see the module docstring), entry by entry."""
+    over its plain formulations (see the module docstring), entry by entry.  ``on``: an
+    `OnDevice`, where the tiled formulations run (the dense one stays on the host)."""
+    tiled_forward = forward if on is None else on.run
     sk, d = kh.shape[-2], qh.shape[-1]
     scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
     root = math.sqrt(abs(scale))
@@ -282,15 +316,15 @@ def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse)
             if dense:
                 return dense_attention(q, k, vh, o, return_lse=True, compute_dtype=prec.name,
                                        check_finite=False)
-            return forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name, workers=workers,
-                           check_finite=False)
+            return tiled_forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name, workers=workers,
+                                 check_finite=False)
 
         order = "BLAS order" if dense else "tiled, BLAS order"
         candidates = {order: blocked(qh, kh, opts)}
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             candidates[f"{order}, q and k scaled by sqrt(scale) first"] = blocked(q_s, k_s, unscaled)
             q_tiles = -(-qh.shape[-2] // DEFAULT_TILES.block_q)
-            candidates["key by key, q and k scaled first"] = forward(
+            candidates["key by key, q and k scaled first"] = tiled_forward(
                 q_s, k_s, vh, unscaled, return_lse=True, compute_dtype=prec.name, workers=workers,
                 block_k=max(1, -(-q_tiles * sk // SEQUENTIAL_WORK)))
     empty = np.isneginf(ref_lse)

@@ -14,7 +14,8 @@ from ..evidence.memory import dense_fits
 from ..core.arrays import as_numpy
 from ..core.backward import dense_backward
 from ..core.options import Options
-from ..core.tiled import forward
+from ..core.device import resolve as device_of
+from ..core.tiled import forward_on
 from .diagnosis import (DROPPED, diagnose, diagnose_gradient, diagnose_lse, guard_grad, guard_mods,
                         row_ratios, trend)
 from ..evidence.packing import unpack_paged, unpack_varlen
@@ -73,7 +74,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None,
-                 scheduler=None) -> KernelCheck:
+                 scheduler=None, device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -135,6 +136,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         for lengths one machine is too slow for; the rest of the check (the naive
         baselines below float64, the float64 bound, the diagnosis) runs here.
 
+    device : str or torch.device, optional
+        Where the reference is computed with torch (`attnlib.core.torch_tiled`): the float64
+        reference, ``P @ |V|``, the score sizes of the allowance and the tiled naive
+        baselines.  Default: the device of ``q``, ``k``, ``v`` and ``out`` when they are torch
+        tensors (CUDA tensors are judged on their GPU), else the numpy kernel on the host.
     Returns
     -------
     KernelCheck
@@ -148,6 +154,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
     names = {n: n for n in TENSORS} | (names or {})
+    try:
+        dev = device_of(device, q, k, v, out)  # before any tensor is read to the host
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(str(e)) from None
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None or layout == "thd"
     if layout not in LAYOUTS + ("thd",):
         raise UnusableInput(f"layout must be one of {LAYOUTS + ('thd',)}, got {layout!r}")
@@ -214,7 +224,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
                              scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
                              mask_mod=mask_mod, score_mod=score_mod)
-        expected = expect(qh, kh, vh, opts, prec, workers, dense, scheduler)
+        expected = expect(qh, kh, vh, opts, prec, workers, dense, scheduler, dev)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
         raise UnusableInput(str(e)) from None
     kernel = to_bhsd(given["out"], layout).astype(np.float64)
@@ -227,12 +237,12 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     diagnosis = []
     if verdict.passed is False:
         diagnosis = diagnose(kernel, qh, kh, vh, opts, expected, ratio, shape, layout, given,
-                             prec, dense, workers)
+                             prec, dense, workers, dev)
     lse_verdict = None
     if lse is not None:
         lse_verdict = judge_lse(given["lse"], expected, lse_dtype or stored["lse"])
         if lse_verdict.passed is False:
-            _diagnose_lse(lse_verdict, given["lse"], expected, qh, kh, vh, opts, workers)
+            _diagnose_lse(lse_verdict, given["lse"], expected, qh, kh, vh, opts, workers, dev)
     grads = {}
     if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
         kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
@@ -321,12 +331,13 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, 
         grads[n].notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
 
 
-def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, workers):
+def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, workers, device=None):
     """Diagnosis notes on a failing lse: base 2, its neighbour's row, a neighbouring problem's."""
     alternatives = []
     for words, alt in _problem_alternatives(guard_mods(opts)):
         try:
-            alternatives.append((words, forward(qh, kh, vh, alt, return_lse=True, workers=workers)[1]))
+            alternatives.append((words, forward_on(qh, kh, vh, alt, return_lse=True, workers=workers,
+                                                   device=device)[1]))
         except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
     kernel = np.asarray(lse, dtype=np.float64).reshape(expected.ref_lse.shape)

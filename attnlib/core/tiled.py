@@ -182,6 +182,12 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
                return_stats=return_stats, check_finite=check_finite)
+    return forward_on(q, k, v, opts, device=device, **run)
+
+
+def forward_on(q, k, v, opts: Options, *, device=None, **run):
+    """`forward`, or its torch twin on the device that ``device`` or torch inputs name
+    (`attnlib.core.device.resolve`): results as the inputs came (numpy for numpy inputs)."""
     dev = device_of(device, q, k, v)
     if dev is None:
         return forward(q, k, v, opts, **run)

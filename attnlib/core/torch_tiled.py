@@ -68,11 +68,12 @@ def _hidden(spec, rows, cols, torch, seg, cache=None):
     """``~MaskSpec.visible`` on the device: ``(r, c)`` bool, True where query ``rows[t]``
     may not see key ``cols[u]`` (device int64 vectors).  ``seg``: the spec's segment ids on
     the device, or None.  A tile under the band rules only (no length or document crosses
-    it) depends on ``cols[0] - rows[0]`` and its shape alone: kept in ``cache``, a dict."""
+    it) depends on ``cols[0] - rows[0] - o``, the band and its shape alone: kept in ``cache``,
+    a dict shared by every spec of a call (their offsets differ with their lengths)."""
     o = spec.offset
     q0, q1, k0, k1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
     banded = seg is None and q1 <= spec.rows and k1 <= spec.keys
-    key = (k0 - q0, q1 - q0, k1 - k0)
+    key = (k0 - q0 - o, spec.left, spec.right, q1 - q0, k1 - k0)  # j - i - o and the band decide
     if banded and cache is not None and key in cache:
         return cache[key]
     i, j = rows[:, None], cols[None, :]
@@ -103,9 +104,7 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
             check_finite=True):
     """`attnlib.core.tiled.forward` computed with torch on ``dev``: torch tensors out (float64)."""
     torch = dev_mod._torch()
-    refused = {**opts.given(("block_table", "cache_seqlens", "mask_mod", "score_mod", "block_mask")),
-               "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
-    given = sorted(name for name, value in refused.items() if value is not None)
+    given = sorted(opts.given(("block_table", "cache_seqlens", "mask_mod", "score_mod", "block_mask")))
     if given:
         raise ValueError(f"{', '.join(given)}: not yet computed on a torch device ({dev}); pass "
                          "numpy arrays (the host kernel takes them)")
@@ -117,27 +116,35 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev)
     tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq), block_q, block_k)
     specs = opts.specs(pb)
-    prec = problem.precision(None)
+    prec = problem.precision(compute_dtype)
     cap, slopes, sink = opts.score_terms(pb, prec)
     q_max, k_max, v_max = pb.maxima
-    check = problem.scores_may_overflow(q5, k5, pb.scale, np.float64, q_max=q_max, k_max=k_max) \
+    # Values beyond the compute type's range round to inf there (the host path's message).
+    problem.check_representable(prec, **{n: np.array([x]) for n, x in zip("qkv", pb.maxima)})
+    check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=q_max, k_max=k_max) \
         if pb.sq and pb.sk else False
     if tau:
         tau = problem.safe_threshold(tau, prec, pb.sk, v_max)
     n_k_tiles = -(-pb.sk // tiles.block_k)
     splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
-    parts = len(splits) > 1
+    # float64 partials merge their lse in two parts (m, log l); a low precision merges its
+    # one-float lse, as its kernel does (`tiled.forward`).
+    parts = len(splits) > 1 and prec.is_float64
     with dev_mod.threads(dev, workers), torch.no_grad():
-        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, tau, return_stats, workers)
+        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, tau, return_stats, workers, prec)
         partials = [kernel.run(q5, k5, v5, specs, sink if r == 0 else None,
                                (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), parts)
                     for r, part in enumerate(splits)]
         if len(partials) == 1:
             out, lse = partials[0][:2]
         else:
-            out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials])
+            lse_parts = [p[1] if parts else torch.stack([p[1], torch.where(torch.isfinite(p[1]), 0.0, -math.inf)], -1)
+                         for p in partials]
+            out, merged = merge_parts([p[0] for p in partials], lse_parts)
             lse = lse_of(merged)
         kernel.raise_flags()
+        if not prec.is_float64:  # what a kernel in that precision would write out
+            out, lse = out.to(kernel.compute), lse.to(kernel.acc)
     result = [pb.merge_heads(out, 2)]
     if return_lse:
         result.append(pb.merge_heads(lse, 1))
@@ -150,12 +157,17 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
 class _Kernel:
     """One call's tile loop on the device, with its flags (overflow) and constants."""
 
-    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers):
+    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers, prec):
         self.torch, self.dev, self.pb, self.tiles = torch, dev, pb, tiles
         self.cap, self.check, self.tau, self.count, self.v_max = cap, check, tau, count, v_max
+        # A low precision (`problem.Precision`): q, k, v and p rounded to `compute`, the scores
+        # and the state (m, l, acc) kept in `acc` (float32), the scale on the scores.
+        self.prec, self.low = prec, not prec.is_float64
+        self.compute = getattr(torch, prec.compute.name)
+        self.acc = getattr(torch, prec.accumulate.name)
         self.slopes = None if slopes is None else torch.as_tensor(slopes, device=dev)  # (..., hk, g)
-        # Values near float64's range are summed divided by 2**e (`problem.value_exponent`).
-        self.v_exp = problem.value_exponent(v_max, pb.sk, np.float64)
+        # Values near the type's range are summed divided by 2**e (`problem.value_exponent`).
+        self.v_exp = problem.value_exponent(v_max, pb.sk, prec.accumulate)
         # The CPU runs (head block, query tile) units on threads, as the numpy kernel does (one
         # torch thread each: tile-sized ops lose to torch's own threads, 330 against 165 us for
         # a (256, 64) @ (64, 256) product on 2 threads, measured); a GPU takes every head at once.
@@ -165,7 +177,7 @@ class _Kernel:
 
     def raise_flags(self):
         if self.flags and bool(self.torch.stack(self.flags).any()):  # one synchronisation, at the end
-            raise ValueError(problem.overflow_message(np.float64))
+            raise ValueError(problem.overflow_message(self.prec.accumulate))
 
     def run(self, q5, k5, v5, specs, sink, key_tiles, lse_parts):
         """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``."""
@@ -236,22 +248,25 @@ class _Kernel:
         torch, pb = self.torch, self.pb
         lead, dv, r = q.shape[:-2], v.shape[-1], q1 - q0
         g = lead[-1] if lead else 1
-        f64 = dict(dtype=torch.float64, device=self.dev)
-        # The scale is applied once per query tile, as the host kernel does; a GQA group's
-        # query heads are one tile of g * r rows against their kv head.
-        q_i = (q[..., q0:q1, :].to(torch.float64) * pb.scale).reshape(lead[:-1] + (g * r, pb.d))
+        f64 = dict(dtype=self.acc, device=self.dev)  # the state's type: float64, or float32
+        # The scale is applied once per query tile, as the host kernel does (a low precision:
+        # on the scores); a GQA group's query heads are one tile of g * r rows against their kv head.
+        q_i = self._operand(q[..., q0:q1, :])
+        if not self.low:
+            q_i = q_i * pb.scale
+        q_i = q_i.reshape(lead[:-1] + (g * r, pb.d))
         rows = torch.arange(q0, q1, device=self.dev)
         shape = lead + (r,)
         if sink is None:
             st = _State(torch.full(shape, -math.inf, **f64), torch.zeros(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
         else:  # each row starts from its head's sink: (m, l, acc) = (sink, 1, 0)
-            st = _State(sink[..., None].expand(shape).clone(), torch.ones(shape, **f64),
+            st = _State(sink[..., None].expand(shape).to(self.acc), torch.ones(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
         v_scale = math.ldexp(1.0, -self.v_exp)
         for t, k0, k1, kind in todo:
-            k_j = k[..., k0:k1, :].to(torch.float64)  # (..., c, d)
-            v_j = v[..., k0:k1, :].to(torch.float64)  # (..., c, dv)
+            k_j = self._operand(k[..., k0:k1, :])  # (..., c, d)
+            v_j = self._operand(v[..., k0:k1, :])  # (..., c, dv)
             if v_scale != 1.0:  # exact: a power of two
                 v_j = v_j * v_scale
             s = self._scores(q_i, k_j, spec, seg, rows, k0, k1, kind, slopes, lead, r)
@@ -260,11 +275,20 @@ class _Kernel:
                 rescales[..., a, t] = events
         self._finalize(st, out, lse, q0, q1, lse_parts)
 
+    def _operand(self, x):
+        """A tile of q, k or v in the type the products take: float64, or rounded to the
+        compute type and held in float32."""
+        if self.low:
+            return dev_mod.rounded(x, self.compute).to(self.acc)
+        return x.to(self.torch.float64)
+
     def _scores(self, q_i, k_j, spec, seg, rows, k0, k1, kind, slopes, lead, r):
         """One tile's scores ``(..., hk, g, r, c)`` in the contract's order: ``(scale q) k^T``,
         softcap, mask (``-inf``), ALiBi."""
         torch = self.torch
         s = torch.matmul(q_i, k_j.transpose(-1, -2)).view(lead + (r, k1 - k0))  # (..., hk, g, r, c)
+        if self.low:  # rounded q: the scale goes on the float32 scores, as in low-precision kernels
+            s = s.mul_(self.pb.scale)
         cols = torch.arange(k0, k1, device=self.dev) if kind == PARTIAL or slopes is not None else None
         hide = _hidden(spec, rows, cols, torch, seg, self.bands) if kind == PARTIAL else None  # (r, c)
         if self.check:  # a non-finite product of a visible pair: the softmax is undefined
@@ -297,6 +321,8 @@ class _Kernel:
         alpha = (st.m - shift).exp_()  # (..., hk, g, r); 0 for rows with m = -inf
         p = s.sub_(shift[..., None]).exp_()  # exponents <= 0; -inf gives exactly 0
         st.l.mul_(alpha).add_(p.sum(dim=-1))
+        if self.low:  # l sums the unrounded p; p @ v takes p rounded, as FlashAttention's kernels do
+            p = p.to(self.compute).to(self.acc)
         pv = torch.matmul(p.view(lead[:-1] + (lead[-1] * r, p.shape[-1])), v_j)  # (..., hk, g*r, dv)
         st.acc.mul_(alpha[..., None]).add_(pv.view(lead + (r, v_j.shape[-1])))
         st.m = m_new
@@ -348,3 +374,50 @@ def merge_parts(outs, parts):
     bound = max(float(o_r.abs().max()) if o_r.numel() else 0.0 for o_r in outs)
     merged = torch.stack([torch.where(seen, big_m, -math.inf), log_l], dim=-1)
     return out.clamp(-bound, bound), merged
+
+
+def row_stats(q, k, opts: Options, *, dev, block_q, block_k):
+    """`attnlib.evidence.gate.row_stats` on the device: ``(sigma, n_vis)``, each
+    ``(..., Hq, Sq)`` on ``dev``, tile by tile as the kernel visits the tiles.
+
+    ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for none)
+    and ``n_vis_i`` their count; the built-in masks only (``opts``: no score terms, no mods).
+    """
+    torch = dev_mod._torch()
+    given = sorted(opts.given(("alibi_slopes", "sinks", "mask_mod", "score_mod", "block_mask",
+                               "block_table", "cache_seqlens")))
+    if given:  # the softcap does not bound the size of q . k: not read, as on the host
+        raise ValueError(f"row_stats on a torch device takes the built-in masks only, not {', '.join(given)}")
+    q5, k5, _, pb = dev_mod.parse(q, k, k[..., :1], scale=opts.scale, check_finite_inputs=False, dev=dev)
+    specs = opts.specs(pb)
+    f64 = dict(dtype=torch.float64, device=dev)
+    sigma = torch.zeros(q5.shape[:-1], **f64)  # (*batch, hk, g, sq)
+    n_vis = torch.zeros(q5.shape[:-1], dtype=torch.int64, device=dev)
+    bands = {}
+    with torch.no_grad():
+        for idx, spec in specs.items():  # idx = (): one mask for every batch entry
+            seg = None if spec.q_segments is None else (dev_mod.index_tensor(spec.q_segments, dev),
+                                                         dev_mod.index_tensor(spec.kv_segments, dev))
+            qa = q5[idx]
+            ka = k5[idx][..., 0, :, :]  # (..., hk, sk, d)
+            lead = qa.shape[:-2]
+            k_starts, k_ends, ranges = spec.key_tiles(block_k)
+            for q0 in range(0, pb.sq, block_q):
+                q1 = min(pb.sq, q0 + block_q)
+                kinds = spec.tile_kind(q0, q1, k_starts, k_ends, ranges)  # (n_k_tiles,), on the host
+                # Scaled |q|, as the kernel scales q: (..., hk, g * r, d).
+                q_i = (qa[..., q0:q1, :].to(torch.float64).abs() * abs(pb.scale)).reshape(
+                    lead[:-1] + (lead[-1] * (q1 - q0), pb.d))
+                rows = torch.arange(q0, q1, device=dev)
+                top = sigma[idx][..., q0:q1]
+                count = n_vis[idx][..., q0:q1]
+                for t in np.flatnonzero(kinds != SKIP):
+                    a, b = int(k_starts[t]), int(k_ends[t])
+                    s = torch.matmul(q_i, ka[..., a:b, :].to(torch.float64).abs().transpose(-1, -2))
+                    s = s.view(lead + (q1 - q0, b - a))  # (..., hk, g, r, c)
+                    if kinds[t] == PARTIAL:  # masked pairs neither raise the max nor count
+                        s = s.masked_fill_(_hidden(spec, rows, torch.arange(a, b, device=dev), torch, seg, bands),
+                                           -math.inf)
+                    count += torch.isfinite(s).sum(dim=-1)  # an overflowing size counts as the host's does
+                    torch.maximum(top, s.amax(dim=-1).clamp_min(0.0), out=top)
+    return pb.merge_heads(sigma, 1), pb.merge_heads(n_vis, 1)

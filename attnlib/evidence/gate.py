@@ -100,6 +100,7 @@ from ..core.masks import SKIP
 from .metrics import BOUND, TINY, reference_with_abs
 from ..core.oracle import oracle_attention
 from ..core.options import Options
+from ..core.device import resolve as device_of
 from ..core.reference import dense_options, reference_scores
 from ..core.tilesizes import DEFAULT_TILES
 from ..core.tiles import tile_scores
@@ -149,7 +150,8 @@ class Tolerance:
                          self.delta)
 
 
-def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, **given) -> Tolerance:
+def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, device=None,
+              **given) -> Tolerance:
     """The gate's per-row tolerances for ``attention(q, k, v, **options)`` (see module doc).
 
     ``ref_lse`` is the reference's ``lse`` (for the ``u |lse|`` term; None: 0); ``block_k`` the
@@ -158,7 +160,11 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, **g
     ``given`` the masking and score arguments (or ``options``, an `~attnlib.core.options.Options`,
     with ``given`` on top; a ``score_mod_grad`` is ignored).  Memory: bounded in the sequence length
     (`row_stats` visits the score matrix tile by tile); the result is ``(..., Hq, Sq, Dv)``.
+    ``device``: `row_stats`, the one pass over the scores, runs with torch there (torch
+    inputs choose their own); the rest is ``O(Sq)`` per head, on the host.
     """
+    dev = device_of(device, q, k)
+    q_given, k_given = q, k  # read where they are by `row_stats` on a device
     q = arrays.as_float_array(q, "q")
     k = arrays.as_float_array(k, "k")
     v = arrays.as_float_array(v, "v")
@@ -172,7 +178,8 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, **g
     # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
     # any other), and a row with no visible key then has lse = sink.
     sinks = opts.sinks
-    stats = row_stats(q, k, block_q=block_q, options=replace(opts, scale=scale, alibi_slopes=None, sinks=None))
+    stats = row_stats(*((q, k) if dev is None else (q_given, k_given)), block_q=block_q,
+                      options=replace(opts, scale=scale, alibi_slopes=None, sinks=None), device=dev)
     sigma, n_vis = stats[:2]
     # An overflowing size (|q| . |k| beyond the range) is held at the largest float: an
     # infinite one would allow any error, a gate without power.
@@ -210,7 +217,7 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, **g
                      underflow=np.where(seen[..., None], 2 * underflow, 0.0), delta=delta)
 
 
-def row_stats(q, k, *, block_q=None, block_k=None, options=None, **given):
+def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **given):
     """``(sigma, n_vis)``, each ``(..., Hq, Sq)``: a row's score size and visible key count.
 
     ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for a
@@ -226,6 +233,12 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, **given):
     given_terms = sorted(opts.given(("alibi_slopes", "sinks")))
     if given_terms:  # `tolerance` bounds those itself; a row's score size is the q.k terms'
         raise ValueError(f"row_stats does not take {', '.join(given_terms)} (see tolerance)")
+    dev = device_of(device, q, k)
+    if dev is not None and not opts.has_mods:  # computed where q and k are, read back to the host
+        from ..core import torch_tiled
+        return tuple(arrays.as_numpy(x, "row_stats") for x in torch_tiled.row_stats(
+            q, k, opts, dev=dev, block_q=DEFAULT_TILES.block_q if block_q is None else block_q,
+            block_k=DEFAULT_TILES.block_k if block_k is None else block_k))
     q = arrays.as_float_array(q, "q")
     k = arrays.as_float_array(k, "k")
     # parse checks the shapes and groups the heads; a one-column v stands in for v.

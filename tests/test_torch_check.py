@@ -1,0 +1,114 @@
+"""The check and the pytest helper on a torch device: torch tensors are judged with the
+reference computed by torch where they live (tested on torch CPU tensors), with the same
+verdicts and the same power as the host check."""
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib import check
+from attnlib.check import check_kernel
+from attnlib.core.arrays import as_numpy
+from attnlib.testing import assert_attention_close
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+B, H, S, D = 2, 4, 192, 32
+
+
+def _qkv(dtype, scale=1.0, seed=0):
+    q, k, v = attnlib.random_qkv(S, S, D, heads=H, batch=(B,), seed=seed)
+    return [torch.from_numpy(x * s).to(dtype) for x, s in zip((q, k, v), (1.0, 1.0, scale))]
+
+
+def _host(*xs):
+    return [as_numpy(x, "x") for x in xs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v_scale", [1.0, 1e-150, 1e150], ids=["unit", "tiny", "huge"])
+def test_a_correct_kernel_passes_and_a_defect_fails_on_the_device(dtype, v_scale):
+    if v_scale != 1.0 and dtype != torch.float64:
+        v_scale = {1e-150: 1e-3, 1e150: 1e3}[v_scale]  # within the 16-bit types' range
+    q, k, v = _qkv(dtype, v_scale)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    kw = dict(layout="bhsd", causal=True, causal_align="top_left")
+    on_device = check_kernel(q, k, v, out, **kw)
+    on_host = check_kernel(*_host(q, k, v, out), **kw)
+    assert on_device.passed and on_host.passed
+    # The same rule, the reference computed elsewhere: the figures agree to the baselines' rounding.
+    assert on_device.out.ratio == pytest.approx(on_host.out.ratio, rel=0.2)
+    # A defect a few times the allowance (float64: 1e-10 of the values; below: 16 ulps of the
+    # type) fails here as on the host, at every magnitude of the values.
+    size = (1e-10 if dtype == torch.float64 else 16 * torch.finfo(dtype).eps) * v_scale
+    bad = out.clone()
+    bad[1, 2, 100] += size
+    bad_device, bad_host = check_kernel(q, k, v, bad, **kw), check_kernel(*_host(q, k, v, bad), **kw)
+    assert not bad_device.passed and not bad_host.passed
+    assert bad_device.out.ratio == pytest.approx(bad_host.out.ratio, rel=0.2)
+    wrong = F.scaled_dot_product_attention(q, k, v)  # not causal at all
+    assert not check_kernel(q, k, v, wrong, **kw).passed
+
+
+def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
+    """The numpy kernel and the host score pass made unusable: torch tensors still pass."""
+    q, k, v = _qkv(torch.float64)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("computed with numpy")
+
+    from attnlib.check import rule
+    from attnlib.evidence import gate
+    monkeypatch.setattr(rule, "forward", refuse)
+    monkeypatch.setattr(gate, "tile_scores", refuse)
+    assert_attention_close(out, q, k, v, layout="bhsd", causal=True, causal_align="top_left")
+    with pytest.raises(AssertionError, match="computed with numpy"):
+        assert_attention_close(*_host(out, q, k, v), layout="bhsd", causal=True, causal_align="top_left")
+    # device= sends numpy inputs there too
+    assert_attention_close(*_host(out, q, k, v), layout="bhsd", causal=True, causal_align="top_left",
+                           device="cpu")
+    bad = out.clone()
+    bad[0, 0, 7, 3] += 1e-9
+    with pytest.raises(AssertionError, match="not close"):
+        assert_attention_close(bad, q, k, v, layout="bhsd", causal=True, causal_align="top_left")
+
+
+def test_options_and_layouts_on_the_device():
+    q, k, v = _qkv(torch.float32, seed=3)
+    lengths = np.array([150, 60])
+    sinks = np.linspace(-1.0, 1.0, H)
+    ref = attnlib.attention(q, k, v, window=(40, 8), kv_lengths=lengths, sinks=sinks, softcap=20.0)
+    out = ref.to(torch.float32)
+    kw = dict(layout="bhsd", window=(40, 8), kv_lengths=lengths, sinks=sinks, softcap=20.0)
+    assert check_kernel(q, k, v, out, **kw).passed
+    assert not check_kernel(q, k, v, out, **{**kw, "window": (40, 7)}).passed
+    bshd = [x.transpose(1, 2).contiguous() for x in (q, k, v, out)]
+    assert check_kernel(*bshd, **{**kw, "layout": "bshd"}).passed
+
+
+def test_bad_devices_are_unusable_input():
+    q, k, v = _qkv(torch.float64)
+    out = F.scaled_dot_product_attention(q, k, v)
+    for device in ("nonsense", "meta"):
+        with pytest.raises(check.UnusableInput, match="device"):
+            check_kernel(q, k, v, out, layout="bhsd", device=device)
+
+
+def test_cli_device(tmp_path, capsys):
+    q, k, v = _host(*_qkv(torch.float64))
+    out = attnlib.attention(q, k, v, causal=True)
+    argv = []
+    for name, x in dict(q=q, k=k, v=v, out=out).items():
+        np.save(tmp_path / f"{name}.npy", x)
+        argv += [f"--{name}", str(tmp_path / f"{name}.npy")]
+    argv += ["--layout", "bhsd", "--causal"]
+    assert check.main(argv + ["--device", "cpu"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert check.main(argv + ["--device", "nonsense"]) == 2
+    assert "device" in capsys.readouterr().err
+    assert check.main(argv + ["--device", "cpu", "--distributed"]) == 2
+    if not torch.cuda.is_available():
+        assert check.main(argv + ["--device", "cuda"]) == 2
+        assert "CUDA" in capsys.readouterr().err
