@@ -172,6 +172,7 @@ def test_torch_inputs_and_no_paged_arguments():
     q, k, v, cu_q, cu_k = packed_problem(*LENS["ragged"])
     out = attnlib.attention_varlen(torch.tensor(q).to(torch.bfloat16), torch.tensor(k), torch.tensor(v), cu_q, cu_k)
     want = attnlib.attention_varlen(torch.tensor(q).to(torch.bfloat16).double().numpy(), k, v, cu_q, cu_k)
-    assert np.array_equal(out, want)  # bfloat16 read exactly
+    assert isinstance(out, torch.Tensor)  # torch in, computed with torch, torch out
+    assert np.abs(out.numpy() - want).max() <= 1e-13  # bfloat16 read exactly; the products round differently
     with pytest.raises(ValueError, match="block_table is not taken in the varlen layout"):
         attnlib.attention_varlen(q, k, v, cu_q, cu_k, block_table=np.zeros((4, 1), int), cache_seqlens=[1, 1, 1, 1])

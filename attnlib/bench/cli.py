@@ -23,8 +23,28 @@ def main(argv=None) -> int:
     parser.add_argument("--mask-n", type=int, default=16384, help="sequence length of the mask cases")
     parser.add_argument("--no-torch", action="store_true", help="leave PyTorch out even if installed")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="time the oracle on this torch device instead (cuda, cuda:1, cpu): GEMM "
+                             "rate, attnlib against SDPA float64 (and numpy on the CPU), masks, memory "
+                             "against n and, on CUDA, n = 131072 causal")
     args = parser.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
+    if args.device is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            print("attnlib bench --device needs torch: pip install attnlib[torch]", file=sys.stderr)
+            return 2
+        from .device import MEMORY_NS, device_section
+        from .timing import SHAPES
+
+        results = device_section(args.device, repeats=args.repeats, mask_n=2048 if args.quick else args.mask_n,
+                                 shapes=((1, 1, 1024, 64),) if args.quick else SHAPES,
+                                 memory_ns=(1024, 4096) if args.quick else MEMORY_NS, log=log)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+        return 0
     torch = not args.no_torch
     cases = QUICK_CASES if args.quick else CASES
     impls = implementations(workers=(1,), include_torch=torch)

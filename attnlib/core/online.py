@@ -24,6 +24,7 @@ import numpy as np
 
 from . import hooks
 from .arrays import _is_ml_float, as_numpy
+from .device import on_device, resolve as device_of
 
 
 #: The largest lazy-rescale threshold: weights stay below exp(100) ~ 2.7e43, so sums over even
@@ -249,7 +250,7 @@ def merge_parts(outs, parts) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(out, -bound, bound), merged
 
 
-def merge_attention(outs, lses):
+def merge_attention(outs, lses, *, device=None):
     """Combine attention results computed over disjoint key ranges (split-KV).
 
     Parameters
@@ -259,6 +260,10 @@ def merge_attention(outs, lses):
     lses : sequence of arrays, each ``(..., Sq)``
         Their log-sum-exps; ``-inf`` marks a row that saw no key in that range (its output
         must then be 0), and such partials are ignored cleanly.
+    device : str or torch.device, optional
+        As in `attention`: given torch tensors (or ``device=``) the merge is computed with
+        torch on their device (`attnlib.core.torch_merge`), float64 tensors out (numpy out
+        for numpy inputs with ``device=``).
 
     Returns
     -------
@@ -277,6 +282,10 @@ def merge_attention(outs, lses):
     ``lse = log(sum_r exp(lse_r))`` and ``out = sum_r exp(lse_r - lse) out_r``.
     """
     outs, lses = list(outs), list(lses)
+    dev = device_of(device, *outs, *lses)
+    if dev is not None:
+        from . import torch_merge
+        return on_device(torch_merge.merge_attention(outs, lses, dev, _real_float), (*outs, *lses))
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
                          f"got {len(outs)} and {len(lses)}")

@@ -235,11 +235,11 @@ def group(q, k, v, *, scale, maxima=None):
     used.  ``maxima``: a function returning ``(max|q|, max|k|, max|v|)`` (it raises for
     non-finite inputs), called after the shape checks of ``q``, or None."""
     if q.ndim < 2:
-        raise ValueError(f"q must have at least 2 dimensions (..., Sq, D), got shape {q.shape}")
+        raise ValueError(f"q must have at least 2 dimensions (..., Sq, D), got shape {tuple(q.shape)}")
     if not (q.ndim == k.ndim == v.ndim):
         raise ValueError(
             "q, k and v must have the same number of dimensions, got shapes "
-            f"q {q.shape}, k {k.shape}, v {v.shape}"
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if maxima is not None:
         maxima = maxima()
@@ -250,7 +250,7 @@ def group(q, k, v, *, scale, maxima=None):
     if k.shape[:-3] != batch or v.shape[:-3] != batch:
         raise ValueError(
             "q, k and v must have equal batch (leading) axes, got shapes "
-            f"q {q.shape}, k {k.shape}, v {v.shape}"
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     hq, sq, d = q.shape[-3:]
     hk, sk, dk = k.shape[-3:]
@@ -260,10 +260,10 @@ def group(q, k, v, *, scale, maxima=None):
             f"head dims must be non-empty, got D={d} (q), D={dk} (k), Dv={dv} (v)"
         )
     if dk != d:
-        raise ValueError(f"q and k must have the same head dim D, got q {q.shape} and k {k.shape}")
+        raise ValueError(f"q and k must have the same head dim D, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if (hv, skv) != (hk, sk):
         raise ValueError(
-            f"k and v must have the same heads and keys, got k {k.shape} and v {v.shape}"
+            f"k and v must have the same heads and keys, got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
     if hq == 0 or hk == 0:
         raise ValueError(f"q and k must have at least one head, got Hq={hq}, Hk={hk}")

@@ -16,6 +16,7 @@ from . import arrays
 from . import problem
 from . import validate
 from . import flex
+from .device import resolve as device_of
 from .options import Options
 
 
@@ -106,7 +107,7 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
 
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
-                        **options):
+                        device=None, **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
@@ -130,6 +131,11 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         kernel against it): inputs rounded to it, ``q k^T`` accumulated in float32 and
         stored in it, the softmax in float32, ``p`` rounded, ``p @ v`` accumulated in
         float32, ``out`` returned in it.
+    device : str or torch.device, optional
+        As in `attention`: given torch tensors (or ``device=``) the reference is computed
+        with torch on their device (`attnlib.core.torch_reference`, the same steps and
+        roundings), torch tensors out (numpy out for numpy inputs with ``device=``);
+        ``mask_mod``, ``score_mod`` and ``block_mask`` are then refused.
 
     Returns
     -------
@@ -143,8 +149,15 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     before ``exp`` (where it is finite) so that nothing overflows and logits of ``-1e4``
     do not all underflow to 0.
     """
-    return dense_attention(q, k, v, dense_options(**options), return_lse=return_lse,
-                           check_finite=check_finite, compute_dtype=compute_dtype)
+    opts = dense_options(**options)
+    dev = device_of(device, q, k, v)
+    if dev is None:
+        return dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,
+                               compute_dtype=compute_dtype)
+    from . import torch_reference
+    result = torch_reference.dense_attention(q, k, v, opts, dev=dev, return_lse=return_lse,
+                                             check_finite=check_finite, compute_dtype=compute_dtype)
+    return torch_reference.on_host(result, (q, k, v))
 
 
 def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None):

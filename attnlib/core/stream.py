@@ -21,11 +21,13 @@ from .tilesizes import DEFAULT_TILES, TileSizes
 from . import hooks
 from .tiles import keys_first_for
 from .parallel import run_tiles
+from .device import on_device, resolve as device_of
 
 
 def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
                      softcap=None, alibi_slopes=None, sinks=None, scale=None, total_keys=None,
-                     block_q=None, block_k=None, workers=None, return_lse=False, check_finite=True):
+                     block_q=None, block_k=None, workers=None, return_lse=False, check_finite=True,
+                     device=None):
     """Attention of ``q`` over keys that arrive in chunks, in order.
 
     Parameters
@@ -52,6 +54,12 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         Also return ``lse: (..., Hq, Sq)``.
     check_finite : bool
         Refuse NaN or inf in q and in every chunk.
+    device : str or torch.device, optional
+        As in `attention`: a torch ``q`` (or ``device=``) has the stream computed with torch
+        on that device (`attnlib.core.torch_stream`), each chunk moved there as it comes
+        (numpy or torch, any floating type), torch tensors out (numpy out for a numpy ``q``
+        with ``device=``).  ``q`` decides: a numpy ``q`` without ``device=`` reads torch
+        chunks on the host, as before.
 
     Returns
     -------
@@ -77,11 +85,11 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
     opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
                          alibi_slopes=alibi_slopes, sinks=sinks, scale=scale)
     return stream_forward(q, kv_chunks, opts, total_keys=total_keys, block_q=block_q, block_k=block_k,
-                          workers=workers, return_lse=return_lse, check_finite=check_finite)
+                          workers=workers, return_lse=return_lse, check_finite=check_finite, device=device)
 
 
 def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None, block_k=None,
-                   workers=None, return_lse=False, check_finite=True):
+                   workers=None, return_lse=False, check_finite=True, device=None):
     """`attention_stream` with its options already parsed into ``opts``."""
     refused = sorted(opts.given(("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids") + MODS))
     if refused:
@@ -91,7 +99,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
     causal, causal_align, win, cap = opts.causal, opts.causal_align, opts.window, opts.softcap
     alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
     return_lse = validate.flag(return_lse, "return_lse")
-    workers = validate.workers(workers)
+    given_workers, workers = workers, validate.workers(workers)
     if total_keys is not None:
         total_keys = validate.count(total_keys, "total_keys")
     needs_offset = causal or win != (None, None) or alibi_slopes is not None
@@ -99,6 +107,13 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
         raise ValueError(
             "total_keys is needed: the bottom_right alignment puts query i at key position "
             "i + total_keys - Sq (or pass causal_align='top_left')")
+    dev = device_of(device, q)
+    if dev is not None:
+        from . import torch_stream
+        result = torch_stream.stream_forward(q, kv_chunks, opts, dev=dev, total_keys=total_keys, block_q=block_q,
+                                             block_k=block_k, workers=given_workers, return_lse=return_lse,
+                                             check_finite=check_finite)
+        return on_device(result, (q,))
 
     q_arr = arrays.as_float_array(q, "q")
     if check_finite and q_arr.ndim >= 2:

@@ -21,6 +21,7 @@ from .arrays import as_numpy
 from . import problem
 from . import validate
 from .backward import _score_mod_grad, dense_backward, tiled_backward
+from . import device as dev_mod
 from .options import Options
 from .reference import dense_attention
 from .tiled import forward
@@ -101,17 +102,21 @@ def sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k, seqused_k=None, max_
             for b in range(q_lens.size)]
 
 
-def _packed(q, k, v):
-    """Check the packed layout: ``(total_q, Hq, D)``, ``(total_k, Hk, D)``, ``(total_k, Hk, Dv)``."""
-    q = arrays.as_float_array(q, "q")
-    k = arrays.as_float_array(k, "k")
-    v = arrays.as_float_array(v, "v")
+def _packed(q, k, v, dev=None):
+    """Check the packed layout: ``(total_q, Hq, D)``, ``(total_k, Hk, D)``, ``(total_k, Hk, Dv)``.
+    ``dev``: read as torch tensors on that device (in their stored types), not numpy arrays."""
+    if dev is None:
+        q = arrays.as_float_array(q, "q")
+        k = arrays.as_float_array(k, "k")
+        v = arrays.as_float_array(v, "v")
+    else:
+        q, k, v = (dev_mod.as_tensor(x, name, dev) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     for x, name in ((q, "q"), (k, "k"), (v, "v")):
         if x.ndim != 3:
             raise ValueError(f"{name} must be packed as (total, heads, headdim) (FlashAttention's varlen "
-                             f"layout), got shape {x.shape}")
+                             f"layout), got shape {tuple(x.shape)}")
     if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k and v must hold the same keys, got k {k.shape} and v {v.shape}")
+        raise ValueError(f"k and v must hold the same keys, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     return q, k, v
 
 
@@ -120,29 +125,37 @@ def _heads_first(x):
 
 
 def _run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, options,
-         entry="attention_varlen", accept=_FORWARD):
+         entry="attention_varlen", accept=_FORWARD, dev=None):
     """``fn(q_b, k_b, v_b, **options_b)`` per sequence; ``(out (total_q, Hq, Dv), lse (Hq, total_q),
-    per-sequence extras)``."""
+    per-sequence extras)``.  ``dev``: a torch device, where the sequences are torch views and
+    ``out``, ``lse`` float64 tensors (``fn`` computes there); None: numpy throughout."""
     opts, options = _split(options, entry, accept)
-    q, k, v = _packed(q, k, v)
+    q, k, v = _packed(q, k, v, dev)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k, max_seqlen_q, max_seqlen_k)
     hq, dv = q.shape[1], v.shape[2]
     slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", len(seqs), hq)
     sinks = problem.per_entry(opts.sinks, "sinks", len(seqs), hq)
-    out = np.zeros((q.shape[0], hq, dv))
-    lse = np.full((hq, q.shape[0]), -np.inf)
+    if dev is None:
+        out = np.zeros((q.shape[0], hq, dv))
+        lse = np.full((hq, q.shape[0]), -np.inf)
+        swap = np.swapaxes
+    else:
+        torch = dev_mod._torch()
+        out = torch.zeros((q.shape[0], hq, dv), dtype=torch.float64, device=dev)
+        lse = torch.full((hq, q.shape[0]), -np.inf, dtype=torch.float64, device=dev)
+        swap = torch.transpose
     extras = []
     for b, (q0, q1, k0, k1) in enumerate(seqs):
-        result = fn(_heads_first(q[q0:q1]), _heads_first(k[k0:k1]), _heads_first(v[k0:k1]),
+        result = fn(swap(q[q0:q1], 0, 1), swap(k[k0:k1], 0, 1), swap(v[k0:k1], 0, 1),
                     replace(opts, alibi_slopes=slopes(b), sinks=sinks(b)), **options)
-        out[q0:q1] = np.swapaxes(result[0], 0, 1)
+        out[q0:q1] = swap(result[0], 0, 1)
         lse[:, q0:q1] = result[1]
         extras.append(result[2:])
     return out, lse, extras
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, return_lse=False, return_stats=False, **options):
+                     max_seqlen_k=None, return_lse=False, return_stats=False, device=None, **options):
     """Attention over packed variable-length sequences (FlashAttention's varlen layout).
 
     Parameters
@@ -171,6 +184,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
         Also return ``lse: (Hq, total_q)`` (FlashAttention's ``softmax_lse`` layout).
     return_stats : bool
         Also return a list of `AttentionStats`, one per sequence.
+    device : str or torch.device, optional
+        As in `attention`: given torch tensors (or ``device=``) each sequence goes through
+        the torch forward on that device, ``out`` and ``lse`` float64 tensors there (numpy
+        for numpy inputs with ``device=``); the stats are host objects, as on the host.
 
     Returns
     -------
@@ -198,21 +215,41 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
     """
     return_lse = validate.flag(return_lse, "return_lse")
     return_stats = validate.flag(return_stats, "return_stats")
-    out, lse, extras = _run(lambda *a, **o: forward(*a, return_lse=True, return_stats=return_stats, **o),
+    dev = dev_mod.resolve(device, q, k, v)
+    if dev is None:
+        kernel = forward
+    else:
+        from . import torch_tiled
+
+        def kernel(*a, **o):
+            return torch_tiled.forward(*a, dev=dev, **o)
+    out, lse, extras = _run(lambda *a, **o: kernel(*a, return_lse=True, return_stats=return_stats, **o),
                             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                            max_seqlen_k, dict(options))
+                            max_seqlen_k, dict(options), dev=dev)
     result = [out] + ([lse] if return_lse else []) + ([[e[0] for e in extras]] if return_stats else [])
-    return result[0] if len(result) == 1 else tuple(result)
+    result = result[0] if len(result) == 1 else tuple(result)
+    return result if dev is None else dev_mod.on_device(result, (q, k, v))
 
 
 def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
-                               max_seqlen_q=None, max_seqlen_k=None, return_lse=False, **options):
+                               max_seqlen_q=None, max_seqlen_k=None, return_lse=False, device=None,
+                               **options):
     """`attention_varlen` by the dense float64 reference, sequence by sequence (each
-    sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time)."""
-    out, lse, _ = _run(lambda *a, **o: dense_attention(*a, return_lse=True, **o), q, k, v,
+    sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time); with torch tensors (or ``device=``)
+    by the torch reference on that device."""
+    dev = dev_mod.resolve(device, q, k, v)
+    if dev is None:
+        kernel = dense_attention
+    else:
+        from . import torch_reference
+
+        def kernel(*a, **o):
+            return torch_reference.dense_attention(*a, dev=dev, **o)
+    out, lse, _ = _run(lambda *a, **o: kernel(*a, return_lse=True, **o), q, k, v,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dict(options),
-                       "reference_attention_varlen", _DENSE)
-    return (out, lse) if return_lse else out
+                       "reference_attention_varlen", _DENSE, dev=dev)
+    result = (out, lse) if return_lse else out
+    return result if dev is None else dev_mod.on_device(result, (q, k, v))
 
 
 def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,

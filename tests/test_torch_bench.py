@@ -1,0 +1,42 @@
+"""``python -m attnlib bench --device``: the device section runs (the CPU part where no CUDA
+device is), measures what it says, and its figures are consistent."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attnlib.bench import cli  # noqa: E402
+from attnlib.bench.device import device_section  # noqa: E402
+
+
+def test_device_section_on_a_machine_without_the_asked_device():
+    result = device_section("cuda" if not torch.cuda.is_available() else "cpu", repeats=1,
+                            shapes=((1, 2, 256, 16),), mask_n=512, memory_ns=(512, 2048))
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in result["note"] and result["device"] == "cpu"
+    assert result["gemm"]["tile_tflops"] > 0 and result["gemm"]["square_tflops"] > 0
+    rows = result["forward"]
+    assert [r["case"] for r in rows] == ["(1, 2, 256, 16) causal", "(1, 2, 256, 16) full"]
+    for r in rows:
+        assert r["max |torch - numpy|"] < 1e-13
+        assert r["torch / numpy"] == pytest.approx(r["attnlib (torch)"] / r["attnlib (numpy)"])
+        assert "torch SDPA float64" in r and r["tflops"] > 0
+    assert [m["case"] for m in result["masks"]][0].startswith("sliding window")
+    assert all("SDPA / attnlib" in m for m in result["masks"])
+    assert [m["n"] for m in result["memory"]] == [512, 2048]
+    assert all(m.get("extra_bytes", -1) >= 0 for m in result["memory"]), result["memory"]
+    assert "long" not in result  # CUDA only
+
+
+def test_bench_cli_device_writes_json(tmp_path, monkeypatch, capsys):
+    import attnlib.bench.device as device
+
+    monkeypatch.setattr(device, "MEMORY_NS", (512,))
+    path = tmp_path / "device.json"
+    # --quick: one small shape, masks at 2048, memory at two sizes
+    assert cli.main(["--device", "cpu", "--quick", "--repeats", "1", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["device"] == "cpu" and data["forward"] and data["memory"]
+    assert "float64 GEMM" in capsys.readouterr().out
