@@ -171,7 +171,6 @@ def test_the_torch_path_computes_with_torch(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, name", [
-    ({"mask_mod": lambda b, h, i, j: i >= j}, "mask_mod"),
     ({"block_table": np.zeros((2, 1), np.int64), "cache_seqlens": [1, 1]}, "block_table"),
 ])
 def test_options_not_on_the_device_are_refused_by_name(kw, name):
@@ -257,3 +256,74 @@ def test_float64_to_float16_rounds_once_as_numpy_does():
     np.testing.assert_array_equal(got, want)
     assert torch.equal(rounded(torch.from_numpy(x), torch.bfloat16),
                        torch.from_numpy(x).to(torch.bfloat16))
+
+
+DOCS = np.repeat(np.arange(5), [20, 30, 10, 25, 15])  # per position, 100 positions
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _doc_numpy(b, h, q_idx, kv_idx):  # numpy-written: indexes a numpy table
+    return DOCS[np.asarray(q_idx)] == DOCS[np.asarray(kv_idx)]
+
+
+def _head_window(b, h, q_idx, kv_idx):  # depends on the head and the batch entry
+    return (q_idx - kv_idx).abs() <= 8 * (h + 1) + 4 * b
+
+
+def _alibi(score, b, h, q_idx, kv_idx):
+    return score - 0.1 * (h + 1) * (q_idx - kv_idx).abs()
+
+
+def _mask_by_score(score, b, h, q_idx, kv_idx):  # -inf masks, FlexAttention's way
+    return torch.where((q_idx + kv_idx) % 7 == 0, float("-inf"), score * 1.5)
+
+
+MOD_CASES = [
+    {"mask_mod": _causal},
+    {"mask_mod": _doc_numpy},
+    {"mask_mod": _head_window},
+    {"score_mod": _alibi},
+    {"score_mod": _mask_by_score, "causal": True},
+    {"mask_mod": _head_window, "score_mod": _alibi, "softcap": 5.0, "kv_lengths": [100, 70]},
+]
+
+
+@pytest.mark.parametrize("kw", MOD_CASES, ids=lambda kw: "-".join(
+    f"{n}={getattr(x, '__name__', '')}" if callable(x) else n for n, x in kw.items()))
+def test_flex_mods_on_the_device_equal_the_numpy_kernel(kw):
+    from attnlib.core.flex import from_torch
+    q, k, v = attnlib.random_qkv(100, 100, 16, batch=(2,), heads=4, kv_heads=2, seed=12)
+    host_kw = {n: (from_torch(x) if callable(x) and x is not _doc_numpy else x) for n, x in kw.items()}
+    out, lse, stats = attnlib.attention(q, k, v, return_lse=True, return_stats=True, block_q=32, block_k=16,
+                                        **host_kw)
+    t_out, t_lse, t_stats = attnlib.attention(*_tensors(q, k, v), return_lse=True, return_stats=True,
+                                              block_q=32, block_k=16, **kw)
+    assert np.abs(t_out.numpy() - out).max() < 1e-13
+    fin = np.isfinite(lse)
+    np.testing.assert_array_equal(np.isfinite(t_lse.numpy()), fin)
+    assert np.abs(t_lse.numpy()[fin] - lse[fin]).max(initial=0) < 1e-12
+    np.testing.assert_array_equal(t_stats.tile_kind, stats.tile_kind)
+    np.testing.assert_array_equal(t_stats.rescales, stats.rescales)
+
+
+def test_block_masks_on_the_device():
+    q, k, v = attnlib.random_qkv(100, 100, 16, heads=2, seed=13)
+    bm = attnlib.create_block_mask(_causal, None, None, 100, 100, 32, 32)
+    want = attnlib.attention(q, k, v, block_mask=bm)
+    got = attnlib.attention(*_tensors(q, k, v), block_mask=bm)
+    assert np.abs(got.numpy() - want).max() < 1e-13
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    torch_bm = flex.create_block_mask(_causal, None, None, 100, 100, device="cpu", BLOCK_SIZE=32)
+    got = attnlib.attention(*_tensors(q, k, v), block_mask=torch_bm)
+    assert np.abs(got.numpy() - want).max() < 1e-13
+
+
+def test_a_score_mod_giving_nan_is_refused_on_the_device():
+    q, k, v = _tensors(*attnlib.random_qkv(40, 40, 8, heads=2, seed=0))
+    with pytest.raises(ValueError, match="score_mod returned NaN or \\+inf"):
+        attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: torch.where(i == j, float("nan"), s))
+    # hidden by the mask: no error
+    attnlib.attention(q, k, v, causal=True, score_mod=lambda s, b, h, i, j: torch.where(j > i, float("nan"), s))

@@ -248,6 +248,17 @@ class OnDevice:
         result = forward_on(self.put(q), self.put(k), self.put(v), o, device=self.device, **run)
         return tuple(arrays.as_numpy(x, "the reference") for x in result)
 
+    def dense(self, q, k, v, o, **run):
+        """The dense reference there (`attnlib.core.torch_reference`): a naive baseline (on
+        the host with the programmable options, which the device's dense reference lacks)."""
+        from ..core import torch_reference
+
+        if o.has_mods:
+            return dense_attention(q, k, v, o, **run)
+
+        result = torch_reference.dense_attention(self.put(q), self.put(k), self.put(v), o, dev=self.device, **run)
+        return tuple(arrays.as_numpy(x, "the baseline") for x in result)
+
 
 def _to_device(x, device):
     from ..core.device import as_tensor
@@ -302,8 +313,9 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
 def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse, on=None):
     """``(naive_err, naive_lse_err, words)``: the larger error of plain attention in ``prec``
     over its plain formulations (see the module docstring), entry by entry.  ``on``: an
-    `OnDevice`, where the tiled formulations run (the dense one stays on the host)."""
+    `OnDevice`, where every formulation runs with torch."""
     tiled_forward = forward if on is None else on.run
+    dense_forward = dense_attention if on is None else on.dense
     sk, d = kh.shape[-2], qh.shape[-1]
     scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
     root = math.sqrt(abs(scale))
@@ -314,8 +326,8 @@ def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse,
         k_s = prec.round(kh * root).astype(np.float64)
         def blocked(q, k, o):
             if dense:
-                return dense_attention(q, k, vh, o, return_lse=True, compute_dtype=prec.name,
-                                       check_finite=False)
+                return dense_forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name,
+                                     check_finite=False)
             return tiled_forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name, workers=workers,
                                  check_finite=False)
 

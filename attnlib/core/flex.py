@@ -444,6 +444,8 @@ def from_torch(fn):
 
     def as_tensor(x):
         # A writable, contiguous array (the broadcast index grids are read-only views).
+        if isinstance(x, torch.Tensor):  # already one (the device kernels' index tensors)
+            return x
         return torch.from_numpy(np.require(x, requirements=("C", "W"))) if isinstance(x, np.ndarray) \
             else torch.tensor(x)
 

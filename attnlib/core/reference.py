@@ -16,7 +16,7 @@ from . import arrays
 from . import problem
 from . import validate
 from . import flex
-from .device import resolve as device_of
+from .device import on_device, resolve as device_of
 from .options import Options
 
 
@@ -157,7 +157,7 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     from . import torch_reference
     result = torch_reference.dense_attention(q, k, v, opts, dev=dev, return_lse=return_lse,
                                              check_finite=check_finite, compute_dtype=compute_dtype)
-    return torch_reference.on_host(result, (q, k, v))
+    return on_device(result, (q, k, v))
 
 
 def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None):

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from . import arrays, problem
+from . import problem
 from . import device as dev_mod
 from .options import MODS
 
@@ -188,13 +188,3 @@ def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, 
             out, lse = _dense(torch, round_to(q5, low), round_to(k5, low), round_to(v5, low), pb, opts, dev, low)
             out = out.to(low)
     return (out, lse) if return_lse else out
-
-
-def on_host(result, given):
-    """`device.on_device`, with the 16-bit types too: numpy inputs run with ``device=`` get
-    numpy back (bfloat16 as an ml_dtypes array, bit for bit: `arrays.as_numpy`)."""
-    if any(arrays._is_torch_tensor(x) for x in given):
-        return result
-    if isinstance(result, tuple):
-        return tuple(arrays.as_numpy(x, "out") for x in result)
-    return arrays.as_numpy(result, "out")

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import device as dev_mod
-from . import problem, validate
+from . import flex, problem, validate
 from .masks import PARTIAL, SKIP
 from .options import Options
 from .parallel import _unit_of, run_tiles, work_units
 from .stats import tile_stats
+from . import torch_flex
 from .torch_merge import lse_of, merge_parts  # noqa: F401  (torch_stream takes them from here too)
 from .tilesizes import TileSizes
 
@@ -116,7 +117,7 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
             check_finite=True):
     """`attnlib.core.tiled.forward` computed with torch on ``dev``: torch tensors out (float64)."""
     torch = dev_mod._torch()
-    given = sorted(opts.given(("block_table", "cache_seqlens", "mask_mod", "score_mod", "block_mask")))
+    given = sorted(opts.given(("block_table", "cache_seqlens")))
     if given:
         raise ValueError(f"{', '.join(given)}: not yet computed on a torch device ({dev}); pass "
                          "numpy arrays (the host kernel takes them)")
@@ -128,6 +129,12 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev)
     tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq, opts), block_q, block_k)
     specs = opts.specs(pb)
+    mods = None
+    if opts.has_mods:  # (mask_mod, score_mod, block_mask), checked; a mask_mod's block mask made here
+        made = None
+        if opts.mask_mod is not None and opts.block_mask is None:
+            made = torch_flex.block_mask(opts.mask_mod, pb, tiles, dev)
+        mods = (opts if made is None else opts.replace(block_mask=made)).mods(pb, tiles)
     prec = problem.precision(compute_dtype)
     cap, slopes, sink = opts.score_terms(pb, prec)
     q_max, k_max, v_max = pb.maxima
@@ -143,7 +150,8 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     # one-float lse, as its kernel does (`tiled.forward`).
     parts = len(splits) > 1 and prec.is_float64
     with dev_mod.threads(dev, workers), torch.no_grad():
-        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, tau, return_stats, workers, prec)
+        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, tau, return_stats, workers, prec,
+                         mods)
         partials = [kernel.run(q5, k5, v5, specs, sink if r == 0 else None,
                                (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), parts)
                     for r, part in enumerate(splits)]
@@ -169,8 +177,14 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
 class _Kernel:
     """One call's tile loop on the device, with its flags (overflow) and constants."""
 
-    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers, prec):
+    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers, prec, mods=None):
         self.torch, self.dev, self.pb, self.tiles = torch, dev, pb, tiles
+        # The programmable options (`flex.mods_for`), their functions called on device tensors.
+        self.mods = mods
+        if mods is not None:
+            self.mask_fn = torch_flex.on_device(mods[0], "mask_mod", dev)
+            self.score_fn = torch_flex.on_device(mods[1], "score_mod", dev)
+        self.score_flags = []  # (device bool, q0, k0): a visible pair's score_mod gave NaN or +inf
         self.cap, self.check, self.tau, self.count, self.v_max = cap, check, tau, count, v_max
         # A low precision (`problem.Precision`): q, k, v and p rounded to `compute`, the scores
         # and the state (m, l, acc) kept in `acc` (float32), the scale on the scores.
@@ -190,6 +204,12 @@ class _Kernel:
     def raise_flags(self):
         if self.flags and bool(self.torch.stack(self.flags).any()):  # one synchronisation, at the end
             raise ValueError(problem.overflow_message(self.prec.accumulate))
+        if self.score_flags:
+            hit = self.torch.stack([f for f, _, _ in self.score_flags]).cpu().numpy()
+            if hit.any():
+                _, q0, k0 = self.score_flags[int(np.flatnonzero(hit)[0])]
+                raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
+                                 f"keys from {k0}); it must return finite scores, or -inf to mask")
 
     def run(self, q5, k5, v5, specs, sink, key_tiles, lse_parts):
         """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``."""
@@ -214,7 +234,7 @@ class _Kernel:
             if spec.q_segments is not None:
                 seg = (dev_mod.index_tensor(spec.q_segments, self.dev),
                        dev_mod.index_tensor(spec.kv_segments, self.dev))
-            items += self._plan(q5[idx], k5[idx], v5[idx], spec, seg,
+            items += self._plan(idx, q5[idx], k5[idx], v5[idx], spec, seg,
                                 None if self.slopes is None else problem.for_entry(self.slopes, idx),
                                 None if sink_t is None else problem.for_entry(sink_t, idx),
                                 out[idx], lse[idx], None if rescales is None else rescales[idx],
@@ -223,7 +243,7 @@ class _Kernel:
             run_tiles(lambda item: item(), items, self.workers)
         return out, lse, rescales, kinds
 
-    def _plan(self, q, k, v, spec, seg, slopes, sink, out, lse, rescales, kinds, key_tiles, lse_parts):
+    def _plan(self, idx, q, k, v, spec, seg, slopes, sink, out, lse, rescales, kinds, key_tiles, lse_parts):
         """One mask's work: a list of callables, one per (query tile, head block) unit, each
         writing its own rows of ``out``, ``lse`` and ``rescales``.  ``q: (..., hk, g, sq, d)``,
         ``k, v: (..., hk, 1, sk, .)``; the longest (last, under causal) query tiles first."""
@@ -238,23 +258,34 @@ class _Kernel:
                  if self.dev.type == "cpu" else [()])
         slopes = None if slopes is None else slopes.expand(lead)
         sink = None if sink is None else sink.expand(lead)
+        mods = heads = None
+        if self.mods is not None:  # each head's (b, h): on the host for the classes, on the device for the functions
+            (b_np, h_np), heads = torch_flex.grids(self.pb, idx, self.dev)
+            mods = flex.Mods(*self.mods, b_np, h_np)
         items = []
         for a in reversed(range(n_q_tiles)):
             q0, q1 = a * bq, min(sq, (a + 1) * bq)
             tile_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), on the host
             if kinds is not None:
-                kinds[..., a, :] = tile_kinds
-            todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
+                if mods is None:
+                    kinds[..., a, :] = tile_kinds
+                else:  # per batch entry, over all its heads: the block mask's classes AND the built-in ones
+                    for e in np.ndindex(kinds.shape[:-2]):
+                        kinds[e + (a,)] = mods.unit(e).tile_kinds(a, tile_kinds)
             for unit in units:
+                unit_kinds = tile_kinds if mods is None else mods.unit(unit).tile_kinds(a, tile_kinds)
+                todo = np.flatnonzero((unit_kinds != SKIP) & in_range)
                 items.append(functools.partial(
                     self._tile, q[unit], _unit_of(k, unit)[..., 0, :, :], _unit_of(v, unit)[..., 0, :, :],
                     spec, seg, None if slopes is None else slopes[unit][..., None, None],
                     None if sink is None else sink[unit], out[unit], lse[unit],
                     None if rescales is None else rescales[unit], a, q0, q1,
-                    [(int(t), int(k_starts[t]), int(k_ends[t]), tile_kinds[t]) for t in todo], lse_parts))
+                    [(int(t), int(k_starts[t]), int(k_ends[t]), unit_kinds[t]) for t in todo], lse_parts,
+                    None if heads is None else (heads[0][unit], heads[1][unit])))
         return items
 
-    def _tile(self, q, k, v, spec, seg, slopes, sink, out, lse, rescales, a, q0, q1, todo, lse_parts):
+    def _tile(self, q, k, v, spec, seg, slopes, sink, out, lse, rescales, a, q0, q1, todo, lse_parts,
+              heads=None):
         """One query tile of one head block against its key tiles ``todo``:
         ``q: (..., g, sq, d)``, ``k, v: (..., sk, .)`` (the group's kv head)."""
         torch, pb = self.torch, self.pb
@@ -280,7 +311,7 @@ class _Kernel:
             v_j = self._operand(v[..., k0:k1, :])  # (..., c, dv)
             if v_scale != 1.0:  # exact: a power of two
                 v_j = v_j * v_scale
-            s, mask = self._scores(q_i, k_j, spec, seg, q0, q1, k0, k1, kind, slopes, lead)
+            s, mask = self._scores(q_i, k_j, spec, seg, q0, q1, k0, k1, kind, slopes, lead, heads)
             events = self._update(st, s, mask, v_j, lead, r)
             if rescales is not None:
                 rescales[..., a, t] = events
@@ -312,7 +343,7 @@ class _Kernel:
             self.bands[key] = terms
         return terms
 
-    def _scores(self, q_i, k_j, spec, seg, q0, q1, k0, k1, kind, slopes, lead):
+    def _scores(self, q_i, k_j, spec, seg, q0, q1, k0, k1, kind, slopes, lead, heads=None):
         """One tile's scores ``(..., hk, g, r, c)`` in the contract's order, ``(scale q) k^T``,
         softcap, ALiBi, and the tile's `_mask` (None for a FULL tile), which `_update` applies:
         masking commutes with the elementwise terms on the visible pairs."""
@@ -320,13 +351,25 @@ class _Kernel:
         s = torch.matmul(q_i, k_j.transpose(-1, -2)).view(lead + (r, k1 - k0))  # (..., hk, g, r, c)
         if self.low:  # rounded q: the scale goes on the float32 scores, as in low-precision kernels
             s = s.mul_(self.pb.scale)
-        mask = self._mask(spec, seg, q0, q1, k0, k1) if kind == PARTIAL else None
+        mask = None
+        if kind == PARTIAL:
+            mask = self._mask(spec, seg, q0, q1, k0, k1)
+            if heads is not None and self.mask_fn is not None:  # AND mask_mod, per head: (..., r, c)
+                hide = mask[0] | ~torch_flex.mask_values(self.mask_fn, *heads, q0, q1, k0, k1, s.shape, self.dev)
+                mask = (hide, torch.zeros(hide.shape, dtype=self.acc, device=self.dev).masked_fill_(hide, -math.inf),
+                        (~hide).to(self.acc))
         if self.check:  # a non-finite product of a visible pair: the softmax is undefined
             bad = ~torch.isfinite(s)
             self.flags.append((bad if mask is None else bad & ~mask[0]).any())
             s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked out in `_update`
         if self.cap is not None:  # softcap, before masking
             s = s.div_(self.cap).tanh_().mul_(self.cap)
+        if heads is not None and self.score_fn is not None:  # score_mod: after the softcap, before masks
+            s = torch_flex.score_values(self.score_fn, s, *heads, q0, q1, k0, k1, self.dev)
+            # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
+            bad = torch.isnan(s) | torch.isposinf(s)
+            self.score_flags.append(((bad if mask is None else bad & ~mask[0]).any(), q0, k0))
+            s = s.masked_fill_(bad, 0.0)  # (an invisible pair's: masked out in `_update`)
         if slopes is not None:  # ALiBi
             rows = torch.arange(q0, q1, device=self.dev)
             cols = torch.arange(k0, k1, device=self.dev)

@@ -1,0 +1,117 @@
+"""FlexAttention's ``mask_mod``, ``score_mod`` and block masks on a torch device.
+
+The functions are called as FlexAttention calls them, with integer tensors on the device:
+``b (*heads, 1, 1)``, ``h (*heads, 1, 1)``, ``q_idx (r, 1)``, ``kv_idx (1, c)`` per tile (and
+``score`` for a ``score_mod``), so a function written with torch operations runs where the
+tensors are.  A function written with numpy (one that raises on tensors, or returns no
+tensor) is called on the host's index arrays instead (`attnlib.core.flex`), its result moved
+to the device: correct anywhere, a host round trip per tile.
+
+The block mask a ``mask_mod`` alone implies is made on the device (`block_mask`): the
+function once per pair, a tile at a time, the classes read back once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import device as dev_mod
+from . import flex
+from .masks import FULL, PARTIAL, SKIP
+
+
+def on_device(fn, name: str, dev):
+    """``fn`` as a function of device tensors returning a device tensor (None stays None)."""
+    if fn is None:
+        return None
+    torch = dev_mod._torch()
+    source = flex._torch_source(fn)  # a `flex.from_torch` wrapper: the torch function inside
+    if source is not None:
+        fn = source
+    state = {}  # "torch" once the function has taken tensors, "host" once it has not
+
+    def host(*args):
+        arrays = [a.cpu().numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        return torch.as_tensor(np.asarray(flex._call(fn, arrays, name)), device=dev)
+
+    def call(*args):
+        if state.get("how") == "host":
+            return host(*args)
+        try:
+            out = fn(*args)
+        except Exception:  # noqa: BLE001 - a numpy-written function: the host computes it
+            if state.get("how") == "torch":
+                raise
+            state["how"] = "host"
+            return host(*args)
+        if not isinstance(out, torch.Tensor):
+            state["how"] = "host"
+            return host(*args)
+        state["how"] = "torch"
+        return out if out.device == dev else out.to(dev)
+
+    call.__name__ = getattr(fn, "__name__", name)
+    return call
+
+
+def grids(pb, idx, dev):
+    """``(b, h)`` of every grouped head ``(*batch_sel, hk, g)`` of batch selection ``idx``:
+    host arrays (for the block mask's classes) and device tensors (for the functions)."""
+    b, h = flex.index_grids(pb, idx)
+    return (b, h), (dev_mod.index_tensor(np.ascontiguousarray(b), dev),
+                    dev_mod.index_tensor(np.ascontiguousarray(h), dev))
+
+
+def mask_values(mask_fn, b, h, q0, q1, k0, k1, shape, dev):
+    """``mask_mod`` over a tile as a bool tensor of ``shape`` (``(*heads, r, c)``)."""
+    torch = dev_mod._torch()
+    q_idx = torch.arange(q0, q1, device=dev)[:, None]
+    kv_idx = torch.arange(k0, k1, device=dev)[None, :]
+    m = mask_fn(b[..., None, None], h[..., None, None], q_idx, kv_idx)
+    if m.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return booleans (as FlexAttention's), got dtype {m.dtype}")
+    try:
+        return m.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"mask_mod returned shape {tuple(m.shape)}, which does not broadcast to the "
+                         f"tile's {tuple(shape)}: write it with elementwise operations on its index "
+                         "arguments") from None
+
+
+def score_values(score_fn, s, b, h, q0, q1, k0, k1, dev):
+    """``score_mod`` over a tile's scores ``s`` (``(*heads, r, c)``): a new tensor of its shape
+    and type."""
+    torch = dev_mod._torch()
+    q_idx = torch.arange(q0, q1, device=dev)[:, None]
+    kv_idx = torch.arange(k0, k1, device=dev)[None, :]
+    out = score_fn(s.clone(), b[..., None, None], h[..., None, None], q_idx, kv_idx)
+    if out.dtype == torch.bool or out.is_complex():
+        raise TypeError(f"score_mod must return numbers, got dtype {out.dtype}")
+    try:
+        return out.expand(s.shape).to(s.dtype).clone()
+    except RuntimeError:
+        raise ValueError(f"score_mod returned shape {tuple(out.shape)}, which does not broadcast to "
+                         f"the tile's {tuple(s.shape)}") from None
+
+
+def block_mask(mask_mod, pb, tiles, dev) -> flex.BlockMask:
+    """`flex.create_block_mask` of ``mask_mod`` over the call's batch entries and query heads,
+    evaluated on ``dev`` (one ``(B, H, block_q, block_k)`` tile at a time); the classes come
+    back to the host once."""
+    torch = dev_mod._torch()
+    fn = on_device(mask_mod, "mask_mod", dev)
+    nb = int(np.prod(pb.batch)) if pb.batch else 1
+    nb = nb if nb > 1 else 1
+    bq, bk = tiles.block_q, tiles.block_k
+    nq, nk = -(-pb.sq // bq), -(-pb.sk // bk)
+    b = torch.arange(nb, device=dev)[:, None]
+    h = torch.arange(pb.hq, device=dev)[None, :]
+    kinds = torch.empty((nb, pb.hq, nq, nk), dtype=torch.int8, device=dev)
+    for a in range(nq):
+        q0, q1 = a * bq, min(pb.sq, (a + 1) * bq)
+        for t in range(nk):
+            k0, k1 = t * bk, min(pb.sk, (t + 1) * bk)
+            m = mask_values(fn, b, h, q0, q1, k0, k1, (nb, pb.hq, q1 - q0, k1 - k0), dev)
+            some, every = m.any(dim=-1).any(dim=-1), m.all(dim=-1).all(dim=-1)
+            kinds[:, :, a, t] = torch.where(every, FULL, torch.where(some, PARTIAL, SKIP)).to(torch.int8)
+    return flex.BlockMask(kinds.cpu().numpy(), bq, bk, pb.sq, pb.sk, mask_mod)
