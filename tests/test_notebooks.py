@@ -154,6 +154,10 @@ def test_performance_figures(quick_reports):
     assert all(r["attnlib MiB"] is not None for r in figs["mask_memory"])
     assert figs["phases"]["phases"][-1]["phase"].startswith("rest") and figs["load"]["slowdown"] > 0
     assert len(figs["sweep"]["seconds"]) == len(report.NOTEBOOKS["performance"].quick["sweep_sizes"])
+    device = figs["device"]  # the device section: CUDA asked for, its CPU part run without it
+    assert device["gemm"]["tile_tflops"] > 0 and all(r["max |torch - numpy|"] < 1e-13 for r in device["forward"])
+    assert [r["n"] for r in device["memory"]] == report.NOTEBOOKS["performance"].quick["device_memory_ns"]
+    assert "torch/numpy" in data["verdict"]
 
 
 def test_numerics_figures(quick_reports):

@@ -234,6 +234,14 @@ def _performance_costs(p):
                _arrays(1, ns[-1], ns[-1], 64),
                sum(((reps if m <= 16384 else 1) + 1) * _pass(1, m, m, 64)
                    * (1 + (m <= p["dense_max_n"]) + (torch and m <= p["torch_max_n"])) for m in ns))
+    if torch:  # the device section (its CPU part here): torch, numpy and SDPA on each shape, masks, memory
+        shapes = [(c.b, c.h, c.n, c.d) for c in cases] if p["full_cases"] else [(1, 2, 256, 16)]
+        dm = p["device_memory_ns"]
+        yield Cost(("repeats", "full_cases", "mask_n", "device_memory_ns"), "the device section",
+                   max(max(_dense(4 * b * h, n, n) for b, h, n, d in shapes), 2 * n * n * 8,
+                       _arrays(1, dm[-1], dm[-1], 64)),
+                   (reps + 1) * 3 * sum(_pass(b * h, n, n, d) for b, h, n, d in shapes)
+                   + 2 * (max(1, reps // 2) + 1) * _pass(1, n, n, 64) + sum(_pass(1, m, m, 64) for m in dm))
     case = cases[1] if p["full_cases"] else BenchCase(1, 1, 1024)
     sizes = p["sweep_sizes"]
     yield Cost(("sweep_sizes", "repeats", "full_cases"), "the tile-size sweep",
