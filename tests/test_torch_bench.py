@@ -40,3 +40,14 @@ def test_bench_cli_device_writes_json(tmp_path, monkeypatch, capsys):
     data = json.loads(path.read_text())
     assert data["device"] == "cpu" and data["forward"] and data["memory"]
     assert "float64 GEMM" in capsys.readouterr().out
+
+
+def test_the_cpu_kernels_memory_is_flat_in_n():
+    """RSS one call adds above its inputs and output, in a fresh process after a warm-up: a few
+    512 x 512 tiles per thread (2 MiB each), the same at 4x the length."""
+    from attnlib.bench.device import cpu_extra_bytes
+    from attnlib.evidence.fresh import run_fresh
+
+    short, long = (run_fresh(cpu_extra_bytes, n, d=16) for n in (8192, 32768))
+    assert long["extra_bytes"] < 64 * 2**20, long
+    assert long["extra_bytes"] <= short["extra_bytes"] + 8 * 2**20, (short, long)

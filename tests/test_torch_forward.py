@@ -170,13 +170,30 @@ def test_the_torch_path_computes_with_torch(monkeypatch):
         attnlib.attention(q.numpy(), k.numpy(), v.numpy(), causal=True)
 
 
-@pytest.mark.parametrize("kw, name", [
-    ({"block_table": np.zeros((2, 1), np.int64), "cache_seqlens": [1, 1]}, "block_table"),
-])
-def test_options_not_on_the_device_are_refused_by_name(kw, name):
-    q, k, v = _tensors(*attnlib.random_qkv(20, 20, 8, heads=2, seed=0))
-    with pytest.raises(ValueError, match=name):
-        attnlib.attention(q, k, v, **kw)
+PAGED_CASES = [{}, {"causal": True}, {"causal": True, "window": (5, None), "softcap": 3.0,
+                                      "alibi_slopes": np.linspace(0.1, 0.4, 4), "sinks": np.arange(4.0)}]
+
+
+@pytest.mark.parametrize("kw", PAGED_CASES, ids=lambda kw: "-".join(kw) or "plain")
+def test_a_paged_cache_on_the_device(kw):
+    rng = np.random.default_rng(0)
+    k_cache, v_cache = rng.standard_normal((2, 20, 8, 2, 16))
+    q = rng.standard_normal((3, 4, 5, 16))
+    table = np.array([rng.permutation(20)[:6] for _ in range(3)])
+    lens = [40, 0, 17]
+    out, lse = attnlib.attention(q, k_cache, v_cache, block_table=table, cache_seqlens=lens, return_lse=True, **kw)
+    t_out, t_lse = attnlib.attention(*_tensors(q, k_cache, v_cache), block_table=table, cache_seqlens=lens,
+                                     return_lse=True, **kw)
+    assert isinstance(t_out, torch.Tensor) and np.abs(t_out.numpy() - out).max() < 1e-13
+    fin = np.isfinite(lse)
+    np.testing.assert_array_equal(np.isfinite(t_lse.numpy()), fin)
+    assert np.abs(t_lse.numpy()[fin] - lse[fin]).max() < 1e-13
+    bad = k_cache.copy()
+    bad[table[2, 1], 3, 1, 0] = np.nan  # key 11 of entry 2
+    with pytest.raises(ValueError, match=f"k_cache page {table[2, 1]} holds NaN or inf \\(key [0-9]+ of batch entry"):
+        attnlib.attention(*_tensors(q, bad, v_cache), block_table=table, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="kv_lengths"):
+        attnlib.attention(*_tensors(q, k_cache, v_cache), block_table=table, cache_seqlens=lens, kv_lengths=lens)
 
 
 @pytest.mark.parametrize("device, error", [("meta", ValueError), ("nonsense", ValueError),

@@ -15,6 +15,7 @@ number of pages in the cache, and pages no sequence owns are never read.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from dataclasses import replace
@@ -105,12 +106,21 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, causal=F
 
 
 def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_keys=None, workers=None,
-                  return_lse=False, check_finite=True):
-    """`paged_attention` with its options (the page table among them) parsed into ``opts``."""
+                  return_lse=False, check_finite=True, dev=None):
+    """`paged_attention` with its options (the page table among them) parsed into ``opts``.
+    ``dev``: a torch device, where the pages are gathered and attended to with torch
+    (`attnlib.core.torch_stream`), torch tensors out; None: numpy."""
     block_table, cache_seqlens = opts.block_table, opts.cache_seqlens
-    q = arrays.as_float_array(q, "q")
-    k_cache = arrays.as_float_array(k_cache, "k_cache")
-    v_cache = arrays.as_float_array(v_cache, "v_cache")
+    if dev is None:
+        q = arrays.as_float_array(q, "q")
+        k_cache = arrays.as_float_array(k_cache, "k_cache")
+        v_cache = arrays.as_float_array(v_cache, "v_cache")
+    else:
+        from . import device, torch_stream
+
+        torch = device._torch()
+        q, k_cache, v_cache = (device.as_tensor(x, name, dev) for x, name in
+                               ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     if q.ndim != 4:
         raise ValueError(f"q must be (batch, Hq, Sq, D) with a paged cache, got shape {q.shape}")
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -119,8 +129,10 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must have the same pages and heads, got {k_cache.shape} "
                          f"and {v_cache.shape}")
-    if check_finite:  # the pages are checked as they are read (only those read)
+    if check_finite and dev is None:  # the pages are checked as they are read (only those read)
         arrays.check_finite(q, "q")
+    elif check_finite and not bool(torch.isfinite(device._extremes(q)).all()):
+        device._first_bad(q, "q")
     batch, hq = q.shape[0], q.shape[1]
     num_blocks, page_size = k_cache.shape[:2]
     if page_size == 0:
@@ -132,8 +144,11 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
     return_lse = validate.flag(return_lse, "return_lse")
     slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", batch, hq)
     sink = problem.per_entry(opts.sinks, "sinks", batch, hq)
-    out = np.empty(q.shape[:3] + (v_cache.shape[-1],))
-    lse = np.empty(q.shape[:3])
+    if dev is None:
+        out, lse = np.empty(q.shape[:3] + (v_cache.shape[-1],)), np.empty(q.shape[:3])
+    else:
+        out = torch.empty(tuple(q.shape[:3]) + (v_cache.shape[-1],), dtype=torch.float64, device=dev)
+        lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float64, device=dev)
 
     def chunks(b):
         n = int(lens[b])
@@ -141,30 +156,38 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
         for p0 in range(0, used, pages_per_chunk):
             pages = table[b, p0:min(p0 + pages_per_chunk, used)]
             keys = min(n - p0 * page_size, pages.size * page_size)
+            if dev is not None:  # the page numbers, as an index on the device
+                pages = device.index_tensor(pages, dev)
             # (pages, page_size, Hk, D) -> (pages * page_size, Hk, D) -> (Hk, keys, D)
-            k = k_cache[pages].reshape((-1,) + k_cache.shape[2:])[:keys]
-            v = v_cache[pages].reshape((-1,) + v_cache.shape[2:])[:keys]
+            k = k_cache[pages].reshape((-1,) + tuple(k_cache.shape[2:]))[:keys]
+            v = v_cache[pages].reshape((-1,) + tuple(v_cache.shape[2:]))[:keys]
             if check_finite:
                 for x, name in ((k, "k_cache"), (v, "v_cache")):
-                    bad = np.argwhere(~np.isfinite(x))
+                    bad = np.argwhere(~np.isfinite(x)) if dev is None else \
+                        torch.nonzero(~torch.isfinite(x)).cpu().numpy()  # a synchronisation per chunk
                     if bad.size:
                         j = p0 * page_size + int(bad[0][0])  # the key's position in its sequence
                         raise ValueError(f"{name} page {int(table[b, j // page_size])} holds NaN or inf "
                                          f"(key {j} of batch entry {b}); pass check_finite=False to "
                                          "skip this check")
-            yield np.swapaxes(k, 0, 1), np.swapaxes(v, 0, 1)
+            yield k.swapaxes(0, 1), v.swapaxes(0, 1)
         if n == 0:  # no keys: one empty chunk, so that the stream knows the shapes
-            yield (np.zeros((k_cache.shape[2], 0, k_cache.shape[3])),
-                   np.zeros((v_cache.shape[2], 0, v_cache.shape[3])))
+            empty = np.zeros if dev is None else functools.partial(torch.zeros, dtype=torch.float64, device=dev)
+            yield empty((k_cache.shape[2], 0, k_cache.shape[3])), empty((v_cache.shape[2], 0, v_cache.shape[3]))
 
     def entry(b):
         block_k = min(pages_per_chunk * page_size, max(1, int(lens[b])))
         # This entry's slopes and sinks: already checked, so set without a second parse.
         entry_opts = replace(opts, alibi_slopes=slopes(b), sinks=sink(b), block_table=None, cache_seqlens=None)
-        out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
-                                        block_k=block_k, workers=1, return_lse=True, check_finite=False)
+        if dev is None:
+            out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
+                                            block_k=block_k, workers=1, return_lse=True, check_finite=False)
+        else:  # the torch kernel's own threads on the CPU
+            out[b], lse[b] = torch_stream.stream_forward(
+                q[b], chunks(b), entry_opts, dev=dev, total_keys=int(lens[b]), block_q=block_q, block_k=block_k,
+                return_lse=True, check_finite=False)
 
-    run_tiles(entry, range(batch), min(workers, max(1, batch)))
+    run_tiles(entry, range(batch), min(workers, max(1, batch)) if dev is None else 1)
     return (out, lse) if return_lse else out
 
 

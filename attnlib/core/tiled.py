@@ -191,14 +191,18 @@ def forward_on(q, k, v, opts: Options, *, device=None, **run):
     dev = device_of(device, q, k, v)
     if dev is None:
         return forward(q, k, v, opts, **run)
+    if opts.paged:  # the pages gathered and attended to on the device (`paged.paged_forward`)
+        return on_device(forward(q, k, v, opts, dev=dev, **run), (q, k, v))
     from . import torch_tiled
     return on_device(torch_tiled.forward(q, k, v, opts, dev=dev, **run), (q, k, v))
 
 
 def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, workers=None,
             rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
-            check_finite=True):
-    """`attention` with its masking and score options already parsed into ``opts``."""
+            check_finite=True, dev=None):
+    """`attention` with its masking and score options already parsed into ``opts``; ``dev``
+    (a torch device) serves a paged cache only (`forward_on` sends the rest to
+    `attnlib.core.torch_tiled`)."""
     if opts.paged:
         unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
                                      "mask_mod", "score_mod", "block_mask")),
@@ -213,7 +217,7 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
         if block_k is not None:  # paged_attention calls it chunk_keys
             validate.positive_int(block_k, "block_k")
         return paged_forward(q, k, v, opts, block_q=block_q, chunk_keys=block_k, workers=workers,
-                             return_lse=return_lse, check_finite=check_finite)
+                             return_lse=return_lse, check_finite=check_finite, dev=dev)
     kv_splits = validate.positive_int(kv_splits, "kv_splits")
     workers = validate.workers(workers)
     tau = validate.threshold(rescale_threshold)
