@@ -344,3 +344,20 @@ def test_a_score_mod_giving_nan_is_refused_on_the_device():
         attnlib.attention(q, k, v, score_mod=lambda s, b, h, i, j: torch.where(i == j, float("nan"), s))
     # hidden by the mask: no error
     attnlib.attention(q, k, v, causal=True, score_mod=lambda s, b, h, i, j: torch.where(j > i, float("nan"), s))
+
+
+@pytest.mark.parametrize("kw", MOD_CASES, ids=lambda kw: "-".join(
+    f"{n}={getattr(x, '__name__', '')}" if callable(x) else n for n, x in kw.items()))
+@pytest.mark.parametrize("compute_dtype", [None, "bfloat16"])
+def test_flex_mods_in_the_device_reference(kw, compute_dtype):
+    from attnlib.core.flex import from_torch
+    q, k, v = attnlib.random_qkv(100, 100, 16, batch=(2,), heads=4, kv_heads=2, seed=14)
+    host_kw = {n: (from_torch(x) if callable(x) and x is not _doc_numpy else x) for n, x in kw.items()}
+    out, lse = attnlib.reference_attention(q, k, v, return_lse=True, compute_dtype=compute_dtype, **host_kw)
+    t_out, t_lse = attnlib.reference_attention(*_tensors(q, k, v), return_lse=True, compute_dtype=compute_dtype,
+                                               **kw)
+    from attnlib.core.arrays import as_numpy
+    tol = 1e-13 if compute_dtype is None else 2 ** -7
+    assert np.abs(as_numpy(t_out, "out").astype(np.float64) - out.astype(np.float64)).max() <= tol
+    fin = np.isfinite(lse)
+    np.testing.assert_array_equal(np.isfinite(t_lse.numpy()), fin)

@@ -9,9 +9,10 @@ where the numpy reference rounds: the inputs, the float32 scores (after ALiBi, w
 host forms in float64), the weights ``p``, and ``out``.  A float64 value is rounded to
 float16 in one step, as numpy does, not through float32 (`device.rounded`).
 
-The programmable options (``mask_mod``, ``score_mod``, ``block_mask``) call Python on
-host index grids: not on a device (a ValueError naming them).  This module imports none of
-the host reference (`reference` imports it lazily).
+The programmable options (``mask_mod``, ``score_mod``, ``block_mask``) are called on the
+whole grid of device index tensors (`attnlib.core.torch_flex`), as the host reference calls
+them on its index arrays.  This module imports none of the host reference (`reference`
+imports it lazily).
 """
 
 from __future__ import annotations
@@ -22,18 +23,10 @@ import numpy as np
 
 from . import problem
 from . import device as dev_mod
-from .options import MODS
+from . import flex, torch_flex
 
 #: ``compute_dtype`` names -> torch's type of the name (float64: None, the exact path).
 _COMPUTE = ("float32", "float16", "bfloat16")
-
-
-def refuse_mods(opts, dev, entry: str) -> None:
-    """ValueError naming the programmable options given, which do not run on ``dev``."""
-    given = sorted(opts.given(MODS))
-    if given:
-        raise ValueError(f"{', '.join(given)}: not computed on a torch device ({dev}) by {entry}; "
-                         "pass numpy arrays (the host reference takes them)")
 
 
 def compute_type(compute_dtype):
@@ -102,6 +95,14 @@ def _scores(torch, q5, k5, pb, opts, np_dtype, dev, visible_, distance):
     float64, as numpy's promotion makes them."""
     cap = problem.softcap_in(opts.softcap, np_dtype, "low-precision")
     slopes = problem.alibi_slopes(opts.alibi_slopes, pb, np_dtype)  # (..., hk, g)
+    flex.check_elementwise(opts.mask_mod, opts.score_mod, pb.sq, pb.sk)
+    mask_fn = torch_flex.on_device(flex.visible_mod(opts.mask_mod, opts.block_mask), "mask_mod", dev)
+    score_fn = torch_flex.on_device(opts.score_mod, "score_mod", dev)
+    if mask_fn is not None or score_fn is not None:  # (*batch, hk, g): each head's batch entry and query head
+        _, (b, h) = torch_flex.grids(pb, (), dev)
+    if mask_fn is not None:  # AND the built-in masks
+        visible_ = visible_ & torch_flex.mask_values(mask_fn, b, h, 0, pb.sq, 0, pb.sk,
+                                                     tuple(b.shape) + (pb.sq, pb.sk), dev)
     may_overflow = bool(q5.numel() and k5.numel()) and problem.scores_may_overflow(
         q5, k5, pb.scale, np_dtype, q_max=pb.maxima[0], k_max=pb.maxima[1])
     s = torch.matmul(q5, k5.transpose(-1, -2)) * float(np_dtype(pb.scale))
@@ -110,7 +111,13 @@ def _scores(torch, q5, k5, pb, opts, np_dtype, dev, visible_, distance):
     if cap is not None:  # s / cap beyond the range: tanh(+-inf) = +-1, exact
         c = float(np_dtype(cap))
         s = torch.tanh(s / c) * c
+    if score_fn is not None:  # after the softcap, before the masks
+        s = torch_flex.score_values(score_fn, s.expand(tuple(b.shape) + tuple(s.shape[-2:])), b, h,
+                                    0, pb.sq, 0, pb.sk, dev)
     s = s.masked_fill(~visible_, -math.inf)
+    if score_fn is not None and bool((torch.isnan(s) | torch.isposinf(s)).any()):
+        raise ValueError("score_mod returned NaN or +inf for a visible pair; it must return finite "
+                         "scores, or -inf to mask")
     if slopes is not None:  # after masking: -inf stays -inf
         slope = torch.as_tensor(slopes.astype(np_dtype).astype(np.float64), device=dev)[..., None, None]
         biased = s.to(torch.float64) - slope * distance
@@ -176,7 +183,6 @@ def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, 
     """`reference.dense_attention` computed with torch on ``dev``: torch tensors out
     (float64, or ``out`` in the compute type and ``lse`` in float32 for a low one)."""
     torch = dev_mod._torch()
-    refuse_mods(opts, dev, "reference_attention")
     q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev)
     low = compute_type(compute_dtype)
     with torch.no_grad():
