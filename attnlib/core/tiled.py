@@ -25,7 +25,7 @@ from .paged import paged_forward
 from .parallel import _unit_of, run_tiles, work_units
 from .tilesizes import DEFAULT_TILES, LARGE_HEAD_TILES, TileSizes, default_tiles
 from .online import lse_of, merge_attention, merge_parts
-from .stats import AttentionStats, tile_stats
+from .stats import AttentionStats, results
 from .device import on_device, resolve as device_of
 
 
@@ -248,13 +248,8 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
     if not prec.is_float64:  # what a kernel in that precision would write out
         out, lse = out.astype(prec.compute), lse.astype(prec.accumulate)
 
-    result = [pb.merge_heads(out, 2)]
-    if return_lse:
-        result.append(pb.merge_heads(lse, 1))
-    if return_stats:
-        rescales = sum(p[2] for p in partials)
-        result.append(tile_stats(rescales, partials[0][3], pb, tiles))
-    return result[0] if len(result) == 1 else tuple(result)
+    return results(pb, tiles, out, lse, sum(p[2] for p in partials) if return_stats else None, partials[0][3],
+                   return_lse=return_lse, return_stats=return_stats)
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,7 +23,7 @@ from . import flex, problem, validate
 from .masks import PARTIAL, SKIP
 from .options import Options
 from .parallel import _unit_of, run_tiles, work_units
-from .stats import tile_stats
+from .stats import results
 from . import torch_flex
 from .torch_merge import lse_of, merge_parts  # noqa: F401  (torch_stream takes them from here too)
 from .tilesizes import TileSizes
@@ -163,13 +163,8 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
         kernel.raise_flags()
         if not prec.is_float64:  # what a kernel in that precision would write out
             out, lse = out.to(kernel.compute), lse.to(kernel.acc)
-    result = [pb.merge_heads(out, 2)]
-    if return_lse:
-        result.append(pb.merge_heads(lse, 1))
-    if return_stats:
-        rescales = sum(np.asarray(p[2].cpu()) for p in partials)
-        result.append(tile_stats(rescales, partials[0][3], pb, tiles))
-    return result[0] if len(result) == 1 else tuple(result)
+    return results(pb, tiles, out, lse, sum(np.asarray(p[2].cpu()) for p in partials) if return_stats else None,
+                   partials[0][3], return_lse=return_lse, return_stats=return_stats)
 
 
 class _Kernel:
