@@ -361,3 +361,55 @@ def test_flex_mods_in_the_device_reference(kw, compute_dtype):
     assert np.abs(as_numpy(t_out, "out").astype(np.float64) - out.astype(np.float64)).max() <= tol
     fin = np.isfinite(lse)
     np.testing.assert_array_equal(np.isfinite(t_lse.numpy()), fin)
+
+
+def test_python_floats_in_torch_written_mods_are_float64():
+    """`0.1 * (q_idx - kv_idx)` on index tensors is float32 under torch's default: computed
+    under a float64 default on the device and through from_torch, as numpy computes it."""
+    from attnlib.core.flex import from_torch
+    q, k, v = attnlib.random_qkv(64, 64, 16, batch=(3,), heads=2, seed=15)
+    bias = lambda s, b, h, q_idx, kv_idx: s - 0.1 * (q_idx - kv_idx)  # noqa: E731
+    host = attnlib.attention(q, k, v, score_mod=bias)
+    for out in (attnlib.attention(*_tensors(q, k, v), score_mod=bias).numpy(),
+                attnlib.reference_attention(*_tensors(q, k, v), score_mod=bias).numpy(),
+                attnlib.attention(q, k, v, score_mod=from_torch(bias))):
+        assert attnlib.attention_errors(out, q, k, v, score_mod=bias).rel_error < 1e-13
+    assert torch.get_default_dtype() == torch.float32  # restored
+    from attnlib.check import check_kernel
+    assert check_kernel(*_tensors(q, k, v, host), layout="bhsd", score_mod=bias).passed
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's __array_wrap__, under numpy 2
+def test_numpy_ufunc_masks_fall_back_to_the_host():
+    q, k, v = attnlib.random_qkv(64, 64, 16, heads=2, seed=16)
+    mm = lambda b, h, q_idx, kv_idx: np.logical_or(kv_idx <= q_idx, kv_idx % 3 == 0)  # noqa: E731
+    want = attnlib.attention(q, k, v, mask_mod=mm)
+    assert np.abs(attnlib.attention(*_tensors(q, k, v), mask_mod=mm).numpy() - want).max() < 1e-14
+    assert np.abs(attnlib.reference_attention(*_tensors(q, k, v), mask_mod=mm).numpy() - want).max() < 1e-14
+
+
+def test_device_errors_are_flags_per_thread_not_per_tile():
+    """The overflow check on: a few tile-sized flags, never one per tile."""
+    from attnlib.core import torch_tiled
+    seen = []
+    original = torch_tiled._Kernel.raise_flags
+
+    def spy(self):
+        seen.append((len(self.flags), len(self.score_flags)))
+        return original(self)
+
+    q, k, v = _tensors(*attnlib.random_qkv(256, 256, 8, heads=2, seed=17))
+    old = torch_tiled._Kernel.raise_flags
+    torch_tiled._Kernel.raise_flags = spy
+    try:
+        attnlib.attention(q * 1e150, k * 1e150, v, block_q=16, block_k=16, workers=2, causal=True,
+                          score_mod=lambda s, b, h, i, j: s)
+    finally:
+        torch_tiled._Kernel.raise_flags = old
+    assert seen and seen[0][0] <= 2 and seen[0][1] <= 2, seen
+
+
+def test_empty_batches_with_per_entry_masks_in_the_device_reference():
+    q = torch.zeros(0, 2, 5, 4, dtype=torch.float64)
+    for kw in ({"kv_lengths": np.array([], dtype=int)}, {"q_lengths": np.array([], dtype=int)}):
+        assert attnlib.reference_attention(q, q, q, **kw).shape == (0, 2, 5, 4)

@@ -15,6 +15,7 @@ the host path's messages (`arrays._torch_refusal`).
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import numpy as np
@@ -75,9 +76,9 @@ def as_tensor(x, name: str, dev):
         if t.layout != torch.strided:  # sparse, mkldnn
             t = t.to_dense()
         t = t.resolve_conj().resolve_neg()
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must have a real floating dtype (float16/32/64, bfloat16, float8), "
-                            f"got {t.dtype}")
+        if not t.is_floating_point():  # the host path's words
+            raise TypeError(f"{name} must have a real floating dtype (float16/32/64, bfloat16), "
+                            f"got {str(t.dtype).removeprefix('torch.')}")
     else:
         arr = as_float_array(x, name)  # numpy, lists, JAX, ml_dtypes (as float64): read exactly
         with warnings.catch_warnings():
@@ -124,14 +125,17 @@ def _extremes(t):
     return torch.stack([hi, lo]).to(torch.float64)
 
 
-def parse(q, k, v, *, scale, check_finite_inputs: bool, dev):
+def parse(q, k, v, *, scale, check_finite_inputs: bool, dev, extremes=None):
     """`problem.parse` for the torch kernel: ``(q5, k5, v5, problem)`` with grouped tensor views
     on ``dev`` in their stored types.  The maxima are always found (one host synchronisation
-    for the three); with ``check_finite_inputs`` non-finite ones are refused, naming the entry."""
+    for the three); with ``check_finite_inputs`` non-finite ones are refused, naming the entry.
+    ``extremes``, a dict: receives ``{"q": (max, min), ...}`` (for `problem.check_representable`)."""
     q, k, v = (as_tensor(x, name, dev) for x, name in ((q, "q"), (k, "k"), (v, "v")))
 
     def maxima():
         ext = np.asarray(_torch().stack([_extremes(x) for x in (q, k, v)]).cpu())  # (3, 2): one copy
+        if extremes is not None:
+            extremes.update(zip("qkv", ext))
         if check_finite_inputs and not np.isfinite(ext).all():
             for x, name, (hi, lo) in zip((q, k, v), "qkv", ext):
                 if not (np.isfinite(hi) and np.isfinite(lo)):
@@ -185,3 +189,33 @@ def rounded(x, dtype):
     inexact = back != x
     r = torch.where(inexact & (back.abs() > x.abs()), torch.nextafter(r, torch.zeros_like(r)), r)
     return torch.where(inexact, (r.view(torch.int32) | 1).view(torch.float32), r).to(dtype)
+
+
+# `float64_default`'s state, shared by every thread of the process.
+_default_lock = threading.Lock()
+_default_users = 0
+_default_saved = None
+
+
+@contextlib.contextmanager
+def float64_default():
+    """torch's default dtype float64 meanwhile, so that a user's ``mask_mod``/``score_mod``
+    written with torch computes a Python float times an index tensor in float64, as numpy
+    does (under torch's float32 default, ``0.1 * (q_idx - kv_idx)`` is rounded to float32:
+    1.3e-7 off, measured).  Reference-counted across threads, like `parallel._parallel_settings`:
+    the first entrant saves the default and the last one out restores it, exactly once."""
+    global _default_users, _default_saved
+    torch = _torch()
+    with _default_lock:
+        if _default_users == 0:
+            _default_saved = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float64)
+        _default_users += 1
+    try:
+        yield
+    finally:
+        with _default_lock:
+            _default_users -= 1
+            if _default_users == 0:
+                torch.set_default_dtype(_default_saved)
+                _default_saved = None

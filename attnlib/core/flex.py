@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import validate
+from .device import float64_default
 from .masks import FULL, PARTIAL, SKIP
 from .tilesizes import DEFAULT_TILES
 
@@ -450,7 +451,8 @@ def from_torch(fn):
             else torch.tensor(x)
 
     def wrapped(*args):
-        out = fn(*(as_tensor(a) for a in args))
+        with float64_default():  # Python floats times index tensors in float64, as numpy computes them
+            out = fn(*(as_tensor(a) for a in args))
         return out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
 
     wrapped.__name__ = getattr(fn, "__name__", "mod")

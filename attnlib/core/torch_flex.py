@@ -38,13 +38,17 @@ def on_device(fn, name: str, dev):
         if state.get("how") == "host":
             return host(*args)
         try:
-            out = fn(*args)
+            with dev_mod.float64_default():  # Python floats times index tensors: float64, as in numpy
+                out = fn(*args)
         except Exception:  # noqa: BLE001 - a numpy-written function: the host computes it
             if state.get("how") == "torch":
                 raise
             state["how"] = "host"
             return host(*args)
-        if not isinstance(out, torch.Tensor):
+        # No tensor, or a numpy ufunc's result wrapped back into one (a mask as uint8): numpy-written.
+        if not isinstance(out, torch.Tensor) or (name == "mask_mod" and out.dtype == torch.uint8):
+            if state.get("how") == "torch":
+                return out if isinstance(out, torch.Tensor) else torch.as_tensor(np.asarray(out), device=dev)
             state["how"] = "host"
             return host(*args)
         state["how"] = "torch"

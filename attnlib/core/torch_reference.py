@@ -24,6 +24,7 @@ import numpy as np
 from . import problem
 from . import device as dev_mod
 from . import flex, torch_flex
+from .masks import MaskSpec
 
 #: ``compute_dtype`` names -> torch's type of the name (float64: None, the exact path).
 _COMPUTE = ("float32", "float16", "bfloat16")
@@ -83,6 +84,8 @@ def visible(specs, pb, dev, distances=False):
     def per_pair(fn):
         if () in specs:
             return fn(specs[()])
+        if not specs:  # a zero-size batch axis: no entry, no pair
+            return torch.zeros(pb.batch + (1, 1, pb.sq, pb.sk), dtype=fn(MaskSpec(pb.sq, pb.sk)).dtype, device=dev)
         grid = torch.stack([fn(spec) for spec in specs.values()])
         return grid.reshape(pb.batch + (1, 1, pb.sq, pb.sk))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +75,8 @@ class _State:
 #: Most band masks one call keeps on the device (each at most one tile): a causal run or a
 #: sliding window has one or two diagonal offsets per tile shape.
 BAND_CACHE = 64
+#: No tile: the first-error index of a thread that found none.
+_NONE = 2**62
 
 
 def _hidden(spec, q0, q1, k0, k1, torch, dev, seg=None):
@@ -124,7 +127,9 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     tau = validate.threshold(rescale_threshold)
     return_lse = validate.flag(return_lse, "return_lse")
     return_stats = validate.flag(return_stats, "return_stats")
-    q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev)
+    extremes = {}
+    q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev,
+                                   extremes=extremes)
     tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq, opts), block_q, block_k)
     specs = opts.specs(pb)
     mods = None
@@ -137,7 +142,7 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     cap, slopes, sink = opts.score_terms(pb, prec)
     q_max, k_max, v_max = pb.maxima
     # Values beyond the compute type's range round to inf there (the host path's message).
-    problem.check_representable(prec, **{n: np.array([x]) for n, x in zip("qkv", pb.maxima)})
+    problem.check_representable(prec, **{n: np.array(extremes.get(n, (0.0, 0.0))) for n in "qkv"})
     check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=q_max, k_max=k_max) \
         if pb.sq and pb.sk else False
     if tau:
@@ -177,7 +182,11 @@ class _Kernel:
         if mods is not None:
             self.mask_fn = torch_flex.on_device(mods[0], "mask_mod", dev)
             self.score_fn = torch_flex.on_device(mods[1], "score_mod", dev)
-        self.score_flags = []  # (device bool, q0, k0): a visible pair's score_mod gave NaN or +inf
+        # The errors found on the device, one flag per thread updated in place (never one per
+        # tile): a visible pair's score overflowed; the first tile (in plan order) where a
+        # visible pair's score_mod gave NaN or +inf, as ``q0 * (sk + 1) + k0``, or `_NONE`.
+        self.local = threading.local()
+        self.flags, self.score_flags = [], []  # every thread's, for `raise_flags`
         self.cap, self.check, self.tau, self.count, self.v_max = cap, check, tau, count, v_max
         # A low precision (`problem.Precision`): q, k, v and p rounded to `compute`, the scores
         # and the state (m, l, acc) kept in `acc` (float32), the scale on the scores.
@@ -192,17 +201,30 @@ class _Kernel:
         # a (256, 64) @ (64, 256) product on 2 threads, measured); a GPU takes every head at once.
         self.workers = (validate.workers(None) if workers is None else workers) if dev.type == "cpu" else 1
         self.bands = {}  # `_mask`'s band masks, shared by the threads (each entry written once)
-        self.flags = []  # device bools: a visible pair's score overflowed (appended: thread-safe)
+
+    def _flag(self):
+        """This thread's overflow flag and first-score_mod-error tile (device scalars)."""
+        mine = getattr(self.local, "flags", None)
+        if mine is None:
+            torch = self.torch
+            mine = self.local.flags = (torch.zeros((), dtype=torch.bool, device=self.dev),
+                                       torch.full((), _NONE, dtype=torch.int64, device=self.dev))
+            self.flags.append(mine[0])  # list.append: safe across threads
+            self.score_flags.append(mine[1])
+        return mine
 
     def raise_flags(self):
-        if self.flags and bool(self.torch.stack(self.flags).any()):  # one synchronisation, at the end
+        if not self.flags:
+            return
+        torch = self.torch
+        overflow, first = torch.stack(self.flags).any(), torch.stack(self.score_flags).min()
+        overflow, first = (int(x) for x in torch.stack([overflow.to(torch.int64), first]).cpu())  # one read
+        if overflow:
             raise ValueError(problem.overflow_message(self.prec.accumulate))
-        if self.score_flags:
-            hit = self.torch.stack([f for f, _, _ in self.score_flags]).cpu().numpy()
-            if hit.any():
-                _, q0, k0 = self.score_flags[int(np.flatnonzero(hit)[0])]
-                raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
-                                 f"keys from {k0}); it must return finite scores, or -inf to mask")
+        if first != _NONE:
+            q0, k0 = divmod(first, self.pb.sk + 1)
+            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
+                             f"keys from {k0}); it must return finite scores, or -inf to mask")
 
     def run(self, q5, k5, v5, specs, sink, key_tiles, lse_parts):
         """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``."""
@@ -353,7 +375,7 @@ class _Kernel:
                         (~hide).to(self.acc))
         if self.check:  # a non-finite product of a visible pair: the softmax is undefined
             bad = ~torch.isfinite(s)
-            self.flags.append((bad if mask is None else bad & ~mask[0]).any())
+            self._flag()[0].logical_or_((bad if mask is None else bad & ~mask[0]).any())
             s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked out in `_update`
         if self.cap is not None:  # softcap, before masking
             s = s.div_(self.cap).tanh_().mul_(self.cap)
@@ -361,7 +383,10 @@ class _Kernel:
             s = torch_flex.score_values(self.score_fn, s, *heads, q0, q1, k0, k1, self.dev)
             # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
             bad = torch.isnan(s) | torch.isposinf(s)
-            self.score_flags.append(((bad if mask is None else bad & ~mask[0]).any(), q0, k0))
+            tile = q0 * (self.pb.sk + 1) + k0  # the first by position: (q0, k0) in one int
+            hit = (bad if mask is None else bad & ~mask[0]).any()
+            first = self._flag()[1]
+            torch.minimum(first, torch.where(hit, tile, _NONE), out=first)
             s = s.masked_fill_(bad, 0.0)  # (an invisible pair's: masked out in `_update`)
         if slopes is not None:  # ALiBi
             rows = torch.arange(q0, q1, device=self.dev)
@@ -370,7 +395,7 @@ class _Kernel:
             s = s.sub_(slopes * dist)
             if self.check:  # a visible score pushed beyond the range by its bias
                 bad = ~torch.isfinite(s)
-                self.flags.append((bad if mask is None else bad & ~mask[0]).any())
+                self._flag()[0].logical_or_((bad if mask is None else bad & ~mask[0]).any())
                 s = s.masked_fill_(bad, 0.0)
         return s, mask
 
@@ -406,7 +431,7 @@ class _Kernel:
         o_i = torch.where(seen[..., None], st.acc / l_safe[..., None], 0.0)
         if self.v_exp:  # the attention of the values divided by 2**e: held to +-max|v|, scaled back
             bound = math.ldexp(self.v_max, -self.v_exp)
-            o_i = torch.ldexp(o_i.clamp(-bound, bound), torch.tensor(self.v_exp, device=self.dev))
+            o_i = o_i.clamp(-bound, bound) * math.ldexp(1.0, self.v_exp)  # exact: a power of two, within the range
         out[..., q0:q1, :] = o_i
         log_l = torch.where(seen, torch.log(l_safe), -math.inf)
         if lse_parts:
