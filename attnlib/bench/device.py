@@ -252,6 +252,8 @@ def device_section(device: str = "cuda", *, repeats: int = 5, shapes=SHAPES, mas
         f"{result['gemm']['square_tflops']:.3f} at {result['gemm']['square']}^2")
     say("forward, default arguments:")
     result["forward"] = forward_rows(dev, shapes, repeats, say)
+    for row in result["forward"]:  # the kernel's rate as a share of the device's float64 GEMM rate
+        row["of GEMM"] = row["tflops"] / result["gemm"]["square_tflops"]
     say(f"masks at n = {mask_n}:")
     result["masks"] = mask_rows(dev, mask_n, max(1, repeats // 2), say)
     say("extra memory of one call (1 head, D = 64, causal):")
@@ -259,4 +261,6 @@ def device_section(device: str = "cuda", *, repeats: int = 5, shapes=SHAPES, mas
     if dev.type == "cuda":
         say("the long case:")
         result["long"] = long_case(dev, say)
+        if "tflops" in result["long"]:
+            result["long"]["of GEMM"] = result["long"]["tflops"] / result["gemm"]["square_tflops"]
     return result
