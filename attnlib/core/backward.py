@@ -38,6 +38,8 @@ from .reference import _scores
 from .tilesizes import DEFAULT_TILES
 from .parallel import Aborted, run_tiles
 from .tiled import attention
+from . import device as dev_mod
+from .torch_backward import grad_exponent
 
 
 
@@ -115,13 +117,7 @@ def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
     if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
         return 0
     qk_max = max(pb.max_of("q", q5), pb.max_of("k", k5))
-    # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
-    # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
-    spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
-    if qk_max and math.isfinite(qk_max):
-        spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
-    return problem.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
-                                + spread, dtype)
+    return grad_exponent(pb, dout_max, vo_max, qk_max, dtype)  # the formula, shared with the device's
 
 
 def _scaled_dout(dout, e: int) -> np.ndarray:
@@ -359,7 +355,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
-                       workers=None, check_finite=True, **options):
+                       workers=None, check_finite=True, device=None, **options):
     """Tiled float64 gradients ``(dq, dk, dv)``: the FlashAttention-2 backward pass.
 
     Parameters
@@ -381,6 +377,12 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         CPU, with BLAS held to one thread.  The result is bit-identical for every thread
         count: each key tile owns its ``dk``/``dv`` rows, and the additions to each ``dq``
         tile are made in ascending key-tile order.
+    device : str or torch.device, optional
+        Compute with torch on this device (`attnlib.core.torch_backward`); torch tensors among
+        the inputs choose it when None.  Tensors in give float64 tensors on the device out;
+        numpy inputs with ``device=`` give numpy.  Numpy inputs without it take the numpy
+        kernel (torch is not imported).  ``mask_mod``, ``score_mod``, ``block_mask`` and
+        ``score_mod_grad`` are not computed on a device (a ValueError naming them).
 
     Returns
     -------
@@ -417,6 +419,14 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     >>> max(errors["dq"], errors["dk"], errors["dv"]) < 1e-12
     True
     """
+    dev = dev_mod.resolve(device, q, k, v, out, lse, dout)
+    if dev is not None:  # torch on the device: the paged options too are refused there, naming it
+        opts, rest = Options.split(entry="attention_backward", accept=("score_mod_grad",), scale=scale,
+                                   **options)
+        from . import torch_backward
+        return dev_mod.on_device(torch_backward.backward(
+            q, k, v, out, lse, dout, opts, dev=dev, mod_grad=rest.get("score_mod_grad"), block_q=block_q,
+            block_k=block_k, workers=workers, check_finite=check_finite), (q, k, v, out, lse, dout))
     opts, mod_grad = _options(scale, options, "attention_backward")
     return tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
                           workers=workers, check_finite=check_finite)
@@ -627,15 +637,24 @@ class _Turns:
                 self.cond.notify_all()
 
 
-def attention_vjp(q, k, v, dout, **options):
+def attention_vjp(q, k, v, dout, *, device=None, **options):
     """Forward and backward in one call: ``(out, (dq, dk, dv))`` (``dsinks`` fourth with sinks).
 
     ``options`` are those of `attention_backward` (masks, score options, tiles,
-    ``check_finite``), passed to both passes.
+    ``check_finite``), passed to both passes.  With torch tensors (or ``device=``) both
+    passes run with torch on the device, ``out`` and ``lse`` staying there between them;
+    numpy inputs with ``device=`` get numpy back.
     """
     forward = {name: value for name, value in options.items() if name != "score_mod_grad"}
-    out, lse = attention(q, k, v, return_lse=True, **forward)
-    return out, attention_backward(q, k, v, out, lse, dout, **options)
+    dev = dev_mod.resolve(device, q, k, v, dout)
+    if dev is None:
+        out, lse = attention(q, k, v, return_lse=True, **forward)
+        return out, attention_backward(q, k, v, out, lse, dout, **options)
+    given = (q, k, v, dout)
+    q, k, v, dout = (dev_mod.as_tensor(x, name, dev) for x, name in zip(given, ("q", "k", "v", "dout")))
+    out, lse = attention(q, k, v, return_lse=True, device=dev, **forward)
+    grads = attention_backward(q, k, v, out, lse, dout, device=dev, **options)
+    return dev_mod.on_device(out, given), dev_mod.on_device(grads, given)
 
 
 __all__ = ["attention_backward", "reference_attention_backward", "attention_vjp"]

@@ -255,8 +255,13 @@ class _Kernel:
                                 out[idx], lse[idx], None if rescales is None else rescales[idx],
                                 None if kinds is None else kinds[idx], key_tiles, lse_parts)
         with dev_mod.threads(self.dev, 1 if self.workers > 1 else None):
-            run_tiles(lambda item: item(), items, self.workers)
+            run_tiles(self._run_item, items, self.workers)
         return out, lse, rescales, kinds
+
+    def _run_item(self, item):
+        if self.workers > 1:  # a worker thread of `run_tiles`: one torch thread of its own first
+            dev_mod.hold_one_thread()
+        item()
 
     def _plan(self, idx, q, k, v, spec, seg, slopes, sink, out, lse, rescales, kinds, key_tiles, lse_parts):
         """One mask's work: a list of callables, one per (query tile, head block) unit, each

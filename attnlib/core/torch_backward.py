@@ -1,0 +1,401 @@
+"""The tiled float64 backward in torch, on the tensors' own device (FlashAttention-2's Algorithm 2).
+
+The contract of `attnlib.core.backward.attention_backward` (its module docstring has the
+formulas), computed where the tensors are: key tiles outer, each owning its ``dk_j`` and
+``dv_j``; for every visible query tile the probabilities are recomputed from the saved
+``lse`` as ``p = exp(s - lse)``, then ``dv_j += p^T dout_i``, ``ds = p * (dout_i v_j^T - D_i)``
+(times ``1 - tanh^2`` under softcap), ``dk_j += ds^T (scale q_i)`` and ``dq_i += ds k_j``,
+added to each ``dq`` tile in ascending key-tile order.  The tile classes are planned on the
+host from the mask geometry (`MaskSpec.tile_kind`), the masks built on the device from host
+integers (`torch_tiled._hidden`), and errors (an overflowing score, non-finite or out-of-range gradients) gathered in
+device flags and read once at the end: no host synchronisation per tile.
+
+A GQA group's query heads are one tile of ``g * rows`` rows against their kv head, so each
+product over the group's rows sums the group's contributions to ``dk_j`` and ``dv_j`` at
+once.  On a GPU every batch entry and head of a key tile is computed at once; on the CPU
+(head block, key tile) units run on `run_tiles` threads with one torch thread each, and the
+result is the same bits for every thread count.  Working memory: a few
+``(..., g * block_q, block_k)`` tiles per thread and the per-row ``D`` and ``lse`` shift,
+independent of ``Sk`` (``D`` and the shift are the size of ``lse``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+
+import numpy as np
+
+from . import device as dev_mod
+from . import problem, validate
+from .masks import PARTIAL, SKIP
+from .parallel import Aborted, run_tiles, work_units
+from .torch_tiled import BAND_CACHE, _hidden, band_key, device_tiles
+
+#: What the device backward does not compute (a ValueError naming them and the device).
+REFUSED = ("block_table", "cache_seqlens", "mask_mod", "score_mod", "block_mask")
+#: The largest power of two one multiplication scales by: ``2**-1000`` and ``2**1000`` are
+#: normal numbers, so a scaling by ``2**e`` is done in steps of at most this exponent.
+_STEP = 1000
+
+
+def grad_exponent(pb, dout_max: float, vo_max: float, qk_max: float, dtype=np.float64) -> int:
+    """The power of two ``e >= 0`` that ``dout`` is divided by while the gradients are summed
+    (`attnlib.core.backward._grad_exponent` explains the bound), from the maxima
+    ``max|dout|``, ``max(|v|, |out|)`` and ``max(|q|, |k|)``: shared by both backwards."""
+    if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
+        return 0
+    # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
+    # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
+    spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
+    if qk_max and math.isfinite(qk_max):
+        spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
+    return problem.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
+                                  + spread, dtype)
+
+
+def _pow2(x, e: int):
+    """``x * 2**e`` (a new tensor for ``e != 0``; ``x`` is never modified), in steps of at most
+    ``2**_STEP`` (each factor a normal number): exact, except an entry that becomes subnormal
+    on the way down (rounded once per step) or overflows on the way up."""
+    first = True
+    while e:
+        step = max(-_STEP, min(_STEP, e))
+        x = x * math.ldexp(1.0, step) if first else x.mul_(math.ldexp(1.0, step))
+        first, e = False, e - step
+    return x
+
+
+def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None, block_k=None,
+             workers=None, check_finite=True):
+    """`attnlib.core.backward.tiled_backward` computed with torch on ``dev``: float64 tensors
+    ``(dq, dk, dv[, dsinks])`` there.  ``opts``: the parsed `Options`; ``mod_grad``: the
+    ``score_mod_grad`` given, refused like the other options a device does not compute."""
+    torch = dev_mod._torch()
+    refused = opts.given(REFUSED)
+    if mod_grad is not None:
+        refused["score_mod_grad"] = mod_grad
+    if refused:
+        raise ValueError(f"{', '.join(sorted(refused))}: not yet computed on a torch device ({dev}); pass "
+                         "numpy arrays (the host kernel takes them)")
+    workers = validate.workers(workers)
+    names = ("q", "k", "v", "out", "lse", "dout")
+    t = {n: dev_mod.as_tensor(x, n, dev) for n, x in zip(names, (q, k, v, out, lse, dout))}
+    ext = {}  # name -> (max, min) on the host
+
+    def maxima():  # one synchronisation for the six inputs' extremes
+        found = np.asarray(torch.stack([dev_mod._extremes(t[n]) for n in names]).cpu())
+        ext.update(zip(names, found))
+        if check_finite:
+            for n in "qkv":
+                if not np.isfinite(ext[n]).all():
+                    dev_mod._first_bad(t[n], n)
+        return tuple(float(np.abs(ext[n]).max()) for n in "qkv")
+
+    q5, k5, v5, pb = problem.group(t["q"], t["k"], t["v"], scale=opts.scale, maxima=maxima)
+    grouped = {}
+    for n in ("out", "lse", "dout"):
+        grouped[n] = _grad_input(pb, t[n], n)
+        if check_finite and n == "lse":
+            hi = ext[n][0]
+            if math.isnan(hi) or hi == math.inf:
+                raise ValueError("lse must be finite or -inf (rows without a visible key)")
+        elif check_finite and not np.isfinite(ext[n]).all():
+            dev_mod._first_bad(t[n], n)
+    out5, lse5, dout5 = grouped["out"], grouped["lse"], grouped["dout"]
+    tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq, opts), block_q, block_k)
+    specs = opts.specs(pb)
+    cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
+    if sink is not None and check_finite and ext["lse"][1] == -math.inf:
+        raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
+                         "pass the lse of attention(..., sinks=sinks, return_lse=True)")
+    absmax = {n: float(np.abs(ext[n]).max()) for n in names}
+    e = grad_exponent(pb, absmax["dout"], max(absmax["v"], absmax["out"]), max(absmax["q"], absmax["k"]))
+    f64 = dict(dtype=torch.float64, device=dev)
+    dq = torch.zeros(q5.shape, **f64)
+    dk = torch.zeros(pb.batch + (pb.hk, pb.sk, pb.d), **f64)
+    dv = torch.zeros(pb.batch + (pb.hk, pb.sk, pb.dv), **f64)
+    dsink = None if sink is None else torch.zeros(pb.batch + (pb.hk, pb.group), **f64)
+    if pb.sq == 0 or pb.sk == 0 or not math.prod(pb.batch):
+        # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way.
+        return _split(pb, dq, dk, dv, dsink, opts.sinks)
+    check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.maxima[0], k_max=pb.maxima[1])
+    with dev_mod.threads(dev, 1), torch.no_grad():  # the CPU: one torch thread per unit
+        kernel = _Kernel(torch, dev, pb, tiles, cap, check, e, workers)
+        delta, shift = kernel.rows(out5, lse5, dout5)
+        if sink is not None:  # dsink_h = -sum_i exp(sink_h - lse_i) D_i; lse_i >= sink_h
+            sink_t = torch.as_tensor(sink, device=dev)
+            dsink = -(torch.exp(sink_t[..., None] - lse5.to(torch.float64)) * delta).sum(dim=-1)
+            dsink = dsink.expand(pb.batch + (pb.hk, pb.group))
+        slopes_t = None if slopes is None else torch.as_tensor(slopes, device=dev)
+        items = []
+        for idx, spec in specs.items():  # idx = (): every batch entry shares one mask
+            seg = None
+            if spec.q_segments is not None:
+                seg = (dev_mod.index_tensor(spec.q_segments, dev), dev_mod.index_tensor(spec.kv_segments, dev))
+            items += kernel.plan(q5[idx], k5[idx][..., 0, :, :], v5[idx][..., 0, :, :], dout5[idx],
+                                 delta[idx], shift[idx], spec, seg,
+                                 None if slopes_t is None else problem.for_entry(slopes_t, idx),
+                                 dq[idx], dk[idx], dv[idx])
+        run_tiles(kernel.run_item, items, kernel.workers)
+        dq.mul_(pb.scale)  # dq = scale * sum_j ds_ij k_j
+        grads = _split(pb, dq, dk, dv, dsink, opts.sinks)
+        return kernel.finish(grads, check_finite)
+
+
+def _grad_input(pb, x, name):
+    """``out``/``dout`` ``(..., Hq, Sq, Dv)`` or ``lse`` ``(..., Hq, Sq)``, shape-checked as
+    the numpy backward does, as a grouped view ``(*batch, hk, g, sq[, dv])``."""
+    heads = pb.batch + (pb.hq, pb.sq)
+    tail = () if name == "lse" else (pb.dv,)
+    shape = tuple((heads + tail)[1:] if pb.squeeze else heads + tail)  # 2-D inputs: no head axis
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    return x.reshape(pb.batch + (pb.hk, pb.group, pb.sq) + tail)
+
+
+def _split(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
+    """Grouped gradients back to the layout of q, k and v; ``dsinks`` in the shape of the
+    ``sinks`` given, summed over the batch axes they broadcast over."""
+    dq = pb.merge_heads(dq5, 2)
+    grads = (dq, dk4[0], dv4[0]) if pb.squeeze else (dq, dk4, dv4)
+    if sinks is None:
+        return grads
+    dsink = dsink5.reshape(tuple(dsink5.shape[:-2]) + (pb.hq,))
+    shape = tuple(np.shape(sinks))
+    if dsink.ndim > len(shape):
+        dsink = dsink.sum(dim=tuple(range(dsink.ndim - len(shape))))
+    return grads + (dsink.reshape(shape),)
+
+
+class _Turns:
+    """The additions to each ``dq`` tile in a fixed order across threads: ``rank[a, b]`` is
+    key tile ``b``'s turn at query tile ``a``, counted per unit (its own heads)."""
+
+    def __init__(self, rank: np.ndarray, n_units: int, threaded: bool):
+        self.rank = rank
+        self.done = np.zeros((n_units, rank.shape[0]), dtype=np.int64)
+        self.cond = threading.Condition() if threaded else None
+        self.aborted = False
+
+    @contextlib.contextmanager
+    def turn(self, u, a, b):
+        if self.cond is None:  # serial: key tiles come in order
+            yield
+            return
+        with self.cond:
+            self.cond.wait_for(lambda: self.aborted or self.done[u, a] == self.rank[a, b])
+            if self.aborted:
+                raise Aborted("another worker failed")
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.done[u, a] += 1
+                self.cond.notify_all()
+
+    def abort(self):
+        if self.cond is not None:
+            with self.cond:
+                self.aborted = True
+                self.cond.notify_all()
+
+
+class _Kernel:
+    """One backward call's tile loop on the device, with its flags and constants."""
+
+    def __init__(self, torch, dev, pb, tiles, cap, check, e, workers):
+        self.torch, self.dev, self.pb, self.tiles = torch, dev, pb, tiles
+        self.cap, self.check, self.e = cap, check, e
+        self.workers = workers if dev.type == "cpu" else 1  # a GPU takes every head at once
+        self.cache = {}  # band masks and ALiBi distances by tile geometry (each written once)
+        self.flags = []  # per unit, a device bool: a visible pair overflowed (appended: thread-safe)
+
+    def run_item(self, item):
+        """``item()``; on the CPU with the calling thread's own torch threads held to one first
+        (a worker thread's OpenMP and MKL settings are its own: the main thread's
+        `device.threads` does not reach them)."""
+        if self.dev.type == "cpu":
+            dev_mod.hold_one_thread()
+        item()
+
+    def _dout(self, dout, q0, q1):
+        """``dout[..., q0:q1, :] / 2**e`` in float64 (a new tile)."""
+        return _pow2(dout[..., q0:q1, :].to(self.torch.float64), -self.e)
+
+    def rows(self, out, lse, dout):
+        """Per query row, once: ``D = rowsum(dout * out)`` (a query tile at a time) and the
+        shift of ``p = exp(s - lse)`` (0 on rows with ``lse = -inf``: ``exp(-inf) = 0``)."""
+        torch = self.torch
+        delta = torch.empty(lse.shape, dtype=torch.float64, device=self.dev)
+        bq = self.tiles.block_q
+        for q0 in range(0, self.pb.sq, bq):
+            q1 = min(q0 + bq, self.pb.sq)
+            delta[..., q0:q1] = (self._dout(dout, q0, q1) * out[..., q0:q1, :].to(torch.float64)).sum(dim=-1)
+        lse = lse.to(torch.float64)
+        return delta, torch.where(torch.isfinite(lse), lse, 0.0)
+
+    def plan(self, q, k, v, dout, delta, shift, spec, seg, slopes, dq, dk, dv):
+        """One mask's work: callables, one per (head block, key tile) unit in ascending key
+        tiles.  ``q, dout: (..., hk, g, sq, .)``, ``k, v, dk, dv: (..., hk, sk, .)``,
+        ``delta, shift: (..., hk, g, sq)``, ``slopes`` broadcastable to ``(..., hk, g)``."""
+        bq, bk = self.tiles.block_q, self.tiles.block_k
+        lead, sq = q.shape[:-2], q.shape[-2]
+        g = lead[-1]
+        k_starts, k_ends, kv_ranges = spec.key_tiles(bk)
+        q_starts = np.arange(0, sq, bq)
+        q_ends = np.minimum(q_starts + bq, sq)
+        kinds = np.zeros((q_starts.size, k_starts.size), dtype=np.int8)  # the tile map, on the host
+        for a, (q0, q1) in enumerate(zip(q_starts, q_ends)):
+            kinds[a] = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
+        visible = kinds != SKIP
+        units = (work_units(lead[:-1], g * min(bq, sq), min(bk, k.shape[-2]), k_starts.size)
+                 if self.dev.type == "cpu" else [()])
+        turns = _Turns(np.cumsum(visible, axis=1) - visible, len(units), self.workers > 1)
+        if slopes is not None:
+            slopes = slopes.expand(lead)
+        items = []
+        for b in range(k_starts.size):  # ascending: the lowest unfinished unit never waits
+            todo = [(int(a), int(q_starts[a]), int(q_ends[a]), kinds[a, b]) for a in np.flatnonzero(visible[:, b])]
+            if not todo:
+                continue
+            for u, unit in enumerate(units):
+                items.append(functools.partial(
+                    self._key_tile, q[unit], k[unit], v[unit], dout[unit], delta[unit], shift[unit],
+                    spec, seg, None if slopes is None else slopes[unit][..., None, None],
+                    dq[unit], dk[unit], dv[unit], int(k_starts[b]), int(k_ends[b]), b, todo,
+                    functools.partial(turns.turn, u), turns))
+        return items
+
+    def _key_tile(self, q, k, v, dout, delta, shift, spec, seg, slopes, dq, dk, dv, k0, k1, b, todo,
+                  turn, turns):
+        """Key tile ``[k0, k1)`` of one head block against its visible query tiles ``todo``."""
+        torch, pb = self.torch, self.pb
+        lead = q.shape[:-2]  # (..., hk, g)
+        heads, g, c = lead[:-1], lead[-1], k1 - k0
+        f64 = dict(dtype=torch.float64, device=self.dev)
+        k_j = k[..., k0:k1, :].to(torch.float64)  # (..., hk, c, d)
+        v_j = v[..., k0:k1, :].to(torch.float64)  # (..., hk, c, dv)
+        dk_j = torch.zeros(heads + (c, pb.d), **f64)
+        dv_j = torch.zeros(heads + (c, pb.dv), **f64)
+        flag = []  # this unit's overflow flag: one device bool, or none
+        try:
+            for a, q0, q1, kind in todo:
+                r = q1 - q0
+                # The group's query heads as one tile of g * r rows; q_i carries the scale.
+                q_i = (q[..., q0:q1, :].to(torch.float64) * pb.scale).reshape(heads + (g * r, pb.d))
+                dout_i = self._dout(dout, q0, q1).reshape(heads + (g * r, pb.dv))
+                s = torch.matmul(q_i, k_j.transpose(-1, -2))  # (..., hk, g * r, c)
+                s, th = self._scores(s.view(lead + (r, c)), spec, seg, q0, q1, k0, k1, kind, slopes, flag)
+                p = s.sub_(shift[..., q0:q1, None]).exp_()  # the forward's probabilities; 0 where hidden
+                p_rows = p.view(heads + (g * r, c))
+                dv_j.add_(torch.matmul(p_rows.transpose(-1, -2), dout_i))  # sums the group's heads
+                ds = torch.matmul(dout_i, v_j.transpose(-1, -2)).view(lead + (r, c))  # dp
+                ds.sub_(delta[..., q0:q1, None]).mul_(p)  # ds = p * (dp - D)
+                if th is not None:  # softcap: d/dt c tanh(t / c) = 1 - tanh(t / c)**2
+                    ds.mul_(th.mul_(th).neg_().add_(1.0))
+                ds_rows = ds.view(heads + (g * r, c))
+                dk_j.add_(torch.matmul(ds_rows.transpose(-1, -2), q_i))
+                add = torch.matmul(ds_rows, k_j).view(lead + (r, pb.d))
+                with turn(a, b):  # the additions to dq_a in ascending key-tile order
+                    dq[..., q0:q1, :] += add
+        except BaseException:
+            turns.abort()  # no other worker may wait for this tile's turns any more
+            raise
+        if flag:
+            self.flags.append(flag[0])
+        dk[..., k0:k1, :] = dk_j
+        dv[..., k0:k1, :] = dv_j
+
+    def _scores(self, s, spec, seg, q0, q1, k0, k1, kind, slopes, flag):
+        """One tile's scores ``(..., hk, g, r, c)`` in the contract's order (softcap, mask
+        ``-inf``, ALiBi), as the forward's, and ``tanh(t / cap)`` under softcap (else None).
+        ``flag``: a list holding the unit's overflow flag (a device bool), OR-ed here."""
+
+        def note(bad):
+            flag[:] = [bad if not flag else flag[0] | bad]
+
+        torch = self.torch
+        hide = self._hidden(spec, seg, q0, q1, k0, k1) if kind == PARTIAL else None
+        if self.check:  # a non-finite product of a visible pair: the gradient is undefined
+            bad = ~torch.isfinite(s)
+            note((bad if hide is None else bad & ~hide).any())
+            s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked below; keeps tanh finite
+        th = None
+        if self.cap is not None:  # softcap, before masking
+            s = s.div_(self.cap).tanh_()
+            th = s.clone()
+            s = s.mul_(self.cap)
+        if hide is not None:
+            s = s.masked_fill_(hide, -math.inf)
+        if slopes is not None:  # ALiBi, after masking: -inf stays -inf
+            finite = torch.isfinite(s) if self.check else None
+            s = s.sub_(slopes * self._distance(spec, q0, q1, k0, k1))
+            if self.check:
+                note((finite & ~torch.isfinite(s)).any())
+        return s, th
+
+    def _kept(self, key, build):
+        """``build()``, kept in the call's cache under ``key`` (at most `BAND_CACHE` entries)."""
+        found = self.cache.get(key)
+        if found is None:
+            found = build()
+            if len(self.cache) < BAND_CACHE:
+                self.cache[key] = found
+        return found
+
+    def _hidden(self, spec, seg, q0, q1, k0, k1):
+        """`torch_tiled._hidden` of the tile (built from host integers: no synchronisation),
+        kept under its `torch_tiled.band_key` when only the band rules cross it."""
+        key = band_key(spec, q0, q1, k0, k1, seg)
+
+        def build():
+            return _hidden(spec, q0, q1, k0, k1, self.torch, self.dev, seg)
+
+        return build() if key is None else self._kept(("band",) + key, build)
+
+    def _distance(self, spec, q0, q1, k0, k1):
+        """ALiBi's ``|i + o - j|`` over a tile ``(r, c)``, float64: kept by ``k0 - q0`` and shape."""
+        torch, dev, o = self.torch, self.dev, spec.offset
+
+        def build():
+            i = torch.arange(q0, q1, device=dev)[:, None]
+            j = torch.arange(k0, k1, device=dev)[None, :]
+            return (i + o - j).abs().to(torch.float64)
+
+        return self._kept(("alibi", k0 - q0 - o, q1 - q0, k1 - k0), build)
+
+    def finish(self, grads, check_finite):
+        """The gradients times ``2**e``, after one synchronisation for every error: an
+        overflowing score, a non-finite gradient (a wrong ``lse``), one beyond the range."""
+        torch, e = self.torch, self.e
+        names = ("dq", "dk", "dv", "dsinks")
+        finite = [torch.isfinite(g).all() for g in grads]
+        scaled = [_pow2(g, e) for g in grads] if e else list(grads)
+        kept = [torch.isfinite(g).all() for g in scaled] if e else []
+        overflow = torch.stack(self.flags).any()[None] if self.flags else torch.zeros(1, dtype=torch.bool,
+                                                                                     device=self.dev)
+        state = np.asarray(torch.cat([overflow, torch.stack(finite + kept)]).cpu())  # the one copy
+        if state[0]:
+            raise ValueError(problem.overflow_message(np.float64))
+        finite, kept = state[1:1 + len(grads)], state[1 + len(grads):]
+        if check_finite:
+            for ok, name in zip(finite, names):
+                if not ok:  # with finite inputs only a wrong lse makes exp(s - lse) exceed 1
+                    raise ValueError(f"{name} is not finite: lse does not match q and k (exp(s - lse) "
+                                     "exceeds 1): pass the lse of attention(..., return_lse=True) with the "
+                                     "same options")
+        if not e:
+            return grads
+        result = []
+        for g, s, ok, still, name in zip(grads, scaled, finite, kept, names):
+            if ok and not still:
+                raise ValueError(f"{name} exceeds float64's range (dout times v, out, q and k reaches "
+                                 f"2**{e} times it): scale dout (or v) down")
+            result.append(s if ok else g)  # already non-finite: as it is (the numpy backward's rule)
+        return tuple(result)
+
+
+__all__ = ["backward", "grad_exponent"]

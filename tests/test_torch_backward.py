@@ -1,0 +1,337 @@
+"""The backward on a torch device (core/torch_backward.py) against the numpy backward.
+
+Every case computes the numpy backward on the same values (the torch inputs converted to
+float64) and measures the torch gradients against it with the project's gradient metric:
+`rel_error` against the componentwise sizes of what each entry sums
+(`reference_attention_backward(..., return_abs=True)`).  Torch CPU tensors stand in for a
+device; the code is the same on a GPU (every head at once instead of threads).
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attnlib import (attention, attention_backward, attention_vjp, create_block_mask, random_qkv,  # noqa: E402
+                     reference_attention_backward)
+from attnlib.core import backward as backward_mod  # noqa: E402
+from attnlib.evidence.metrics import rel_error  # noqa: E402
+
+#: The torch backward against the numpy one, both float64: rounding only.
+BOUND = 1e-13
+NAMES = ("dq", "dk", "dv", "dsinks")
+#: Ragged tiles: neither Sq = 37 nor Sk = 45 is a multiple of them.
+TILES = dict(block_q=8, block_k=12)
+IDS_Q = [[0] * 10 + [1] * 15 + [2] * 12, [0] * 20 + [2] * 17]
+IDS_K = [[0] * 15 + [1] * 10 + [2] * 20, [0] * 5 + [1] * 20 + [2] * 20]
+
+OPTIONS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal top_left": dict(causal=True, causal_align="top_left"),
+    "window": dict(window=(6, 3)),
+    "causal window": dict(causal=True, window=(9, None)),
+    "lengths": dict(q_lengths=[30, 37], kv_lengths=[45, 21]),
+    "lengths causal": dict(q_lengths=[30, 12], kv_lengths=[40, 21], causal=True),
+    "segments": dict(q_segment_ids=IDS_Q, kv_segment_ids=IDS_K),
+    "softcap": dict(softcap=1.5),
+    "alibi": dict(alibi_slopes=[0.3, 0.1, 0.5, 0.05]),
+    "sinks": dict(sinks=[0.5, -1.0, 2.0, 0.0]),
+    "sinks per entry": dict(sinks=np.arange(8.0).reshape(2, 4) / 4 - 1),
+    "scale": dict(scale=0.7),
+    "all": dict(causal=True, window=(20, None), kv_lengths=[45, 30], q_segment_ids=IDS_Q, kv_segment_ids=IDS_K,
+                softcap=2.0, alibi_slopes=[0.3, 0.1, 0.5, 0.05], sinks=[0.5, -1.0, 2.0, 0.0], scale=0.4),
+    "softcap alibi window": dict(window=(4, 4), softcap=0.8, alibi_slopes=[0.2, 0.2, 0.7, 0.7]),
+}
+
+
+def problem(sq=37, sk=45, d=8, dv=6, *, batch=(2,), heads=4, kv_heads=2, seed=0, scale=1.0):
+    q, k, v = random_qkv(sq, sk, d, dv, batch=batch, heads=heads, kv_heads=kv_heads, seed=seed)
+    dout = np.random.default_rng(seed + 100).standard_normal(q.shape[:-1] + (dv,))
+    return q * scale, k, v, dout
+
+
+def numpy_side(q, k, v, dout, kw):
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    return out, lse, attention_backward(q, k, v, out, lse, dout, **TILES, **kw)
+
+
+def errors(got, want, q, k, v, dout, kw):
+    """``{name: rel_error}`` of torch gradients against the numpy ones, per gradient."""
+    sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **kw)[1]
+    assert len(got) == len(want) == len(sizes)
+    return {n: rel_error(g, w, a, n) for n, g, w, a in zip(NAMES, got, want, sizes)}
+
+
+def tensors(*xs, dtype=torch.float64):
+    return [torch.from_numpy(np.asarray(x)).to(dtype) for x in xs]
+
+
+def check(got, want, q, k, v, dout, kw):
+    for g, w in zip(got, want):
+        assert isinstance(g, torch.Tensor) and g.dtype == torch.float64 and g.device.type == "cpu"
+        assert tuple(g.shape) == w.shape
+    errs = errors(got, want, q, k, v, dout, kw)
+    assert max(errs.values()) < BOUND, errs
+    return errs
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_each_option_matches_the_numpy_backward(name):
+    kw = OPTIONS[name]
+    q, k, v, dout = problem()
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **kw)
+    assert len(got) == (4 if "sinks" in kw else 3)
+    check(got, want, q, k, v, dout, kw)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 1), (6, 2)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_gqa_sums_dk_dv_over_the_group(heads, kv_heads, per_head):
+    kw = dict(causal=True)
+    if per_head:  # ALiBi slopes and sinks differ between the heads of a group
+        kw = dict(alibi_slopes=np.linspace(0.1, 0.6, heads), sinks=np.linspace(-1.0, 1.0, heads))
+    q, k, v, dout = problem(batch=(), heads=heads, kv_heads=kv_heads, seed=3)
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **kw)
+    assert tuple(got[1].shape) == (kv_heads, 45, 8)
+    check(got, want, q, k, v, dout, kw)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_q=1, block_k=1), dict(block_q=5, block_k=7), dict(block_q=64, block_k=64),
+                                   dict()])
+def test_ragged_and_default_tiles(tiles):
+    kw = dict(causal=True, softcap=3.0)
+    q, k, v, dout = problem(sq=19, sk=23, batch=(1,))
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    want = attention_backward(q, k, v, out, lse, dout, **kw)
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), **tiles, **kw)
+    check(got, want, q, k, v, dout, kw)
+
+
+def test_two_dimensional_inputs():
+    q, k, v = random_qkv(21, 30, 5, 3, seed=4)
+    dout = np.random.default_rng(5).standard_normal((21, 3))
+    for kw in (dict(causal=True), dict(sinks=[0.3], alibi_slopes=[0.2])):
+        out, lse, want = numpy_side(q, k, v, dout, kw)
+        got = attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **kw)
+        assert tuple(got[0].shape) == (21, 5) and tuple(got[2].shape) == (30, 3)
+        check(got, want, q, k, v, dout, kw)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True),  # Sq > Sk, bottom_right: the first rows see nothing
+                                dict(kv_lengths=[0, 20], q_lengths=[45, 30]),
+                                dict(kv_lengths=[0, 20], q_lengths=[45, 30], sinks=[0.2, 0.4, 0.6, 0.8]),
+                                dict(q_segment_ids=[[5] * 45, [0] * 45], kv_segment_ids=[[1] * 30, [0] * 30])])
+def test_rows_without_a_key_contribute_nothing(kw):
+    q, k, v, dout = problem(sq=45, sk=30)
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    if "sinks" not in kw:
+        assert np.isneginf(lse).any()
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **kw)
+    check(got, want, q, k, v, dout, kw)
+    empty = np.isneginf(lse) | (out == 0).all(axis=-1)
+    assert (got[0].numpy()[empty] == 0).all()
+
+
+@pytest.mark.parametrize("sq, sk", [(0, 9), (9, 0), (0, 0)])
+def test_nothing_to_compute_gives_zeros(sq, sk):
+    q, k, v, dout = problem(sq=sq, sk=sk, batch=(2,))
+    out, lse, want = numpy_side(q, k, v, dout, dict(sinks=[1.0] * 4))
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), sinks=[1.0] * 4)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float64 and tuple(g.shape) == w.shape and not g.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_read_as_stored(dtype):
+    kw = dict(causal=True, sinks=[0.5, 0.0, -0.5, 1.0])
+    q, k, v, dout = problem(seed=7)
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    low = tensors(q, k, v, out, lse, dout, dtype=dtype)
+    exact = [x.double().numpy() for x in low]  # the same values, in float64
+    want = attention_backward(*exact, **TILES, **kw)
+    got = attention_backward(*low, **TILES, **kw)
+    assert all(x.dtype == dtype for x in low)
+    check(got, want, exact[0], exact[1], exact[2], exact[5], kw)
+
+
+@pytest.mark.parametrize("qk, v_dout, kw", [
+    (1.0, (1e305, 1.0), dict(causal=True, softcap=5.0, sinks=[0.5, -1.0, 2.0, 0.0])),  # e of a few
+    (1e-300, (1e300, 1e300), dict(causal=True, softcap=5.0)),  # e near 2000: scaled in steps
+])
+def test_huge_magnitudes_are_scaled_as_the_numpy_backward_does(qk, v_dout, kw):
+    # dout . v beyond float64's range: the gradients are summed with dout / 2**e.
+    q, k, v, dout = problem(seed=8)
+    q, k, v, dout = q * qk, k * qk, v * v_dout[0], dout * v_dout[1]
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    inputs = tensors(q, k, v, out, lse, dout)
+    before = [x.clone() for x in inputs]
+    got = attention_backward(*inputs, **TILES, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before))  # never modified
+    assert np.abs(want[0]).max() > 1e290
+    check(got, want, q, k, v, dout, kw)
+
+
+def test_gradients_beyond_the_range_are_refused_naming_them():
+    q, k, v, dout = problem(seed=9)
+    v, dout = v * 1e300, dout * 1e300
+    out, lse = attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="dq exceeds float64's range") as host:
+        attention_backward(q, k, v, out, lse, dout)
+    with pytest.raises(ValueError, match="dq exceeds float64's range") as dev:
+        attention_backward(*tensors(q, k, v, out, lse, dout))
+    assert str(host.value) == str(dev.value)
+
+
+def test_scores_that_overflow_only_where_hidden_are_masked_and_visible_ones_refused():
+    # Row i < last sees keys j <= i (top_left); q[i] . k[last] overflows but is hidden.
+    rng = np.random.default_rng(10)
+    q, k, v = rng.standard_normal((3, 40, 8)) * 1e10, rng.standard_normal((3, 40, 8)) * 1e-10, rng.standard_normal((3, 40, 8))
+    q[:, -1] *= 1e-310 / 1e10
+    k[:, -1] = 1e300
+    dout = rng.standard_normal((3, 40, 8))
+    kw = dict(causal=True, causal_align="top_left")
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **kw)
+    check(got, want, q, k, v, dout, kw)
+    message = "scores overflow float64"
+    with pytest.raises(ValueError, match=message):
+        attention_backward(*tensors(q, k, v, out, lse, dout), **TILES)  # no mask: visible
+
+
+def test_strict_floating_point_mode():
+    q, k, v, dout = problem(sq=45, sk=30, seed=11)
+    for kw in (dict(causal=True), dict(kv_lengths=[0, 20], sinks=[0.2, 0.4, 0.6, 0.8], softcap=2.0)):
+        out, lse, want = numpy_side(q, k, v, dout, kw)
+        with np.errstate(divide="raise", over="raise", invalid="raise"):
+            got = attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **kw)
+            huge = attention_backward(*tensors(q, k, v * 1e305, out * 1e305, lse, dout), **TILES, **kw)
+        check(got, want, q, k, v, dout, kw)
+        assert all(torch.isfinite(g).all() for g in huge)
+
+
+def test_numpy_inputs_with_device_return_numpy():
+    kw = dict(causal=True, alibi_slopes=[0.3, 0.1, 0.5, 0.05], sinks=[0.5, -1.0, 2.0, 0.0])
+    q, k, v, dout = problem(seed=12)
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    copies = [x.copy() for x in (q, k, v, out, lse, dout)]
+    got = attention_backward(q, k, v, out, lse, dout, device="cpu", **TILES, **kw)
+    assert all(isinstance(g, np.ndarray) and g.dtype == np.float64 for g in got)
+    assert all(np.array_equal(a, b) for a, b in zip(copies, (q, k, v, out, lse, dout)))
+    assert max(errors(got, want, q, k, v, dout, kw).values()) < BOUND
+
+
+def test_the_torch_path_computes_with_torch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the numpy backward was called")
+
+    q, k, v, dout = problem(seed=13)
+    out, lse, want = numpy_side(q, k, v, dout, dict(causal=True))
+    monkeypatch.setattr(backward_mod, "tiled_backward", refuse)
+    monkeypatch.setattr(backward_mod, "_backward", refuse)
+    with pytest.raises(AssertionError, match="numpy backward"):  # the patch reaches the numpy path
+        attention_backward(q, k, v, out, lse, dout, causal=True)
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), causal=True, **TILES)
+    check(got, want, q, k, v, dout, dict(causal=True))
+    got = attention_backward(q, k, v, out, lse, dout, causal=True, device="cpu")
+    assert max(errors(got, want, q, k, v, dout, dict(causal=True)).values()) < BOUND
+
+
+def test_inputs_unchanged_and_requires_grad_accepted():
+    q, k, v, dout = problem(seed=14)
+    kw = dict(causal=True, softcap=2.0, sinks=[0.1, 0.2, 0.3, 0.4])
+    out, lse, want = numpy_side(q, k, v, dout, kw)
+    inputs = tensors(q, k, v, out, lse, dout)
+    for x in inputs[:3]:
+        x.requires_grad_()
+    before = [x.detach().clone() for x in inputs]
+    got = attention_backward(*inputs, **TILES, **kw)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(inputs, before))
+    assert not any(g.requires_grad for g in got)
+    check(got, want, q, k, v, dout, kw)
+
+
+def test_the_same_bits_for_every_thread_count():
+    q, k, v, dout = problem(sq=64, sk=80, seed=15, batch=(3,))
+    kw = dict(causal=True, alibi_slopes=[0.3, 0.1, 0.5, 0.05])
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    inputs = tensors(q, k, v, out, lse, dout)
+    runs = [attention_backward(*inputs, block_q=8, block_k=8, workers=w, **kw) for w in (1, 2, 5)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_vjp_on_the_device():
+    kw = dict(causal=True, softcap=2.0, sinks=[0.5, -1.0, 2.0, 0.0])
+    q, k, v, dout = problem(seed=16)
+    want_out, want = attention_vjp(q, k, v, dout, **TILES, **kw)
+    out, got = attention_vjp(*tensors(q, k, v, dout), **TILES, **kw)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
+    check(got, want, q, k, v, dout, kw)
+    host_out, host = attention_vjp(q, k, v, dout, device="cpu", **TILES, **kw)
+    assert isinstance(host_out, np.ndarray) and all(isinstance(g, np.ndarray) for g in host)
+    assert max(errors(host, want, q, k, v, dout, kw).values()) < BOUND
+    assert np.abs(host_out - want_out).max() < 1e-14
+
+
+def _block_mask():
+    return create_block_mask(lambda b, h, i, j: j <= i, 2, 4, 37, 45, block_q=8, block_k=8)
+
+
+@pytest.mark.parametrize("given, name", [
+    (dict(mask_mod=lambda b, h, i, j: j <= i), "mask_mod"),
+    (dict(score_mod=lambda s, b, h, i, j: s, score_mod_grad=lambda s, b, h, i, j: 1.0 + 0 * s), "score_mod"),
+    (dict(score_mod_grad=lambda s, b, h, i, j: 1.0 + 0 * s), "score_mod_grad"),
+    ("block mask", "block_mask"),
+    (dict(block_table=np.zeros((2, 1), dtype=np.int32), cache_seqlens=[45, 45]), "block_table"),
+])
+def test_options_a_device_does_not_compute_are_refused(given, name):
+    q, k, v, dout = problem(seed=17)
+    given = dict(block_mask=_block_mask()) if given == "block mask" else given
+    out, lse = attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=rf"{name}.*torch device \(cpu\)"):
+        attention_backward(*tensors(q, k, v, out, lse, dout), **given)
+    with pytest.raises(ValueError, match=rf"{name}.*torch device \(cpu\)"):
+        attention_backward(q, k, v, out, lse, dout, device="cpu", **given)
+
+
+def test_bad_grad_inputs_are_refused_as_on_the_host():
+    q, k, v, dout = problem(seed=18)
+    out, lse = attention(q, k, v, return_lse=True)
+    cases = {
+        "shape": (q, k, v, out[..., :-1, :], lse, dout),
+        "nan out": (q, k, v, np.where(out > 0.3, np.nan, out), lse, dout),
+        "nan lse": (q, k, v, out, np.full_like(lse, np.nan), dout),
+        "inf dout": (q, k, v, out, lse, np.where(dout > 2, np.inf, dout)),
+        "wrong lse": (q, k, v, out, lse - 800.0, dout),
+    }
+    for case, args in cases.items():
+        with pytest.raises(ValueError) as host:
+            attention_backward(*args)
+        with pytest.raises(ValueError) as dev:
+            attention_backward(*tensors(*args))
+        assert str(host.value) == str(dev.value), case
+    with pytest.raises(ValueError, match="lse has -inf rows"):
+        attention_backward(*tensors(q, k, v, out, np.full_like(lse, -np.inf), dout), sinks=[1.0] * 4)
+
+
+def test_the_reference_reads_tensors_on_the_host():
+    q, k, v, dout = problem(seed=19)
+    kw = dict(causal=True, sinks=[0.5, -1.0, 2.0, 0.0])
+    want = reference_attention_backward(q, k, v, dout, **kw)
+    got = reference_attention_backward(*tensors(q, k, v, dout), **kw)
+    assert all(isinstance(g, np.ndarray) and np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_numpy_inputs_never_import_torch():
+    code = ("import sys, numpy as np, attnlib; q, k, v = attnlib.random_qkv(20, 30, 8, seed=0); "
+            "out, lse = attnlib.attention(q, k, v, return_lse=True, causal=True); "
+            "g = attnlib.attention_backward(q, k, v, out, lse, np.ones_like(out), causal=True); "
+            "attnlib.attention_vjp(q, k, v, np.ones_like(out)); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
