@@ -9,7 +9,7 @@ import pytest
 
 import attnlib
 from attnlib.core import parallel
-from attnlib.core import tiled
+from attnlib.core import problem
 from attnlib.core.backward import attention_backward, attention_vjp, reference_attention_backward
 
 import threadpoolctl
@@ -204,7 +204,7 @@ def test_lazy_rescaling_on_a_plateau_does_not_overflow(dtype, tau, plateau, v_sc
 
 
 def test_effective_threshold_is_bounded_by_precision():
-    eff = tiled._safe_threshold
+    eff = problem.safe_threshold
     assert eff(100.0, "float64", n_keys=1000, v_max=1.0) == 100.0
     assert eff(100.0, "float32", n_keys=1000, v_max=1.0) < np.log(np.finfo(np.float32).max)
     assert eff(100.0, "float16", n_keys=1, v_max=1.0) < np.log(np.finfo(np.float16).max)

@@ -238,7 +238,9 @@ def _performance_costs(p):
         shapes = [(c.b, c.h, c.n, c.d) for c in cases] if p["full_cases"] else [(1, 2, 256, 16)]
         dm = p["device_memory_ns"]
         yield Cost(("repeats", "full_cases", "mask_n", "device_memory_ns"), "the device section",
-                   max(max(_dense(4 * b * h, n, n) for b, h, n, d in shapes), 2 * n * n * 8,
+                   # SDPA's float64 scores and weights of a case (where they fit), the mask case's
+                   # explicit mask and scores, the memory rows' inputs (in their own processes)
+                   max(max(16 * b * h * m * m for b, h, m, d in shapes), n * n * (1 + 16),
                        _arrays(1, dm[-1], dm[-1], 64)),
                    (reps + 1) * 3 * sum(_pass(b * h, n, n, d) for b, h, n, d in shapes)
                    + 2 * (max(1, reps // 2) + 1) * _pass(1, n, n, 64) + sum(_pass(1, m, m, 64) for m in dm))
