@@ -499,11 +499,12 @@ def _naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref
 
 
 def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
-                workers, context=None, mod_grad=None) -> dict:
+                workers, context=None, mod_grad=None, device=None) -> dict:
     """The gradients' rule (see the module docstring) on each given gradient.  ``context``
     (a dict): filled with each judged gradient's ``kernel``, ``ref`` and ``allowance`` (bhsd,
     float64) for the diagnosis; ``mod_grad``: the ``score_mod_grad`` (required with a
-    ``score_mod``)."""
+    ``score_mod``); ``device``: where the tiled float64 gradients (the lengths at which the
+    dense ones do not fit) are computed with torch (`attnlib.core.torch_backward`)."""
     mod_grad = _score_mod_grad(mod_grad, opts)  # refused as the backward's keyword arguments are
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
@@ -542,8 +543,14 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             else:
                 allowances[n] = naive_allowance(naive_errs[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
     else:
-        ref_grads = dict(zip(names, tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad,
-                                                   workers=workers)))
+        if device is not None and mod_grad is None and not opts.has_mods:
+            from ..core import torch_backward
+
+            grads = torch_backward.backward(qh, kh, vh, ref, ref_lse, douth, opts, dev=device, workers=workers)
+            ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
+        else:
+            ref_grads = dict(zip(names, tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad,
+                                                       workers=workers)))
         # float64 softcap: against a long double reference, so the naive errs for real.
         ext = problem.extended_precision()
         if ext is None or heads * sq * sk * qh.shape[-1] > EXTENDED_MAX_WORK:

@@ -251,7 +251,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         try:
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
                                 expected.ref_lse, douth, prec,
-                                opts, layout, shape, workers, context, mod_grad=score_mod_grad)
+                                opts, layout, shape, workers, context, mod_grad=score_mod_grad, device=dev)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from None
         _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name)
