@@ -33,9 +33,10 @@ def test_device_section_on_a_machine_without_the_asked_device():
 def test_bench_cli_device_writes_json(tmp_path, monkeypatch, capsys):
     import attnlib.bench.device as device
 
-    monkeypatch.setattr(device, "MEMORY_NS", (512,))
+    real = device.device_section  # the CLI's wiring, at the smallest sizes (the section is tested above)
+    monkeypatch.setattr(device, "device_section", lambda dev, **kw: real(
+        dev, **{**kw, "shapes": ((1, 1, 128, 16),), "mask_n": 256, "memory_ns": (256,)}))
     path = tmp_path / "device.json"
-    # --quick: one small shape, masks at 2048, memory at two sizes
     assert cli.main(["--device", "cpu", "--quick", "--repeats", "1", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["device"] == "cpu" and data["forward"] and data["memory"]
