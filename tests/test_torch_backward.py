@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attnlib import (attention, attention_backward, attention_vjp, create_block_mask, random_qkv,  # noqa: E402
-                     reference_attention_backward)
+                     reference_attention, reference_attention_backward)
 from attnlib.core import backward as backward_mod  # noqa: E402
 from attnlib.evidence.metrics import rel_error  # noqa: E402
 
@@ -279,25 +279,103 @@ def test_vjp_on_the_device():
     assert np.abs(host_out - want_out).max() < 1e-14
 
 
-def _block_mask():
-    return create_block_mask(lambda b, h, i, j: j <= i, 2, 4, 37, 45, block_q=8, block_k=8)
+def _block_mask(fn=lambda b, h, i, j: j <= i):
+    return create_block_mask(fn, 2, 4, 37, 45, block_q=8, block_k=12)
 
 
-@pytest.mark.parametrize("given, name", [
-    (dict(mask_mod=lambda b, h, i, j: j <= i), "mask_mod"),
-    (dict(score_mod=lambda s, b, h, i, j: s, score_mod_grad=lambda s, b, h, i, j: 1.0 + 0 * s), "score_mod"),
-    (dict(score_mod_grad=lambda s, b, h, i, j: 1.0 + 0 * s), "score_mod_grad"),
-    ("block mask", "block_mask"),
-    (dict(block_table=np.zeros((2, 1), dtype=np.int32), cache_seqlens=[45, 45]), "block_table"),
-])
-def test_options_a_device_does_not_compute_are_refused(given, name):
+def _tanh_mod(s, b, h, i, j):
+    return torch.tanh(s) + 0.1 * (i - j) if isinstance(s, torch.Tensor) else np.tanh(s) + 0.1 * (i - j)
+
+
+def _tanh_grad(s, b, h, i, j):
+    t = torch.tanh(s) if isinstance(s, torch.Tensor) else np.tanh(s)
+    return 1.0 - t * t
+
+
+#: The programmable options (torch-written unless named numpy), each with the backward's extra
+#: ``score_mod_grad``: a head- and entry-dependent mask whose block mask skips whole key tiles
+#: for some units only (their own dq turns), a score_mod with its derivative, block masks.
+MODS = {
+    "mask_mod": (dict(mask_mod=lambda b, h, i, j: (j <= i) | ((i - j) % 5 == 0)), {}),
+    "mask_mod numpy": (dict(mask_mod=lambda b, h, i, j: np.asarray((i - j) % 3 != 1)), {}),
+    "mask_mod per head and entry": (dict(mask_mod=lambda b, h, i, j: ((h == 0) & (b == 0)) | (j < 20) | (j > i + 30)), {}),
+    "score_mod": (dict(score_mod=_tanh_mod), dict(score_mod_grad=_tanh_grad)),
+    "score_mod per head, masked -inf": (
+        dict(score_mod=lambda s, b, h, i, j: torch.where((j > i + 5) & (h == 1), -torch.inf, s * (1.0 + 0.25 * h))),
+        dict(score_mod_grad=lambda s, b, h, i, j: (1.0 + 0.25 * h) + 0 * s)),
+    "block_mask": (dict(block_mask="causal"), {}),
+    "mask_mod and another block_mask": (dict(block_mask="causal", mask_mod=lambda b, h, i, j: (i + j) % 4 != 0), {}),
+    "all with mods": (dict(causal=True, q_segment_ids=IDS_Q, kv_segment_ids=IDS_K, softcap=2.0,
+                           alibi_slopes=[0.3, 0.1, 0.5, 0.05], sinks=[0.5, -1.0, 2.0, 0.0],
+                           mask_mod=lambda b, h, i, j: (h != 2) | (j % 2 == 0), score_mod=_tanh_mod),
+                      dict(score_mod_grad=_tanh_grad)),
+}
+
+
+def _mods(name):
+    fwd, grad = MODS[name]
+    fwd = dict(fwd)
+    if fwd.get("block_mask") == "causal":
+        fwd["block_mask"] = _block_mask()
+    return fwd, grad
+
+
+@pytest.mark.parametrize("name", list(MODS))
+def test_mods_equal_the_numpy_backward(name):
+    fwd, grad = _mods(name)
     q, k, v, dout = problem(seed=17)
-    given = dict(block_mask=_block_mask()) if given == "block mask" else given
+    tiles = {} if "block_mask" in fwd else TILES
+    out, lse = attention(q, k, v, return_lse=True, **tiles, **fwd)
+    want = attention_backward(q, k, v, out, lse, dout, **tiles, **fwd, **grad)
+    got = attention_backward(*tensors(q, k, v, out, lse, dout), **tiles, **fwd, **grad)
+    for g, w in zip(got, want):
+        assert isinstance(g, torch.Tensor) and tuple(g.shape) == w.shape
+    sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **fwd, **grad)[1]
+    errs = {n: rel_error(g, w, a, n) for n, g, w, a in zip(NAMES, got, want, sizes)}
+    assert max(errs.values()) < BOUND, errs
+    # Bit-identical for every thread count, each unit's dq turns its own.
+    again = attention_backward(*tensors(q, k, v, out, lse, dout), workers=1, **tiles, **fwd, **grad)
+    for g, h in zip(got, again):
+        assert torch.equal(g, h)
+
+
+def test_a_wrong_score_mod_grad_changes_the_device_gradients():
+    # Power: the derivative is used (a score_mod_grad of 1 instead of 1 - tanh^2 moves dq, dk).
+    fwd, grad = _mods("score_mod")
+    q, k, v, dout = problem(seed=17)
+    out, lse = attention(q, k, v, return_lse=True, **TILES, **fwd)
+    t = tensors(q, k, v, out, lse, dout)
+    right = attention_backward(*t, **TILES, **fwd, **grad)
+    wrong = attention_backward(*t, **TILES, **fwd, score_mod_grad=lambda s, b, h, i, j: 1.0 + 0 * s)
+    sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **fwd, **grad)[1]
+    assert rel_error(wrong[0], right[0], sizes[0], "dq") > 1e-3
+    assert torch.equal(wrong[2], right[2])  # dv does not see it
+
+
+def test_vjp_with_mods_on_the_device():
+    fwd, grad = _mods("all with mods")
+    q, k, v, dout = problem(seed=3)
+    out, grads = attention_vjp(*tensors(q, k, v, dout), **TILES, **fwd, **grad)
+    want_out, want = attention_vjp(q, k, v, dout, **TILES, **fwd, **grad)
+    assert rel_error(out, want_out, reference_attention(q, k, np.abs(v), **fwd)) < BOUND  # against P @ |V|
+    sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **fwd, **grad)[1]
+    assert max(rel_error(g, w, a, n) for n, g, w, a in zip(NAMES, grads, want, sizes)) < BOUND
+
+
+@pytest.mark.parametrize("given, match", [
+    (dict(score_mod=_tanh_mod), "needs its derivative"),
+    (dict(score_mod_grad=_tanh_grad), "without a score_mod"),
+    (dict(block_table=np.zeros((2, 1), dtype=np.int32), cache_seqlens=[45, 45]), "block_table"),
+    (dict(score_mod=lambda s, b, h, i, j: torch.where((i == 20) & (j == 3), torch.nan, s),
+          score_mod_grad=lambda s, b, h, i, j: 1.0 + 0 * s), r"score_mod returned NaN.*queries from 16, keys from 0"),
+])
+def test_bad_mod_options_are_refused_as_on_the_host(given, match):
+    q, k, v, dout = problem(seed=17)
     out, lse = attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match=rf"{name}.*torch device \(cpu\)"):
-        attention_backward(*tensors(q, k, v, out, lse, dout), **given)
-    with pytest.raises(ValueError, match=rf"{name}.*torch device \(cpu\)"):
-        attention_backward(q, k, v, out, lse, dout, device="cpu", **given)
+    with pytest.raises(ValueError, match=match):
+        attention_backward(*tensors(q, k, v, out, lse, dout), **TILES, **given)
+    with pytest.raises(ValueError, match=match):
+        attention_backward(q, k, v, out, lse, dout, device="cpu", **TILES, **given)
 
 
 def test_bad_grad_inputs_are_refused_as_on_the_host():

@@ -114,29 +114,43 @@ def test_cli_device(tmp_path, capsys):
         assert "CUDA" in capsys.readouterr().err
 
 
-def test_long_gradients_are_judged_with_the_device_backward(monkeypatch):
+def _score_mod(s, b, h, i, j):
+    return s * (1.0 + 0.25 * h) - 0.01 * (i - j)
+
+
+#: The options of the long-gradient test: a built-in mask, and the programmable ones.
+LONG = {
+    "causal": (dict(causal=True), {}),
+    "mods": (dict(mask_mod=lambda b, h, i, j: (j <= i) | ((i - j) % 7 == 0), score_mod=_score_mod),
+             dict(score_mod_grad=lambda s, b, h, i, j: (1.0 + 0.25 * h) + 0 * s)),
+}
+
+
+@pytest.mark.parametrize("case", list(LONG))
+def test_long_gradients_are_judged_with_the_device_backward(monkeypatch, case):
     """Where the dense gradients do not fit, the errors are reported (not judged) against the
     float64 tiled gradients: here computed by the device's backward (the host's refused)."""
     from attnlib.check import rule
 
+    fwd, grad = LONG[case]
     q, k, v = _qkv(torch.float64, seed=5)
     dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    out, lse = attnlib.attention(q, k, v, causal=True, return_lse=True)
-    dq, dk, dv = attnlib.attention_backward(q, k, v, out, lse, dout, causal=True)
+    out, lse = attnlib.attention(q, k, v, return_lse=True, **fwd)
+    dq, dk, dv = attnlib.attention_backward(q, k, v, out, lse, dout, **fwd, **grad)
     monkeypatch.setattr(rule, "dense_fits", lambda *a, **k: False)
-    host = check_kernel(*_host(q, k, v, out), layout="bhsd", causal=True, dout=_host(dout)[0],
-                        dq=_host(dq)[0], dk=_host(dk)[0], dv=_host(dv)[0])
+    host = check_kernel(*_host(q, k, v, out), layout="bhsd", dout=_host(dout)[0],
+                        dq=_host(dq)[0], dk=_host(dk)[0], dv=_host(dv)[0], **fwd, **grad)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the host's tiled backward was called")
 
     monkeypatch.setattr(rule, "tiled_backward", refuse)
-    on_device = check_kernel(q, k, v, out, layout="bhsd", causal=True, dout=dout, dq=dq, dk=dk, dv=dv)
+    on_device = check_kernel(q, k, v, out, layout="bhsd", dout=dout, dq=dq, dk=dk, dv=dv, **fwd, **grad)
     assert set(on_device.grads) == set(host.grads) == {"dq", "dk", "dv"}
     for name in ("dq", "dk", "dv"):
         assert on_device.grads[name].passed is None and host.grads[name].passed is None  # reported
         assert on_device.grads[name].max_err < 1e-13 and host.grads[name].max_err < 1e-13
     bad = dk.clone()
     bad[1, 0, 50, 3] += 1e-6
-    seen = check_kernel(q, k, v, out, layout="bhsd", causal=True, dout=dout, dq=dq, dk=bad, dv=dv).grads["dk"]
+    seen = check_kernel(q, k, v, out, layout="bhsd", dout=dout, dq=dq, dk=bad, dv=dv, **fwd, **grad).grads["dk"]
     assert seen.max_err == pytest.approx(1e-6, rel=1e-6)

@@ -97,6 +97,7 @@ import numpy as np
 
 from ..core import arrays
 from ..core import problem
+from ..core.device import as_tensor
 from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
 from ..core.options import Options
 from ..evidence.gate import C_EXP, LAMBDA, row_stats, tolerance
@@ -231,38 +232,27 @@ def forward_rss(run, qh, kh, vh, opts: Options, ref_lse) -> np.ndarray:
 
 class OnDevice:
     """The check's arrays on a torch device: ``put`` gives ``qh``, ``kh``, ``vh`` there once
-    (each later call the same tensor), any other array by a copy; ``run`` is the tiled
-    kernel there (`attnlib.core.torch_tiled`), its results read back to the host."""
+    (each later call the same tensor), any other array by a copy (not kept); ``run`` is the
+    tiled kernel there (`attnlib.core.torch_tiled`), ``dense`` the dense reference
+    (`attnlib.core.torch_reference`), their results read back to the host."""
 
     def __init__(self, device, *arrays_):
-        self.device, self.kept = device, {}
-        for x in arrays_:
-            self.put(x)
+        self.device = device
+        self.kept = {id(x): (x, as_tensor(x, "input", device)) for x in arrays_}  # x kept: its id stays its own
 
     def put(self, x):
-        if id(x) not in self.kept:
-            self.kept[id(x)] = (x, _to_device(x, self.device))  # x kept: its id stays its own
-        return self.kept[id(x)][1]
+        found = self.kept.get(id(x))
+        return as_tensor(x, "input", self.device) if found is None else found[1]
 
     def run(self, q, k, v, o, **run):
         result = forward_on(self.put(q), self.put(k), self.put(v), o, device=self.device, **run)
         return tuple(arrays.as_numpy(x, "the reference") for x in result)
 
     def dense(self, q, k, v, o, **run):
-        """The dense reference there (`attnlib.core.torch_reference`): a naive baseline (on
-        the host with the programmable options, which the device's dense reference lacks)."""
         from ..core import torch_reference
-
-        if o.has_mods:
-            return dense_attention(q, k, v, o, **run)
 
         result = torch_reference.dense_attention(self.put(q), self.put(k), self.put(v), o, dev=self.device, **run)
         return tuple(arrays.as_numpy(x, "the baseline") for x in result)
-
-
-def _to_device(x, device):
-    from ..core.device import as_tensor
-    return as_tensor(x, "input", device)
 
 
 def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, device=None) -> Expected:
@@ -543,10 +533,11 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             else:
                 allowances[n] = naive_allowance(naive_errs[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
     else:
-        if device is not None and mod_grad is None and not opts.has_mods:
+        if device is not None:
             from ..core import torch_backward
 
-            grads = torch_backward.backward(qh, kh, vh, ref, ref_lse, douth, opts, dev=device, workers=workers)
+            grads = torch_backward.backward(qh, kh, vh, ref, ref_lse, douth, opts, dev=device, mod_grad=mod_grad,
+                                            workers=workers)
             ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
         else:
             ref_grads = dict(zip(names, tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad,

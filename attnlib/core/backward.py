@@ -381,8 +381,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         Compute with torch on this device (`attnlib.core.torch_backward`); torch tensors among
         the inputs choose it when None.  Tensors in give float64 tensors on the device out;
         numpy inputs with ``device=`` give numpy.  Numpy inputs without it take the numpy
-        kernel (torch is not imported).  ``mask_mod``, ``score_mod``, ``block_mask`` and
-        ``score_mod_grad`` are not computed on a device (a ValueError naming them).
+        kernel (torch is not imported).  ``mask_mod``, ``score_mod`` (with
+        ``score_mod_grad``) and ``block_mask`` are called there as in the forward.
 
     Returns
     -------
@@ -420,14 +420,12 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     True
     """
     dev = dev_mod.resolve(device, q, k, v, out, lse, dout)
-    if dev is not None:  # torch on the device: the paged options too are refused there, naming it
-        opts, rest = Options.split(entry="attention_backward", accept=("score_mod_grad",), scale=scale,
-                                   **options)
+    opts, mod_grad = _options(scale, options, "attention_backward")
+    if dev is not None:  # torch on the device
         from . import torch_backward
         return dev_mod.on_device(torch_backward.backward(
-            q, k, v, out, lse, dout, opts, dev=dev, mod_grad=rest.get("score_mod_grad"), block_q=block_q,
-            block_k=block_k, workers=workers, check_finite=check_finite), (q, k, v, out, lse, dout))
-    opts, mod_grad = _options(scale, options, "attention_backward")
+            q, k, v, out, lse, dout, opts, dev=dev, mod_grad=mod_grad, block_q=block_q, block_k=block_k,
+            workers=workers, check_finite=check_finite), (q, k, v, out, lse, dout))
     return tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
                           workers=workers, check_finite=check_finite)
 

@@ -7,8 +7,11 @@ formulas), computed where the tensors are: key tiles outer, each owning its ``dk
 (times ``1 - tanh^2`` under softcap), ``dk_j += ds^T (scale q_i)`` and ``dq_i += ds k_j``,
 added to each ``dq`` tile in ascending key-tile order.  The tile classes are planned on the
 host from the mask geometry (`MaskSpec.tile_kind`), the masks built on the device from host
-integers (`torch_tiled._hidden`), and errors (an overflowing score, non-finite or out-of-range gradients) gathered in
-device flags and read once at the end: no host synchronisation per tile.
+integers (`torch_tiled._hidden`), and errors (an overflowing score, a score_mod's NaN or
++inf, non-finite or out-of-range gradients) gathered in device flags and read once at the
+end: no host synchronisation per tile.  ``mask_mod``, ``score_mod`` (with its derivative
+``score_mod_grad``) and block masks are the forward's (`attnlib.core.torch_flex`): each
+unit's tile classes AND its heads' block mask, the functions called on device tensors.
 
 A GQA group's query heads are one tile of ``g * rows`` rows against their kv head, so each
 product over the group's rows sums the group's contributions to ``dk_j`` and ``dv_j`` at
@@ -29,13 +32,11 @@ import threading
 import numpy as np
 
 from . import device as dev_mod
-from . import problem, validate
+from . import flex, problem, torch_flex, validate
 from .masks import PARTIAL, SKIP
 from .parallel import Aborted, run_tiles, work_units
-from .torch_tiled import BAND_CACHE, _hidden, band_key, device_tiles
+from .torch_tiled import _NONE, BAND_CACHE, _hidden, band_key, device_tiles
 
-#: What the device backward does not compute (a ValueError naming them and the device).
-REFUSED = ("block_table", "cache_seqlens", "mask_mod", "score_mod", "block_mask")
 #: The largest power of two one multiplication scales by: ``2**-1000`` and ``2**1000`` are
 #: normal numbers, so a scaling by ``2**e`` is done in steps of at most this exponent.
 _STEP = 1000
@@ -72,14 +73,8 @@ def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None,
              workers=None, check_finite=True):
     """`attnlib.core.backward.tiled_backward` computed with torch on ``dev``: float64 tensors
     ``(dq, dk, dv[, dsinks])`` there.  ``opts``: the parsed `Options`; ``mod_grad``: the
-    ``score_mod_grad`` given, refused like the other options a device does not compute."""
+    ``score_mod_grad`` (checked by the caller: required with a ``score_mod``)."""
     torch = dev_mod._torch()
-    refused = opts.given(REFUSED)
-    if mod_grad is not None:
-        refused["score_mod_grad"] = mod_grad
-    if refused:
-        raise ValueError(f"{', '.join(sorted(refused))}: not yet computed on a torch device ({dev}); pass "
-                         "numpy arrays (the host kernel takes them)")
     workers = validate.workers(workers)
     names = ("q", "k", "v", "out", "lse", "dout")
     t = {n: dev_mod.as_tensor(x, n, dev) for n, x in zip(names, (q, k, v, out, lse, dout))}
@@ -108,6 +103,12 @@ def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None,
     tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq, opts), block_q, block_k)
     specs = opts.specs(pb)
     cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
+    mods = None
+    if opts.has_mods and pb.sq and pb.sk and math.prod(pb.batch):  # as the forward's: a mask_mod's block mask made here
+        made = None
+        if opts.mask_mod is not None and opts.block_mask is None:
+            made = torch_flex.block_mask(opts.mask_mod, pb, tiles, dev)
+        mods = (opts if made is None else opts.replace(block_mask=made)).mods(pb, tiles)
     if sink is not None and check_finite and ext["lse"][1] == -math.inf:
         raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
                          "pass the lse of attention(..., sinks=sinks, return_lse=True)")
@@ -123,7 +124,7 @@ def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None,
         return _split(pb, dq, dk, dv, dsink, opts.sinks)
     check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.maxima[0], k_max=pb.maxima[1])
     with dev_mod.threads(dev, 1), torch.no_grad():  # the CPU: one torch thread per unit
-        kernel = _Kernel(torch, dev, pb, tiles, cap, check, e, workers)
+        kernel = _Kernel(torch, dev, pb, tiles, cap, check, e, workers, mods, mod_grad)
         delta, shift = kernel.rows(out5, lse5, dout5)
         if sink is not None:  # dsink_h = -sum_i exp(sink_h - lse_i) D_i; lse_i >= sink_h
             sink_t = torch.as_tensor(sink, device=dev)
@@ -138,7 +139,7 @@ def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None,
             items += kernel.plan(q5[idx], k5[idx][..., 0, :, :], v5[idx][..., 0, :, :], dout5[idx],
                                  delta[idx], shift[idx], spec, seg,
                                  None if slopes_t is None else problem.for_entry(slopes_t, idx),
-                                 dq[idx], dk[idx], dv[idx])
+                                 dq[idx], dk[idx], dv[idx], idx)
         run_tiles(kernel.run_item, items, kernel.workers)
         dq.mul_(pb.scale)  # dq = scale * sum_j ds_ij k_j
         grads = _split(pb, dq, dk, dv, dsink, opts.sinks)
@@ -171,12 +172,12 @@ def _split(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
 
 
 class _Turns:
-    """The additions to each ``dq`` tile in a fixed order across threads: ``rank[a, b]`` is
-    key tile ``b``'s turn at query tile ``a``, counted per unit (its own heads)."""
+    """The additions to each ``dq`` tile in a fixed order across threads: ``rank[u, a, b]`` is
+    key tile ``b``'s turn at query tile ``a`` in unit ``u`` (its own heads)."""
 
-    def __init__(self, rank: np.ndarray, n_units: int, threaded: bool):
+    def __init__(self, rank: np.ndarray, threaded: bool):
         self.rank = rank
-        self.done = np.zeros((n_units, rank.shape[0]), dtype=np.int64)
+        self.done = np.zeros(rank.shape[:2], dtype=np.int64)
         self.cond = threading.Condition() if threaded else None
         self.aborted = False
 
@@ -186,7 +187,7 @@ class _Turns:
             yield
             return
         with self.cond:
-            self.cond.wait_for(lambda: self.aborted or self.done[u, a] == self.rank[a, b])
+            self.cond.wait_for(lambda: self.aborted or self.done[u, a] == self.rank[u, a, b])
             if self.aborted:
                 raise Aborted("another worker failed")
         try:
@@ -206,12 +207,19 @@ class _Turns:
 class _Kernel:
     """One backward call's tile loop on the device, with its flags and constants."""
 
-    def __init__(self, torch, dev, pb, tiles, cap, check, e, workers):
+    def __init__(self, torch, dev, pb, tiles, cap, check, e, workers, mods=None, mod_grad=None):
         self.torch, self.dev, self.pb, self.tiles = torch, dev, pb, tiles
         self.cap, self.check, self.e = cap, check, e
         self.workers = workers if dev.type == "cpu" else 1  # a GPU takes every head at once
         self.cache = {}  # band masks and ALiBi distances by tile geometry (each written once)
         self.flags = []  # per unit, a device bool: a visible pair overflowed (appended: thread-safe)
+        # per unit, the first tile ``q0 * (sk + 1) + k0`` where a visible pair's score_mod gave NaN or +inf
+        self.score_flags = []
+        self.mods = mods  # (mask_mod, score_mod, block_mask) or None; the functions on device tensors
+        if mods is not None:
+            self.mask_fn = torch_flex.on_device(mods[0], "mask_mod", dev)
+            self.score_fn = torch_flex.on_device(mods[1], "score_mod", dev)
+            self.grad_fn = torch_flex.on_device(mod_grad, "score_mod_grad", dev)
 
     def run_item(self, item):
         """``item()``; on the CPU with the calling thread's own torch threads held to one first
@@ -237,10 +245,11 @@ class _Kernel:
         lse = lse.to(torch.float64)
         return delta, torch.where(torch.isfinite(lse), lse, 0.0)
 
-    def plan(self, q, k, v, dout, delta, shift, spec, seg, slopes, dq, dk, dv):
+    def plan(self, q, k, v, dout, delta, shift, spec, seg, slopes, dq, dk, dv, idx):
         """One mask's work: callables, one per (head block, key tile) unit in ascending key
         tiles.  ``q, dout: (..., hk, g, sq, .)``, ``k, v, dk, dv: (..., hk, sk, .)``,
-        ``delta, shift: (..., hk, g, sq)``, ``slopes`` broadcastable to ``(..., hk, g)``."""
+        ``delta, shift: (..., hk, g, sq)``, ``slopes`` broadcastable to ``(..., hk, g)``;
+        ``idx``: the batch selection of the mask (the heads' ``(b, h)`` for the mods)."""
         bq, bk = self.tiles.block_q, self.tiles.block_k
         lead, sq = q.shape[:-2], q.shape[-2]
         g = lead[-1]
@@ -250,28 +259,39 @@ class _Kernel:
         kinds = np.zeros((q_starts.size, k_starts.size), dtype=np.int8)  # the tile map, on the host
         for a, (q0, q1) in enumerate(zip(q_starts, q_ends)):
             kinds[a] = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
-        visible = kinds != SKIP
         units = (work_units(lead[:-1], g * min(bq, sq), min(bk, k.shape[-2]), k_starts.size)
                  if self.dev.type == "cpu" else [()])
-        turns = _Turns(np.cumsum(visible, axis=1) - visible, len(units), self.workers > 1)
+        mods = heads = None
+        if self.mods is not None:  # each head's (b, h): on the host for the classes, on the device for the functions
+            (b_np, h_np), heads = torch_flex.grids(self.pb, idx, self.dev)
+            mods = flex.Mods(*self.mods, b_np, h_np)
+        # Each unit's tile map: the built-in classes AND its heads' block mask (n_units, nq, nk).
+        unit_kinds = np.stack([kinds if mods is None else
+                               np.stack([mods.unit(unit).tile_kinds(a, kinds[a]) for a in range(q_starts.size)])
+                               for unit in units])
+        visible = unit_kinds != SKIP
+        turns = _Turns(np.cumsum(visible, axis=2) - visible, self.workers > 1)
         if slopes is not None:
             slopes = slopes.expand(lead)
         items = []
         for b in range(k_starts.size):  # ascending: the lowest unfinished unit never waits
-            todo = [(int(a), int(q_starts[a]), int(q_ends[a]), kinds[a, b]) for a in np.flatnonzero(visible[:, b])]
-            if not todo:
-                continue
             for u, unit in enumerate(units):
+                todo = [(int(a), int(q_starts[a]), int(q_ends[a]), unit_kinds[u, a, b])
+                        for a in np.flatnonzero(visible[u, :, b])]
+                if not todo:
+                    continue
                 items.append(functools.partial(
                     self._key_tile, q[unit], k[unit], v[unit], dout[unit], delta[unit], shift[unit],
                     spec, seg, None if slopes is None else slopes[unit][..., None, None],
                     dq[unit], dk[unit], dv[unit], int(k_starts[b]), int(k_ends[b]), b, todo,
-                    functools.partial(turns.turn, u), turns))
+                    functools.partial(turns.turn, u), turns,
+                    None if heads is None else (heads[0][unit], heads[1][unit])))
         return items
 
     def _key_tile(self, q, k, v, dout, delta, shift, spec, seg, slopes, dq, dk, dv, k0, k1, b, todo,
-                  turn, turns):
-        """Key tile ``[k0, k1)`` of one head block against its visible query tiles ``todo``."""
+                  turn, turns, ids=None):
+        """Key tile ``[k0, k1)`` of one head block against its visible query tiles ``todo``;
+        ``ids``: the block's ``(b, h)`` index tensors ``(..., hk, g)`` under mods, else None."""
         torch, pb = self.torch, self.pb
         lead = q.shape[:-2]  # (..., hk, g)
         heads, g, c = lead[:-1], lead[-1], k1 - k0
@@ -280,7 +300,7 @@ class _Kernel:
         v_j = v[..., k0:k1, :].to(torch.float64)  # (..., hk, c, dv)
         dk_j = torch.zeros(heads + (c, pb.d), **f64)
         dv_j = torch.zeros(heads + (c, pb.dv), **f64)
-        flag = []  # this unit's overflow flag: one device bool, or none
+        flag = []  # this unit's overflow flag (a device bool) and first score_mod error, or none
         try:
             for a, q0, q1, kind in todo:
                 r = q1 - q0
@@ -288,7 +308,8 @@ class _Kernel:
                 q_i = (q[..., q0:q1, :].to(torch.float64) * pb.scale).reshape(heads + (g * r, pb.d))
                 dout_i = self._dout(dout, q0, q1).reshape(heads + (g * r, pb.dv))
                 s = torch.matmul(q_i, k_j.transpose(-1, -2))  # (..., hk, g * r, c)
-                s, th = self._scores(s.view(lead + (r, c)), spec, seg, q0, q1, k0, k1, kind, slopes, flag)
+                s, th, grad = self._scores(s.view(lead + (r, c)), spec, seg, q0, q1, k0, k1, kind, slopes, flag,
+                                           ids)
                 p = s.sub_(shift[..., q0:q1, None]).exp_()  # the forward's probabilities; 0 where hidden
                 p_rows = p.view(heads + (g * r, c))
                 dv_j.add_(torch.matmul(p_rows.transpose(-1, -2), dout_i))  # sums the group's heads
@@ -296,6 +317,8 @@ class _Kernel:
                 ds.sub_(delta[..., q0:q1, None]).mul_(p)  # ds = p * (dp - D)
                 if th is not None:  # softcap: d/dt c tanh(t / c) = 1 - tanh(t / c)**2
                     ds.mul_(th.mul_(th).neg_().add_(1.0))
+                if grad is not None:  # score_mod: its derivative at the (capped) score; p = 0: ds = 0 whatever it is
+                    ds.mul_(torch.where(p > 0, grad, 1.0))
                 ds_rows = ds.view(heads + (g * r, c))
                 dk_j.add_(torch.matmul(ds_rows.transpose(-1, -2), q_i))
                 add = torch.matmul(ds_rows, k_j).view(lead + (r, pb.d))
@@ -306,19 +329,25 @@ class _Kernel:
             raise
         if flag:
             self.flags.append(flag[0])
+            if len(flag) > 1:
+                self.score_flags.append(flag[1])
         dk[..., k0:k1, :] = dk_j
         dv[..., k0:k1, :] = dv_j
 
-    def _scores(self, s, spec, seg, q0, q1, k0, k1, kind, slopes, flag):
-        """One tile's scores ``(..., hk, g, r, c)`` in the contract's order (softcap, mask
-        ``-inf``, ALiBi), as the forward's, and ``tanh(t / cap)`` under softcap (else None).
-        ``flag``: a list holding the unit's overflow flag (a device bool), OR-ed here."""
+    def _scores(self, s, spec, seg, q0, q1, k0, k1, kind, slopes, flag, heads=None):
+        """One tile's scores ``(..., hk, g, r, c)`` in the contract's order (softcap,
+        score_mod, mask ``-inf``, ALiBi), as the forward's, with ``tanh(t / cap)`` under
+        softcap and ``score_mod_grad`` at the capped scores (each else None).  ``flag``: a
+        list holding the unit's overflow flag (a device bool), OR-ed here, and its first
+        score_mod error (a device int, `_NONE` if none)."""
 
         def note(bad):
-            flag[:] = [bad if not flag else flag[0] | bad]
+            flag[:1] = [bad if not flag else flag[0] | bad]
 
         torch = self.torch
         hide = self._hidden(spec, seg, q0, q1, k0, k1) if kind == PARTIAL else None
+        if hide is not None and heads is not None and self.mask_fn is not None:  # AND mask_mod, per head
+            hide = hide | ~torch_flex.mask_values(self.mask_fn, *heads, q0, q1, k0, k1, s.shape, self.dev)
         if self.check:  # a non-finite product of a visible pair: the gradient is undefined
             bad = ~torch.isfinite(s)
             note((bad if hide is None else bad & ~hide).any())
@@ -328,6 +357,20 @@ class _Kernel:
             s = s.div_(self.cap).tanh_()
             th = s.clone()
             s = s.mul_(self.cap)
+        grad = None
+        if heads is not None and self.score_fn is not None:  # score_mod: after the softcap, before masks
+            if self.grad_fn is not None:
+                grad = torch_flex.score_values(self.grad_fn, s, *heads, q0, q1, k0, k1, self.dev)
+            s = torch_flex.score_values(self.score_fn, s, *heads, q0, q1, k0, k1, self.dev)
+            # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
+            bad = torch.isnan(s) | torch.isposinf(s)
+            hit = (bad if hide is None else bad & ~hide).any()
+            if not flag:
+                note(torch.zeros((), dtype=torch.bool, device=self.dev))
+            if len(flag) < 2:
+                flag.append(torch.full((), _NONE, dtype=torch.int64, device=self.dev))
+            torch.minimum(flag[1], torch.where(hit, q0 * (self.pb.sk + 1) + k0, _NONE), out=flag[1])
+            s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked below
         if hide is not None:
             s = s.masked_fill_(hide, -math.inf)
         if slopes is not None:  # ALiBi, after masking: -inf stays -inf
@@ -335,7 +378,7 @@ class _Kernel:
             s = s.sub_(slopes * self._distance(spec, q0, q1, k0, k1))
             if self.check:
                 note((finite & ~torch.isfinite(s)).any())
-        return s, th
+        return s, th, grad
 
     def _kept(self, key, build):
         """``build()``, kept in the call's cache under ``key`` (at most `BAND_CACHE` entries)."""
@@ -377,10 +420,17 @@ class _Kernel:
         kept = [torch.isfinite(g).all() for g in scaled] if e else []
         overflow = torch.stack(self.flags).any()[None] if self.flags else torch.zeros(1, dtype=torch.bool,
                                                                                      device=self.dev)
-        state = np.asarray(torch.cat([overflow, torch.stack(finite + kept)]).cpu())  # the one copy
+        first = (torch.stack(self.score_flags).min()[None] if self.score_flags else
+                 torch.full((1,), _NONE, dtype=torch.int64, device=self.dev))
+        state = np.asarray(torch.cat([overflow.to(torch.int64), first,
+                                      torch.stack(finite + kept).to(torch.int64)]).cpu())  # the one copy
         if state[0]:
             raise ValueError(problem.overflow_message(np.float64))
-        finite, kept = state[1:1 + len(grads)], state[1 + len(grads):]
+        if state[1] != _NONE:
+            q0, k0 = divmod(int(state[1]), self.pb.sk + 1)
+            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
+                             f"keys from {k0}); it must return finite scores, or -inf to mask")
+        finite, kept = state[2:2 + len(grads)].astype(bool), state[2 + len(grads):].astype(bool)
         if check_finite:
             for ok, name in zip(finite, names):
                 if not ok:  # with finite inputs only a wrong lse makes exp(s - lse) exceed 1
