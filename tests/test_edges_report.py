@@ -24,6 +24,7 @@ NOT_BOUNDED = {
     "oracle_max_n": "a threshold: the oracle runs at adversarial_n, bounded there",
     "torch_max_n": "a threshold: torch runs at the n_values, bounded there",
     "memory_entries": "clipped to the gallery's entries",
+    "mask_memory_cases": "clipped to the four mask cases",
     "block_q": "a tile size: the kernel clamps tiles to the lengths",
     "block_k": "a tile size: the kernel clamps tiles to the lengths",
     "blocks": "tile sizes: the kernel clamps tiles to the lengths",

@@ -8,8 +8,7 @@ import threading
 from attnlib.core import validate
 from attnlib import attention, attention_backward, attention_stream, bench, random_qkv
 from attnlib.core import hooks, tiles
-from attnlib.core.backward import _Turns
-from attnlib.core.parallel import _MIN_UNITS, _UNIT_BYTES, Aborted, run_tiles, work_units
+from attnlib.core.parallel import _MIN_UNITS, _UNIT_BYTES, Aborted, Turns, run_tiles, work_units
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=(50, None)),
@@ -127,13 +126,13 @@ def test_worker_threads_keep_the_callers_floating_point_mode():
 def test_a_failing_worker_is_reported_and_waiting_ones_let_go():
     # Tile 0 fails before its turn at query tile 0; tile 1 waits for that turn and must be
     # released (Aborted) rather than hang, and the original error is the one raised.
-    turns = _Turns(np.array([[0, 1]]), threaded=True)
+    turns = Turns(np.array([[0, 1]]), threaded=True)
 
     def key_tile(b):
         try:
             if b == 0:
                 raise ZeroDivisionError("tile 0")
-            with turns.turn(0, b):
+            with turns.turn((), 0, b):
                 pass
         except BaseException:
             turns.abort()
@@ -153,7 +152,7 @@ def test_a_failing_worker_is_reported_and_waiting_ones_let_go():
     assert not worker.is_alive()
     assert len(caught) == 1 and isinstance(caught[0], ZeroDivisionError)
     with pytest.raises(Aborted):
-        with turns.turn(0, 1):
+        with turns.turn((), 0, 1):
             pass
 
 

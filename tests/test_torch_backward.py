@@ -377,6 +377,27 @@ def test_bad_mod_options_are_refused_as_on_the_host(given, match):
     with pytest.raises(ValueError, match=match):
         attention_backward(q, k, v, out, lse, dout, device="cpu", **TILES, **given)
 
+@pytest.mark.parametrize("grad, match", [
+    (lambda s, b, h, i, j: s > 0, "score_mod_grad must return numbers"),
+    (lambda s, b, h, i, j: np.ones(3), "score_mod_grad returned shape"),
+])
+def test_a_bad_score_mod_grad_is_named_as_itself(grad, match):
+    q, k, v, dout = problem(seed=4)
+    out, lse = attention(q, k, v, return_lse=True, score_mod=_tanh_mod)
+    for args in ((q, k, v, out, lse, dout), tensors(q, k, v, out, lse, dout)):
+        with pytest.raises((TypeError, ValueError), match=match):
+            attention_backward(*args, score_mod=_tanh_mod, score_mod_grad=grad)
+
+
+def test_empty_problems_check_the_mods_as_the_host_does():
+    q, k, v, dout = problem(seed=4)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 7, 5, 4, 4)
+    q0, o0, l0 = q[:, :, :0], np.zeros(q.shape[:2] + (0, 6)), np.zeros(q.shape[:2] + (0,))
+    for args in ((q0, k, v, o0, l0, o0), tensors(q0, k, v, o0, l0, o0)):
+        with pytest.raises(ValueError, match="block_mask is for Sq=7, Sk=5"):
+            attention_backward(*args, block_mask=mask)
+
+
 
 def test_bad_grad_inputs_are_refused_as_on_the_host():
     q, k, v, dout = problem(seed=18)

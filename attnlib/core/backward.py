@@ -36,7 +36,7 @@ from .masks import PARTIAL, SKIP
 from .options import Options
 from .reference import _scores
 from .tilesizes import DEFAULT_TILES
-from .parallel import Aborted, run_tiles
+from .parallel import Turns, run_tiles
 from .tiled import attention
 from . import device as dev_mod
 from .torch_backward import grad_exponent
@@ -513,7 +513,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
             kinds[a] = mods.tile_kinds(a, kinds[a])
     visible = kinds != SKIP
     # rank[a, b]: visible key tiles before b in query tile a, i.e. b's turn to add to dq_a.
-    turns = _Turns(np.cumsum(visible, axis=1) - visible, threaded=workers > 1)
+    turns = Turns(np.cumsum(visible, axis=1) - visible, threaded=workers > 1)
     # Per query row, once: D = rowsum(dout * out) (a query tile at a time, within the
     # memory bound) and the shift of p = exp(s - lse).  Rows without a visible key have
     # lse = -inf and only -inf scores; shifting them by 0 gives exp(-inf) = 0, not
@@ -584,7 +584,7 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
                 add = np.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
                 if hook is not None:
                     add = hook("dq_tile", add, a=a, b=b, last=b == last[a])
-                with turns.turn(a, b):  # taken even by a dropped tile: the order stays fixed
+                with turns.turn((), a, b):  # taken even by a dropped tile: the order stays fixed
                     if add is not None:
                         dq[..., q0:q1, :] += add
         except BaseException:
@@ -598,41 +598,6 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     # waits: no deadlock.  Under causal masks the first key tiles are also the longest.
     run_tiles(key_tile, range(len(k_starts)), workers)
     return delta
-
-
-class _Turns:
-    """Makes the additions to each query tile of dq happen in a fixed order across threads.
-
-    ``rank[a, b]`` is the turn of key tile ``b`` at query tile ``a``; `turn` waits for it.
-    """
-
-    def __init__(self, rank: np.ndarray, threaded: bool):
-        self.rank = rank
-        self.done = np.zeros(rank.shape[0], dtype=np.int64)  # additions made per query tile
-        self.cond = threading.Condition() if threaded else None
-        self.aborted = False
-
-    @contextlib.contextmanager
-    def turn(self, a, b):
-        if self.cond is None:  # serial: key tiles come in order
-            yield
-            return
-        with self.cond:
-            self.cond.wait_for(lambda: self.aborted or self.done[a] == self.rank[a, b])
-            if self.aborted:
-                raise Aborted("another worker failed")
-        try:
-            yield  # only this thread may add to query tile a now
-        finally:
-            with self.cond:
-                self.done[a] += 1
-                self.cond.notify_all()
-
-    def abort(self):
-        if self.cond is not None:
-            with self.cond:
-                self.aborted = True
-                self.cond.notify_all()
 
 
 def attention_vjp(q, k, v, dout, *, device=None, **options):

@@ -68,6 +68,41 @@ class Aborted(Exception):
     """Raised in a worker that stops waiting because another worker failed."""
 
 
+class Turns:
+    """The additions to each ``dq`` tile in a fixed order across threads (both backwards):
+    ``rank[..., a, b]`` is key tile ``b``'s turn at query tile ``a``, per leading index ``u``
+    (a work unit's own heads; ``()`` when there is one); `turn` waits for it."""
+
+    def __init__(self, rank: np.ndarray, threaded: bool):
+        self.rank = rank
+        self.done = np.zeros(rank.shape[:-1], dtype=np.int64)  # additions made per (unit, query tile)
+        self.cond = threading.Condition() if threaded else None
+        self.aborted = False
+
+    @contextlib.contextmanager
+    def turn(self, u, a, b):
+        if self.cond is None:  # serial: key tiles come in order
+            yield
+            return
+        at = u + (a,)
+        with self.cond:
+            self.cond.wait_for(lambda: self.aborted or self.done[at] == self.rank[at + (b,)])
+            if self.aborted:
+                raise Aborted("another worker failed")
+        try:
+            yield  # only this thread may add to query tile a now
+        finally:
+            with self.cond:
+                self.done[at] += 1
+                self.cond.notify_all()
+
+    def abort(self):
+        if self.cond is not None:
+            with self.cond:
+                self.aborted = True
+                self.cond.notify_all()
+
+
 def run_tiles(fn, items, workers: int) -> None:
     """``fn(item)`` for each item: in order when ``workers == 1``, else on a thread pool.
 

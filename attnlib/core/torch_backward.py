@@ -24,17 +24,15 @@ independent of ``Sk`` (``D`` and the shift are the size of ``lse``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import threading
 
 import numpy as np
 
 from . import device as dev_mod
 from . import flex, problem, torch_flex, validate
 from .masks import PARTIAL, SKIP
-from .parallel import Aborted, run_tiles, work_units
+from .parallel import Turns, run_tiles, work_units
 from .torch_tiled import _NONE, BAND_CACHE, _hidden, band_key, device_tiles
 
 #: The largest power of two one multiplication scales by: ``2**-1000`` and ``2**1000`` are
@@ -104,7 +102,7 @@ def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None,
     specs = opts.specs(pb)
     cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
     mods = None
-    if opts.has_mods and pb.sq and pb.sk and math.prod(pb.batch):  # as the forward's: a mask_mod's block mask made here
+    if opts.has_mods:  # checked as the forward's, empty problems too; a mask_mod's block mask made here
         made = None
         if opts.mask_mod is not None and opts.block_mask is None:
             made = torch_flex.block_mask(opts.mask_mod, pb, tiles, dev)
@@ -169,39 +167,6 @@ def _split(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
     if dsink.ndim > len(shape):
         dsink = dsink.sum(dim=tuple(range(dsink.ndim - len(shape))))
     return grads + (dsink.reshape(shape),)
-
-
-class _Turns:
-    """The additions to each ``dq`` tile in a fixed order across threads: ``rank[u, a, b]`` is
-    key tile ``b``'s turn at query tile ``a`` in unit ``u`` (its own heads)."""
-
-    def __init__(self, rank: np.ndarray, threaded: bool):
-        self.rank = rank
-        self.done = np.zeros(rank.shape[:2], dtype=np.int64)
-        self.cond = threading.Condition() if threaded else None
-        self.aborted = False
-
-    @contextlib.contextmanager
-    def turn(self, u, a, b):
-        if self.cond is None:  # serial: key tiles come in order
-            yield
-            return
-        with self.cond:
-            self.cond.wait_for(lambda: self.aborted or self.done[u, a] == self.rank[u, a, b])
-            if self.aborted:
-                raise Aborted("another worker failed")
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.done[u, a] += 1
-                self.cond.notify_all()
-
-    def abort(self):
-        if self.cond is not None:
-            with self.cond:
-                self.aborted = True
-                self.cond.notify_all()
 
 
 class _Kernel:
@@ -270,7 +235,7 @@ class _Kernel:
                                np.stack([mods.unit(unit).tile_kinds(a, kinds[a]) for a in range(q_starts.size)])
                                for unit in units])
         visible = unit_kinds != SKIP
-        turns = _Turns(np.cumsum(visible, axis=2) - visible, self.workers > 1)
+        turns = Turns(np.cumsum(visible, axis=2) - visible, self.workers > 1)
         if slopes is not None:
             slopes = slopes.expand(lead)
         items = []
@@ -284,7 +249,7 @@ class _Kernel:
                     self._key_tile, q[unit], k[unit], v[unit], dout[unit], delta[unit], shift[unit],
                     spec, seg, None if slopes is None else slopes[unit][..., None, None],
                     dq[unit], dk[unit], dv[unit], int(k_starts[b]), int(k_ends[b]), b, todo,
-                    functools.partial(turns.turn, u), turns,
+                    functools.partial(turns.turn, (u,)), turns,
                     None if heads is None else (heads[0][unit], heads[1][unit])))
         return items
 
@@ -360,7 +325,7 @@ class _Kernel:
         grad = None
         if heads is not None and self.score_fn is not None:  # score_mod: after the softcap, before masks
             if self.grad_fn is not None:
-                grad = torch_flex.score_values(self.grad_fn, s, *heads, q0, q1, k0, k1, self.dev)
+                grad = torch_flex.score_values(self.grad_fn, s, *heads, q0, q1, k0, k1, self.dev, "score_mod_grad")
             s = torch_flex.score_values(self.score_fn, s, *heads, q0, q1, k0, k1, self.dev)
             # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
             bad = torch.isnan(s) | torch.isposinf(s)

@@ -82,19 +82,19 @@ def mask_values(mask_fn, b, h, q0, q1, k0, k1, shape, dev):
                          "arguments") from None
 
 
-def score_values(score_fn, s, b, h, q0, q1, k0, k1, dev):
-    """``score_mod`` over a tile's scores ``s`` (``(*heads, r, c)``): a new tensor of its shape
-    and type."""
+def score_values(score_fn, s, b, h, q0, q1, k0, k1, dev, name="score_mod"):
+    """``score_mod`` (or the function ``name``, e.g. ``score_mod_grad``) over a tile's scores
+    ``s`` (``(*heads, r, c)``): a new tensor of its shape and type."""
     torch = dev_mod._torch()
     q_idx = torch.arange(q0, q1, device=dev)[:, None]
     kv_idx = torch.arange(k0, k1, device=dev)[None, :]
     out = score_fn(s.clone(), b[..., None, None], h[..., None, None], q_idx, kv_idx)
     if out.dtype == torch.bool or out.is_complex():
-        raise TypeError(f"score_mod must return numbers, got dtype {out.dtype}")
+        raise TypeError(f"{name} must return numbers, got dtype {out.dtype}")
     try:
         return out.expand(s.shape).to(s.dtype).clone()
     except RuntimeError:
-        raise ValueError(f"score_mod returned shape {tuple(out.shape)}, which does not broadcast to "
+        raise ValueError(f"{name} returned shape {tuple(out.shape)}, which does not broadcast to "
                          f"the tile's {tuple(s.shape)}") from None
 
 

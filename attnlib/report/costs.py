@@ -226,9 +226,11 @@ def _performance_costs(p):
     # Per (query, key) pair: the boolean masks given to torch (SDPA's, FlexAttention's) and,
     # with torch, FlexAttention eager's three float64 (Sq, Sk) arrays (6.4 GB measured at
     # 16384); the GQA decode case's 64 kv heads of n keys, which FlexAttention expands 4x.
-    yield Cost(("mask_n", "repeats", "mask_memory"), "the mask cases (dense masks of mask_n x mask_n)",
+    measured = 4 * p["mask_memory"] * min(4, p.get("mask_memory_cases", 4))  # of the 4 cases
+    yield Cost(("mask_n", "repeats", "mask_memory", "mask_memory_cases"),
+               "the mask cases (dense masks of mask_n x mask_n)",
                max(n * n * (2 + 24 * torch), _arrays(64, 1, n, 64) * (1 + 4 * torch)),
-               (2 + max(1, reps // 2) + 4 * p["mask_memory"]) * (1 + 2 * torch) * 4 * _pass(1, n, n, 64))
+               (4 * (2 + max(1, reps // 2)) + measured) * (1 + 2 * torch) * _pass(1, n, n, 64))
     ns = p["n_values"]
     yield Cost(("n_values", "repeats", "dense_max_n", "torch_max_n"), "time vs n",
                _arrays(1, ns[-1], ns[-1], 64),

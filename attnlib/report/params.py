@@ -225,9 +225,9 @@ NOTEBOOKS = {
         "Performance: attnlib against dense numpy and PyTorch SDPA",
         {"workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
          "torch_max_n": positive, "full_cases": flag, "mask_n": positive, "mask_memory": flag,
-         "sweep_sizes": sizes, "device": text, "device_memory_ns": sizes, "results_json": text},
+         "mask_memory_cases": non_negative, "sweep_sizes": sizes, "device": text, "device_memory_ns": sizes, "results_json": text},
         {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
-         "torch_max_n": 512, "full_cases": False, "mask_n": 512, "sweep_sizes": [64, 128],
+         "torch_max_n": 512, "full_cases": False, "mask_n": 512, "mask_memory_cases": 1, "sweep_sizes": [64, 128],
          "device_memory_ns": [256, 1024]},
         (("dense_max_n", 1),), costs=_performance_costs),
     "numerics": Notebook(
