@@ -58,13 +58,17 @@ def _case(name):
         sinks = np.random.default_rng(11).normal(size=(3, 4)) * 3
         return q, k, v, dict(causal=True, q_lengths=[1100, 600, 0], kv_lengths=[1100, 0, 300],
                              sinks=sinks)
+    if name == "variants":  # left padding, chunks, sink tokens in a window (pieces keep their origin)
+        q, k, v = attnlib.random_qkv(1000, 1300, 16, batch=(2,), heads=2, seed=12)
+        return q, k, v, dict(causal=True, key_leftpad=[100, 417], kv_lengths=[1300, 1250], window=(300, None),
+                             sink_token_length=5, attention_chunk=448)
     if name == "two_d":
         q, k, v = attnlib.random_qkv(900, 1100, 16, seed=8)
         return q, k, v, dict(window=(200, 100))
     raise KeyError(name)
 
 
-CASES = ["causal", "window", "gqa", "padded", "segments", "scores", "sinks", "two_d"]
+CASES = ["causal", "window", "gqa", "padded", "segments", "scores", "sinks", "variants", "two_d"]
 
 
 def _as(kind, x, tmp_path, name):

@@ -38,7 +38,7 @@ def test_unknown_alignment_is_refused():
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attnlib.core.masks import BAND_CACHE_BYTES
+from attnlib.core.masks import BAND_CACHE_BYTES, mask_specs
 
 
 @st.composite
@@ -55,8 +55,15 @@ def masked_tiles(draw):
         if draw(st.booleans()):
             q_ids, kv_ids = np.sort(q_ids), np.sort(kv_ids)
         options.update(q_segments=q_ids, kv_segments=kv_ids)
+    # The 2026 variants: left-padded keys, chunks, sink tokens (each drawn or not).
+    end = sk if options["kv_len"] is None else options["kv_len"]
+    options.update(kv_start=draw(st.one_of(st.just(0), st.integers(0, end))),
+                   chunk=draw(st.one_of(st.none(), st.integers(1, 12))),
+                   sink_tokens=draw(st.one_of(st.just(0), st.integers(1, 5))))
     # A second batch entry with other lengths (another alignment offset) shares the cache.
-    other = dict(options, q_len=draw(st.integers(0, sq)), kv_len=draw(st.integers(0, sk)))
+    kv_len = draw(st.integers(0, sk))
+    other = dict(options, q_len=draw(st.integers(0, sq)), kv_len=kv_len,
+                 kv_start=min(options["kv_start"], kv_len))
     specs = [MaskSpec(sq, sk, **options), MaskSpec(sq, sk, **other)]
     bq, bk = draw(st.integers(1, sq)), draw(st.integers(1, sk))
     return specs, bq, bk
@@ -108,9 +115,10 @@ def test_a_piece_sees_what_the_whole_sees(case, data):
         kind = SKIP if not whole.any() else FULL if whole.all() else PARTIAL
         ranges = piece.kv_ranges(np.array([0]))
         got = piece.tile_kind(0, q1 - q0, 0, k1 - k0, ranges)
-        # The closed form may call a tile with no visible pair PARTIAL (documents), never
-        # the other way round.
-        assert got == kind or (got == PARTIAL and kind == SKIP and spec.q_segments is not None)
+        # The closed form may call a tile with no visible pair PARTIAL (documents, chunks
+        # and sink tokens with other rules), never the other way round.
+        inexact = spec.q_segments is not None or spec.chunk is not None or spec.sink_tokens
+        assert got == kind or (got == PARTIAL and kind == SKIP and inexact)
 
 
 @given(masked_tiles(), st.data())
@@ -123,9 +131,89 @@ def test_any_visible_is_exact(case, data):
         assert spec.any_visible(q0, q1, k0, k1) == spec.visible(np.arange(q0, q1), np.arange(k0, k1)).any()
     # Single pairs and a short key range from every row: the edges of windows and documents.
     spec, full = case[0][0], case[0][0].visible(np.arange(case[0][0].sq), np.arange(case[0][0].sk))
-    if spec.q_segments is not None:
+    if spec.q_segments is not None or spec.chunk is not None or spec.sink_tokens:
         for i in range(spec.sq):
             for j in range(spec.sk):
                 assert spec.any_visible(i, i + 1, j, j + 1) == full[i, j]
                 assert spec.any_visible(i, i + 1, j, min(spec.sk, j + 3)) == full[i, j:j + 3].any()
                 assert spec.any_visible(i, i + 1, max(0, j - 2), j + 1) == full[i, max(0, j - 2):j + 1].any()
+
+
+# -- the 2026 variants against FlashAttention's reference masks, hand-built ----------------------
+
+def _fa_visible(sq, sk, causal=False, window=(None, None), sink_token_length=0, attention_chunk=0,
+                key_leftpad=0, kv_end=None):
+    """FlashAttention's test masks (``construct_local_mask`` / ``construct_chunk_mask`` of
+    flash_attn/cute/testing.py) restated with numpy for one entry: True where visible."""
+    end = sk if kv_end is None else kv_end
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    col = np.where(j >= key_leftpad, j - key_leftpad, 2**32)  # positions from the first valid key
+    n_k = end - key_leftpad  # the key padding mask's count
+    valid = (j >= key_leftpad) & (j < end)
+    left, right = window
+    if causal:
+        right = 0
+    hidden = np.zeros((sq, sk), bool)
+    if left is not None or right is not None:
+        if left is None:
+            hidden |= col > i + n_k - sq + right
+        else:
+            lim = n_k if right is None else np.minimum(i + n_k - sq + right, n_k)
+            hidden |= (col > lim) | ((col < i + n_k - sq - left) & (col >= sink_token_length))
+    if attention_chunk:
+        start = i + n_k - sq - (i + n_k - sq) % attention_chunk
+        hidden |= (col < start) | (col >= start + attention_chunk)
+    return valid & ~hidden
+
+
+@pytest.mark.parametrize("sq, sk", [(4, 8), (8, 8), (9, 5), (1, 40), (33, 70)])
+@pytest.mark.parametrize("variant", [
+    dict(attention_chunk=4), dict(attention_chunk=3, causal=True), dict(attention_chunk=5, window=(2, 1)),
+    dict(window=(1, None), causal=True, sink_token_length=2), dict(window=(3, 2), sink_token_length=4),
+    dict(key_leftpad=3), dict(key_leftpad=3, causal=True), dict(key_leftpad=2, kv_end=5, window=(1, 1)),
+    dict(key_leftpad=1, attention_chunk=3, causal=True, window=(2, None), sink_token_length=1),
+])
+def test_the_variants_equal_flashattentions_masks(sq, sk, variant):
+    v = dict(variant)
+    end = min(v.pop("kv_end", sk), sk)
+    pad = min(v.get("key_leftpad", 0), end)
+    fa = _fa_visible(sq, sk, kv_end=end, **dict(v, key_leftpad=pad))
+    spec = mask_specs((1,), sq, sk, kv_lengths=[end], **dict(v, key_leftpad=[pad]))[(0,)]
+    np.testing.assert_array_equal(spec.visible(np.arange(sq), np.arange(sk)), fa)
+
+
+def test_the_contracts_drawings():
+    """The 0/1 matrices of docs/semantics.md (Sq = 4, Sk = 8, causal, bottom_right)."""
+    def drawn(**kw):
+        spec = mask_specs((1,), 4, 8, causal=True, **kw)
+        spec = spec[(0,)] if (0,) in spec else spec[()]
+        return spec.visible(np.arange(4), np.arange(8)).astype(int).tolist()
+
+    assert drawn(attention_chunk=4) == [[0, 0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 0, 0],
+                                        [0, 0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1, 1]]
+    assert drawn(window=(1, None), sink_token_length=2) == [[1, 1, 0, 1, 1, 0, 0, 0], [1, 1, 0, 0, 1, 1, 0, 0],
+                                                            [1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 1, 1]]
+    assert drawn(key_leftpad=[3]) == [[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0, 0],
+                                      [0, 0, 0, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("given, error, match", [
+    (dict(attention_chunk=-1), ValueError, "attention_chunk"),
+    (dict(attention_chunk=2.5), TypeError, "attention_chunk"),
+    (dict(sink_token_length=-2), ValueError, "sink_token_length"),
+    (dict(key_leftpad=[9]), ValueError, "key_leftpad"),
+    (dict(key_leftpad=[5], kv_lengths=[4]), ValueError, "key_leftpad must not exceed"),
+    (dict(key_leftpad=[1, 2]), ValueError, "key_leftpad"),
+])
+def test_bad_variant_arguments_are_named(given, error, match):
+    with pytest.raises(error, match=match):
+        mask_specs((1,), 4, 8, **given)
+
+
+def test_a_left_padded_tile_past_every_rows_reach_is_skipped():
+    # Found in review: the right bound was tested against k0, not the first valid key, so
+    # this tile (every row's reach ends inside the padding) was PARTIAL and any_visible True.
+    spec = MaskSpec(8, 6, causal=True, kv_start=2)  # o = -2: rows 0..3 reach keys <= 1
+    assert not spec.visible(np.arange(4), np.arange(6)).any()
+    assert spec.tile_kind(0, 4, 0, 6) == SKIP and not spec.any_visible(0, 4, 0, 6)

@@ -22,7 +22,8 @@ INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cach
 OPTION_FILES = ("sinks", "dsinks") + INDEX_FILES
 #: What `NOTEBOOK` declares, and `_run_notebook` passes.
 NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "causal_align", "window",
-                                                "softcap", "scale", "kv_lengths", "q_lengths", "workers",
+                                                "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
+                                                "attention_chunk", "sink_token_length", "workers",
                                                 "results_json")
 
 
@@ -97,6 +98,12 @@ def _parser():
                    help="valid keys per batch entry (padding)")
     p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="valid query rows per batch entry (padded rows must be 0)")
+    p.add_argument("--key-leftpad", type=int, nargs="+", default=None, metavar="N",
+                   help="left-padded keys: the first valid key per batch entry (FlashAttention's cache_leftpad)")
+    p.add_argument("--attention-chunk", type=int, default=0, metavar="C",
+                   help="chunked attention: a query sees the keys of its own chunk of C positions (0: off)")
+    p.add_argument("--sink-token-length", type=int, default=0, metavar="N",
+                   help="the first N keys stay visible through the window's left bound (sink tokens)")
     p.add_argument("--cu-seqlens-q", default="", metavar="FILE",
                    help="varlen: the batch + 1 offsets of the packed query sequences (integers; --layout thd)")
     p.add_argument("--cu-seqlens-k", default="", metavar="FILE", help="varlen: the key sequences' offsets")
@@ -130,8 +137,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
                    window=cli_window(args.window), softcap=args.softcap or None, scale=args.scale,
-                   kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, workers=args.workers,
-                   device=args.device)
+                   kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
+                   attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
+                   workers=args.workers, device=args.device)
     files = {name: getattr(args, name) for name in TENSORS + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:
@@ -201,7 +209,8 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
     options = {n: x for n, x in options.items() if n != "device"}  # refused with --html (main)
     params = {**{n: absolute(s) if s else "" for n, s in files.items()}, "dtype": dtype, **options,
               "window": None if options["window"] is None else list(options["window"]),
-              "softcap": options["softcap"] or 0.0, "scale": options["scale"] or 0.0}
+              "softcap": options["softcap"] or 0.0, "scale": options["scale"] or 0.0,
+              "attention_chunk": options["attention_chunk"] or 0}
     assert set(params) | {"results_json"} == set(NOTEBOOK_PARAMETERS)
     try:
         data = execute(notebook, params, path)

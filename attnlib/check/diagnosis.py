@@ -301,6 +301,8 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
                 taken[key] = np.broadcast_to(np.ravel(getattr(opts, key)), (shape["batch"],))[entries]
         if opts.sinks is not None and np.ndim(opts.sinks) == 2:  # (batch, H)
             taken["sinks"] = opts.sinks[entries]
+        if opts.key_leftpad is not None:
+            taken["key_leftpad"] = np.broadcast_to(np.ravel(opts.key_leftpad), (shape["batch"],))[entries]
         opts = replace(opts, **taken)
 
         def pick(x):
@@ -308,6 +310,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     else:
         def pick(x):
             return x
+    alternatives += variant_alternatives(opts)  # (with the failing entries' own key_leftpad)
     q, k, v, kern, failing, allow = (pick(x) for x in (qh, kh, vh, kernel, todo, allowance))
     n_fail = int(failing.sum())
     scored = []
@@ -332,6 +335,36 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
                            f"{hits / n_fail:.0%} of the failing rows{scope} ({hits} of {n_fail}) match "
                            f"attention with {words}; the others do not (e.g. {_row_words(p)})"))
     return [words for _, words in sorted(scored, key=lambda s: -s[0])]
+
+
+def variant_alternatives(opts: Options) -> list:
+    """``(change, words)``: the 2026 variants a kernel may have dropped or misplaced (left
+    padding, chunks, sink tokens), for the options given."""
+    alts = []
+    if opts.key_leftpad is not None:
+        alts.append((dict(key_leftpad=None), "key_leftpad ignored (the left padding attended, positions from key 0)"))
+        if opts.attention_chunk is not None or opts.sink_token_length or opts.causal_align == "top_left":
+            # (else the same problem: bottom_right's offset does not depend on where keys start)
+            alts.append((dict(key_leftpad=None, mask_mod=_hide_keys_before(opts)),
+                         "key_leftpad masked but positions counted from key 0 (not from the first valid key)"))
+    if opts.attention_chunk is not None:
+        alts.append((dict(attention_chunk=None), "attention_chunk ignored (no chunks)"))
+    if opts.sink_token_length and opts.window[0] is not None:
+        alts.append((dict(sink_token_length=0), "sink_token_length ignored (the sink tokens slid out of the window)"))
+    return alts
+
+
+def _hide_keys_before(opts: Options):
+    """A ``mask_mod`` hiding each entry's keys before its ``key_leftpad`` (AND the problem's
+    own ``mask_mod``): the padding without the shift of positions."""
+    pad = np.asarray(opts.key_leftpad).reshape(-1)
+    own = opts.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx >= pad[b]
+        return keep if own is None else keep & own(b, h, q_idx, kv_idx)
+
+    return mask_mod
 
 
 def _softcap_after_mask(opts: Options, shape) -> dict:

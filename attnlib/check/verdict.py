@@ -17,7 +17,7 @@ from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
 from .diagnosis import (DROPPED, diagnose, diagnose_gradient, diagnose_lse, guard_grad, guard_mods,
-                        row_ratios, trend)
+                        row_ratios, trend, variant_alternatives)
 from ..evidence.packing import unpack_paged, unpack_varlen
 from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
@@ -72,6 +72,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
                  window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None, sinks=None,
                  dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
+                 key_leftpad=None, attention_chunk=None, sink_token_length=0,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None,
                  scheduler=None, device=None) -> KernelCheck:
@@ -109,6 +110,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         The attention the kernel computes, as in `attention` (``sinks``: ``(nheads,)`` or
         ``(batch, nheads)``, the logits of attention sinks; ``q_lengths``: padded query
         rows, whose output must be 0).
+    key_leftpad, attention_chunk, sink_token_length : optional
+        Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
+        as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
+        ``sink_token_length``).
     mask_mod, score_mod, block_mask, score_mod_grad : optional
         FlexAttention-style programmable attention, as in `attention` (``score_mod_grad``,
         its derivative, for judging gradients).
@@ -210,6 +215,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                             f"float16, bfloat16; got {given_as} (pass dtype=/--dtype)") from None
     kv_lengths = as_numpy(kv_lengths, names.get("kv_lengths", "kv_lengths"))
     q_lengths = as_numpy(q_lengths, names.get("q_lengths", "q_lengths"))
+    key_leftpad = as_numpy(key_leftpad, names.get("key_leftpad", "key_leftpad"))
     if block_mask is not None:
         # The rule runs the reference at other tilings too (the naive baselines): the mask,
         # not one tiling's map of it (a mask_mod and another function's block mask: both).
@@ -223,7 +229,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         # One parse of the options, handed to every reference, baseline and diagnosis below.
         opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
                              scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
-                             mask_mod=mask_mod, score_mod=score_mod)
+                             mask_mod=mask_mod, score_mod=score_mod, key_leftpad=key_leftpad,
+                             attention_chunk=attention_chunk, sink_token_length=sink_token_length)
         expected = expect(qh, kh, vh, opts, prec, workers, dense, scheduler, dev)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
         raise UnusableInput(str(e)) from None
@@ -273,8 +280,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         trend=trend(row_ratio), diagnosis=diagnosis)
 
 
-#: The keys `KernelCheck.options` always has; ``q_lengths``, ``mask_mod`` and ``score_mod``
-#: follow when given (and ``layout_note`` for a varlen or paged problem).
+#: The keys `KernelCheck.options` always has; ``q_lengths``, the 2026 variants, ``mask_mod``
+#: and ``score_mod`` follow when given (and ``layout_note`` for a varlen or paged problem).
 RESULT_OPTIONS = ("causal", "causal_align", "window", "softcap", "scale", "kv_lengths", "sinks")
 
 
@@ -286,8 +293,11 @@ def options_dict(opts: Options, **as_given) -> dict:
     ``softcap`` of 30 is 30.0); without them ``window`` is None for no window."""
     result = {name: getattr(opts, name) for name in RESULT_OPTIONS}
     result["window"] = None if opts.window == (None, None) else opts.window
-    result |= {name: getattr(opts, name) for name in ("q_lengths", "mask_mod", "score_mod")
+    result |= {name: getattr(opts, name) for name in ("q_lengths", "key_leftpad", "attention_chunk",
+                                                      "mask_mod", "score_mod")
                if getattr(opts, name) is not None}
+    if opts.sink_token_length:
+        result["sink_token_length"] = opts.sink_token_length
     return result | as_given
 
 
@@ -302,6 +312,7 @@ def _problem_alternatives(opts: Options) -> list:
         alts.append(("kv_lengths ignored (padding keys attended)", replace(opts, kv_lengths=None)))
     if opts.sinks is not None:
         alts.append(("no sinks", replace(opts, sinks=None)))
+    alts += [(words, opts.replace(**change)) for change, words in variant_alternatives(opts)]
     return alts
 
 

@@ -463,12 +463,17 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
                                         k_max=pb.max_of("k", k5))  # then every tile checks its scores
     hook = hooks.get("backward")  # the stage edits (`attnlib.core.hooks`)
     hook = None if hook is hooks.keep else hook  # the identity: not called at all
+    # A wrong lse makes exp(s - lse) overflow: let it, and name it below (not a FloatingPointError).
+    def wrong_lse():
+        return np.errstate(over="ignore", invalid="ignore") if check_finite else contextlib.nullcontext()
+
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
-        delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
-                          spec, tiles, cap, problem.for_entry(slopes, idx),
-                          dq[idx], dk[idx], dv[idx], workers, check,
-                          None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad,
-                          hook)
+        with wrong_lse():
+            delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
+                              spec, tiles, cap, problem.for_entry(slopes, idx),
+                              dq[idx], dk[idx], dv[idx], workers, check,
+                              None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad,
+                              hook)
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
             with np.errstate(over="ignore"):  # sink - lse below -max: weight exactly 0
                 p_sink = np.exp(np.broadcast_to(problem.for_entry(sink, idx), delta.shape[:-1])[..., None]

@@ -13,6 +13,9 @@ Query ``i`` sees key ``j`` when all of these hold (``o`` is the alignment offset
     i + o - left <= j <= i + o + right              window (None: unbounded side;
                                                     causal forces right = 0)
     q_segments[i] == kv_segments[j]                 documents
+    j >= kv_start                                   left-padded keys (positions from kv_start)
+    floor((j - s) / C) == floor((i + o - s) / C)    chunks of C (s = kv_start)
+    j < s + N  exempts a key from the window's left bound (N sink tokens)
 
 Causal alignment, ``Sq = 2``, ``Sk = 5`` (1 = visible)::
 
@@ -49,7 +52,10 @@ class MaskSpec:
 
     ``sq, sk`` are the array extents; ``q_len, kv_len`` the actual lengths (default: the
     extents); ``window = (left, right)`` with ``None`` for an unbounded side;
-    ``q_segments (sq,)`` and ``kv_segments (sk,)`` document ids, or None.
+    ``q_segments (sq,)`` and ``kv_segments (sk,)`` document ids, or None; ``kv_start``
+    the first valid key (left padding) and the origin of key positions (negative in a
+    piece that starts past it); ``chunk`` the attention chunk ``C`` or None;
+    ``sink_tokens`` the ``N`` first keys exempt from the window's left bound.
     """
 
     sq: int
@@ -64,6 +70,9 @@ class MaskSpec:
     #: An explicit ``o`` in place of the one ``causal_align`` gives: the rule of a piece
     #: of a larger problem, in the piece's own positions (see `piece`).
     align_offset: int | None = None
+    kv_start: int = 0
+    chunk: int | None = None
+    sink_tokens: int = 0
 
     def __post_init__(self):
         validate.causal_align(self.causal_align)
@@ -77,11 +86,22 @@ class MaskSpec:
         return self.sk if self.kv_len is None else self.kv_len
 
     @property
+    def key_lo(self) -> int:
+        """The first valid key (``kv_start``, or 0 in a piece that starts past it)."""
+        return max(self.kv_start, 0)
+
+    @property
+    def sink_end(self) -> int:
+        """Keys ``j < sink_end`` are exempt from the window's left bound (the sink tokens)."""
+        return self.kv_start + self.sink_tokens
+
+    @property
     def offset(self) -> int:
-        """The alignment offset ``o``: ``kv_len - q_len`` for bottom_right, ``0`` for top_left."""
+        """The alignment offset ``o``: ``kv_len - q_len`` for bottom_right, ``kv_start`` for
+        top_left (query 0 at the first valid key)."""
         if self.align_offset is not None:
             return self.align_offset
-        return self.keys - self.rows if self.causal_align == "bottom_right" else 0
+        return self.keys - self.rows if self.causal_align == "bottom_right" else self.kv_start
 
     def piece(self, q0: int, q1: int, k0: int, k1: int) -> "MaskSpec":
         """The rule of queries ``[q0, q1)`` against keys ``[k0, k1)``, in the piece's own
@@ -98,7 +118,8 @@ class MaskSpec:
             q_len=min(max(self.rows - q0, 0), q1 - q0), kv_len=min(max(self.keys - k0, 0), k1 - k0),
             q_segments=None if self.q_segments is None else self.q_segments[q0:q1],
             kv_segments=None if self.kv_segments is None else self.kv_segments[k0:k1],
-            align_offset=self.offset + q0 - k0)
+            align_offset=self.offset + q0 - k0, kv_start=self.kv_start - k0, chunk=self.chunk,
+            sink_tokens=self.sink_tokens)
 
     @property
     def left(self):
@@ -117,7 +138,7 @@ class MaskSpec:
     def by_position(self) -> bool:
         """Whether visibility depends on positions at all (else every pair is visible)."""
         return (self.banded or self.rows < self.sq or self.keys < self.sk
-                or self.q_segments is not None)
+                or self.q_segments is not None or self.key_lo > 0 or self.chunk is not None)
 
     def visible(self, i, j, keys_first: bool = False) -> np.ndarray:
         """Boolean ``(len(i), len(j))``: may query ``i`` see key ``j``?  ``keys_first``: the
@@ -135,11 +156,16 @@ class MaskSpec:
             vis = both(i < self.rows)
         if j.size and j.max() >= self.keys:
             vis = both(j < self.keys)
+        if j.size and j.min() < self.key_lo:
+            vis = both(j >= self.key_lo)
         o = self.offset
         if self.left is not None:
-            vis = both(j >= i + o - self.left)
+            rule = j >= i + o - self.left
+            vis = both(rule | (j < self.sink_end) if self.sink_tokens else rule)
         if self.right is not None:
             vis = both(j <= i + o + self.right)
+        if self.chunk is not None:
+            vis = both(self._chunk_of(j) == self._chunk_of(i + o))
         if self.q_segments is not None:
             vis = both(self.q_segments[i] == self.kv_segments[j])
         if vis is None or vis.shape != shape:
@@ -176,9 +202,23 @@ class MaskSpec:
             vis = both(self._grid(rows < self.rows, np.ones(cols.size, bool), keys_first))
         if cols.size and k1 > self.keys:
             vis = both(self._grid(np.ones(rows.size, bool), cols < self.keys, keys_first))
+        if cols.size and k0 < self.key_lo:
+            vis = both(self._grid(np.ones(rows.size, bool), cols >= self.key_lo, keys_first))
+        if self.chunk is not None and rows.size and cols.size:
+            vis = both(self._grid_of(self._chunk_of(rows + self.offset), self._chunk_of(cols), keys_first))
         if self.q_segments is not None:
             vis = both(self._documents(rows, cols, keys_first))
         return np.ones(shape, dtype=bool) if vis is None else vis
+
+    def _chunk_of(self, pos):
+        """The chunk of key position ``pos`` (``floor((pos - kv_start) / C)``; numpy's floor)."""
+        return (np.asarray(pos) - self.kv_start) // self.chunk
+
+    @staticmethod
+    def _grid_of(row_chunk, col_chunk, keys_first):
+        """``row_chunk == col_chunk`` over the tile's pairs, laid out as the tile."""
+        return (col_chunk[:, None] == row_chunk[None, :] if keys_first
+                else row_chunk[:, None] == col_chunk[None, :])
 
     @staticmethod
     def _grid(row_ok, col_ok, keys_first):
@@ -193,8 +233,9 @@ class MaskSpec:
         # j - i - o over the tile lies in [lo, hi]; the band is [-left, right].
         lo, hi = cols[0] - rows.max() - o, cols[-1] - rows.min() - o
         if (left is None or lo >= -left) and (right is None or hi <= right):
-            return None
-        if not contiguous or cache is None:
+            return None  # (sink tokens only add pairs to a band that hides none)
+        sinks = self.sink_tokens and left is not None and cols[0] < self.sink_end  # not a pure band
+        if not contiguous or cache is None or sinks:
             return self._band_grid(rows, cols, keys_first)
         key = (int(cols[0] - rows[0] - o), left, right, rows.size, cols.size, keys_first)
         if key not in cache:
@@ -210,6 +251,8 @@ class MaskSpec:
         o, band = self.offset, None
         if self.left is not None:
             band = j >= i + o - self.left
+            if self.sink_tokens and cols[0] < self.sink_end:  # the sink tokens: exempt from it
+                band = band | (j < self.sink_end)
         if self.right is not None:
             rule = j <= i + o + self.right
             band = rule if band is None else band & rule
@@ -257,12 +300,27 @@ class MaskSpec:
         # the bands of consecutive rows overlap, so the extreme rows decide: nothing is
         # visible if the tile's keys lie past the last row's reach or before the first
         # row's; everything if every row's band covers all of the tile's keys.
-        if self.right is not None:
-            none |= k0 > (r1 - 1) + o + self.right
+        lo = np.maximum(k0, self.key_lo)  # the first valid key of each tile
+        none |= c1 <= lo
+        every &= k0 >= self.key_lo
+        if self.right is not None:  # the tile's first valid key past the last row's reach
+            none |= lo > (r1 - 1) + o + self.right
             every &= k1 - 1 <= q0 + o + self.right
         if self.left is not None:
-            none |= c1 - 1 < q0 + o - self.left
-            every &= k0 >= (q1 - 1) + o - self.left
+            if self.sink_tokens:  # keys before sink_end are exempt from the left bound
+                none |= (c1 - 1 < q0 + o - self.left) & (lo >= self.sink_end)
+                every &= (k1 <= self.sink_end) | (np.maximum(k0, self.sink_end) >= (q1 - 1) + o - self.left)
+            else:
+                none |= c1 - 1 < q0 + o - self.left
+                every &= k0 >= (q1 - 1) + o - self.left
+        if self.chunk is not None:
+            # Chunks are monotone in the position: the rows' chunks [a0, a1] and the keys'
+            # [b0, b1] must meet; all visible if every row and key lies in one chunk.
+            a0, a1 = self._chunk_of(q0 + o), self._chunk_of(r1 - 1 + o)
+            b0, b1 = self._chunk_of(lo), self._chunk_of(c1 - 1)
+            none |= (a1 < b0) | (b1 < a0)
+            every &= ((self._chunk_of(q1 - 1 + o) == a0) & (self._chunk_of(k0) == a0)
+                      & (self._chunk_of(k1 - 1) == a0))
         if self.q_segments is not None:
             # From the id ranges: disjoint ranges share no id; one id on both sides is
             # all-visible; anything else is PARTIAL (possibly with no visible pair).
@@ -276,11 +334,14 @@ class MaskSpec:
 
     def any_visible(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Whether any query in ``[q0, q1)`` sees any key in ``[k0, k1)``: exact, where
-        `tile_kind` may call a tile with documents PARTIAL that has no visible pair.
+        `tile_kind` may call a tile PARTIAL that has no visible pair (documents, chunks and
+        sink tokens combined with the other rules).
 
         Costs ``O((q1 - q0 + k1 - k0) log(k1 - k0))``, never a ``(q1 - q0, k1 - k0)`` mask:
-        each row's band ``[i + o - left, i + o + right]`` is looked up among the keys of
-        its own document, sorted by (document, position).
+        each row sees one interval of keys (its band, chunk and the padding met), and with
+        sink tokens a second (the sink tokens its right bound and chunk allow); with
+        documents each interval is looked up among the keys of the row's own document,
+        sorted by (document, position).
         """
         ranges = None
         if self.q_segments is not None and k1 > k0:  # the ids of keys [k0, k1) only
@@ -289,21 +350,36 @@ class MaskSpec:
         kind = self.tile_kind(q0, q1, k0, k1, ranges)
         if kind == SKIP:
             return False
-        if self.q_segments is None or kind == FULL:
-            return True  # without documents the closed form is exact (the bands are contiguous)
+        intervals = self.chunk is not None or (self.sink_tokens and self.left is not None)
+        if kind == FULL or (self.q_segments is None and not intervals):
+            return True  # plain bands are contiguous: the closed form is exact
         i = np.arange(q0, min(q1, self.rows))
-        j = np.arange(k0, min(k1, self.keys))
+        first, last = max(k0, self.key_lo), min(k1, self.keys) - 1
+        if not i.size or first > last:
+            return False
+        o = self.offset
+        top = np.full(i.size, last) if self.right is None else np.minimum(i + o + self.right, last)
+        bottom = np.full(i.size, first)
+        if self.chunk is not None:  # the row's chunk [start, start + C)
+            start = self.kv_start + self._chunk_of(i + o) * self.chunk
+            bottom, top = np.maximum(bottom, start), np.minimum(top, start + self.chunk - 1)
+        spans = [(bottom if self.left is None else np.maximum(bottom, i + o - self.left), top)]
+        if self.sink_tokens and self.left is not None:
+            spans.append((bottom, np.minimum(top, self.sink_end - 1)))
+        if self.q_segments is None:
+            return any(bool(np.any(lo <= hi)) for lo, hi in spans)
+        j = np.arange(first, last + 1)
         ids, code = np.unique(np.concatenate([self.q_segments[i], self.kv_segments[j]]), return_inverse=True)
         q_code, kv_code = code[:i.size], code[i.size:]
         width = j.size + 1
-        keyed = np.sort(kv_code * width + (j - k0))  # (document, position) as one sortable int
-        o = self.offset
-        lo = np.full(i.size, k0) if self.left is None else np.maximum(i + o - self.left, k0)
-        hi = np.full(i.size, j[-1]) if self.right is None else np.minimum(i + o + self.right, j[-1])
-        ok = lo <= hi
-        a = np.searchsorted(keyed, q_code * width + (lo - k0), side="left")
-        b = np.searchsorted(keyed, q_code * width + (hi - k0), side="right")
-        return bool(np.any(ok & (b > a)))
+        keyed = np.sort(kv_code * width + (j - first))  # (document, position) as one sortable int
+        for lo, hi in spans:
+            ok = lo <= hi
+            a = np.searchsorted(keyed, q_code * width + (lo - first), side="left")
+            b = np.searchsorted(keyed, q_code * width + (hi - first), side="right")
+            if np.any(ok & (b > a)):
+                return True
+        return False
 
     def kv_ranges(self, k_starts):
         """``(kv_min, kv_max)``: the segment id range of each key tile (None without segments)."""
@@ -329,9 +405,16 @@ class MaskSpec:
         return kinds
 
 
+def sink_tokens(sink_token_length, window) -> int:
+    """`MaskSpec.sink_tokens` of ``sink_token_length`` under ``window`` (checked): none
+    without a left bound, which is all they are exempt from."""
+    n = validate.count(sink_token_length, "sink_token_length")
+    return n if window[0] is not None else 0
+
+
 def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bottom_right",
                window=None, q_lengths=None, kv_lengths=None, q_segment_ids=None,
-               kv_segment_ids=None) -> dict:
+               kv_segment_ids=None, key_leftpad=None, attention_chunk=None, sink_token_length=0) -> dict:
     """Check the masking arguments and return ``{batch index: MaskSpec}``.
 
     When nothing depends on the batch the result is ``{(): spec}``, one rule for every
@@ -342,9 +425,18 @@ def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bo
     win = validate.window(window, limit=sq + sk)  # wider sides bound nothing: None
     q_len = validate.lengths(q_lengths, "q_lengths", batch, sq, "Sq")
     kv_len = validate.lengths(kv_lengths, "kv_lengths", batch, sk, "Sk")
+    leftpad = validate.lengths(key_leftpad, "key_leftpad", batch, sk, "Sk")
+    if leftpad is not None:
+        end = np.broadcast_to(sk if kv_len is None else kv_len, leftpad.shape)
+        if (leftpad > end).any():
+            at = tuple(int(x) for x in np.argwhere(leftpad > end)[0])
+            raise ValueError(f"key_leftpad must not exceed the end of the keys (kv_lengths, default Sk): "
+                             f"entry {at} has key_leftpad {int(leftpad[at])} > {int(end[at])}")
     q_ids, kv_ids = validate.segment_ids(q_segment_ids, kv_segment_ids, batch, sq, sk)
-    common = dict(sq=sq, sk=sk, causal=causal, causal_align=causal_align, window=win)
-    if q_len is None and kv_len is None and q_ids is None:
+    chunk = validate.chunk(attention_chunk)
+    common = dict(sq=sq, sk=sk, causal=causal, causal_align=causal_align, window=win, chunk=chunk,
+                  sink_tokens=min(sink_tokens(sink_token_length, win), sk))
+    if q_len is None and kv_len is None and q_ids is None and leftpad is None:
         return {(): MaskSpec(**common)}
     return {
         idx: MaskSpec(
@@ -353,6 +445,7 @@ def mask_specs(batch: tuple, sq: int, sk: int, *, causal=False, causal_align="bo
             kv_len=None if kv_len is None else int(kv_len[idx]),
             q_segments=None if q_ids is None else q_ids[idx],
             kv_segments=None if kv_ids is None else kv_ids[idx],
+            kv_start=0 if leftpad is None else int(leftpad[idx]),
         )
         for idx in np.ndindex(*batch)
     }

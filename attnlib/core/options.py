@@ -28,7 +28,7 @@ from .tilesizes import TileSizes
 
 #: The fields by what they shape: the mask, the scores, FlexAttention's mods, a paged cache.
 MASKING = ("causal", "causal_align", "window", "q_lengths", "kv_lengths", "q_segment_ids",
-           "kv_segment_ids")
+           "kv_segment_ids", "key_leftpad", "attention_chunk", "sink_token_length")
 SCORES = ("softcap", "alibi_slopes", "sinks", "scale")
 MODS = ("mask_mod", "score_mod", "block_mask")
 PAGING = ("block_table", "cache_seqlens")
@@ -52,6 +52,9 @@ class Options:
     kv_lengths: Any = None
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
+    key_leftpad: Any = None
+    attention_chunk: int | None = None
+    sink_token_length: int = 0
     softcap: float | None = None
     alibi_slopes: Any = None
     sinks: Any = None
@@ -94,6 +97,9 @@ class Options:
             window=validate.window(given.get("window")),
             q_lengths=given.get("q_lengths"), kv_lengths=given.get("kv_lengths"),
             q_segment_ids=given.get("q_segment_ids"), kv_segment_ids=given.get("kv_segment_ids"),
+            key_leftpad=given.get("key_leftpad"),
+            attention_chunk=validate.chunk(given.get("attention_chunk")),
+            sink_token_length=validate.count(given.get("sink_token_length", 0), "sink_token_length"),
             softcap=validate.softcap(given.get("softcap")),
             alibi_slopes=given.get("alibi_slopes"), sinks=given.get("sinks"), scale=scale,
             mask_mod=_callable(given.get("mask_mod"), "mask_mod"),

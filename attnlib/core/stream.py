@@ -16,7 +16,7 @@ from . import arrays
 from . import problem
 from . import validate
 from .options import MODS, Options
-from .masks import SKIP, MaskSpec
+from .masks import SKIP, MaskSpec, sink_tokens
 from .tilesizes import DEFAULT_TILES, TileSizes
 from . import hooks
 from .tiles import keys_first_for
@@ -25,7 +25,7 @@ from .device import on_device, resolve as device_of
 
 
 def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
-                     softcap=None, alibi_slopes=None, sinks=None, scale=None, total_keys=None,
+                     attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None, sinks=None, scale=None, total_keys=None,
                      block_q=None, block_k=None, workers=None, return_lse=False, check_finite=True,
                      device=None):
     """Attention of ``q`` over keys that arrive in chunks, in order.
@@ -37,7 +37,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         Each ``k_chunk: (..., Hk, c, D)`` and ``v_chunk: (..., Hk, c, Dv)`` (``c`` may vary
         from chunk to chunk, and may be 0), e.g. from a generator or slices of an
         ``np.memmap``.  Chunk ``t`` holds the keys that follow those of chunk ``t - 1``.
-    causal, causal_align, window, softcap, alibi_slopes, sinks, scale
+    causal, causal_align, window, attention_chunk, sink_token_length, softcap, alibi_slopes, sinks, scale
         As in `attention` (the sinks are every query row's initial state).
     total_keys : int, optional
         The number of keys all chunks hold together, ``Sk``.  Needed for the
@@ -83,7 +83,8 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
     True
     """
     opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
-                         alibi_slopes=alibi_slopes, sinks=sinks, scale=scale)
+                         alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, attention_chunk=attention_chunk,
+                         sink_token_length=sink_token_length)
     return stream_forward(q, kv_chunks, opts, total_keys=total_keys, block_q=block_q, block_k=block_k,
                           workers=workers, return_lse=return_lse, check_finite=check_finite, device=device)
 
@@ -91,7 +92,8 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
 def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None, block_k=None,
                    workers=None, return_lse=False, check_finite=True, device=None):
     """`attention_stream` with its options already parsed into ``opts``."""
-    refused = sorted(opts.given(("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids") + MODS))
+    refused = sorted(opts.given(("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "key_leftpad")
+                                + MODS))
     if refused:
         raise ValueError(f"{', '.join(refused)} cannot be combined with streamed keys")
     tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,
@@ -102,7 +104,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
     given_workers, workers = workers, validate.workers(workers)
     if total_keys is not None:
         total_keys = validate.count(total_keys, "total_keys")
-    needs_offset = causal or win != (None, None) or alibi_slopes is not None
+    needs_offset = causal or win != (None, None) or alibi_slopes is not None or opts.attention_chunk is not None
     if needs_offset and causal_align == "bottom_right" and total_keys is None:
         raise ValueError(
             "total_keys is needed: the bottom_right alignment puts query i at key position "
@@ -154,7 +156,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
         if total_keys is not None and end > total_keys:
             raise ValueError(f"the chunks hold more than total_keys={total_keys} keys")
         spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, causal,
-                        causal_align, win)
+                        causal_align, win, chunk=opts.attention_chunk, sink_tokens=sink_tokens(opts.sink_token_length, win))
         check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
                                             k_max=pb.max_of("k", k5))  # then each tile checks its scores
         v_max = max(v_max, pb.max_of("v", v5))

@@ -31,7 +31,7 @@ from .device import on_device, resolve as device_of
 
 def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
               kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
+              key_leftpad=None, attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
               cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, device=None):
@@ -68,6 +68,15 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         give 0 (and ``lse = -inf``).
     q_segment_ids, kv_segment_ids : array_like of int, ``(..., Sq)`` and ``(..., Sk)``
         Document masking (packed samples): a pair is visible only within one id.
+    key_leftpad : array_like of int, shape ``(...)``, optional
+        Left-padded keys (FlashAttention's ``cache_leftpad``): entry ``b``'s valid keys are
+        ``[key_leftpad[b], kv_lengths[b])``, positions counted from the first of them.
+    attention_chunk : int, optional
+        Chunked attention (Llama 4): a query sees only the keys of its own chunk of this
+        many key positions (``floor(j' / C) == floor((i + o') / C)``); 0 or None: off.
+    sink_token_length : int, optional
+        The first this many valid keys are exempt from the window's left bound
+        (StreamingLLM's sink tokens inside a sliding window).
     softcap : float, optional
         ``s = softcap * tanh(s / softcap)`` before masking; 0 or None: off.
     alibi_slopes : array_like, shape ``(Hq,)`` or ``(..., Hq)``, optional
@@ -176,7 +185,9 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     """
     opts = Options.parse(causal=causal, causal_align=causal_align, window=window, kv_lengths=kv_lengths,
                          q_lengths=q_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
+                         key_leftpad=key_leftpad, attention_chunk=attention_chunk,
+                         sink_token_length=sink_token_length, softcap=softcap, alibi_slopes=alibi_slopes,
+                         sinks=sinks, scale=scale,
                          mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask,
                          block_table=block_table, cache_seqlens=cache_seqlens)
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
@@ -205,6 +216,7 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
     `attnlib.core.torch_tiled`)."""
     if opts.paged:
         unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
+                                     "key_leftpad", "attention_chunk", "sink_token_length",
                                      "mask_mod", "score_mod", "block_mask")),
                        "return_stats": return_stats or None,
                        "kv_splits": None if kv_splits == 1 else kv_splits,

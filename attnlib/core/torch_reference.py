@@ -23,7 +23,7 @@ import numpy as np
 
 from . import problem
 from . import device as dev_mod
-from . import flex, torch_flex
+from . import flex, torch_flex, torch_tiled
 from .masks import MaskSpec
 
 #: ``compute_dtype`` names -> torch's type of the name (float64: None, the exact path).
@@ -65,18 +65,11 @@ def visible(specs, pb, dev, distances=False):
     i = torch.arange(pb.sq, device=dev)[:, None]
     j = torch.arange(pb.sk, device=dev)[None, :]
 
-    def rule(spec):
-        o = spec.offset
-        vis = (i < spec.rows) & (j < spec.keys)
-        if spec.left is not None:
-            vis = vis & (j >= i + (o - spec.left))
-        if spec.right is not None:
-            vis = vis & (j <= i + (o + spec.right))
+    def rule(spec):  # the tiled kernel's rule, over the whole grid as one tile
+        seg = None
         if spec.q_segments is not None:
-            q_ids = dev_mod.index_tensor(spec.q_segments, dev)
-            kv_ids = dev_mod.index_tensor(spec.kv_segments, dev)
-            vis = vis & (q_ids[:, None] == kv_ids[None, :])
-        return vis
+            seg = (dev_mod.index_tensor(spec.q_segments, dev), dev_mod.index_tensor(spec.kv_segments, dev))
+        return ~torch_tiled._hidden(spec, 0, pb.sq, 0, pb.sk, torch, dev, seg).expand(pb.sq, pb.sk)
 
     def distance(spec):
         return (i + spec.offset - j).abs().to(torch.float64)

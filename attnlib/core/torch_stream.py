@@ -23,7 +23,7 @@ import numpy as np
 
 from . import device as dev_mod
 from . import problem, torch_tiled, validate
-from .masks import MaskSpec
+from .masks import MaskSpec, sink_tokens
 
 
 def stream_forward(q, kv_chunks, opts, *, dev, total_keys=None, block_q=None, block_k=None, workers=None,
@@ -66,7 +66,8 @@ def stream_forward(q, kv_chunks, opts, *, dev, total_keys=None, block_q=None, bl
         if total_keys is not None and end > total_keys:
             raise ValueError(f"the chunks hold more than total_keys={total_keys} keys")
         spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, opts.causal, opts.causal_align,
-                        win).piece(0, pb.sq, position, end)
+                        win, chunk=opts.attention_chunk,
+                        sink_tokens=sink_tokens(opts.sink_token_length, win)).piece(0, pb.sq, position, end)
         check = problem.scores_may_overflow(q5, k5, pb.scale, np.float64, q_max=pb.maxima[0],
                                             k_max=pb.maxima[1]) if pb.sq and pb.sk else False
         with dev_mod.threads(dev, workers), torch.no_grad():

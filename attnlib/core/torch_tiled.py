@@ -95,10 +95,16 @@ def _hidden(spec, q0, q1, k0, k1, torch, dev, seg=None):
         hide = either(i >= spec.rows)
     if k1 > spec.keys:
         hide = either(j >= spec.keys)
+    if k0 < spec.key_lo:  # left-padded keys
+        hide = either(j < spec.key_lo)
     if spec.left is not None:
-        hide = either(j < i + (o - spec.left))
+        rule = j < i + (o - spec.left)
+        hide = either(rule & (j >= spec.sink_end) if spec.sink_tokens and k0 < spec.sink_end else rule)
     if spec.right is not None:
         hide = either(j > i + (o + spec.right))
+    if spec.chunk is not None:  # floor((j - s) / C) != floor((i + o - s) / C)
+        s, c = spec.kv_start, spec.chunk
+        hide = either(torch.div(j - s, c, rounding_mode="floor") != torch.div(i + (o - s), c, rounding_mode="floor"))
     if seg is not None:
         hide = either(seg[0][q0:q1][:, None] != seg[1][k0:k1][None, :])
     if hide is None:
@@ -110,8 +116,11 @@ def band_key(spec, q0, q1, k0, k1, seg=None):
     """The key a PARTIAL tile's mask is kept under, or None: a tile under the band rules only
     (no length or document crosses it) depends on ``k0 - q0 - o``, the band and its shape
     alone, so a causal run or a sliding window reuses one or two masks per tile shape (the
-    specs of a call differ in their offsets with their lengths, hence ``o`` in the key)."""
-    if seg is not None or q1 > spec.rows or k1 > spec.keys:
+    specs of a call differ in their offsets with their lengths, hence ``o`` in the key);
+    chunks, left padding and sink tokens inside the tile are not band rules: no key."""
+    if seg is not None or q1 > spec.rows or k1 > spec.keys or k0 < spec.key_lo or spec.chunk is not None:
+        return None
+    if spec.sink_tokens and spec.left is not None and k0 < spec.sink_end:  # not a pure band
         return None
     return (k0 - q0 - spec.offset, spec.left, spec.right, q1 - q0, k1 - k0)
 

@@ -36,6 +36,18 @@ def count(x, name: str) -> int:
     return int(x)
 
 
+def chunk(x):
+    """``attention_chunk``: a positive int, or None for no chunks (0 and None, as
+    FlashAttention's ``attention_chunk=0``)."""
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"attention_chunk must be a non-negative integer or None, got {x!r}")
+    if x < 0:
+        raise ValueError(f"attention_chunk must be a non-negative integer or None (0: no chunks), got {x!r}")
+    return int(x) or None
+
+
 def physical_memory() -> int | None:
     """This machine's memory in bytes (None where the OS does not say)."""
     try:

@@ -46,6 +46,11 @@ def _parser():
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
     p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N")
     p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N")
+    p.add_argument("--key-leftpad", type=int, nargs="+", default=None, metavar="N",
+                   help="the first valid key per batch entry (left padding)")
+    p.add_argument("--attention-chunk", type=int, default=0, metavar="C", help="chunked attention (0: off)")
+    p.add_argument("--sink-token-length", type=int, default=0, metavar="N",
+                   help="keys exempt from the window's left bound")
     p.add_argument("--block-q", type=int, default=None, help="query rows per task")
     p.add_argument("--kv-block", type=int, default=None, help="keys per task")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
@@ -67,7 +72,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(causal=args.causal, causal_align=args.align, window=cli_window(args.window),
                    softcap=args.softcap or None, scale=args.scale, kv_lengths=args.kv_lengths,
-                   q_lengths=args.q_lengths, block_q=args.block_q, kv_block=args.kv_block,
+                   q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
+                   attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
+                   block_q=args.block_q, kv_block=args.kv_block,
                    layout=args.layout, progress=args.progress)
     try:
         q, k, v = (_input(getattr(args, n), f"--{n}") for n in ("q", "k", "v"))

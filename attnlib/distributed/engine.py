@@ -156,7 +156,7 @@ def _output(path, shape, chunks, name):
 
 def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right", window=None,
               q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              scale=None, softcap=None, alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
+              key_leftpad=None, attention_chunk=None, sink_token_length=0, scale=None, softcap=None, alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
               heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
               progress=False):
     """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
@@ -170,7 +170,8 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     client : distributed.Client, str or None
         The cluster: a client, a scheduler address, or None for the current client (if
         there is one), else a `LocalCluster` started for the call, one process per CPU.
-    causal, causal_align, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, scale, softcap, alibi_slopes, sinks
+    causal, causal_align, window, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, key_leftpad,
+    attention_chunk, sink_token_length, scale, softcap, alibi_slopes, sinks
         As in `attnlib.attention`, on absolute positions.  The sinks start the rows of the
         first piece of each query block (once per row, as in the single-process kernel).
     block_q, kv_block : int, optional
@@ -228,6 +229,8 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     stand_ins = [np.broadcast_to(np.zeros(()), x.shape) for x in inputs]
     opts = Options.parse(causal=causal, causal_align=causal_align, window=window, q_lengths=q_lengths,
                          kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                         key_leftpad=key_leftpad, attention_chunk=attention_chunk,
+                         sink_token_length=sink_token_length,
                          scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     _, _, _, pb = problem.parse(*stand_ins, scale=opts.scale, check_finite_inputs=False)
     specs = opts.specs(pb)

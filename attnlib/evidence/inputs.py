@@ -238,6 +238,9 @@ class Case:
     kv_splits: int = 1
     rescale_threshold: float = 0.0
     sinks: tuple | None = None  # attention-sink logits, one per query head
+    key_leftpad: tuple | None = None  # the first valid key per batch entry
+    attention_chunk: int | None = None
+    sink_token_length: int = 0  # keys exempt from the window's left bound
 
     def qkv(self):
         """The case's ``(q, k, v)`` from `random_qkv`."""
@@ -248,9 +251,12 @@ class Case:
         """Keyword arguments shared by `attention` and `reference_attention`: the masks and
         score options of the contract (only those the case sets besides the causal ones)."""
         kwargs = dict(causal=self.causal, causal_align=self.causal_align)
-        for name in ("window", "softcap", "alibi_slopes", "kv_lengths", "q_lengths", "sinks"):
+        for name in ("window", "softcap", "alibi_slopes", "kv_lengths", "q_lengths", "sinks", "key_leftpad",
+                     "attention_chunk"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.sink_token_length:
+            kwargs["sink_token_length"] = self.sink_token_length
         if self.documents:
             kwargs["q_segment_ids"], kwargs["kv_segment_ids"] = self.segment_ids()
         return kwargs
@@ -287,7 +293,9 @@ class Case:
             ("q_lengths", self.q_lengths is not None), (f"documents={self.documents}", self.documents),
             (f"kv_splits={self.kv_splits}", self.kv_splits > 1),
             (f"lazy tau={self.rescale_threshold:g}", self.rescale_threshold > 0),
-            ("sinks", self.sinks is not None)) if on]
+            ("sinks", self.sinks is not None), ("key_leftpad", self.key_leftpad is not None),
+            (f"chunk={self.attention_chunk}", self.attention_chunk is not None),
+            (f"sink tokens={self.sink_token_length}", self.sink_token_length > 0)) if on]
         return ", ".join(names) or "-"
 
 
@@ -387,6 +395,9 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
 #: The options `feature_cases` cycles through, each on in every ``len(FEATURES)``-th case.
 FEATURES = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "documents", "kv_splits", "lazy",
             "sinks")
+#: The 2026 mask variants: case ``c`` with ``c % 3 == 0`` pins ``VARIANTS[(c // 3) % 3]``, any
+#: case draws each with probability 1/6 (from a generator of its own: the draws above stay).
+VARIANTS = ("key_leftpad", "attention_chunk", "sink_token_length")
 
 
 def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Case]:
@@ -398,7 +409,8 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
     ``N(0, 2^2)`` per head, beside scores of about ``N(0, 1)``: from negligible to dominant).  Case ``c`` always
     sets feature ``FEATURES[c % len(FEATURES)]`` and each other one with probability 1/3,
     so every option is exercised and most in combination; the case pinned to ALiBi has no
-    causal mask, so that keys lie on both sides of its queries.
+    causal mask, so that keys lie on both sides of its queries.  The `VARIANTS` (left-padded
+    keys, chunks, sink tokens inside a window) join as that constant says.
     """
     n = validate.positive_int(n, "n")
     max_len = validate.positive_int(max_len, "max_len")
@@ -427,7 +439,27 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
             rescale_threshold=float(rng.choice((2.0, 8.0))) if "lazy" in on else 0.0,
             sinks=tuple(float(x) for x in 2.0 * rng.standard_normal(base.heads)) if "sinks" in on else None,
         ))
+        cases[-1] = _with_variants(cases[-1], c, np.random.default_rng((seed, c, 2026)))
     return cases
+
+
+def _with_variants(case: Case, c: int, rng) -> Case:
+    """``case`` with the `VARIANTS` it pins or draws (see there)."""
+    on = {name for name in VARIANTS if rng.random() < 1 / 6}
+    if c % 3 == 0:
+        on.add(VARIANTS[(c // 3) % 3])
+    changes = {}
+    if "key_leftpad" in on:
+        end = case.kv_lengths if case.kv_lengths is not None else (case.sk,) * case.batch[0]
+        changes["key_leftpad"] = tuple(int(rng.integers(0, e + 1)) for e in end)
+    if "attention_chunk" in on:
+        changes["attention_chunk"] = int(rng.integers(1, max(2, case.sk // 2)))
+    if "sink_token_length" in on:
+        changes["sink_token_length"] = int(rng.integers(1, 9))
+        if case.window is None or case.window[0] is None:  # sink tokens live inside a window's left bound
+            w = int(rng.integers(1, max(2, case.sk // 4)))
+            changes["window"] = (w, None if case.causal else int(rng.integers(0, w + 1)))
+    return replace(case, **changes)
 
 
 def sink_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Case]:
