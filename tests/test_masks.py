@@ -139,49 +139,7 @@ def test_any_visible_is_exact(case, data):
                 assert spec.any_visible(i, i + 1, max(0, j - 2), j + 1) == full[i, max(0, j - 2):j + 1].any()
 
 
-# -- the 2026 variants against FlashAttention's reference masks, hand-built ----------------------
-
-def _fa_visible(sq, sk, causal=False, window=(None, None), sink_token_length=0, attention_chunk=0,
-                key_leftpad=0, kv_end=None):
-    """FlashAttention's test masks (``construct_local_mask`` / ``construct_chunk_mask`` of
-    flash_attn/cute/testing.py) restated with numpy for one entry: True where visible."""
-    end = sk if kv_end is None else kv_end
-    i = np.arange(sq)[:, None]
-    j = np.arange(sk)[None, :]
-    col = np.where(j >= key_leftpad, j - key_leftpad, 2**32)  # positions from the first valid key
-    n_k = end - key_leftpad  # the key padding mask's count
-    valid = (j >= key_leftpad) & (j < end)
-    left, right = window
-    if causal:
-        right = 0
-    hidden = np.zeros((sq, sk), bool)
-    if left is not None or right is not None:
-        if left is None:
-            hidden |= col > i + n_k - sq + right
-        else:
-            lim = n_k if right is None else np.minimum(i + n_k - sq + right, n_k)
-            hidden |= (col > lim) | ((col < i + n_k - sq - left) & (col >= sink_token_length))
-    if attention_chunk:
-        start = i + n_k - sq - (i + n_k - sq) % attention_chunk
-        hidden |= (col < start) | (col >= start + attention_chunk)
-    return valid & ~hidden
-
-
-@pytest.mark.parametrize("sq, sk", [(4, 8), (8, 8), (9, 5), (1, 40), (33, 70)])
-@pytest.mark.parametrize("variant", [
-    dict(attention_chunk=4), dict(attention_chunk=3, causal=True), dict(attention_chunk=5, window=(2, 1)),
-    dict(window=(1, None), causal=True, sink_token_length=2), dict(window=(3, 2), sink_token_length=4),
-    dict(key_leftpad=3), dict(key_leftpad=3, causal=True), dict(key_leftpad=2, kv_end=5, window=(1, 1)),
-    dict(key_leftpad=1, attention_chunk=3, causal=True, window=(2, None), sink_token_length=1),
-])
-def test_the_variants_equal_flashattentions_masks(sq, sk, variant):
-    v = dict(variant)
-    end = min(v.pop("kv_end", sk), sk)
-    pad = min(v.get("key_leftpad", 0), end)
-    fa = _fa_visible(sq, sk, kv_end=end, **dict(v, key_leftpad=pad))
-    spec = mask_specs((1,), sq, sk, kv_lengths=[end], **dict(v, key_leftpad=[pad]))[(0,)]
-    np.testing.assert_array_equal(spec.visible(np.arange(sq), np.arange(sk)), fa)
-
+# -- the 2026 variants, hand-built (FlashAttention's masks: tests/test_variants.py) --------------
 
 def test_the_contracts_drawings():
     """The 0/1 matrices of docs/semantics.md (Sq = 4, Sk = 8, causal, bottom_right)."""

@@ -50,6 +50,22 @@ def fa_visible(sq, sk, *, causal=False, window=(None, None), sink_token_length=0
     return valid & ~hidden
 
 
+@pytest.mark.parametrize("sq, sk", [(4, 8), (8, 8), (9, 5), (1, 40), (33, 70)])
+@pytest.mark.parametrize("variant", [
+    dict(attention_chunk=4), dict(attention_chunk=3, causal=True), dict(attention_chunk=5, window=(2, 1)),
+    dict(window=(1, None), causal=True, sink_token_length=2), dict(window=(3, 2), sink_token_length=4),
+    dict(key_leftpad=3), dict(key_leftpad=3, causal=True), dict(key_leftpad=2, kv_end=5, window=(1, 1)),
+    dict(key_leftpad=1, attention_chunk=3, causal=True, window=(2, None), sink_token_length=1),
+])
+def test_the_variants_equal_flashattentions_masks(sq, sk, variant):
+    v = dict(variant)
+    end = min(v.pop("kv_end", sk), sk)
+    pad = min(v.get("key_leftpad", 0), end)
+    fa = fa_visible(sq, sk, kv_end=end, **dict(v, key_leftpad=pad))
+    spec = mask_specs((1,), sq, sk, kv_lengths=[end], **dict(v, key_leftpad=[pad]))[(0,)]
+    np.testing.assert_array_equal(spec.visible(np.arange(sq), np.arange(sk)), fa)
+
+
 def fa_attention(q, k, v, vis, scale=None, softcap=None):
     """``attention_ref`` in float64 with torch (autograd-able): ``q (B, Hq, Sq, D)``,
     ``k, v (B, Hk, Sk, .)``, ``vis (B, Sq, Sk)``; rows with no visible key give 0."""
