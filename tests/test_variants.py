@@ -283,3 +283,26 @@ def test_a_wrong_lse_is_named_under_strict_floating_point():
     with np.errstate(divide="raise", over="raise", invalid="raise"):
         with pytest.raises(ValueError, match="lse does not match"):
             attention_backward(q, k, v, out, lse - 800, np.ones_like(out), kv_lengths=[20, 10, 5], workers=2)
+
+
+def chunked_working_bytes(n: int) -> int:
+    """Traced working memory (peak minus the output) of causal chunked attention at ``n``, one
+    head of 64, after a warm-up; run in a fresh process by the test below."""
+    import tracemalloc
+
+    q, k, v = attnlib.random_qkv(n, n, 64, seed=0)
+    attention(q[:512], k[:512], v[:512], causal=True, attention_chunk=256)  # warm-up
+    tracemalloc.start()
+    out = attention(q, k, v, causal=True, attention_chunk=256)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak - out.nbytes
+
+
+def test_chunked_attention_keeps_memory_flat_in_n():
+    from attnlib.evidence.fresh import run_fresh
+
+    small, large = (run_fresh(chunked_working_bytes, n) for n in (4096, 32768))
+    # The output aside: a few tiles, and per row the state's running max and sum (two float64,
+    # 2.3-2.5 MB at 4096 and 2.7 MB at 32768 measured); an (n, C) or (n, n) mask is megabytes more.
+    assert large - small <= 2 * 8 * (32768 - 4096), (small, large)
