@@ -33,7 +33,7 @@ from . import device as dev_mod
 from . import flex, problem, torch_flex, validate
 from .masks import PARTIAL, SKIP
 from .parallel import Turns, run_tiles, work_units
-from .torch_tiled import _NONE, BAND_CACHE, _hidden, band_key, device_tiles
+from .torch_tiled import BAND_CACHE, Errors, _hidden, band_key, device_tiles
 
 #: The largest power of two one multiplication scales by: ``2**-1000`` and ``2**1000`` are
 #: normal numbers, so a scaling by ``2**e`` is done in steps of at most this exponent.
@@ -177,9 +177,7 @@ class _Kernel:
         self.cap, self.check, self.e = cap, check, e
         self.workers = workers if dev.type == "cpu" else 1  # a GPU takes every head at once
         self.cache = {}  # band masks and ALiBi distances by tile geometry (each written once)
-        self.flags = []  # per unit, a device bool: a visible pair overflowed (appended: thread-safe)
-        # per unit, the first tile ``q0 * (sk + 1) + k0`` where a visible pair's score_mod gave NaN or +inf
-        self.score_flags = []
+        self.errors = Errors(torch, dev, pb.sk)  # found on the device, raised by `finish`
         self.mods = mods  # (mask_mod, score_mod, block_mask) or None; the functions on device tensors
         if mods is not None:
             self.mask_fn = torch_flex.on_device(mods[0], "mask_mod", dev)
@@ -265,7 +263,6 @@ class _Kernel:
         v_j = v[..., k0:k1, :].to(torch.float64)  # (..., hk, c, dv)
         dk_j = torch.zeros(heads + (c, pb.d), **f64)
         dv_j = torch.zeros(heads + (c, pb.dv), **f64)
-        flag = []  # this unit's overflow flag (a device bool) and first score_mod error, or none
         try:
             for a, q0, q1, kind in todo:
                 r = q1 - q0
@@ -273,8 +270,7 @@ class _Kernel:
                 q_i = (q[..., q0:q1, :].to(torch.float64) * pb.scale).reshape(heads + (g * r, pb.d))
                 dout_i = self._dout(dout, q0, q1).reshape(heads + (g * r, pb.dv))
                 s = torch.matmul(q_i, k_j.transpose(-1, -2))  # (..., hk, g * r, c)
-                s, th, grad = self._scores(s.view(lead + (r, c)), spec, seg, q0, q1, k0, k1, kind, slopes, flag,
-                                           ids)
+                s, th, grad = self._scores(s.view(lead + (r, c)), spec, seg, q0, q1, k0, k1, kind, slopes, ids)
                 p = s.sub_(shift[..., q0:q1, None]).exp_()  # the forward's probabilities; 0 where hidden
                 p_rows = p.view(heads + (g * r, c))
                 dv_j.add_(torch.matmul(p_rows.transpose(-1, -2), dout_i))  # sums the group's heads
@@ -292,30 +288,21 @@ class _Kernel:
         except BaseException:
             turns.abort()  # no other worker may wait for this tile's turns any more
             raise
-        if flag:
-            self.flags.append(flag[0])
-            if len(flag) > 1:
-                self.score_flags.append(flag[1])
         dk[..., k0:k1, :] = dk_j
         dv[..., k0:k1, :] = dv_j
 
-    def _scores(self, s, spec, seg, q0, q1, k0, k1, kind, slopes, flag, heads=None):
+    def _scores(self, s, spec, seg, q0, q1, k0, k1, kind, slopes, heads=None):
         """One tile's scores ``(..., hk, g, r, c)`` in the contract's order (softcap,
         score_mod, mask ``-inf``, ALiBi), as the forward's, with ``tanh(t / cap)`` under
-        softcap and ``score_mod_grad`` at the capped scores (each else None).  ``flag``: a
-        list holding the unit's overflow flag (a device bool), OR-ed here, and its first
-        score_mod error (a device int, `_NONE` if none)."""
-
-        def note(bad):
-            flag[:1] = [bad if not flag else flag[0] | bad]
-
+        softcap and ``score_mod_grad`` at the capped scores (each else None); the errors
+        noted in `errors`."""
         torch = self.torch
         hide = self._hidden(spec, seg, q0, q1, k0, k1) if kind == PARTIAL else None
         if hide is not None and heads is not None and self.mask_fn is not None:  # AND mask_mod, per head
             hide = hide | ~torch_flex.mask_values(self.mask_fn, *heads, q0, q1, k0, k1, s.shape, self.dev)
         if self.check:  # a non-finite product of a visible pair: the gradient is undefined
             bad = ~torch.isfinite(s)
-            note((bad if hide is None else bad & ~hide).any())
+            self.errors.overflowed((bad if hide is None else bad & ~hide).any())
             s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked below; keeps tanh finite
         th = None
         if self.cap is not None:  # softcap, before masking
@@ -326,23 +313,14 @@ class _Kernel:
         if heads is not None and self.score_fn is not None:  # score_mod: after the softcap, before masks
             if self.grad_fn is not None:
                 grad = torch_flex.score_values(self.grad_fn, s, *heads, q0, q1, k0, k1, self.dev, "score_mod_grad")
-            s = torch_flex.score_values(self.score_fn, s, *heads, q0, q1, k0, k1, self.dev)
-            # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
-            bad = torch.isnan(s) | torch.isposinf(s)
-            hit = (bad if hide is None else bad & ~hide).any()
-            if not flag:
-                note(torch.zeros((), dtype=torch.bool, device=self.dev))
-            if len(flag) < 2:
-                flag.append(torch.full((), _NONE, dtype=torch.int64, device=self.dev))
-            torch.minimum(flag[1], torch.where(hit, q0 * (self.pb.sk + 1) + k0, _NONE), out=flag[1])
-            s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked below
+            s = self.errors.modified(self.score_fn, s, heads, q0, q1, k0, k1, hide)  # NaN, +inf noted
         if hide is not None:
             s = s.masked_fill_(hide, -math.inf)
         if slopes is not None:  # ALiBi, after masking: -inf stays -inf
             finite = torch.isfinite(s) if self.check else None
             s = s.sub_(slopes * self._distance(spec, q0, q1, k0, k1))
             if self.check:
-                note((finite & ~torch.isfinite(s)).any())
+                self.errors.overflowed((finite & ~torch.isfinite(s)).any())
         return s, th, grad
 
     def _kept(self, key, build):
@@ -383,18 +361,9 @@ class _Kernel:
         finite = [torch.isfinite(g).all() for g in grads]
         scaled = [_pow2(g, e) for g in grads] if e else list(grads)
         kept = [torch.isfinite(g).all() for g in scaled] if e else []
-        overflow = torch.stack(self.flags).any()[None] if self.flags else torch.zeros(1, dtype=torch.bool,
-                                                                                     device=self.dev)
-        first = (torch.stack(self.score_flags).min()[None] if self.score_flags else
-                 torch.full((1,), _NONE, dtype=torch.int64, device=self.dev))
-        state = np.asarray(torch.cat([overflow.to(torch.int64), first,
+        state = np.asarray(torch.cat([self.errors.state(),
                                       torch.stack(finite + kept).to(torch.int64)]).cpu())  # the one copy
-        if state[0]:
-            raise ValueError(problem.overflow_message(np.float64))
-        if state[1] != _NONE:
-            q0, k0 = divmod(int(state[1]), self.pb.sk + 1)
-            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
-                             f"keys from {k0}); it must return finite scores, or -inf to mask")
+        self.errors.raise_for(state[:2], np.float64)
         finite, kept = state[2:2 + len(grads)].astype(bool), state[2 + len(grads):].astype(bool)
         if check_finite:
             for ok, name in zip(finite, names):

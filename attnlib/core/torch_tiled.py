@@ -79,6 +79,62 @@ BAND_CACHE = 64
 _NONE = 2**62
 
 
+class Errors:
+    """The errors a kernel finds on the device, kept per thread and updated in place (never
+    one flag per tile), read once at the end: whether a visible pair's score overflowed, and
+    the first tile (by position, ``q0 * (sk + 1) + k0``) where a visible pair's score_mod
+    gave NaN or +inf, or `_NONE`.  Shared by the forward and the backward."""
+
+    def __init__(self, torch, dev, sk: int):
+        self.torch, self.dev, self.sk = torch, dev, sk
+        self.local = threading.local()
+        self.pairs = []  # every thread's (overflow, first), for `state`
+
+    def _mine(self):
+        mine = getattr(self.local, "pair", None)
+        if mine is None:
+            torch = self.torch
+            mine = self.local.pair = (torch.zeros((), dtype=torch.bool, device=self.dev),
+                                      torch.full((), _NONE, dtype=torch.int64, device=self.dev))
+            self.pairs.append(mine)  # list.append: safe across threads
+        return mine
+
+    def overflowed(self, bad):
+        """OR a device bool (a visible pair's score beyond the range) into this thread's flag."""
+        self._mine()[0].logical_or_(bad)
+
+    def modified(self, score_fn, s, ids, q0, q1, k0, k1, hidden):
+        """``score_mod`` over a tile's scores ``s`` (`torch_flex.score_values`), its NaN and
+        +inf noted where visible (``hidden``: True where invisible, or None) and set to 0
+        (an invisible pair's is masked by the caller)."""
+        torch = self.torch
+        s = torch_flex.score_values(score_fn, s, *ids, q0, q1, k0, k1, self.dev)
+        # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
+        bad = torch.isnan(s) | torch.isposinf(s)
+        hit = (bad if hidden is None else bad & ~hidden).any()
+        first = self._mine()[1]
+        torch.minimum(first, torch.where(hit, q0 * (self.sk + 1) + k0, _NONE), out=first)
+        return s.masked_fill_(bad, 0.0)
+
+    def state(self):
+        """``[overflowed, first]`` as a device int64 tensor (no synchronisation)."""
+        torch = self.torch
+        if not self.pairs:
+            return torch.tensor([0, _NONE], dtype=torch.int64, device=self.dev)
+        return torch.stack([torch.stack([o for o, _ in self.pairs]).any().to(torch.int64),
+                            torch.stack([f for _, f in self.pairs]).min()])
+
+    def raise_for(self, state, dtype):
+        """The error ``state`` (`state` read back: two host ints) stands for, if any."""
+        overflow, first = (int(x) for x in state)
+        if overflow:
+            raise ValueError(problem.overflow_message(dtype))
+        if first != _NONE:
+            q0, k0 = divmod(first, self.sk + 1)
+            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
+                             f"keys from {k0}); it must return finite scores, or -inf to mask")
+
+
 def _hidden(spec, q0, q1, k0, k1, torch, dev, seg=None):
     """``~MaskSpec.visible`` on the device for queries ``[q0, q1)`` against keys ``[k0, k1)``
     (host integers: no synchronisation): ``(r, c)`` bool, True where the pair is invisible.
@@ -191,11 +247,7 @@ class _Kernel:
         if mods is not None:
             self.mask_fn = torch_flex.on_device(mods[0], "mask_mod", dev)
             self.score_fn = torch_flex.on_device(mods[1], "score_mod", dev)
-        # The errors found on the device, one flag per thread updated in place (never one per
-        # tile): a visible pair's score overflowed; the first tile (in plan order) where a
-        # visible pair's score_mod gave NaN or +inf, as ``q0 * (sk + 1) + k0``, or `_NONE`.
-        self.local = threading.local()
-        self.flags, self.score_flags = [], []  # every thread's, for `raise_flags`
+        self.errors = Errors(torch, dev, pb.sk)  # found on the device, raised by `raise_flags`
         self.cap, self.check, self.tau, self.count, self.v_max = cap, check, tau, count, v_max
         # A low precision (`problem.Precision`): q, k, v and p rounded to `compute`, the scores
         # and the state (m, l, acc) kept in `acc` (float32), the scale on the scores.
@@ -211,29 +263,9 @@ class _Kernel:
         self.workers = (validate.workers(None) if workers is None else workers) if dev.type == "cpu" else 1
         self.bands = {}  # `_mask`'s band masks, shared by the threads (each entry written once)
 
-    def _flag(self):
-        """This thread's overflow flag and first-score_mod-error tile (device scalars)."""
-        mine = getattr(self.local, "flags", None)
-        if mine is None:
-            torch = self.torch
-            mine = self.local.flags = (torch.zeros((), dtype=torch.bool, device=self.dev),
-                                       torch.full((), _NONE, dtype=torch.int64, device=self.dev))
-            self.flags.append(mine[0])  # list.append: safe across threads
-            self.score_flags.append(mine[1])
-        return mine
-
     def raise_flags(self):
-        if not self.flags:
-            return
-        torch = self.torch
-        overflow, first = torch.stack(self.flags).any(), torch.stack(self.score_flags).min()
-        overflow, first = (int(x) for x in torch.stack([overflow.to(torch.int64), first]).cpu())  # one read
-        if overflow:
-            raise ValueError(problem.overflow_message(self.prec.accumulate))
-        if first != _NONE:
-            q0, k0 = divmod(first, self.pb.sk + 1)
-            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
-                             f"keys from {k0}); it must return finite scores, or -inf to mask")
+        if self.errors.pairs:  # one read, at the end
+            self.errors.raise_for(self.errors.state().cpu(), self.prec.accumulate)
 
     def run(self, q5, k5, v5, specs, sink, key_tiles, lse_parts):
         """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``."""
@@ -389,19 +421,12 @@ class _Kernel:
                         (~hide).to(self.acc))
         if self.check:  # a non-finite product of a visible pair: the softmax is undefined
             bad = ~torch.isfinite(s)
-            self._flag()[0].logical_or_((bad if mask is None else bad & ~mask[0]).any())
+            self.errors.overflowed((bad if mask is None else bad & ~mask[0]).any())
             s = s.masked_fill_(bad, 0.0)  # an invisible pair's: masked out in `_update`
         if self.cap is not None:  # softcap, before masking
             s = s.div_(self.cap).tanh_().mul_(self.cap)
         if heads is not None and self.score_fn is not None:  # score_mod: after the softcap, before masks
-            s = torch_flex.score_values(self.score_fn, s, *heads, q0, q1, k0, k1, self.dev)
-            # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
-            bad = torch.isnan(s) | torch.isposinf(s)
-            tile = q0 * (self.pb.sk + 1) + k0  # the first by position: (q0, k0) in one int
-            hit = (bad if mask is None else bad & ~mask[0]).any()
-            first = self._flag()[1]
-            torch.minimum(first, torch.where(hit, tile, _NONE), out=first)
-            s = s.masked_fill_(bad, 0.0)  # (an invisible pair's: masked out in `_update`)
+            s = self.errors.modified(self.score_fn, s, heads, q0, q1, k0, k1, None if mask is None else mask[0])
         if slopes is not None:  # ALiBi
             rows = torch.arange(q0, q1, device=self.dev)
             cols = torch.arange(k0, k1, device=self.dev)
@@ -409,7 +434,7 @@ class _Kernel:
             s = s.sub_(slopes * dist)
             if self.check:  # a visible score pushed beyond the range by its bias
                 bad = ~torch.isfinite(s)
-                self._flag()[0].logical_or_((bad if mask is None else bad & ~mask[0]).any())
+                self.errors.overflowed((bad if mask is None else bad & ~mask[0]).any())
                 s = s.masked_fill_(bad, 0.0)
         return s, mask
 
