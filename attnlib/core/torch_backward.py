@@ -101,12 +101,7 @@ def backward(q, k, v, out, lse, dout, opts, *, dev, mod_grad=None, block_q=None,
     tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq, opts), block_q, block_k)
     specs = opts.specs(pb)
     cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
-    mods = None
-    if opts.has_mods:  # checked as the forward's, empty problems too; a mask_mod's block mask made here
-        made = None
-        if opts.mask_mod is not None and opts.block_mask is None:
-            made = torch_flex.block_mask(opts.mask_mod, pb, tiles, dev)
-        mods = (opts if made is None else opts.replace(block_mask=made)).mods(pb, tiles)
+    mods = torch_flex.device_mods(opts, pb, tiles, dev)  # (mask_mod, score_mod, block_mask) or None, checked
     if sink is not None and check_finite and ext["lse"][1] == -math.inf:
         raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
                          "pass the lse of attention(..., sinks=sinks, return_lse=True)")

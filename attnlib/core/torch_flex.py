@@ -98,6 +98,16 @@ def score_values(score_fn, s, b, h, q0, q1, k0, k1, dev, name="score_mod"):
                          f"the tile's {tuple(s.shape)}") from None
 
 
+def device_mods(opts, pb, tiles, dev):
+    """`Options.mods` for a device kernel: None without programmable options, else
+    ``(mask_mod, score_mod, block_mask)`` checked, a ``mask_mod``'s block mask made on ``dev``."""
+    if not opts.has_mods:
+        return None
+    if opts.mask_mod is not None and opts.block_mask is None:
+        opts = opts.replace(block_mask=block_mask(opts.mask_mod, pb, tiles, dev))
+    return opts.mods(pb, tiles)
+
+
 def block_mask(mask_mod, pb, tiles, dev) -> flex.BlockMask:
     """`flex.create_block_mask` of ``mask_mod`` over the call's batch entries and query heads,
     evaluated on ``dev`` (one ``(B, H, block_q, block_k)`` tile at a time); the classes come

@@ -197,12 +197,7 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
                                    extremes=extremes)
     tiles = opts.tiles_for(device_tiles(dev, math.prod(pb.batch) * pb.hq, opts), block_q, block_k)
     specs = opts.specs(pb)
-    mods = None
-    if opts.has_mods:  # (mask_mod, score_mod, block_mask), checked; a mask_mod's block mask made here
-        made = None
-        if opts.mask_mod is not None and opts.block_mask is None:
-            made = torch_flex.block_mask(opts.mask_mod, pb, tiles, dev)
-        mods = (opts if made is None else opts.replace(block_mask=made)).mods(pb, tiles)
+    mods = torch_flex.device_mods(opts, pb, tiles, dev)  # (mask_mod, score_mod, block_mask) or None, checked
     prec = problem.precision(compute_dtype)
     cap, slopes, sink = opts.score_terms(pb, prec)
     q_max, k_max, v_max = pb.maxima
