@@ -464,11 +464,9 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
     hook = hooks.get("backward")  # the stage edits (`attnlib.core.hooks`)
     hook = None if hook is hooks.keep else hook  # the identity: not called at all
     # A wrong lse makes exp(s - lse) overflow: let it, and name it below (not a FloatingPointError).
-    def wrong_lse():
-        return np.errstate(over="ignore", invalid="ignore") if check_finite else contextlib.nullcontext()
-
+    wrong_lse = dict(over="ignore", invalid="ignore") if check_finite else {}
     for idx, spec in specs.items():  # idx = (): all batch entries share one mask
-        with wrong_lse():
+        with np.errstate(**wrong_lse):
             delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
                               spec, tiles, cap, problem.for_entry(slopes, idx),
                               dq[idx], dk[idx], dv[idx], workers, check,

@@ -25,7 +25,8 @@ from .device import on_device, resolve as device_of
 
 
 def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right", window=None,
-                     attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None, sinks=None, scale=None, total_keys=None,
+                     attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None, sinks=None,
+                     scale=None, total_keys=None,
                      block_q=None, block_k=None, workers=None, return_lse=False, check_finite=True,
                      device=None):
     """Attention of ``q`` over keys that arrive in chunks, in order.
@@ -104,7 +105,8 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
     given_workers, workers = workers, validate.workers(workers)
     if total_keys is not None:
         total_keys = validate.count(total_keys, "total_keys")
-    needs_offset = causal or win != (None, None) or alibi_slopes is not None or opts.attention_chunk is not None
+    needs_offset = (causal or win != (None, None) or alibi_slopes is not None
+                    or opts.attention_chunk is not None)
     if needs_offset and causal_align == "bottom_right" and total_keys is None:
         raise ValueError(
             "total_keys is needed: the bottom_right alignment puts query i at key position "
@@ -156,7 +158,8 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
         if total_keys is not None and end > total_keys:
             raise ValueError(f"the chunks hold more than total_keys={total_keys} keys")
         spec = MaskSpec(pb.sq, total_keys if total_keys is not None else end, causal,
-                        causal_align, win, chunk=opts.attention_chunk, sink_tokens=sink_tokens(opts.sink_token_length, win))
+                        causal_align, win, chunk=opts.attention_chunk,
+                        sink_tokens=sink_tokens(opts.sink_token_length, win))
         check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
                                             k_max=pb.max_of("k", k5))  # then each tile checks its scores
         v_max = max(v_max, pb.max_of("v", v5))

@@ -31,7 +31,8 @@ from .device import on_device, resolve as device_of
 
 def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None,
               kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              key_leftpad=None, attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None, sinks=None, scale=None, block_q=None, block_k=None,
+              key_leftpad=None, attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None,
+              sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
               cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, device=None):

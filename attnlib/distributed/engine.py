@@ -156,7 +156,8 @@ def _output(path, shape, chunks, name):
 
 def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right", window=None,
               q_lengths=None, kv_lengths=None, q_segment_ids=None, kv_segment_ids=None,
-              key_leftpad=None, attention_chunk=None, sink_token_length=0, scale=None, softcap=None, alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
+              key_leftpad=None, attention_chunk=None, sink_token_length=0, scale=None, softcap=None,
+              alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
               heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
               progress=False):
     """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
