@@ -296,13 +296,11 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
         if failing_entries.size > entries.size:
             scope = f" in the first {entries.size} failing batch entries (of {failing_entries.size})"
         taken = {}
-        for key in ("kv_lengths", "q_lengths"):  # per batch entry: those of the failing entries
+        for key in ("kv_lengths", "q_lengths", "key_leftpad"):  # per batch entry: those of the failing entries
             if getattr(opts, key) is not None:
                 taken[key] = np.broadcast_to(np.ravel(getattr(opts, key)), (shape["batch"],))[entries]
         if opts.sinks is not None and np.ndim(opts.sinks) == 2:  # (batch, H)
             taken["sinks"] = opts.sinks[entries]
-        if opts.key_leftpad is not None:
-            taken["key_leftpad"] = np.broadcast_to(np.ravel(opts.key_leftpad), (shape["batch"],))[entries]
         opts = replace(opts, **taken)
 
         def pick(x):
