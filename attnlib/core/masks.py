@@ -95,6 +95,11 @@ class MaskSpec:
         """Keys ``j < sink_end`` are exempt from the window's left bound (the sink tokens)."""
         return self.kv_start + self.sink_tokens
 
+    def sinks_from(self, k0: int) -> bool:
+        """Whether keys from ``k0`` on include sink tokens exempt from a left bound (a tile
+        there is not a pure band)."""
+        return bool(self.sink_tokens) and self.left is not None and k0 < self.sink_end
+
     @property
     def offset(self) -> int:
         """The alignment offset ``o``: ``kv_len - q_len`` for bottom_right, ``kv_start`` for
@@ -234,8 +239,7 @@ class MaskSpec:
         lo, hi = cols[0] - rows.max() - o, cols[-1] - rows.min() - o
         if (left is None or lo >= -left) and (right is None or hi <= right):
             return None  # (sink tokens only add pairs to a band that hides none)
-        sinks = self.sink_tokens and left is not None and cols[0] < self.sink_end  # not a pure band
-        if not contiguous or cache is None or sinks:
+        if not contiguous or cache is None or self.sinks_from(cols[0]):  # sink tokens: not a pure band
             return self._band_grid(rows, cols, keys_first)
         key = (int(cols[0] - rows[0] - o), left, right, rows.size, cols.size, keys_first)
         if key not in cache:
@@ -251,7 +255,7 @@ class MaskSpec:
         o, band = self.offset, None
         if self.left is not None:
             band = j >= i + o - self.left
-            if self.sink_tokens and cols[0] < self.sink_end:  # the sink tokens: exempt from it
+            if self.sinks_from(cols[0]):  # the sink tokens: exempt from it
                 band = band | (j < self.sink_end)
         if self.right is not None:
             rule = j <= i + o + self.right
@@ -306,13 +310,9 @@ class MaskSpec:
         if self.right is not None:  # the tile's first valid key past the last row's reach
             none |= lo > (r1 - 1) + o + self.right
             every &= k1 - 1 <= q0 + o + self.right
-        if self.left is not None:
-            if self.sink_tokens:  # keys before sink_end are exempt from the left bound
-                none |= (c1 - 1 < q0 + o - self.left) & (lo >= self.sink_end)
-                every &= (k1 <= self.sink_end) | (np.maximum(k0, self.sink_end) >= (q1 - 1) + o - self.left)
-            else:
-                none |= c1 - 1 < q0 + o - self.left
-                every &= k0 >= (q1 - 1) + o - self.left
+        if self.left is not None:  # keys before sink_end (none without sink tokens) are exempt
+            none |= (c1 - 1 < q0 + o - self.left) & (lo >= self.sink_end)
+            every &= (k1 <= self.sink_end) | (np.maximum(k0, self.sink_end) >= (q1 - 1) + o - self.left)
         if self.chunk is not None:
             # Chunks are monotone in the position: the rows' chunks [a0, a1] and the keys'
             # [b0, b1] must meet; all visible if every row and key lies in one chunk.

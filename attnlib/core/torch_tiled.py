@@ -155,7 +155,7 @@ def _hidden(spec, q0, q1, k0, k1, torch, dev, seg=None):
         hide = either(j < spec.key_lo)
     if spec.left is not None:
         rule = j < i + (o - spec.left)
-        hide = either(rule & (j >= spec.sink_end) if spec.sink_tokens and k0 < spec.sink_end else rule)
+        hide = either(rule & (j >= spec.sink_end) if spec.sinks_from(k0) else rule)
     if spec.right is not None:
         hide = either(j > i + (o + spec.right))
     if spec.chunk is not None:  # floor((j - s) / C) != floor((i + o - s) / C)
@@ -176,7 +176,7 @@ def band_key(spec, q0, q1, k0, k1, seg=None):
     chunks, left padding and sink tokens inside the tile are not band rules: no key."""
     if seg is not None or q1 > spec.rows or k1 > spec.keys or k0 < spec.key_lo or spec.chunk is not None:
         return None
-    if spec.sink_tokens and spec.left is not None and k0 < spec.sink_end:  # not a pure band
+    if spec.sinks_from(k0):  # sink tokens in the tile: not a pure band
         return None
     return (k0 - q0 - spec.offset, spec.left, spec.right, q1 - q0, k1 - k0)
 
