@@ -17,7 +17,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                            window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None,
                            sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                            cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None,
-                           score_mod_grad=None, workers=None, device=None):
+                           score_mod_grad=None, key_leftpad=None, attention_chunk=None,
+                           sink_token_length=0, lse_base=None, lse_sink=None, lse_empty=None,
+                           workers=None, device=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
 
@@ -49,6 +51,11 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     mask_mod, score_mod, block_mask, score_mod_grad : optional
         FlexAttention-style programmable attention (`attnlib.core.flex`; a function written with
         torch ops goes through `attnlib.core.flex.from_torch`).
+    key_leftpad, attention_chunk, sink_token_length : optional
+        Left-padded keys, chunked attention, sink tokens inside a window (as in `attention`).
+    lse_base, lse_sink, lse_empty : optional
+        The kernel's LSE convention: base ``"e"`` or ``2``, the sink ``"included"`` or
+        ``"excluded"``, empty rows ``"-inf"`` or ``"+inf"`` (default: either).
 
     Raises
     ------
@@ -76,7 +83,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                           block_table=block_table, cache_seqlens=cache_seqlens, mask_mod=mask_mod,
                           score_mod=score_mod, block_mask=block_mask, score_mod_grad=score_mod_grad,
-                          workers=workers, device=device)
+                          key_leftpad=key_leftpad, attention_chunk=attention_chunk,
+                          sink_token_length=sink_token_length, lse_base=lse_base, lse_sink=lse_sink,
+                          lse_empty=lse_empty, workers=workers, device=device)
     if not result.passed:
         raise AssertionError("attention output not close to the float64 reference\n\n"
                              + format_text(result))

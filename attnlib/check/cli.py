@@ -23,8 +23,8 @@ OPTION_FILES = ("sinks", "dsinks") + INDEX_FILES
 #: What `NOTEBOOK` declares, and `_run_notebook` passes.
 NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "causal_align", "window",
                                                 "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
-                                                "attention_chunk", "sink_token_length", "workers",
-                                                "results_json")
+                                                "attention_chunk", "sink_token_length", "lse_base",
+                                                "lse_sink", "lse_empty", "workers", "results_json")
 
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
@@ -116,6 +116,14 @@ def _parser():
     p.add_argument("--sinks", default="", metavar="FILE",
                    help="attention-sink logits, (nheads,) or (batch, nheads): one more logit in every "
                         "row's softmax denominator, with no value (gpt-oss, FlashAttention learnable_sink)")
+    p.add_argument("--lse-base", choices=("e", "2"), default="e",
+                   help="the base of the kernel's --lse: e (natural, default) or 2 (FlashInfer, JAX Pallas)")
+    p.add_argument("--lse-sink", choices=("included", "excluded"), default="included",
+                   help="with --sinks: the kernel's --lse includes the sink (default, FlashAttention 4) "
+                        "or excludes it (FlashMLA)")
+    p.add_argument("--lse-empty", choices=("-inf", "+inf"), default=None,
+                   help="what the kernel's --lse holds on rows without a visible key (write "
+                        "--lse-empty=-inf); default: either")
     p.add_argument("--dsinks", default="", metavar="FILE", help="the kernel's gradient of the sinks (with --dout)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"), default=None,
                    help="the kernel's compute precision (default: the type q is stored in)")
@@ -139,6 +147,7 @@ def main(argv=None) -> int:
                    window=cli_window(args.window), softcap=args.softcap or None, scale=args.scale,
                    kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
                    attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
+                   lse_base=args.lse_base, lse_sink=args.lse_sink, lse_empty=args.lse_empty,
                    workers=args.workers, device=args.device)
     files = {name: getattr(args, name) for name in TENSORS + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed

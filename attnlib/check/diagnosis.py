@@ -24,6 +24,7 @@ import numpy as np
 
 from ..core import arrays
 from ..core import problem
+from ..core.lse_conventions import LN2, NATURAL, LseConvention
 from ..core.options import Options
 from ..evidence.gate import row_stats
 from ..core.tiled import forward_on
@@ -522,32 +523,67 @@ def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=(), prec
     return found
 
 
-def diagnose_lse(kernel, ref, allowance, empty, alternatives=()) -> list:
-    """Likely causes of a failing ``lse`` (``(..., H, S)``, float64; ``empty``: rows with no
-    visible key).  ``alternatives``: ``(words, lse_of_that_problem)`` pairs."""
+def diagnose_lse(kernel, ref, allowance, empty, alternatives=(), convention: LseConvention = NATURAL,
+                 other_sink=None) -> list:
+    """Likely causes of a failing ``lse`` (``(..., H, S)``, float64 as the kernel stored it;
+    ``empty``: rows with no visible key).  ``convention``: the one it was told to follow;
+    ``alternatives``: ``(words, lse_of_that_problem)`` pairs; ``other_sink``: the reference
+    LSE with the sink's place swapped (excluded for included, and back), when there are sinks."""
+    found = []
+    told = convention.empty
+    if told is not None and (empty & (kernel == -told)).any():
+        other = "+inf (FlashAttention's convention)" if told < 0 else "-inf (attnlib's and PyTorch's convention)"
+        found.append(f"rows without a visible key hold {other}: pass lse_empty="
+                     f"'{'+inf' if told < 0 else '-inf'}' if that is the kernel's convention (or leave "
+                     "lse_empty out to accept either)")
     seen = ~empty & np.isfinite(kernel)
     if not seen.any():
-        return []
+        return found
     k, r = np.where(seen, kernel, 0.0), np.where(seen, ref, 0.0)
     a = np.where(seen, np.broadcast_to(allowance, kernel.shape), np.inf)
 
     def fits(x, y):
         return bool((np.abs(x - y) <= a)[seen].all())
 
-    if fits(k * math.log(2.0), r):
-        return ["the lse is in base 2 (log2 of the row's sum, FlashInfer's and JAX Pallas's convention): "
-                "times ln 2 it matches; a base-2 lse fed into a natural-log merge weights the partials wrongly"]
-    if fits(k / math.log(2.0), r):
-        return ["the lse is the natural one times ln 2 (a base-2 lse converted the wrong way)"]
+    f = convention.factor
+    natural = k * f  # the kernel's lse read as it was told
+    if fits(natural, r):  # the rows that see a key are right: only the empty rows' value is wrong
+        return found
+    if f == 1.0 and fits(k * LN2, r):
+        return found + ["the lse is in base 2 (log2 of the row's sum, FlashInfer's and JAX Pallas's "
+                        "convention): times ln 2 it matches; pass lse_base=2 (--lse-base 2) if that is "
+                        "the kernel's convention: a base-2 lse fed into a natural-log merge weights the "
+                        "partials wrongly"]
+    if f == 1.0 and fits(k / LN2, r):
+        return found + ["the lse is the natural one times ln 2 (a base-2 lse converted the wrong way)"]
+    if f != 1.0 and fits(k, r):
+        return found + ["the lse is the natural log (base e), not base 2 as told (lse_base=2): leave "
+                        "lse_base out if that is the kernel's convention"]
+    if other_sink is not None:
+        o = np.where(seen, other_sink, 0.0)
+        for reading, base_words, base_arg in (
+                (natural, "", ""),
+                (k * (LN2 if f == 1.0 else 1.0), " in base 2" if f == 1.0 else " in base e",
+                 " and lse_base=2" if f == 1.0 else " and lse_base left out")):
+            if fits(reading, o):
+                if convention.sink == "included":
+                    words = ("the lse excludes the sink (FlashMLA's convention: the keys' log-sum-exp "
+                             f"only){base_words}; pass lse_sink='excluded' (--lse-sink excluded){base_arg} "
+                             "if that is the kernel's convention")
+                else:
+                    words = ("the lse includes the sink (FlashAttention 4's convention, lse_sink="
+                             f"'included', the default){base_words}, not excluded as told{base_arg and ';'}"
+                             f"{base_arg.replace(' and ', ' ') if base_arg else ''}")
+                return found + [words]
     for words, alt in alternatives:
-        if alt is not None and alt.shape == kernel.shape and fits(k, np.where(seen, alt, 0.0)):
-            return [f"the lse matches that of attention with {words}"]
+        if alt is not None and alt.shape == kernel.shape and fits(natural, np.where(seen, alt, 0.0)):
+            return found + [f"the lse matches that of attention with {words}"]
     if kernel.shape[-1] > 1:
         for shift, words in ((1, "previous"), (-1, "next")):
             rolled = np.roll(r, shift, axis=-1)
-            close = (np.abs(k - rolled) <= a) & seen
+            close = (np.abs(natural - rolled) <= a) & seen
             interior = seen.copy()
             interior[..., 0 if shift == 1 else -1] = False
-            if interior.any() and close[interior].mean() >= 0.9 and not fits(k, r):
-                return [f"each row holds the {words} query row's lse (an off-by-one row index or stride)"]
-    return []
+            if interior.any() and close[interior].mean() >= 0.9 and not fits(natural, r):
+                return found + [f"each row holds the {words} query row's lse (an off-by-one row index or stride)"]
+    return found

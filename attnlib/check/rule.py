@@ -99,6 +99,7 @@ from ..core import arrays
 from ..core import problem
 from ..core.device import as_tensor
 from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
+from ..core.lse_conventions import NATURAL, LseConvention
 from ..core.options import Options
 from ..evidence.gate import C_EXP, LAMBDA, row_stats, tolerance
 from ..evidence.memory import dense_fits
@@ -400,21 +401,27 @@ def judge_out(out, expected: Expected):
     return judge("out", out, expected.ref, expected.allowance, expected.naive_err, positions())
 
 
-def judge_lse(lse, expected: Expected, stored) -> TensorVerdict:
-    """``lse`` against the expectation; ``stored``: the dtype the kernel stored it in.
+def judge_lse(lse, expected: Expected, stored, convention: LseConvention = NATURAL) -> TensorVerdict:
+    """``lse`` against the expectation; ``stored``: the dtype the kernel stored it in;
+    ``convention``: its base and what its empty rows hold (`attnlib.core.lse_conventions`;
+    the sink's place is the expectation's: that of the problem with or without sinks).
 
     Rows without a visible key have ``ref = -inf``; the kernel may write ``-inf``
-    (attnlib, PyTorch) or ``+inf`` (FlashAttention) there, nothing else.
+    (attnlib, PyTorch) or ``+inf`` (FlashAttention) there, or the one it is told, nothing else.
     """
     ref_lse = expected.ref_lse
-    lse = np.asarray(lse, dtype=np.float64).reshape(ref_lse.shape)
+    lse = convention.to_natural(np.asarray(lse, dtype=np.float64).reshape(ref_lse.shape))
     empty = expected.empty
     allowance = np.array(expected.lse_allowance, dtype=np.float64)
     stored = np.dtype(stored)
+    f = convention.factor  # natural = stored * f
+    top = np.abs(np.where(empty, 0.0, ref_lse)) / f  # |lse| as the kernel stored it
     if arrays.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
         with np.errstate(over="ignore"):
-            top = np.minimum(np.abs(np.where(empty, 0.0, ref_lse)), float(arrays.finfo(stored).max))
-            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64))
+            top = np.minimum(top, float(arrays.finfo(stored).max))
+            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64)) * f
+    if f != 1.0:  # the product by ln 2 rounds once more, in float64
+        allowance += np.spacing(top * f)
     # Empty rows are judged below, by what they hold: here they are 0 against 0.
     k = np.where(empty, 0.0, lse)[..., None]
     r = np.where(empty, 0.0, ref_lse)[..., None]
@@ -428,14 +435,17 @@ def judge_lse(lse, expected: Expected, stored) -> TensorVerdict:
         p.pop("dim")
     nan_empty = int(np.count_nonzero(empty & np.isnan(lse)))
     finite_empty = int(np.count_nonzero(empty & np.isfinite(lse)))
-    if nan_empty or finite_empty:
+    wrong_inf = 0 if convention.empty is None else int(np.count_nonzero(empty & (lse == -convention.empty)))
+    if nan_empty or finite_empty or wrong_inf:
         verdict.passed = False
         verdict.ratio = float("inf")
         verdict.nan += nan_empty
         parts = ([f"{nan_empty} hold NaN"] if nan_empty else []) + (
-            [f"{finite_empty} hold a finite value"] if finite_empty else [])
-        verdict.notes.append(f"rows without a visible key must have lse -inf (or +inf): "
-                             f"{' and '.join(parts)}")
+            [f"{finite_empty} hold a finite value"] if finite_empty else []) + (
+            [f"{wrong_inf} hold {'-inf' if convention.empty > 0 else '+inf'}"] if wrong_inf else [])
+        told = "-inf (or +inf)" if convention.empty is None else \
+            f"{'+inf' if convention.empty > 0 else '-inf'} (lse_empty)"
+        verdict.notes.append(f"rows without a visible key must have lse {told}: {' and '.join(parts)}")
     return verdict
 
 

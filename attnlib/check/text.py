@@ -44,6 +44,7 @@ def format_text(check: KernelCheck) -> str:
               f"q_lengths {ints(o['q_lengths'])}" if o.get("q_lengths") is not None else "",
               f"kv_lengths {ints(o['kv_lengths'])}" if o["kv_lengths"] is not None else "",
               f"sinks {np.shape(o['sinks'])}" if o.get("sinks") is not None else "",
+              f"lse {o['lse_convention']}" if o.get("lse_convention") else "",
               o.get("layout_note", "")]
     dv = "" if s["dv"] == s["d"] else f" (v: {s['dv']})"
     lines = [

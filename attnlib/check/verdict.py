@@ -13,6 +13,7 @@ from ..core import flex
 from ..evidence.memory import dense_fits
 from ..core.arrays import as_numpy
 from ..core.backward import dense_backward
+from ..core.lse_conventions import LseConvention
 from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
@@ -74,8 +75,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
                  key_leftpad=None, attention_chunk=None, sink_token_length=0,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
-                 cache_seqlens=None, workers=None, names=None, lse_dtype=None,
-                 scheduler=None, device=None) -> KernelCheck:
+                 cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
+                 lse_sink=None, lse_empty=None, scheduler=None, device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -127,6 +128,12 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     lse_dtype : dtype, optional
         The type the kernel stored ``lse`` in, when ``lse`` was converted on the way (a
         bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
+    lse_base, lse_sink, lse_empty : optional
+        The kernel's LSE convention (`attnlib.core.lse_conventions`): ``lse_base`` "e"
+        (default) or 2 (FlashInfer, JAX Pallas); ``lse_sink`` "included" (default,
+        FlashAttention 4) or "excluded" (FlashMLA: the keys' log-sum-exp only); ``lse_empty``
+        "-inf" or "+inf", what rows with no visible key must hold (default: either).  A
+        failing LSE that matches another convention is diagnosed by name.
     cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
         A varlen kernel's offsets ``(batch + 1,)`` and used keys ``(batch,)`` (layout
         ``thd``): judged as its sequences padded into a batch (`attnlib.evidence.packing`), so
@@ -180,6 +187,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("q_lengths comes from cu_seqlens_q in the varlen layout: leave it out")
     if dsinks is not None and sinks is None:
         raise UnusableInput("dsinks was given without sinks")
+    try:
+        convention = LseConvention.parse(lse_base, lse_sink, lse_empty)
+    except ValueError as e:
+        raise UnusableInput(str(e)) from None
     given, stored = {}, {}
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv).items():
         if x is not None:
@@ -247,9 +258,17 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                              prec, dense, workers, dev)
     lse_verdict = None
     if lse is not None:
-        lse_verdict = judge_lse(given["lse"], expected, lse_dtype or stored["lse"])
+        # An lse without the sink is that of the problem without sinks, with its own allowance.
+        lse_opts = replace(opts, sinks=None) if convention.sink == "excluded" else opts
+        lse_expected = expected if lse_opts is opts or opts.sinks is None else \
+            expect(qh, kh, vh, lse_opts, prec, workers, dense, scheduler, dev)
+        lse_verdict = judge_lse(given["lse"], lse_expected, lse_dtype or stored["lse"], convention)
+        if not convention.is_default:  # its worst entries are shown in base e, the reference's
+            lse_verdict.notes.insert(0, f"judged in the convention told: {convention.words()}"
+                                     + (" (shown times ln 2)" if convention.base == 2.0 else ""))
         if lse_verdict.passed is False:
-            _diagnose_lse(lse_verdict, given["lse"], expected, qh, kh, vh, opts, workers, dev)
+            _diagnose_lse(lse_verdict, given["lse"], lse_expected, qh, kh, vh, opts, lse_opts, convention,
+                          workers, dev)
     grads = {}
     if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
         kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
@@ -269,6 +288,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     row_err = err.max(axis=-1, initial=0.0)
     row_err = row_err.reshape((-1, row_err.shape[-1])).max(axis=0) if row_err.ndim > 1 else row_err
     shown = options_dict(opts, window=window, softcap=softcap, scale=scale)  # as the caller gave them
+    if lse is not None and not convention.is_default:
+        shown["lse_convention"] = convention.words()
     if layout_note:
         shown["layout_note"] = layout_note
     return KernelCheck(
@@ -342,18 +363,29 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, 
         grads[n].notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
 
 
-def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, workers, device=None):
-    """Diagnosis notes on a failing lse: base 2, its neighbour's row, a neighbouring problem's."""
+def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, lse_opts: Options, convention,
+                  workers, device=None):
+    """Diagnosis notes on a failing lse: another convention (base, the sink's place, the empty
+    rows' infinity), its neighbour's row, a neighbouring problem's.  ``lse_opts``: the problem
+    whose lse was judged (``opts`` without sinks when the sink is excluded)."""
+    def lse_of(o):
+        return forward_on(qh, kh, vh, o, return_lse=True, workers=workers, device=device)[1]
+
     alternatives = []
-    for words, alt in _problem_alternatives(guard_mods(opts)):
+    for words, alt in _problem_alternatives(guard_mods(lse_opts)):
         try:
-            alternatives.append((words, forward_on(qh, kh, vh, alt, return_lse=True, workers=workers,
-                                                   device=device)[1]))
+            alternatives.append((words, lse_of(alt)))
         except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
+    other_sink = None
+    if opts.sinks is not None:
+        try:
+            other_sink = lse_of(guard_mods(opts if lse_opts is not opts else replace(opts, sinks=None)))
+        except DROPPED:
+            pass
     kernel = np.asarray(lse, dtype=np.float64).reshape(expected.ref_lse.shape)
     found = diagnose_lse(kernel, expected.ref_lse, np.asarray(expected.lse_allowance), expected.empty,
-                         alternatives)
+                         alternatives, convention, other_sink)
     verdict.notes += [f"diagnosis: {d}" for d in found] or ["diagnosis: no known cause matched"]
 
 

@@ -1,0 +1,80 @@
+"""The three ways kernels write a row's log-sum-exp, parsed once (`docs/semantics.md`,
+"LSE conventions"): its base, whether the attention sink is in it, what empty rows hold.
+
+attnlib's own is base e, the sink included, ``-inf`` on rows with no visible key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+#: ``lse_2 = lse / ln 2``: FlashInfer's and JAX Pallas's base-2 LSE times this is attnlib's.
+LN2 = math.log(2.0)
+SINK = ("included", "excluded")
+_EMPTY = {"-inf": -math.inf, "+inf": math.inf, "inf": math.inf}
+
+
+@dataclass(frozen=True)
+class LseConvention:
+    """``base``: ``math.e`` or ``2.0``; ``sink``: "included" or "excluded"; ``empty``:
+    ``-inf``, ``+inf``, or None (either infinity)."""
+
+    base: float = math.e
+    sink: str = "included"
+    empty: float | None = None
+
+    @classmethod
+    def parse(cls, lse_base=None, lse_sink=None, lse_empty=None) -> "LseConvention":
+        """The convention from the user's spelling; ValueError naming the argument."""
+        if lse_base is None or (isinstance(lse_base, str) and lse_base == "e") or (
+                _is_number(lse_base) and lse_base == math.e):
+            base = math.e
+        elif (isinstance(lse_base, str) and lse_base == "2") or (_is_number(lse_base) and lse_base == 2):
+            base = 2.0
+        else:
+            raise ValueError(f"lse_base must be 'e' (natural log, the default) or 2, got {lse_base!r}")
+        sink = "included" if lse_sink is None else lse_sink
+        if sink not in SINK:
+            raise ValueError(f"lse_sink must be 'included' (the default) or 'excluded', got {lse_sink!r}")
+        if lse_empty is None:
+            empty = None
+        elif isinstance(lse_empty, str) and lse_empty in _EMPTY:
+            empty = _EMPTY[lse_empty]
+        elif _is_number(lse_empty) and math.isinf(lse_empty):
+            empty = float(lse_empty)
+        else:
+            raise ValueError(f"lse_empty must be '-inf', '+inf' or None (either), got {lse_empty!r}")
+        return cls(base, sink, empty)
+
+    @property
+    def factor(self) -> float:
+        """What a stored LSE is multiplied by to be natural: 1 or ln 2."""
+        return 1.0 if self.base == math.e else LN2
+
+    @property
+    def is_default(self) -> bool:
+        return self.base == math.e and self.sink == "included" and self.empty is None
+
+    def to_natural(self, lse) -> np.ndarray:
+        """A stored LSE in base e (``+-inf`` kept: a product by ln 2 keeps them)."""
+        lse = np.asarray(lse, dtype=np.float64)
+        return lse if self.factor == 1.0 else lse * self.factor
+
+    def words(self) -> str:
+        """How `attnlib.check.format_text` names it."""
+        parts = ["base 2" if self.base == 2.0 else "base e"]
+        parts.append(f"sink {self.sink}")
+        if self.empty is not None:
+            parts.append(f"empty rows {'+inf' if self.empty > 0 else '-inf'}")
+        return ", ".join(parts)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+#: attnlib's own: base e, the sink included, either infinity accepted on empty rows.
+NATURAL = LseConvention()
