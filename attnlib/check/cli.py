@@ -19,7 +19,7 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
-OPTION_FILES = ("sinks", "dsinks") + INDEX_FILES
+OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale") + INDEX_FILES
 #: What `NOTEBOOK` declares, and `_run_notebook` passes.
 NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "causal_align", "window",
                                                 "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
@@ -29,10 +29,11 @@ NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "ca
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
-                   **options) -> KernelCheck:
+                   q_descale="", k_descale="", v_descale="", **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
-    ``sinks`` and the integer files of `INDEX_FILES` too."""
-    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks)
+    ``sinks``, the fp8 descales and the integer files of `INDEX_FILES` too."""
+    specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
+                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens)
     arrays, kinds, names = {}, {}, {}
@@ -41,7 +42,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
             arrays[name] = load_indices(spec, f"--{name.replace('_', '-')}")
     for name, spec in specs.items():
         if spec:
-            # The sinks are parameters (float32 or float64 in the kernel): read as stored.
+            # The sinks and descales are parameters (float32 or float64 in the kernel): read as stored.
             arrays[name], kinds[name] = load_tensor(spec, f"--{name}", None if name in OPTION_FILES else dtype or None)
             names[name] = f"--{name} {spec}"
     lse_dtype = _stored_dtype(kinds["lse"]) if "lse" in kinds else None
@@ -125,8 +126,14 @@ def _parser():
                    help="what the kernel's --lse holds on rows without a visible key (write "
                         "--lse-empty=-inf); default: either")
     p.add_argument("--dsinks", default="", metavar="FILE", help="the kernel's gradient of the sinks (with --dout)")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64"), default=None,
-                   help="the kernel's compute precision (default: the type q is stored in)")
+    p.add_argument("--q-descale", default="", metavar="FILE",
+                   help="fp8: the (batch, nheads_k) factors that dequantise --q (FlashAttention 3's "
+                        "q_descale); likewise --k-descale, --v-descale")
+    p.add_argument("--k-descale", default="", metavar="FILE", help="fp8: k's descales, (batch, nheads_k)")
+    p.add_argument("--v-descale", default="", metavar="FILE", help="fp8: v's descales, (batch, nheads_k)")
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64", "float8_e4m3fn"), default=None,
+                   help="the kernel's compute precision (default: the type q is stored in; float8_e4m3fn: "
+                        "FlashAttention 3's fp8 forward, bfloat16 with p rounded to fp8)")
     p.add_argument("--workers", type=int, default=None,
                    help="threads for the float64 reference (default: every available CPU)")
     p.add_argument("--device", default=None, metavar="DEVICE",

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..core import arrays
 from ..core import problem
-from ..core import flex
+from ..core import descale, flex
 from ..evidence.memory import dense_fits
 from ..core.arrays import as_numpy
 from ..core.backward import dense_backward
@@ -76,7 +76,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  key_leftpad=None, attention_chunk=None, sink_token_length=0,
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
-                 lse_sink=None, lse_empty=None, scheduler=None, device=None) -> KernelCheck:
+                 lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
+                 scheduler=None, device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -128,6 +129,12 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     lse_dtype : dtype, optional
         The type the kernel stored ``lse`` in, when ``lse`` was converted on the way (a
         bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
+    q_descale, k_descale, v_descale : array, optional
+        An fp8 kernel's descales ``(batch, nheads_k)`` (FlashAttention 3's): ``q``, ``k``, ``v``
+        are the fp8 tensors as stored, the attention judged that of their dequantised values
+        (`attnlib.core.descale`); ``dtype`` defaults to float8_e4m3fn for float8_e4m3fn ``q``
+        (FlashAttention's fp8 test reference: bfloat16 with ``p`` rounded to fp8).  An output
+        that matches the descales ignored, applied twice or per tensor is diagnosed by name.
     lse_base, lse_sink, lse_empty : optional
         The kernel's LSE convention (`attnlib.core.lse_conventions`): ``lse_base`` "e"
         (default) or 2 (FlashInfer, JAX Pallas); ``lse_sink`` "included" (default,
@@ -223,7 +230,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     except ValueError:
         given_as = f"{dtype!r}" if dtype is not None else f"q's storage type {stored['q'].name}"
         raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
-                            f"float16, bfloat16; got {given_as} (pass dtype=/--dtype)") from None
+                            f"float16, bfloat16, float8_e4m3fn; got {given_as} (pass dtype=/--dtype)") from None
     kv_lengths = as_numpy(kv_lengths, names.get("kv_lengths", "kv_lengths"))
     q_lengths = as_numpy(q_lengths, names.get("q_lengths", "q_lengths"))
     key_leftpad = as_numpy(key_leftpad, names.get("key_leftpad", "key_leftpad"))
@@ -235,6 +242,18 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         except TypeError as e:
             raise UnusableInput(str(e)) from None
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
+    descaled = None  # (the stored q, k, v; the factors): for the diagnosis
+    if descale.given(q_descale, k_descale, v_descale):
+        if any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None:
+            raise UnusableInput("gradients are not judged with fp8 descales (FlashAttention 3's fp8 "
+                                "path is forward only): leave the descales or the gradients out")
+        try:
+            f = descale.factors(qh, kh, *(as_numpy(x, names.get(n, n)) for x, n in
+                                          zip((q_descale, k_descale, v_descale), descale.NAMES)))
+        except (ValueError, TypeError) as e:
+            raise UnusableInput(str(e)) from None
+        descaled = ((qh, kh, vh), f)
+        qh, kh, vh = (x * f[n] if n in f else x for x, n in zip((qh, kh, vh), descale.NAMES))
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     try:
         # One parse of the options, handed to every reference, baseline and diagnosis below.
@@ -255,7 +274,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     diagnosis = []
     if verdict.passed is False:
         diagnosis = diagnose(kernel, qh, kh, vh, opts, expected, ratio, shape, layout, given,
-                             prec, dense, workers, dev)
+                             prec, dense, workers, dev, descaled)
     lse_verdict = None
     if lse is not None:
         # An lse without the sink is that of the problem without sinks, with its own allowance.

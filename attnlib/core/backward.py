@@ -227,6 +227,9 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     prec = problem.precision(compute_dtype)
+    if prec.p_type is not None:
+        raise ValueError(f"compute_dtype={prec.name!r} has no backward: FlashAttention 3's fp8 path "
+                         "is forward only; judge fp8 gradients as bfloat16")
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
     problem.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)

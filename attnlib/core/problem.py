@@ -108,12 +108,15 @@ def overflow_message(dtype) -> str:
 class Precision:
     """A compute precision: inputs and ``p`` are rounded to ``compute``; the scores and the
     online state ``(m, l, acc)`` are kept in ``accumulate`` (float32 for the 16-bit types,
-    as GPU kernels keep them)."""
+    as GPU kernels keep them).  ``p_type``: where ``p`` is rounded to another type before
+    ``p @ v`` (float8_e4m3fn: FlashAttention 3's fp8 forward, whose inputs and output are
+    bfloat16's in its test reference), else None."""
 
     name: str
     compute: np.dtype
     accumulate: np.dtype
     eps: float
+    p_type: np.dtype | None = None
 
     @property
     def is_float64(self) -> bool:
@@ -123,12 +126,19 @@ class Precision:
         """``x`` rounded to the compute type, held in the accumulate type."""
         return np.asarray(x).astype(self.compute).astype(self.accumulate)
 
+    def round_p(self, x) -> np.ndarray:
+        """The weights ``p`` rounded as ``p @ v`` takes them (``p_type``, else ``compute``)."""
+        return np.asarray(x).astype(self.p_type or self.compute).astype(self.accumulate)
 
-_PRECISIONS = ("float64", "float32", "float16", "bfloat16")
+
+_PRECISIONS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn")
 
 
 def precision(x) -> Precision:
-    """``compute_dtype``: None/"float64", "float32", "float16" or "bfloat16" (needs ml_dtypes).
+    """``compute_dtype``: None/"float64", "float32", "float16", "bfloat16" or "float8_e4m3fn"
+    (the last two need ml_dtypes; float8_e4m3fn is FlashAttention 3's fp8 forward as its test
+    reference has it: bfloat16 inputs and scores, ``p`` rounded to float8_e4m3fn before
+    ``p @ v``, the state in float32, ``out`` in bfloat16).
 
     A numpy dtype or type of those names is taken too; anything else is a ValueError
     naming the choices.
@@ -146,20 +156,23 @@ def precision(x) -> Precision:
             name = None
     if name not in _PRECISIONS:
         raise ValueError("compute_dtype must be one of None, 'float64', 'float32', 'float16', "
-                         f"'bfloat16', got {x!r}")
+                         f"'bfloat16', 'float8_e4m3fn', got {x!r}")
     if name == "float64":
         return Precision("float64", np.dtype(np.float64), np.dtype(np.float64), float(np.finfo(np.float64).eps))
     if name in ("float32", "float16"):
         dt = np.dtype(name)
         return Precision(name, dt, np.dtype(np.float32), float(np.finfo(dt).eps))
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError(f"compute_dtype={name!r} needs the ml_dtypes package "
+                         "(pip install attnlib[lowp])") from None
+    bf16 = np.dtype(ml_dtypes.bfloat16)
     if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise ValueError("compute_dtype='bfloat16' needs the ml_dtypes package "
-                             "(pip install attnlib[lowp])") from None
-        return Precision(name, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
-                         float(finfo(ml_dtypes.bfloat16).eps))
+        return Precision(name, bf16, np.dtype(np.float32), float(finfo(bf16).eps))
+    if name == "float8_e4m3fn":
+        return Precision(name, bf16, np.dtype(np.float32), float(finfo(bf16).eps),
+                         np.dtype(ml_dtypes.float8_e4m3fn))
     raise AssertionError(name)  # unreachable: every name of _PRECISIONS is handled above
 
 

@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 
 from . import arrays
-from . import problem
+from . import descale, problem
 from . import validate
 from . import flex
 from .device import on_device, resolve as device_of
@@ -107,7 +107,7 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
 
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
-                        device=None, **options):
+                        q_descale=None, k_descale=None, v_descale=None, device=None, **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
@@ -126,11 +126,14 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         Also return ``lse: (..., Hq, Sq)``, the natural log of the softmax denominator.
     check_finite : bool
         Refuse inputs holding NaN or inf.
-    compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
+    compute_dtype : {None, "float64", "float32", "float16", "bfloat16", "float8_e4m3fn"}
         The naive baseline in a lower precision (FlashAttention's test rule compares a
         kernel against it): inputs rounded to it, ``q k^T`` accumulated in float32 and
         stored in it, the softmax in float32, ``p`` rounded, ``p @ v`` accumulated in
-        float32, ``out`` returned in it.
+        float32, ``out`` returned in it (float8_e4m3fn: bfloat16, ``p`` rounded to
+        float8_e4m3fn, as FlashAttention's ``attention_ref(intermediate_dtype=fp8)``).
+    q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
+        fp8 descales, as in `attention`: the attention of the dequantised values.
     device : str or torch.device, optional
         As in `attention`: given torch tensors (or ``device=``) the reference is computed
         with torch on their device (`attnlib.core.torch_reference`, the same steps and
@@ -150,6 +153,8 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     do not all underflow to 0.
     """
     opts = dense_options(**options)
+    if descale.given(q_descale, k_descale, v_descale):
+        q, k, v = descale.dequantize(q, k, v, q_descale, k_descale, v_descale, device_of(None, q, k, v))
     dev = device_of(device, q, k, v)
     if dev is None:
         return dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,
@@ -169,16 +174,18 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
         out, lse = _dense(q5, k5, v5, pb, np.float64, opts)
     else:
         out, lse = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
-                          prec.accumulate.type, opts, prec.round)
+                          prec.accumulate.type, opts, prec.round, prec.round_p, prec.p_type is not None)
         out = out.astype(prec.compute)
     return (out, lse) if return_lse else out
 
 
-def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None):
+def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None, normalized=False):
     """``(out, lse)`` in the caller's layout, computed densely in ``dtype``.
 
-    ``round_lowp`` rounds the scores and the weights to a low compute precision (the naive
-    same-precision baseline); None computes everything in ``dtype``.
+    ``round_lowp`` rounds the scores and ``round_p`` the weights to a low compute precision
+    (the naive same-precision baseline); None computes everything in ``dtype``.
+    ``normalized``: the weights divided by ``l`` before they are rounded (in the compute type,
+    then by ``round_p``) and multiplied, as FlashAttention's fp8 ``attention_ref`` has it.
     """
     sink = problem.sinks(opts.sinks, pb, dtype)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, opts, dtype)  # (..., hk, g, sq, sk)
@@ -198,8 +205,12 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None):
     v_max = pb.max_of("v", v5)
     e = problem.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
     v_scaled = v5.astype(dtype) if not e else np.ldexp(v5.astype(dtype), -e)
-    out = np.matmul(p if round_lowp is None else round_lowp(p), v_scaled)
-    out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
+    if normalized:  # softmax first, p stored in the compute type, then rounded to p's type
+        p = round_p(round_lowp(np.divide(p, l, out=np.zeros_like(p), where=seen)))
+        out = problem.unscale_values(np.matmul(p, v_scaled), e, v_max)
+    else:
+        out = np.matmul(p if round_p is None else round_p(p), v_scaled)
+        out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1)

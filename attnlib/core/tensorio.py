@@ -35,9 +35,9 @@ import zlib
 import numpy as np
 
 #: The stored types a kernel's tensors may have, as `Precision` names.
-FLOAT_KINDS = ("float64", "float32", "float16", "bfloat16")
+FLOAT_KINDS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn")
 
-_SAFETENSORS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_SAFETENSORS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "F8_E4M3": "|u1"}
 #: Integer safetensors dtypes, read by `load_indices` (offsets, page tables, lengths).
 _SAFETENSORS_INT = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "U8": "<u1", "U16": "<u2",
                     "U32": "<u4", "U64": "<u8"}
@@ -73,14 +73,14 @@ def load_tensor(spec: str, label: str, dtype: str | None = None) -> tuple[np.nda
         ``path`` or ``path:name`` (``.npy``, ``.npz`` or ``.safetensors``).
     label : str
         How messages name it, e.g. ``"--q"``.
-    dtype : {None, "float64", "float32", "float16", "bfloat16"}
+    dtype : {None, "float64", "float32", "float16", "bfloat16", "float8_e4m3fn"}
         The kernel's precision, if known: lets raw 2-byte data and ``uint16`` bits be read
-        as bfloat16 or float16.
+        as bfloat16 or float16, raw 1-byte data and ``uint8`` as float8_e4m3fn.
 
     Returns
     -------
     array : ndarray, float16, float32 or float64 (bfloat16 is returned as the float32 of
-        equal value)
+        equal value, float8_e4m3fn as an ``ml_dtypes.float8_e4m3fn`` array: one byte each)
     kind : str, one of `FLOAT_KINDS`: the type the tensor was stored in
 
     Raises
@@ -339,7 +339,7 @@ def _from_safetensors(path, key, where, dtype):
             raise TensorFileError(f"{where}: tensor {name!r} has dtype {kind}; it must be {what_kind} "
                                   f"({', '.join(known)})")
         src = np.dtype(known[kind])
-        mode, stored = _plan(src, "bfloat16" if kind == "BF16" else None, where, dtype)
+        mode, stored = _plan(src, {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}.get(kind), where, dtype)
         f.seek(8 + n + start)
         flat = _read_flat(f, src, (end - start) // src.itemsize, mode, where)
     return flat.reshape(shape), stored
@@ -379,6 +379,11 @@ def _plan(src: np.dtype, stored, where, dtype):
         raise TensorFileError(f"{where}: dtype {src} is not an integer type")
     if stored == "bfloat16":
         return "bf16", "bfloat16"
+    if stored == "float8_e4m3fn" or (src.itemsize == 1 and src.kind in "Vu" and dtype == "float8_e4m3fn"):
+        return "f8", "float8_e4m3fn"  # fp8 bytes, kept as ml_dtypes.float8_e4m3fn (1 byte each)
+    if src.kind == "V" and src.itemsize == 1:  # ml_dtypes 8-bit types via np.save
+        raise TensorFileError(f"{where}: holds raw 1-byte values ({src}, how numpy saves "
+                              "ml_dtypes.float8_e4m3fn); pass --dtype float8_e4m3fn")
     bits = False
     if src.kind == "V" and src.itemsize == 2:  # ml_dtypes 16-bit types via np.save
         if dtype not in ("bfloat16", "float16"):
@@ -425,6 +430,13 @@ def _read_flat(f, src: np.dtype, count: int, mode: str, where) -> np.ndarray:
         return out.view(np.float32)
     arr = np.empty(count, src)
     _fill(f, memoryview(arr.view(np.uint8)), where)
+    if mode == "f8":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TensorFileError(f"{where}: float8_e4m3fn data needs the ml_dtypes package "
+                                  "(pip install attnlib[lowp])") from None
+        return arr.view(np.uint8).view(ml_dtypes.float8_e4m3fn)
     if mode == "f16":  # float16 bits
         bits = _bits_dtype(src)
         arr = arr.view(bits).view(np.dtype(np.float16).newbyteorder(bits.byteorder))
@@ -434,12 +446,14 @@ def _read_flat(f, src: np.dtype, count: int, mode: str, where) -> np.ndarray:
 
 
 def save_safetensors(path: str, tensors: dict) -> None:
-    """Write float16/32/64 arrays (and ``("bfloat16", uint16 bits)`` pairs) as safetensors;
-    for tests and examples."""
+    """Write float16/32/64 arrays (and ``("bfloat16", uint16 bits)`` or ``("float8_e4m3fn",
+    uint8 bits)`` pairs) as safetensors; for tests and examples."""
     header, chunks, offset = {}, [], 0
-    codes = {v: k for k, v in _SAFETENSORS.items() if k != "BF16"}
+    codes = {v: k for k, v in _SAFETENSORS.items() if k not in ("BF16", "F8_E4M3")}
     for name, x in tensors.items():
-        if isinstance(x, tuple):  # ("bfloat16", bits)
+        if isinstance(x, tuple) and x[0] == "float8_e4m3fn":  # ("float8_e4m3fn", bytes)
+            kind, x = "F8_E4M3", np.ascontiguousarray(x[1], dtype=np.uint8)
+        elif isinstance(x, tuple):  # ("bfloat16", bits)
             kind, x = "BF16", np.ascontiguousarray(x[1], dtype="<u2")
         else:
             x = np.ascontiguousarray(x)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import problem
+from . import descale, problem
 from . import validate
 from . import flex
 from . import hooks
@@ -35,7 +35,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
-              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, device=None):
+              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, q_descale=None,
+              k_descale=None, v_descale=None, device=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -109,11 +110,18 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         ``(l, acc)`` in the accumulate type (float32 unless float64: about
         ``88.7 - log(Sk)``), and ``log(max_compute) - log 2 ~ 10.4`` for float16, whose
         rounded ``p`` must stay finite.  In float64 with ordinary ``v`` nothing is clamped.
-    compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
+    compute_dtype : {None, "float64", "float32", "float16", "bfloat16", "float8_e4m3fn"}
         The precision a kernel under test runs in: q, k, v and the weights ``p`` are
         rounded to it, the scores and ``(m, l, acc)`` kept in float32 (for the 16-bit types,
         as GPU kernels do; bfloat16 needs ``ml_dtypes``).  ``out`` is returned in it and
-        ``lse`` in float32.  Default: float64 throughout.
+        ``lse`` in float32.  float8_e4m3fn: FlashAttention 3's fp8 forward as its test
+        reference has it, bfloat16 but for ``p``, rounded to float8_e4m3fn before ``p @ v``
+        (``out`` in bfloat16).  Default: float64 throughout.
+    q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
+        FlashAttention 3's fp8 descales: the attention of ``q * q_descale`` (each kv head's
+        factor on its query heads), ``k * k_descale`` and ``v * v_descale``, formed once in
+        float64 (exact for fp8 values and float32 factors).  Positive, finite, and of a shape
+        that broadcasts to ``(..., Hk)`` (a per-tensor scale too); not with a paged cache.
     workers : int, optional
         Threads that take (head block, query tile) units in parallel; default (None, or
         -1): one per available CPU.  numpy releases the GIL in matmul and ``exp``.  The
@@ -194,6 +202,12 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
                return_stats=return_stats, check_finite=check_finite)
+    if descale.given(q_descale, k_descale, v_descale):
+        if opts.paged:  # a page may serve several batch entries, each with its own factors
+            raise ValueError("q_descale, k_descale and v_descale cannot be combined with a paged KV "
+                             "cache; dequantise the pages, or judge the kernel with attnlib.check")
+        # Where torch tensors live (else numpy): the results come back in the inputs' kind.
+        q, k, v = descale.dequantize(q, k, v, q_descale, k_descale, v_descale, device_of(None, q, k, v))
     return forward_on(q, k, v, opts, device=device, **run)
 
 

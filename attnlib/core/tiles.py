@@ -95,7 +95,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
                          post_scale=scale if low else None, check=check, keys_first=keys_first,
                          vis=vis, mods=mods)
         rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
-                                round_p=prec.round if low else None,
+                                round_p=prec.round_p if low else None,
                                 keys_first=keys_first, visible=vis)  # s now holds p
         if count:  # per head: a packed tile's rows are row_groups heads' rows
             events[..., t] = rescaled.reshape(rescaled.shape[:-1] + groups + (-1,)).sum(axis=-1)

@@ -27,28 +27,33 @@ from . import flex, torch_flex, torch_tiled
 from .masks import MaskSpec
 
 #: ``compute_dtype`` names -> torch's type of the name (float64: None, the exact path).
-_COMPUTE = ("float32", "float16", "bfloat16")
+_COMPUTE = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 
 
 def compute_type(compute_dtype):
-    """The torch type of ``compute_dtype`` (None for float64), checked as the host checks
-    it (`problem.precision`); torch's own dtypes are taken too.  bfloat16 needs no
-    ml_dtypes here."""
+    """``(compute, p)``: the torch types ``compute_dtype`` rounds the inputs and scores to
+    and ``p`` to (`problem.Precision.p_type`), ``(None, None)`` for float64, checked as the
+    host checks it (`problem.precision`); torch's own dtypes are taken too.  bfloat16 and
+    float8_e4m3fn need no ml_dtypes here."""
     torch = dev_mod._torch()
     if isinstance(compute_dtype, torch.dtype):
         name = str(compute_dtype).removeprefix("torch.")
         if name not in ("float64",) + _COMPUTE:
             raise ValueError("compute_dtype must be one of None, 'float64', 'float32', 'float16', "
-                             f"'bfloat16', got {compute_dtype!r}")
+                             f"'bfloat16', 'float8_e4m3fn', got {compute_dtype!r}")
     elif isinstance(compute_dtype, problem.Precision):  # internal: the extended precision
         if compute_dtype.is_float64:
-            return None
+            return None, None
         raise ValueError(f"compute_dtype {compute_dtype.name!r} is not computed on a torch device")
-    elif compute_dtype == "bfloat16":
-        name = "bfloat16"
+    elif compute_dtype in ("bfloat16", "float8_e4m3fn"):
+        name = compute_dtype
     else:
         name = problem.precision(compute_dtype).name
-    return None if name == "float64" else getattr(torch, name)
+    if name == "float64":
+        return None, None
+    if name == "float8_e4m3fn":  # FlashAttention 3's fp8 forward: bfloat16 but for p
+        return torch.bfloat16, torch.float8_e4m3fn
+    return getattr(torch, name), getattr(torch, name)
 
 
 def round_to(x, dtype):
@@ -123,10 +128,10 @@ def _scores(torch, q5, k5, pb, opts, np_dtype, dev, visible_, distance):
     return s
 
 
-def _dense(torch, q5, k5, v5, pb, opts, dev, low=None):
+def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
     """`reference._dense`: ``(out, lse)`` in the caller's layout.  ``low``: the torch
     compute type of the naive low-precision baseline (q5, k5, v5 already rounded to it and
-    held in float32), or None for float64."""
+    held in float32), or None for float64; ``p_low``: the type ``p`` is rounded to."""
     np_dtype = np.float64 if low is None else np.float32
     dtype = torch.float64 if low is None else torch.float32
     sink = problem.sinks(opts.sinks, pb, np_dtype)  # (..., hk, g) or None
@@ -149,8 +154,12 @@ def _dense(torch, q5, k5, v5, pb, opts, dev, low=None):
     v_max = pb.maxima[2]
     e = problem.value_exponent(v_max, pb.sk, np_dtype)  # values near the range: summed / 2**e
     v_scaled = v5.to(dtype) if not e else v5.to(dtype) * math.ldexp(1.0, -e)  # exact: a power of two
-    out = torch.matmul(p if low is None else round_to(p, low), v_scaled)
-    out = torch.where(seen, out / torch.where(seen, l, 1.0), 0.0)
+    if p_low is not None and p_low != low:  # fp8 (`reference._dense`'s normalized): softmax first
+        p = round_to(round_to(torch.where(seen, p / torch.where(seen, l, 1.0), 0.0), low), p_low)
+        out = torch.matmul(p, v_scaled)
+    else:
+        out = torch.matmul(p if low is None else round_to(p, low), v_scaled)
+        out = torch.where(seen, out / torch.where(seen, l, 1.0), 0.0)
     if e:  # `problem.unscale_values`
         bound = math.ldexp(v_max, -e)
         out = out.clamp(-bound, bound) * math.ldexp(1.0, e)
@@ -180,13 +189,14 @@ def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, 
     (float64, or ``out`` in the compute type and ``lse`` in float32 for a low one)."""
     torch = dev_mod._torch()
     q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite, dev=dev)
-    low = compute_type(compute_dtype)
+    low, p_low = compute_type(compute_dtype)
     with torch.no_grad():
         if low is None:
             f64 = torch.float64
             out, lse = _dense(torch, q5.to(f64), k5.to(f64), v5.to(f64), pb, opts, dev)
         else:
             _check_representable(torch, low, (("q", q5), ("k", k5), ("v", v5)))
-            out, lse = _dense(torch, round_to(q5, low), round_to(k5, low), round_to(v5, low), pb, opts, dev, low)
+            out, lse = _dense(torch, round_to(q5, low), round_to(k5, low), round_to(v5, low), pb, opts, dev,
+                              low, p_low)
             out = out.to(low)
     return (out, lse) if return_lse else out

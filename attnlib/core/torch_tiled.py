@@ -248,6 +248,7 @@ class _Kernel:
         # and the state (m, l, acc) kept in `acc` (float32), the scale on the scores.
         self.prec, self.low = prec, not prec.is_float64
         self.compute = getattr(torch, prec.compute.name)
+        self.p_type = getattr(torch, (prec.p_type or prec.compute).name)  # what p @ v takes p in
         self.acc = getattr(torch, prec.accumulate.name)
         self.slopes = None if slopes is None else torch.as_tensor(slopes, device=dev)  # (..., hk, g)
         # Values near the type's range are summed divided by 2**e (`problem.value_exponent`).
@@ -452,7 +453,7 @@ class _Kernel:
             p = s.clamp_max_(self.tau + 1.0).exp_().mul_(mask[2])
         st.l.mul_(alpha).add_(p.sum(dim=-1))
         if self.low:  # l sums the unrounded p; p @ v takes p rounded, as FlashAttention's kernels do
-            p = p.to(self.compute).to(self.acc)
+            p = p.to(self.p_type).to(self.acc)
         pv = torch.matmul(p.view(lead[:-1] + (lead[-1] * r, p.shape[-1])), v_j)  # (..., hk, g*r, dv)
         st.acc.mul_(alpha[..., None]).add_(pv.view(lead + (r, v_j.shape[-1])))
         st.m = m_new
