@@ -309,7 +309,7 @@ def test_bad_compute_dtype_message():
     for bad in (5, object(), "int8", np.int32):
         with pytest.raises((TypeError, ValueError),
                            match="compute_dtype must be one of None, 'float64', 'float32', "
-                                 "'float16', 'bfloat16', got"):
+                                 "'float16', 'bfloat16', 'float8_e4m3fn', got"):
             attnlib.attention(q, k, v, compute_dtype=bad)
     np.testing.assert_array_equal(attnlib.attention(q, k, v, compute_dtype=np.float32),
                                   attnlib.attention(q, k, v, compute_dtype="float32"))

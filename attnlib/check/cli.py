@@ -20,8 +20,10 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
 OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale") + INDEX_FILES
+#: Input files besides q, k, v, read like them (in the kernel's type): MLA's second query.
+INPUT_FILES = ("qv",)
 #: What `NOTEBOOK` declares, and `_run_notebook` passes.
-NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "causal_align", "window",
+NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype", "layout", "causal", "causal_align", "window",
                                                 "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
                                                 "attention_chunk", "sink_token_length", "lse_base",
                                                 "lse_sink", "lse_empty", "workers", "results_json")
@@ -29,11 +31,16 @@ NOTEBOOK_PARAMETERS = TENSORS + OPTION_FILES + ("dtype", "layout", "causal", "ca
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
-                   q_descale="", k_descale="", v_descale="", **options) -> KernelCheck:
+                   q_descale="", k_descale="", v_descale="", qv="", v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
-    ``sinks``, the fp8 descales and the integer files of `INDEX_FILES` too."""
+    ``sinks``, the fp8 descales, MLA's ``qv`` and the integer files of `INDEX_FILES` too.
+    ``v_from_k=Dv``: ``v`` is the first ``Dv`` of ``k``'s head dim (FlashMLA's shared latent),
+    a view of it: no ``v`` file."""
+    if bool(v) == bool(v_from_k):
+        raise UnusableInput("give v (--v FILE) or v_from_k (--v-from-k DV: v is k's first DV "
+                            "dimensions, FlashMLA's shared latent), one of them")
     specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
-                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens)
     arrays, kinds, names = {}, {}, {}
@@ -45,6 +52,12 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
             # The sinks and descales are parameters (float32 or float64 in the kernel): read as stored.
             arrays[name], kinds[name] = load_tensor(spec, f"--{name}", None if name in OPTION_FILES else dtype or None)
             names[name] = f"--{name} {spec}"
+    if v_from_k:
+        d = arrays["k"].shape[-1] if arrays["k"].ndim else 0
+        if not isinstance(v_from_k, int) or not 0 < v_from_k <= d:
+            raise UnusableInput(f"--v-from-k {v_from_k}: must be between 1 and k's head dim {d}")
+        arrays["v"] = arrays["k"][..., :v_from_k]  # a view: the latent's first Dv dimensions
+        names["v"] = f"--v-from-k {v_from_k} (k's first {v_from_k} dimensions)"
     lse_dtype = _stored_dtype(kinds["lse"]) if "lse" in kinds else None
     return check_kernel(**arrays, dtype=dtype or kinds["q"], names=names, lse_dtype=lse_dtype, **options)
 
@@ -80,10 +93,16 @@ def _parser():
                     "kernels are judged by a float64 rounding bound per row. "
                     "Exit code 0: pass, 1: fail, 2: unusable input.")
     for name in TENSORS:
-        required = name in ("q", "k", "v", "out")
+        required = name in ("q", "k", "out")
         p.add_argument(f"--{name}", required=required, default="", metavar="FILE",
                        help=f"{name} tensor: .npy, .npz or .safetensors (path or path:name)"
-                            + ("" if required else ", optional"))
+                            + ("" if required else " (or --v-from-k)" if name == "v" else ", optional"))
+    p.add_argument("--v-from-k", type=int, default=0, metavar="DV",
+                   help="no --v: v is the first DV dimensions of k's head dim (FlashMLA's shared latent, "
+                        "576-dim keys whose first 512 are the values), read once")
+    p.add_argument("--qv", default="", metavar="FILE",
+                   help="MLA's second query (FlashAttention 3/4's qv), q's layout with v's head dim: scores "
+                        "scale (q k^T + qv v^T), default scale 1/sqrt(D + Dv)")
     p.add_argument("--layout", choices=LAYOUTS + ("thd",), default="bshd",
                    help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
                         "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's; "
@@ -156,7 +175,7 @@ def main(argv=None) -> int:
                    attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
                    lse_base=args.lse_base, lse_sink=args.lse_sink, lse_empty=args.lse_empty,
                    workers=args.workers, device=args.device)
-    files = {name: getattr(args, name) for name in TENSORS + OPTION_FILES}
+    files = {name: getattr(args, name) for name in TENSORS + INPUT_FILES + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:
         if args.html and on_cluster:
@@ -166,10 +185,11 @@ def main(argv=None) -> int:
             raise UnusableInput("--device computes the reference here with torch: it does not take "
                                 "--scheduler, --distributed or --html")
         if args.html:
-            text, code = _run_notebook(files, args.dtype or "", options, args.html)
+            text, code = _run_notebook(files, args.dtype or "", {**options, "v_from_k": args.v_from_k}, args.html)
         else:
             with _cluster(args) as scheduler:
-                check = load_and_check(**files, dtype=args.dtype or "", scheduler=scheduler, **options)
+                check = load_and_check(**files, dtype=args.dtype or "", v_from_k=args.v_from_k,
+                                       scheduler=scheduler, **options)
             text, code = format_text(check), check.exit_code
     except (TensorFileError, UnusableInput) as e:
         print(f"attnlib check: unusable input: {e}", file=sys.stderr)

@@ -126,10 +126,10 @@ def trend(row_ratio) -> str:
 
 
 def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, given, prec, dense,
-             workers, device=None, descaled=None) -> list:
+             workers, device=None, mixups=()) -> list:
     """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values); ``device``: where
-    the alternatives' references are computed with torch (None: the host); ``descaled``: the
-    stored fp8 ``(q, k, v)`` and the descale factors they were dequantised with, or None."""
+    the alternatives' references are computed with torch (None: the host); ``mixups``: the
+    problem's inputs mishandled, ``(words, (q, k, v), options)`` (fp8 descales, MLA's qv)."""
     found = []
     finite_row = np.isfinite(kernel).all(axis=-1)  # (..., H, S)
     row_bad = ratio.max(axis=-1, initial=0.0) > 1  # NaN/inf rows included (ratio inf)
@@ -172,8 +172,8 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
                      "the differences between plain formulations of attention in this precision; a "
                      "correct kernel that sums or scales in yet another order can land here, while "
                      "the bugs the check looks for fail by orders of magnitude")
-    if todo.any() and descaled is not None:
-        found += _descale_mixups(kernel, *descaled, opts, prec, dense, workers, device)
+    if todo.any() and mixups:
+        found += _input_mixups(kernel, mixups, prec, dense, workers, device)
     if todo.any():
         found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device)
         if not marginal:
@@ -339,30 +339,32 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     return [words for _, words in sorted(scored, key=lambda s: -s[0])]
 
 
-def _descale_mixups(kernel, stored, factors, opts: Options, prec, dense, workers, device=None) -> list:
-    """The fp8 descales mishandled (ROCm/aiter 5661, vLLM 51363): ignored, applied twice, or
-    one per-tensor factor for every (batch, kv head): the first whose attention the output
-    matches, whole, by the rule's allowance for that problem (the values' sizes differ)."""
+def descale_variants(factors) -> list:
+    """``(words, factors)``: the fp8 descales mishandled (ROCm/aiter 5661, vLLM 51363): ignored
+    (all, or one: None), applied twice, or one per-tensor factor for every (batch, kv head)."""
     given = [n for n in descale.NAMES if n in factors]
-    per_tensor = {n: f for n, f in factors.items() if np.ptp(f) > 0}  # factors that vary
-    candidates = [("the descales ignored (the stored fp8 values attended as they are)",
-                   {n: None for n in given})]
+    varying = {n: f for n, f in factors.items() if np.ptp(f) > 0}
+    out = [("the descales ignored (the stored fp8 values attended as they are)", {n: None for n in given})]
     if len(given) > 1:
-        candidates += [(f"{n} ignored", {n: None}) for n in given]
-    candidates.append(("the descales applied twice (to values already dequantised)",
-                       {n: factors[n] ** 2 for n in given}))
+        out += [(f"{n} ignored", {n: None}) for n in given]
+    out.append(("the descales applied twice (to values already dequantised)", {n: factors[n] ** 2 for n in given}))
     if len(given) > 1:
-        candidates += [(f"{n} applied twice", {n: factors[n] ** 2}) for n in given]
+        out += [(f"{n} applied twice", {n: factors[n] ** 2}) for n in given]
     for which, pick in (("first", lambda f: f.flat[0]), ("largest", np.max)):
-        if per_tensor:
-            candidates.append((f"per-tensor descales (the {which} factor for every batch entry and kv "
-                               "head) instead of one per (batch, kv head)",
-                               {n: np.full_like(f, pick(f)) for n, f in per_tensor.items()}))
-    for words, change in candidates:
-        xs = [x if change.get(n, factors.get(n)) is None else x * change.get(n, factors.get(n))
-              for x, n in zip(stored, descale.NAMES)]
+        if varying:
+            out.append((f"per-tensor descales (the {which} factor for every batch entry and kv head) "
+                        "instead of one per (batch, kv head)",
+                        {n: np.full_like(f, pick(f)) for n, f in varying.items()}))
+    return [(words, {**factors, **change}) for words, change in out]
+
+
+def _input_mixups(kernel, candidates, prec, dense, workers, device=None) -> list:
+    """The first of ``candidates`` (``(words, (q, k, v), options)``: the inputs mishandled)
+    whose attention the output matches, whole, by the rule's allowance for that problem (its
+    values' sizes differ)."""
+    for words, (q, k, v), opts in candidates:
         try:
-            alt = expect(*xs, guard_mods(opts), prec, workers, dense, device=device)
+            alt = expect(q, k, v, guard_mods(opts), prec, workers, dense, device=device)
         except DROPPED:
             continue
         if _passes(kernel, alt.ref, alt.allowance):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..core import arrays
 from ..core import problem
-from ..core import descale, flex
+from ..core import descale, flex, mla
 from ..evidence.memory import dense_fits
 from ..core.arrays import as_numpy
 from ..core.backward import dense_backward
@@ -17,8 +17,8 @@ from ..core.lse_conventions import LseConvention
 from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
-from .diagnosis import (DROPPED, diagnose, diagnose_gradient, diagnose_lse, guard_grad, guard_mods,
-                        row_ratios, trend, variant_alternatives)
+from .diagnosis import (DROPPED, descale_variants, diagnose, diagnose_gradient, diagnose_lse, guard_grad,
+                        guard_mods, row_ratios, trend, variant_alternatives)
 from ..evidence.packing import unpack_paged, unpack_varlen
 from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
@@ -77,7 +77,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
-                 scheduler=None, device=None) -> KernelCheck:
+                 qv=None, scheduler=None, device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -129,6 +129,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     lse_dtype : dtype, optional
         The type the kernel stored ``lse`` in, when ``lse`` was converted on the way (a
         bfloat16 file read as float32); default ``lse.dtype``.  Its rounding is allowed.
+    qv : array, optional
+        MLA's second query (FlashAttention 3/4's ``qv``), in ``q``'s layout with ``v``'s head
+        dim: the attention judged has scores ``scale (q k^T + qv v^T)``, default scale
+        ``1/sqrt(D + Dv)`` (`attnlib.core.mla`).  An output that matches qv ignored, or the
+        scale 1/sqrt(D), is diagnosed by name; gradients are not judged with it yet.
     q_descale, k_descale, v_descale : array, optional
         An fp8 kernel's descales ``(batch, nheads_k)`` (FlashAttention 3's): ``q``, ``k``, ``v``
         are the fp8 tensors as stored, the attention judged that of their dequantised values
@@ -172,7 +177,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         no values to read (`attnlib.core.arrays`).  A failing kernel gets a verdict, never
         an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
-    names = {n: n for n in TENSORS} | (names or {})
+    names = {n: n for n in TENSORS + ("qv",)} | (names or {})
     try:
         dev = device_of(device, q, k, v, out)  # before any tensor is read to the host
     except (ValueError, TypeError) as e:
@@ -199,7 +204,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     except ValueError as e:
         raise UnusableInput(str(e)) from None
     given, stored = {}, {}
-    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv).items():
+    if qv is not None and (any(x is not None for x in (dq, dk, dv)) or dsinks is not None):
+        raise UnusableInput("gradients are not judged with qv yet (dv then sums two parts): leave the "
+                            "gradients out, or judge them with attnlib.attention_backward(..., qv=) yourself")
+    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
     if sinks is not None:
@@ -242,18 +250,19 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         except TypeError as e:
             raise UnusableInput(str(e)) from None
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
-    descaled = None  # (the stored q, k, v; the factors): for the diagnosis
+    qvh = None if "qv" not in given else to_bhsd(given["qv"], layout).astype(np.float64)
+    factors = {}  # the fp8 descales, laid out on (..., H, S, D)
     if descale.given(q_descale, k_descale, v_descale):
         if any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None:
             raise UnusableInput("gradients are not judged with fp8 descales (FlashAttention 3's fp8 "
                                 "path is forward only): leave the descales or the gradients out")
         try:
-            f = descale.factors(qh, kh, *(as_numpy(x, names.get(n, n)) for x, n in
-                                          zip((q_descale, k_descale, v_descale), descale.NAMES)))
+            factors = descale.factors(qh, kh, *(as_numpy(x, names.get(n, n)) for x, n in
+                                                zip((q_descale, k_descale, v_descale), descale.NAMES)))
         except (ValueError, TypeError) as e:
             raise UnusableInput(str(e)) from None
-        descaled = ((qh, kh, vh), f)
-        qh, kh, vh = (x * f[n] if n in f else x for x, n in zip((qh, kh, vh), descale.NAMES))
+    raw = (qh, kh, vh, qvh)  # as the kernel read them, bhsd
+    qh, kh, vh = _inputs(raw, factors)
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     try:
         # One parse of the options, handed to every reference, baseline and diagnosis below.
@@ -274,7 +283,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     diagnosis = []
     if verdict.passed is False:
         diagnosis = diagnose(kernel, qh, kh, vh, opts, expected, ratio, shape, layout, given,
-                             prec, dense, workers, dev, descaled)
+                             prec, dense, workers, dev, _mixups(raw, factors, opts))
     lse_verdict = None
     if lse is not None:
         # An lse without the sink is that of the problem without sinks, with its own allowance.
@@ -339,6 +348,37 @@ def options_dict(opts: Options, **as_given) -> dict:
     if opts.sink_token_length:
         result["sink_token_length"] = opts.sink_token_length
     return result | as_given
+
+
+def _inputs(stored, factors):
+    """``(q, k, v)`` the reference takes: the stored ``(q, k, v, qv)`` (bhsd, float64) times the
+    fp8 descales in ``factors``, then with MLA's ``qv`` joined (`attnlib.core.mla`)."""
+    q, k, v, qv = stored
+    q, k, v, qv = (x if x is None or factors.get(f"{n}_descale") is None else x * factors[f"{n}_descale"]
+                   for x, n in zip((q, k, v, qv), ("q", "k", "v", "q")))
+    if qv is not None:
+        q, k = mla.join(q, k, v, qv)
+    return q, k, v
+
+
+def _mixups(stored, factors, opts: Options) -> list:
+    """``(words, (q, k, v), options)``: the inputs a kernel may have mishandled (the fp8
+    descales; MLA's qv ignored, or its Dv left out of the default scale)."""
+    out = [(words, _inputs(stored, f), opts) for words, f in descale_variants(factors)] if factors else []
+    q, k, v, qv = stored
+    if qv is not None:
+        d, dv = q.shape[-1], v.shape[-1]
+        joined = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d + dv)
+        out.append(("qv ignored (the scores q k^T alone)", _inputs((q, k, v, None), factors),
+                    opts.replace(scale=joined)))
+        if opts.scale is None:
+            out.append((f"qv ignored (the scores q k^T alone, scaled by 1/sqrt(D) = {1 / math.sqrt(d):.4g})",
+                        _inputs((q, k, v, None), factors), opts))
+        if opts.scale is None:
+            out.append((f"the default scale 1/sqrt(D) = {1 / math.sqrt(d):.4g}, not 1/sqrt(D + Dv) = "
+                        f"{joined:.4g} (qv's Dv left out of it)", _inputs(stored, factors),
+                        opts.replace(scale=1.0 / math.sqrt(d))))
+    return out
 
 
 def _problem_alternatives(opts: Options) -> list:

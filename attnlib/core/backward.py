@@ -28,7 +28,7 @@ import threading
 import numpy as np
 
 from . import arrays
-from . import problem
+from . import mla, problem
 from . import validate
 from . import flex
 from . import hooks
@@ -152,7 +152,7 @@ SEQUENTIAL_STEPS = 1024
 
 def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
                                  return_rss=False, rss_accumulate=1.0, check_finite=True,
-                                 compute_dtype=None, formulation="math", **options):
+                                 compute_dtype=None, formulation="math", qv=None, **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
 
     Parameters
@@ -214,6 +214,13 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
     written out (see the module docstring).  Rows with no visible key have ``P = 0`` and
     contribute nothing.
     """
+    if qv is not None:  # MLA: the joined problem's gradients, split back
+        if return_abs or return_rss:
+            raise ValueError("return_abs and return_rss are not split for qv; leave them out")
+        joined_q, joined_k, _ = mla.inputs(q, k, v, qv)
+        return mla.split(reference_attention_backward(
+            joined_q, joined_k, v, dout, scale=scale, check_finite=check_finite, compute_dtype=compute_dtype,
+            formulation=formulation, **options), _head_dim(q), q is not None)
     opts, mod_grad = _options(scale, options, "reference_attention_backward")
     return dense_backward(q, k, v, dout, opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
                           rss_accumulate=rss_accumulate, check_finite=check_finite,
@@ -358,7 +365,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
-                       workers=None, check_finite=True, device=None, **options):
+                       workers=None, check_finite=True, qv=None, device=None, **options):
     """Tiled float64 gradients ``(dq, dk, dv)``: the FlashAttention-2 backward pass.
 
     Parameters
@@ -380,6 +387,9 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         CPU, with BLAS held to one thread.  The result is bit-identical for every thread
         count: each key tile owns its ``dk``/``dv`` rows, and the additions to each ``dq``
         tile are made in ascending key-tile order.
+    qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
+        MLA's second query, as in the forward (``q`` may be None): the gradients are those of
+        the joined problem split back (`attnlib.core.mla`), ``dv`` both its parts.
     device : str or torch.device, optional
         Compute with torch on this device (`attnlib.core.torch_backward`); torch tensors among
         the inputs choose it when None.  Tensors in give float64 tensors on the device out;
@@ -390,6 +400,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     Returns
     -------
     dq : ndarray, shape of ``q``;  dk : shape of ``k``;  dv : shape of ``v`` (float64)
+    dqv : ndarray, shape of ``qv``, only when ``qv`` is given (``dq`` and ``dk`` are then
+        None without ``q``)
     dsinks : ndarray, shape of ``sinks``, only when sinks are given:
         ``-sum exp(sink_h - lse_i) D_i`` over the rows (and batch entries) of each sink
 
@@ -422,6 +434,11 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     >>> max(errors["dq"], errors["dk"], errors["dv"]) < 1e-12
     True
     """
+    if qv is not None:  # MLA: the joined problem's gradients, split back
+        joined_q, joined_k, _ = mla.inputs(q, k, v, qv)
+        return mla.split(attention_backward(joined_q, joined_k, v, out, lse, dout, scale=scale, block_q=block_q,
+                                            block_k=block_k, workers=workers, check_finite=check_finite,
+                                            device=device, **options), _head_dim(q), q is not None)
     dev = dev_mod.resolve(device, q, k, v, out, lse, dout)
     opts, mod_grad = _options(scale, options, "attention_backward")
     if dev is not None:  # torch on the device
@@ -606,14 +623,24 @@ def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, 
     return delta
 
 
-def attention_vjp(q, k, v, dout, *, device=None, **options):
-    """Forward and backward in one call: ``(out, (dq, dk, dv))`` (``dsinks`` fourth with sinks).
+def _head_dim(q) -> int:
+    """q's head dim D (0 without q): where MLA's joined gradients split."""
+    return 0 if q is None else (q.shape[-1] if hasattr(q, "shape") else np.shape(q)[-1])
+
+
+def attention_vjp(q, k, v, dout, *, qv=None, device=None, **options):
+    """Forward and backward in one call: ``(out, (dq, dk, dv))`` (``dqv`` next with ``qv``,
+    ``dsinks`` last with sinks).
 
     ``options`` are those of `attention_backward` (masks, score options, tiles,
     ``check_finite``), passed to both passes.  With torch tensors (or ``device=``) both
     passes run with torch on the device, ``out`` and ``lse`` staying there between them;
     numpy inputs with ``device=`` get numpy back.
     """
+    if qv is not None:  # MLA: the joined problem's, its gradients split back
+        joined_q, joined_k, _ = mla.inputs(q, k, v, qv)
+        out, grads = attention_vjp(joined_q, joined_k, v, dout, device=device, **options)
+        return out, mla.split(grads, _head_dim(q), q is not None)
     forward = {name: value for name, value in options.items() if name != "score_mod_grad"}
     dev = dev_mod.resolve(device, q, k, v, dout)
     if dev is None:

@@ -56,17 +56,20 @@ def factors(q, k, q_descale=None, k_descale=None, v_descale=None) -> dict:
     return out
 
 
-def dequantize(q, k, v, q_descale=None, k_descale=None, v_descale=None, dev=None):
-    """``(q, k, v)`` times their descales, in float64: numpy arrays, or torch tensors on ``dev``
-    (the inputs are never written).  Inputs without a descale are returned as given."""
-    f = factors(q, k, q_descale, k_descale, v_descale)
-    xs = {"q_descale": q, "k_descale": k, "v_descale": v}
-    for name, a in f.items():
-        x = xs[name]
+def dequantize(q, k, v, q_descale=None, k_descale=None, v_descale=None, dev=None, qv=None):
+    """``(q, k, v, qv)`` times their descales (``qv``, MLA's second query, takes ``q``'s), in
+    float64: numpy arrays, or torch tensors on ``dev`` (the inputs are never written).  Inputs
+    without a descale (or None) are returned as given."""
+    f = factors(qv if q is None else q, k, q_descale, k_descale, v_descale)
+    xs = {"q": q, "k": k, "v": v, "qv": qv}
+    for name, x in xs.items():
+        a = f.get(f"{name[0]}_descale")
+        if a is None or x is None:
+            continue
         if dev is None:
-            xs[name] = as_float_array(x, name[0]).astype(np.float64, copy=False) * a
+            xs[name] = as_float_array(x, name).astype(np.float64, copy=False) * a
         else:
             torch = dev_mod._torch()
-            t = dev_mod.as_tensor(x, name[0], dev).to(torch.float64)
+            t = dev_mod.as_tensor(x, name, dev).to(torch.float64)
             xs[name] = t * torch.tensor(a, device=dev)  # a copy: `a` may be a read-only broadcast
-    return xs["q_descale"], xs["k_descale"], xs["v_descale"]
+    return xs["q"], xs["k"], xs["v"], xs["qv"]

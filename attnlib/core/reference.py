@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 
 from . import arrays
-from . import descale, problem
+from . import mla, problem
 from . import validate
 from . import flex
 from .device import on_device, resolve as device_of
@@ -107,7 +107,7 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
 
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
-                        q_descale=None, k_descale=None, v_descale=None, device=None, **options):
+                        qv=None, q_descale=None, k_descale=None, v_descale=None, device=None, **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
@@ -132,6 +132,8 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         stored in it, the softmax in float32, ``p`` rounded, ``p @ v`` accumulated in
         float32, ``out`` returned in it (float8_e4m3fn: bfloat16, ``p`` rounded to
         float8_e4m3fn, as FlashAttention's ``attention_ref(intermediate_dtype=fp8)``).
+    qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
+        MLA's second query, as in `attention` (``q`` may be None).
     q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
         fp8 descales, as in `attention`: the attention of the dequantised values.
     device : str or torch.device, optional
@@ -153,8 +155,7 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     do not all underflow to 0.
     """
     opts = dense_options(**options)
-    if descale.given(q_descale, k_descale, v_descale):
-        q, k, v = descale.dequantize(q, k, v, q_descale, k_descale, v_descale, device_of(None, q, k, v))
+    q, k, v = mla.inputs(q, k, v, qv, False, q_descale, k_descale, v_descale)
     dev = device_of(device, q, k, v)
     if dev is None:
         return dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,

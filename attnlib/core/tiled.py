@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import descale, problem
+from . import mla, problem
 from . import validate
 from . import flex
 from . import hooks
@@ -35,7 +35,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               sinks=None, scale=None, block_q=None, block_k=None,
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
-              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, q_descale=None,
+              cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, qv=None, q_descale=None,
               k_descale=None, v_descale=None, device=None):
     """Exact attention computed tile by tile with the online softmax.
 
@@ -117,6 +117,11 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         ``lse`` in float32.  float8_e4m3fn: FlashAttention 3's fp8 forward as its test
         reference has it, bfloat16 but for ``p``, rounded to float8_e4m3fn before ``p @ v``
         (``out`` in bfloat16).  Default: float64 throughout.
+    qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
+        MLA's second query (FlashAttention 3/4's ``qv``): scores ``scale (q k^T + qv v^T)``,
+        default ``scale = 1/sqrt(D + Dv)``; ``q`` may then be None (``qv v^T`` alone).
+        Computed as the attention of ``[q, qv]`` and ``[k, v]`` joined along the head dim
+        (one float64 copy of each, `attnlib.core.mla`), with the values ``v``.
     q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
         FlashAttention 3's fp8 descales: the attention of ``q * q_descale`` (each kv head's
         factor on its query heads), ``k * k_descale`` and ``v * v_descale``, formed once in
@@ -202,12 +207,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
                return_stats=return_stats, check_finite=check_finite)
-    if descale.given(q_descale, k_descale, v_descale):
-        if opts.paged:  # a page may serve several batch entries, each with its own factors
-            raise ValueError("q_descale, k_descale and v_descale cannot be combined with a paged KV "
-                             "cache; dequantise the pages, or judge the kernel with attnlib.check")
-        # Where torch tensors live (else numpy): the results come back in the inputs' kind.
-        q, k, v = descale.dequantize(q, k, v, q_descale, k_descale, v_descale, device_of(None, q, k, v))
+    q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale)
     return forward_on(q, k, v, opts, device=device, **run)
 
 
