@@ -1,4 +1,5 @@
-"""Assertions for a kernel's own test suite: ``attnlib.testing.assert_attention_close``.
+"""Assertions for a kernel's own test suite: ``attnlib.testing.assert_attention_close``, and
+``assert_invariant`` over a sweep of the kernel's own knobs.
 
 >>> import numpy as np, attnlib
 >>> from attnlib.testing import assert_attention_close
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 from .check import check_kernel, format_text
+from .check.sweep import Sweep, sweep_kernel
 
 
 def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None, dsinks=None,
@@ -91,4 +93,56 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                              + format_text(result))
 
 
-__all__ = ["assert_attention_close"]
+def assert_invariant(kernel, q, k, v, *, knobs: dict, repeats: int = 1, deterministic: bool = False,
+                     dout=None, **check_options) -> Sweep:
+    """Assert that ``kernel(q, k, v, **setting)`` is attention of ``q, k, v`` at every setting
+    of its own ``knobs`` (split counts, GQA packing, tile or page sizes: their cartesian
+    product), and with ``deterministic`` that ``repeats`` further runs of each setting give
+    the same bits.
+
+    Each setting is judged by `attnlib.check.check_kernel` (``check_options``: the attention
+    the kernel computes, as in `assert_attention_close`); the kernel returns ``out``,
+    ``(out, lse)`` or a dict with ``out`` and any of ``lse, dq, dk, dv`` (``dout=`` is passed
+    to it when given).  FlashAttention issues 1647 and 2244: results that change with
+    ``num_splits``, a "deterministic" backward that is not.
+
+    Returns
+    -------
+    Sweep
+        Every setting's verdict, repeatability and distance from the first setting
+        (`attnlib.check.sweep`); ``Sweep.summary()`` prints it.
+
+    Raises
+    ------
+    AssertionError
+        Naming the settings that fail (with the first one's full verdict), and with
+        ``deterministic`` those whose repeated runs differ and in which tensors.
+
+    Examples
+    --------
+    >>> import numpy as np, attnlib
+    >>> from attnlib.testing import assert_invariant
+    >>> q, k, v = (x.astype(np.float32) for x in attnlib.random_qkv(64, 64, 16, heads=2, batch=(1,), seed=0))
+    >>> def kernel(q, k, v, kv_splits, block_k):
+    ...     return attnlib.attention(q, k, v, causal=True, compute_dtype="float32", kv_splits=kv_splits, block_k=block_k)
+    >>> sweep = assert_invariant(kernel, q, k, v, knobs={"kv_splits": [1, 3], "block_k": [16, 64]},
+    ...                          deterministic=True, layout="bhsd", causal=True)
+    >>> len(sweep.settings)
+    4
+    """
+    sweep = sweep_kernel(kernel, q, k, v, knobs=knobs, repeats=repeats, dout=dout, **check_options)
+    if sweep.passed(deterministic):
+        return sweep
+    parts = []
+    if sweep.failing:
+        parts.append(f"{len(sweep.failing)} of {len(sweep.settings)} settings fail: "
+                     + "; ".join(", ".join(f"{n}={x!r}" for n, x in s.knobs.items()) for s in sweep.failing))
+    if deterministic and sweep.nondeterministic:
+        parts.append(f"{len(sweep.nondeterministic)} settings are not deterministic (repeated runs differ)")
+    text = "\n".join(parts) + "\n\n" + sweep.summary()
+    if sweep.failing:
+        text += "\n\nthe first failing setting's verdict:\n" + sweep.failing[0].text
+    raise AssertionError(text)
+
+
+__all__ = ["assert_attention_close", "assert_invariant"]

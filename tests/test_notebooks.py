@@ -189,6 +189,10 @@ def test_check_rule_figures(quick_reports):
     assert sum(r["kind"] == "wrong" for r in power) >= 30
     long = data["figures"]["long_gradients"]
     assert [r["passed"] for r in long] == [r["kind"] == "correct" for r in long]
+    # Every mix-up of the 2026 conventions and variants failed and was named.
+    table = data["figures"]["mixup_table"]
+    assert {t["precision"] for t in table} == {"float32", "bfloat16", "float8_e4m3fn"}
+    assert len(table) >= 30 and all(t["hit_rate"] == 1.0 and t["failed"] == t["runs"] for t in table)
 
 
 def test_scaleout_figures(quick_reports):

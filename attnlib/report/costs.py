@@ -341,6 +341,10 @@ def _check_rule_costs(p):
     n = p["long_gradient_n"]
     yield Cost(("long_gradient_n",), "the long float32 gradients (one causal head, head dim 64)",
                8 * _arrays(1, n, n, 64), 6 * BACKWARD * _pass(1, n, n, 64))
+    # per precision (3), magnitude and seed: 15 mix-ups, each judged with up to 10 neighbours
+    yield Cost(("mixup_magnitudes", "mixup_seeds"), "the mix-up runs (attnlib.check.mixups.SHAPE)",
+               8 * _arrays(4, 96, 96, 32), 3 * len(p["mixup_magnitudes"]) * p["mixup_seeds"] * 15 * 10
+               * _pass(4, 96, 96, 32))
 
 
 def _shown(x) -> str:

@@ -260,11 +260,12 @@ NOTEBOOKS = {
         "Check rule: correct kernels pass, buggy kernels fail",
         {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes,
          "power_magnitudes": magnitudes, "power_shapes": power_shapes, "power_seeds": positive,
-         "long_gradient_n": positive, "results_json": text},
+         "long_gradient_n": positive, "mixup_magnitudes": magnitudes, "mixup_seeds": positive,
+         "results_json": text},
         {"n_seeds": 1, "precisions": ["float64", "float32"],
          "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]],
          "power_magnitudes": [1e-4, 1.0], "power_shapes": [[1, 4, 2, 64, 64, 32, True]], "power_seeds": 1,
-         "long_gradient_n": 512},
+         "long_gradient_n": 512, "mixup_magnitudes": [1.0], "mixup_seeds": 1},
         costs=_check_rule_costs),
 }
 

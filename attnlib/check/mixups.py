@@ -1,0 +1,137 @@
+"""How often the check names a mix-up: the 2026 conventions and variants a kernel gets wrong.
+
+Each mix-up is a kernel that computed a neighbouring problem exactly (the float64 answer to it
+rounded once to the kernel's type, as in `attnlib.check.power`): an LSE in another convention
+(base 2, the sink in or out, the other infinity on empty rows), a variant left out
+(``attention_chunk``, ``sink_token_length``, ``key_leftpad``), MLA's ``qv`` ignored or its
+``Dv`` left out of the default scale, and fp8 descales ignored, applied twice or per tensor.
+A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
+diagnosis holds the words that name that mix-up; the hit rate is named runs over runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..core.lse_conventions import LN2
+from ..core.problem import precision
+from ..core.tiled import attention
+from .verdict import check_kernel
+
+#: (batch, Hq, Hk, Sq, Sk, D): a causal prefill with GQA.
+SHAPE = (1, 4, 2, 96, 96, 32)
+
+
+def _problem(prec, magnitude, seed, dv=None):
+    """``(q, k, v, qv)`` bhsd float64 values rounded to the inputs' type (float8_e4m3fn for
+    the fp8 kernel, else the compute type); ``v`` scaled by ``magnitude`` (fp8: its descale is,
+    `cases`, as fp8 values stay below 448)."""
+    b, hq, hk, sq, sk, d = SHAPE
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal((b, hq, sq, d)), rng.standard_normal((b, hk, sk, d)),
+          rng.standard_normal((b, hk, sk, dv or d)), rng.standard_normal((b, hq, sq, dv or d))]
+    if prec.p_type is not None:  # an fp8 kernel reads fp8 values
+        return tuple(np.asarray(x * 3).astype(prec.p_type).astype(np.float64) for x in xs)
+    xs[2] = magnitude * xs[2]
+    return tuple(prec.round(x).astype(np.float64) for x in xs)
+
+
+def _answer(prec, q, k, v, **opts):
+    """``(out, lse)``: the float64 answer rounded once to the kernel's types."""
+    out, lse = attention(q, k, v, return_lse=True, **opts)
+    with np.errstate(over="ignore"):
+        return prec.round(out).astype(np.float64), lse.astype(np.float32).astype(np.float64)
+
+
+def cases(prec_name, magnitude, seed) -> list:
+    """``(name, words, q, k, v, told, tensors)``: the mix-ups of one problem; ``told``: the
+    check's options (the problem as it should be), ``tensors``: the kernel's ``out``/``lse``."""
+    prec = precision(prec_name)
+    q, k, v, qv = _problem(prec, magnitude, seed)
+    out = []
+    if prec.p_type is None:
+        sinks = np.linspace(-1.0, 2.0, SHAPE[1])
+        right = _answer(prec, q, k, v, causal=True, sinks=sinks)
+        keys_only = _answer(prec, q, k, v, causal=True)
+        short = dict(causal=True, kv_lengths=[40])  # bottom-right: the first 56 rows see no key
+        plain = _answer(prec, q, k, v, **short)
+        out += [
+            ("lse in base 2", "the lse is in base 2", dict(causal=True), dict(out=keys_only[0], lse=keys_only[1] / LN2)),
+            ("lse without the sink (FlashMLA's)", "excludes the sink", dict(causal=True, sinks=sinks),
+             dict(out=right[0], lse=keys_only[1])),
+            ("lse with the sink, told excluded", "includes the sink",
+             dict(causal=True, sinks=sinks, lse_sink="excluded"), dict(out=right[0], lse=right[1])),
+            ("empty rows +inf, told -inf", "hold +inf", dict(short, lse_empty="-inf"),
+             dict(out=plain[0], lse=np.where(np.isneginf(plain[1]), np.inf, plain[1]))),
+        ]
+        variants = [("attention_chunk ignored", dict(causal=True, attention_chunk=32), dict(causal=True)),
+                    ("sink_token_length ignored", dict(causal=True, window=(16, 0), sink_token_length=4),
+                     dict(causal=True, window=(16, 0))),
+                    ("key_leftpad ignored", dict(causal=True, key_leftpad=[10]), dict(causal=True))]
+        for name, told, computed in variants:
+            out.append((name, name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
+        d, dv = q.shape[-1], v.shape[-1]
+        out += [
+            ("qv ignored", "qv ignored", dict(causal=True, qv=qv), dict(out=_answer(prec, q, k, v, causal=True)[0])),
+            ("MLA scale 1/sqrt(D)", "1/sqrt(D) = ", dict(causal=True, qv=qv),
+             dict(out=_answer(prec, q, k, v, qv=qv, causal=True, scale=1 / math.sqrt(d))[0])),
+        ]
+        assert d == dv  # the MLA cases take qv of v's head dim
+        return [(n, w, q, k, v, told, t) for n, w, told, t in out]
+    rng = np.random.default_rng(1000 + seed)
+    f = {n: rng.uniform(0.05, 0.5, (SHAPE[0], SHAPE[2])).astype(np.float32) for n in ("q", "k", "v")}
+    f["v"] = (f["v"] * magnitude).astype(np.float32)
+    told = dict(causal=True, q_descale=f["q"], k_descale=f["k"], v_descale=f["v"])
+    wrong = [("descales ignored", "the descales ignored", {}),
+             ("v_descale ignored", "v_descale ignored", dict(q_descale=f["q"], k_descale=f["k"])),
+             ("descales applied twice", "the descales applied twice",
+              {f"{n}_descale": x ** 2 for n, x in f.items()}),
+             ("per-tensor descales", "per-tensor descales",
+              {f"{n}_descale": np.full_like(x, x.max()) for n, x in f.items()})]
+    for name, words, descales in wrong:
+        o = attention(q, k, v, causal=True, compute_dtype=prec_name, **descales).astype(np.float64)
+        out.append((name, words, q, k, v, told, dict(out=o)))
+    return out
+
+
+def _fp8(x):
+    import ml_dtypes
+    return x.astype(ml_dtypes.float8_e4m3fn)
+
+
+def measure(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitudes=(1e-2, 1.0, 1e2),
+            seeds=(0, 1)) -> list[dict]:
+    """One row per (precision, magnitude, seed, mix-up): failed, named, and the first note."""
+    rows = []
+    for prec_name in precisions:
+        for magnitude in magnitudes:
+            for seed in seeds:
+                for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
+                    stored = (_fp8(x) for x in (q, k, v)) if prec_name == "float8_e4m3fn" else (q, k, v)
+                    r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"), layout="bhsd",
+                                     dtype=prec_name, workers=1, **told)
+                    judged = r.lse if "lse" in tensors else r.out
+                    notes = r.lse.notes if "lse" in tensors else r.diagnosis
+                    rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, kernel=name,
+                                     failed=judged.passed is False, named=any(words in n for n in notes),
+                                     ratio=float(judged.ratio), note=notes[0] if notes else ""))
+    return rows
+
+
+def hit_rates(rows) -> list[dict]:
+    """Per (mix-up, precision): runs, failed, named, and the hit rate ``named / runs``."""
+    table = {}
+    for r in rows:
+        t = table.setdefault((r["kernel"], r["precision"]), dict(kernel=r["kernel"], precision=r["precision"],
+                                                                 runs=0, failed=0, named=0))
+        t["runs"] += 1
+        t["failed"] += int(r["failed"])
+        t["named"] += int(r["named"] and r["failed"])
+    for t in table.values():
+        t["hit_rate"] = t["named"] / t["runs"]
+    return list(table.values())
+
+
+__all__ = ["SHAPE", "cases", "measure", "hit_rates"]
