@@ -164,7 +164,7 @@ def test_feature_cases_exercise_every_option_and_pass():
     labels = {"documents": "documents=", "kv_splits": "kv_splits=", "lazy": "lazy tau="}
     for i, feature in enumerate(attnlib.evidence.inputs.FEATURES):  # case c always has FEATURES[c % 9]
         assert labels.get(feature, feature) in cases[i].features
-    for i, label in enumerate(("key_leftpad", "chunk=", "sink tokens=")):  # case 3 i: VARIANTS[i]
+    for i, label in enumerate(("key_leftpad", "chunk=", "sink tokens=", "qv")):  # case 3 i: VARIANTS[i]
         assert label in cases[3 * i].features
     for case in cases:
         row = attnlib.run_case(case, defects=["window_edge", "alibi_signed", "softcap_after_mask"])

@@ -60,6 +60,10 @@ def run_case(case, defects=()) -> dict:
     gate = Gate(q, k, v, block_k=case.block_k, **case.mask_kwargs())
 
     def call(stats=False):
+        if case.qv:  # MLA: the kernel takes q, k and qv; the gate judges it by the joined problem
+            q_, k_, qv = case.split_qv(q, k)
+            return attention(q_, k_, v, qv=qv, **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
+                             return_stats=stats)
         return attention(q, k, v, **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
                          return_stats=stats)
 
@@ -254,9 +258,10 @@ def run_case_gradients(case, defects=()) -> dict:
     gate fails the backward with it injected (``defects_caught``; None where it moves no
     entry by more than twice the real backward's own error there: below float64's
     resolution on that problem)."""
-    q, k, v = case.qkv()
+    q, k, v = case.qkv()  # with qv: the joined problem, whose dk holds dv's second part (`attnlib.core.mla`)
     errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), defects, **case.mask_kwargs())
-    return {**asdict(case), "mask": case.mask_name, "features": case.features, **errors}
+    features = case.features.replace("qv", "qv (the joined problem's gradients)")
+    return {**asdict(case), "mask": case.mask_name, "features": features, **errors}
 
 
 def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal=True, seed=0,

@@ -241,11 +241,22 @@ class Case:
     key_leftpad: tuple | None = None  # the first valid key per batch entry
     attention_chunk: int | None = None
     sink_token_length: int = 0  # keys exempt from the window's left bound
+    qv: bool = False  # MLA: q holds [q, qv] and k [k, v] (`qkv`); the kernel is called with qv=
 
     def qkv(self):
-        """The case's ``(q, k, v)`` from `random_qkv`."""
-        return random_qkv(self.sq, self.sk, self.d, self.dv, batch=self.batch,
-                          heads=self.heads, kv_heads=self.kv_heads, seed=self.seed)
+        """The case's ``(q, k, v)`` from `random_qkv`; with ``qv``, the joined problem of MLA's
+        scores (`attnlib.core.mla`): ``q = [q, qv]``, ``k = [k, v]`` along the head dim, the
+        first ``d`` dimensions being the kernel's own ``q`` and ``k`` (`split_qv`)."""
+        q, k, v = random_qkv(self.sq, self.sk, self.d, self.dv, batch=self.batch,
+                             heads=self.heads, kv_heads=self.kv_heads, seed=self.seed)
+        if not self.qv:
+            return q, k, v
+        qv = np.random.default_rng(self.seed + 11).standard_normal(q.shape[:-1] + v.shape[-1:])
+        return np.concatenate([q, qv], -1), np.concatenate([k, v], -1), v
+
+    def split_qv(self, q, k):
+        """``(q, k, qv)`` as the kernel takes them, from `qkv`'s joined ``q`` and ``k``."""
+        return q[..., :self.d], k[..., :self.d], q[..., self.d:]
 
     def mask_kwargs(self) -> dict:
         """Keyword arguments shared by `attention` and `reference_attention`: the masks and
@@ -295,7 +306,8 @@ class Case:
             (f"lazy tau={self.rescale_threshold:g}", self.rescale_threshold > 0),
             ("sinks", self.sinks is not None), ("key_leftpad", self.key_leftpad is not None),
             (f"chunk={self.attention_chunk}", self.attention_chunk is not None),
-            (f"sink tokens={self.sink_token_length}", self.sink_token_length > 0)) if on]
+            (f"sink tokens={self.sink_token_length}", self.sink_token_length > 0),
+            ("qv", self.qv)) if on]
         return ", ".join(names) or "-"
 
 
@@ -395,9 +407,9 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
 #: The options `feature_cases` cycles through, each on in every ``len(FEATURES)``-th case.
 FEATURES = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "documents", "kv_splits", "lazy",
             "sinks")
-#: The 2026 mask variants: case ``c`` with ``c % 3 == 0`` pins ``VARIANTS[(c // 3) % 3]``, any
-#: case draws each with probability 1/6 (from a generator of its own: the draws above stay).
-VARIANTS = ("key_leftpad", "attention_chunk", "sink_token_length")
+#: The 2026 variants: case ``c`` with ``c % 3 == 0`` pins ``VARIANTS[(c // 3) % 4]``, any case
+#: draws each with probability 1/6 (from a generator of its own: the draws above stay).
+VARIANTS = ("key_leftpad", "attention_chunk", "sink_token_length", "qv")
 
 
 def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Case]:
@@ -410,7 +422,7 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
     sets feature ``FEATURES[c % len(FEATURES)]`` and each other one with probability 1/3,
     so every option is exercised and most in combination; the case pinned to ALiBi has no
     causal mask, so that keys lie on both sides of its queries.  The `VARIANTS` (left-padded
-    keys, chunks, sink tokens inside a window) join as that constant says.
+    keys, chunks, sink tokens inside a window, MLA's qv) join as that constant says.
     """
     n = validate.positive_int(n, "n")
     max_len = validate.positive_int(max_len, "max_len")
@@ -447,7 +459,7 @@ def _with_variants(case: Case, c: int, rng) -> Case:
     """``case`` with the `VARIANTS` it pins or draws (see there)."""
     on = {name for name in VARIANTS if rng.random() < 1 / 6}
     if c % 3 == 0:
-        on.add(VARIANTS[(c // 3) % 3])
+        on.add(VARIANTS[(c // 3) % len(VARIANTS)])
     changes = {}
     if "key_leftpad" in on:
         end = case.kv_lengths if case.kv_lengths is not None else (case.sk,) * case.batch[0]
@@ -459,6 +471,8 @@ def _with_variants(case: Case, c: int, rng) -> Case:
         if case.window is None or case.window[0] is None:  # sink tokens live inside a window's left bound
             w = int(rng.integers(1, max(2, case.sk // 4)))
             changes["window"] = (w, None if case.causal else int(rng.integers(0, w + 1)))
+    if "qv" in on:
+        changes["qv"] = True
     return replace(case, **changes)
 
 
