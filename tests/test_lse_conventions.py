@@ -151,3 +151,42 @@ def test_the_convention_parses_its_spellings():
     assert LseConvention.parse(lse_empty="+inf").empty == LseConvention.parse(lse_empty=math.inf).empty == math.inf
     assert LseConvention.parse(lse_empty="-inf").empty == -math.inf
     assert LseConvention.parse().is_default and not LseConvention.parse(2).is_default
+
+
+def test_the_api_returns_each_convention():
+    torch = pytest.importorskip("torch")
+    from attnlib import merge_attention, reference_attention
+
+    q, k, v, sinks = _problem("float64")
+    ref_out, ref_lse = attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    _, keys_lse = attention(q, k, v, causal=True, return_lse=True)
+    for run in (attention, reference_attention):
+        out, lse = run(q, k, v, causal=True, sinks=sinks, return_lse=True, lse_sink="excluded", lse_base=2)
+        assert np.abs(out - ref_out).max() < 1e-14 and np.abs(lse * LN2 - keys_lse).max() < 1e-13
+        out, lse = run(q, k, v, causal=True, sinks=sinks, return_lse=True, lse_base="2")
+        assert np.abs(lse * LN2 - ref_lse).max() < 1e-13
+    t = [torch.tensor(x) for x in (q, k, v)]
+    out, lse = attention(*t, causal=True, sinks=sinks, return_lse=True, lse_sink="excluded")
+    assert isinstance(lse, torch.Tensor) and np.abs(lse.numpy() - keys_lse).max() < 1e-13
+    assert np.abs(out.numpy() - ref_out).max() < 1e-14
+    lengths = np.array([S, 0])
+    _, lse = attention(q, k, v, kv_lengths=lengths, return_lse=True, lse_empty="+inf")
+    assert np.isposinf(lse[1]).all() and np.isfinite(lse[0]).all()
+    # A base-2 merge: the partials' lse in base 2 in, base 2 out, as the natural merge.
+    halves = [attention(q, k[..., a:b, :], v[..., a:b, :], return_lse=True) for a, b in ((0, 20), (20, S))]
+    out_e, lse_e = merge_attention([h[0] for h in halves], [h[1] for h in halves])
+    out_2, lse_2 = merge_attention([h[0] for h in halves], [h[1] / LN2 for h in halves], lse_base=2)
+    assert np.abs(out_2 - out_e).max() < 1e-15 and np.abs(lse_2 * LN2 - lse_e).max() < 1e-13
+    with pytest.raises(ValueError, match="return_lse"):
+        attention(q, k, v, lse_base=2)
+    with pytest.raises(ValueError, match="lse_sink"):
+        attention(q, k, v, lse_sink="no", return_lse=True)
+    with pytest.raises(TypeError):
+        merge_attention([halves[0][0]], [np.zeros((B, H, S), dtype=int)], lse_base=2)
+
+
+def test_a_low_precision_keeps_its_output_type_with_the_sink_excluded():
+    q, k, v, sinks = _problem("float32")
+    out, lse = attention(q, k, v, causal=True, sinks=sinks, compute_dtype="float32", return_lse=True,
+                         lse_sink="excluded")
+    assert out.dtype == np.float32

@@ -63,6 +63,15 @@ class LseConvention:
         lse = np.asarray(lse, dtype=np.float64)
         return lse if self.factor == 1.0 else lse * self.factor
 
+    def from_natural(self, lse):
+        """attnlib's LSE (numpy or torch) in this convention's base and empty-row value (the
+        sink's place is the caller's: `without_sink`)."""
+        if self.factor != 1.0:
+            lse = lse / self.factor  # -inf stays -inf
+        if self.empty is not None and self.empty > 0:
+            lse = _where(lse == -math.inf, math.inf, lse)
+        return lse
+
     def words(self) -> str:
         """How `attnlib.check.format_text` names it."""
         parts = ["base 2" if self.base == 2.0 else "base e"]
@@ -70,6 +79,46 @@ class LseConvention:
         if self.empty is not None:
             parts.append(f"empty rows {'+inf' if self.empty > 0 else '-inf'}")
         return ", ".join(parts)
+
+
+def parse_for_output(lse_base, lse_sink, lse_empty, return_lse):
+    """The convention an entry point returns its lse in, or None for attnlib's own; a
+    ValueError naming the argument for one given without ``return_lse``."""
+    conv = LseConvention.parse(lse_base, lse_sink, lse_empty)
+    if conv.is_default or (conv.base == math.e and conv.sink == "included" and conv.empty is not None
+                           and conv.empty < 0):
+        return None
+    if not return_lse:
+        given = [n for n, x in (("lse_base", lse_base), ("lse_sink", lse_sink), ("lse_empty", lse_empty))
+                 if x is not None]
+        raise ValueError(f"{', '.join(given)}: only the returned lse takes a convention; pass return_lse=True")
+    return conv
+
+
+def without_sink(out, lse, sinks):
+    """``out`` with the sinks, from the attention ``(out, lse)`` computed without them: the
+    merge of that partial with the sink's (a logit with no value), ``out e^{lse - lse'}``,
+    ``lse' = log(e^lse + e^sink)``; rows without a key stay 0.  ``sinks``: ``(Hq,)`` or
+    ``(..., Hq)``, as `attention` takes them.  The LSE returned is the keys' own."""
+    sink = np.asarray(sinks, dtype=np.float64)[..., None]  # (..., Hq, 1) against lse (..., Hq, Sq)
+    if isinstance(lse, np.ndarray):
+        weight = np.exp(lse - np.logaddexp(lse, sink))  # lse = -inf: exp(-inf) = 0, exactly
+        return (out * weight[..., None]).astype(out.dtype, copy=False)  # a low precision's type kept
+    torch = _torch_of(lse)
+    sink = torch.as_tensor(sink, device=lse.device)
+    weight = torch.exp(lse - torch.logaddexp(lse, sink))
+    return (out * weight[..., None]).to(out.dtype)
+
+
+def _torch_of(x):
+    import torch  # only for results already on a torch device
+    return torch
+
+
+def _where(cond, a, b):
+    if isinstance(b, np.ndarray):
+        return np.where(cond, a, b)
+    return _torch_of(b).where(cond, a, b)
 
 
 def _is_number(x) -> bool:

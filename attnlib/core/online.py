@@ -25,6 +25,7 @@ import numpy as np
 from . import hooks
 from .arrays import _is_ml_float, as_numpy
 from .device import on_device, resolve as device_of
+from .lse_conventions import LseConvention
 
 
 #: The largest lazy-rescale threshold: weights stay below exp(100) ~ 2.7e43, so sums over even
@@ -250,7 +251,14 @@ def merge_parts(outs, parts) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(out, -bound, bound), merged
 
 
-def merge_attention(outs, lses, *, device=None):
+def _floating(x) -> bool:
+    """A real floating array or tensor (numpy's kind "f", or torch's ``is_floating_point``)."""
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind == "f"
+    return bool(getattr(x, "is_floating_point", lambda: False)()) and not getattr(x, "is_complex", lambda: False)()
+
+
+def merge_attention(outs, lses, *, lse_base=None, device=None):
     """Combine attention results computed over disjoint key ranges (split-KV).
 
     Parameters
@@ -260,6 +268,10 @@ def merge_attention(outs, lses, *, device=None):
     lses : sequence of arrays, each ``(..., Sq)``
         Their log-sum-exps; ``-inf`` marks a row that saw no key in that range (its output
         must then be 0), and such partials are ignored cleanly.
+    lse_base : {"e", 2}, optional
+        The base the ``lses`` are in, and the returned one: ``2`` for FlashInfer's and JAX
+        Pallas's partials (flashinfer 2113: a base-2 LSE merged as a natural one weights the
+        partials wrongly); default natural.
     device : str or torch.device, optional
         As in `attention`: given torch tensors (or ``device=``) the merge is computed with
         torch on their device (`attnlib.core.torch_merge`), float64 tensors out (numpy out
@@ -267,7 +279,7 @@ def merge_attention(outs, lses, *, device=None):
 
     Returns
     -------
-    out, lse : the result over the union of the key ranges (float64).
+    out, lse : the result over the union of the key ranges (float64), ``lse`` in ``lse_base``.
 
     Raises
     ------
@@ -282,6 +294,11 @@ def merge_attention(outs, lses, *, device=None):
     ``lse = log(sum_r exp(lse_r))`` and ``out = sum_r exp(lse_r - lse) out_r``.
     """
     outs, lses = list(outs), list(lses)
+    base = LseConvention.parse(lse_base)
+    if base.factor != 1.0:  # natural for the merge (floats only: the others are refused by name below)
+        lses = [x * base.factor if getattr(x, "dtype", None) is not None and _floating(x) else x for x in lses]
+        out, lse = merge_attention(outs, lses, device=device)
+        return out, base.from_natural(lse)
     dev = device_of(device, *outs, *lses)
     if dev is not None:
         from . import torch_merge

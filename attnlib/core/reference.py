@@ -8,12 +8,13 @@ against hand-built cases.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import numbers
 
 import numpy as np
 
 from . import arrays
-from . import mla, problem
+from . import lse_conventions, mla, problem
 from . import validate
 from . import flex
 from .device import on_device, resolve as device_of
@@ -107,7 +108,8 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
 
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
-                        qv=None, q_descale=None, k_descale=None, v_descale=None, device=None, **options):
+                        qv=None, q_descale=None, k_descale=None, v_descale=None, lse_base=None, lse_sink=None,
+                        lse_empty=None, device=None, **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
@@ -136,6 +138,8 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         MLA's second query, as in `attention` (``q`` may be None).
     q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
         fp8 descales, as in `attention`: the attention of the dequantised values.
+    lse_base, lse_sink, lse_empty : optional
+        The returned ``lse``'s convention, as in `attention`.
     device : str or torch.device, optional
         As in `attention`: given torch tensors (or ``device=``) the reference is computed
         with torch on their device (`attnlib.core.torch_reference`, the same steps and
@@ -156,6 +160,19 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     """
     opts = dense_options(**options)
     q, k, v = mla.inputs(q, k, v, qv, False, q_descale, k_descale, v_descale)
+    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse)
+    if conv is None:
+        return _dense_on(q, k, v, opts, device, return_lse, check_finite, compute_dtype)
+    excluded = conv.sink == "excluded" and opts.sinks is not None
+    out, lse = _dense_on(q, k, v, replace(opts, sinks=None) if excluded else opts, device, True, check_finite,
+                         compute_dtype)
+    if excluded:  # the keys' own lse; out weighted by the sinks after
+        out = lse_conventions.without_sink(out, lse, opts.sinks)
+    return out, conv.from_natural(lse)
+
+
+def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_dtype):
+    """`dense_attention` here, or its torch twin on the device `attention`'s rule picks."""
     dev = device_of(device, q, k, v)
     if dev is None:
         return dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import mla, problem
+from . import lse_conventions, mla, problem
 from . import validate
 from . import flex
 from . import hooks
@@ -36,7 +36,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
               cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, qv=None, q_descale=None,
-              k_descale=None, v_descale=None, device=None):
+              k_descale=None, v_descale=None, lse_base=None, lse_sink=None, lse_empty=None, device=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -122,6 +122,12 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         default ``scale = 1/sqrt(D + Dv)``; ``q`` may then be None (``qv v^T`` alone).
         Computed as the attention of ``[q, qv]`` and ``[k, v]`` joined along the head dim
         (one float64 copy of each, `attnlib.core.mla`), with the values ``v``.
+    lse_base, lse_sink, lse_empty : optional
+        The returned ``lse``'s convention (`attnlib.core.lse_conventions`; with
+        ``return_lse``): base ``"e"`` (default) or ``2`` (FlashInfer, JAX Pallas); with sinks,
+        ``"included"`` (default, FlashAttention 4) or ``"excluded"`` (FlashMLA: the keys' own
+        log-sum-exp, computed without the sinks and ``out`` weighted by them after); rows
+        without a key ``"-inf"`` (default) or ``"+inf"`` (FlashAttention's ``softmax_lse``).
     q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
         FlashAttention 3's fp8 descales: the attention of ``q * q_descale`` (each kv head's
         factor on its query heads), ``k * k_descale`` and ``v * v_descale``, formed once in
@@ -208,7 +214,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
                return_stats=return_stats, check_finite=check_finite)
     q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale)
-    return forward_on(q, k, v, opts, device=device, **run)
+    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse)
+    if conv is None:
+        return forward_on(q, k, v, opts, device=device, **run)
+    excluded = conv.sink == "excluded" and opts.sinks is not None
+    out, lse, *rest = forward_on(q, k, v, replace(opts, sinks=None) if excluded else opts, device=device, **run)
+    if excluded:  # the keys' own lse; out weighted by the sinks after
+        out = lse_conventions.without_sink(out, lse, opts.sinks)
+    return (out, conv.from_natural(lse), *rest)
 
 
 def forward_on(q, k, v, opts: Options, *, device=None, **run):
