@@ -153,8 +153,28 @@ def test_the_check_judges_qv_and_names_its_mixups(wrong, words, tmp_path, capsys
         attention(q, k, v, qv=qv, scale=1 / math.sqrt(D), causal=True, compute_dtype="float32")
     r = check.check_kernel(*args, _bshd(bad), qv=_bshd(qv), causal=True)
     assert r.passed is False and any(words in d for d in r.diagnosis), r.diagnosis
-    with pytest.raises(check.UnusableInput, match="qv"):
-        check.check_kernel(*args, _bshd(right), qv=_bshd(qv), dout=_bshd(right), dq=args[0])
+    with pytest.raises(check.UnusableInput, match="dqv was given without qv"):
+        check.check_kernel(*args, _bshd(right), dout=_bshd(right), dqv=_bshd(qv))
+
+
+@pytest.mark.parametrize("prec", ["float64", "float32"])
+def test_the_check_judges_mla_gradients(prec):
+    """dq, dk, dqv by the joined problem's parts; dv by its value and key parts added."""
+    q, k, v, qv, dout = _problem(6)
+    if prec == "float32":
+        q, k, v, qv, dout = (x.astype(np.float32).astype(np.float64) for x in (q, k, v, qv, dout))
+    rnd = (lambda x: x.astype(np.float32).astype(np.float64)) if prec == "float32" else (lambda x: x)
+    out, grads = attention_vjp(q, k, v, dout, qv=qv, causal=True)
+    given = dict(zip(("dq", "dk", "dv", "dqv"), (rnd(g) for g in grads)))
+    kw = dict(layout="bhsd", dtype=prec, causal=True, qv=qv, dout=dout)
+    r = check.check_kernel(q, k, v, rnd(out), **kw, **given)
+    assert r.passed is True and set(r.grads) == {"dq", "dk", "dv", "dqv"}
+    joined = attention_vjp(np.concatenate([q, qv], -1), np.concatenate([k, v], -1), v, dout, causal=True)[1]
+    wrong = {"dv": rnd(joined[2]),  # the value part alone: v's part as a key left out
+             "dqv": rnd(grads[3] * (1 + 1e-3)), "dk": rnd(joined[1])[..., :D] * (1 + 1e-3)}
+    for name, bad in wrong.items():
+        r = check.check_kernel(q, k, v, rnd(out), **kw, **dict(given, **{name: bad}))
+        assert {n: t.passed for n, t in r.grads.items()} == {n: n != name for n in given}, name
 
 
 def test_the_cli_takes_qv_and_the_shared_latent(tmp_path, capsys):

@@ -20,8 +20,9 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
 OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale") + INDEX_FILES
-#: Input files besides q, k, v, read like them (in the kernel's type): MLA's second query.
-INPUT_FILES = ("qv",)
+#: Files besides the kernel's tensors, read like them (in the kernel's type): MLA's second query
+#: and the kernel's gradient of it.
+INPUT_FILES = ("qv", "dqv")
 #: What `NOTEBOOK` declares, and `_run_notebook` passes.
 NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype", "layout", "causal", "causal_align", "window",
                                                 "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
@@ -31,7 +32,7 @@ NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
-                   q_descale="", k_descale="", v_descale="", qv="", v_from_k=0, **options) -> KernelCheck:
+                   q_descale="", k_descale="", v_descale="", qv="", dqv="", v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
     ``sinks``, the fp8 descales, MLA's ``qv`` and the integer files of `INDEX_FILES` too.
     ``v_from_k=Dv``: ``v`` is the first ``Dv`` of ``k``'s head dim (FlashMLA's shared latent),
@@ -40,7 +41,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
         raise UnusableInput("give v (--v FILE) or v_from_k (--v-from-k DV: v is k's first DV "
                             "dimensions, FlashMLA's shared latent), one of them")
     specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
-                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv)
+                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv, dqv=dqv)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens)
     arrays, kinds, names = {}, {}, {}
@@ -103,6 +104,7 @@ def _parser():
     p.add_argument("--qv", default="", metavar="FILE",
                    help="MLA's second query (FlashAttention 3/4's qv), q's layout with v's head dim: scores "
                         "scale (q k^T + qv v^T), default scale 1/sqrt(D + Dv)")
+    p.add_argument("--dqv", default="", metavar="FILE", help="the kernel's gradient of --qv (with --dout)")
     p.add_argument("--layout", choices=LAYOUTS + ("thd",), default="bshd",
                    help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
                         "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's; "

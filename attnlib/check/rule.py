@@ -498,13 +498,37 @@ def _naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref
     return errs
 
 
+def _split_qv(d, ref_grads, allowances, naive_errs, unjudged):
+    """The joined problem's ``(ref, allowance, naive error)`` per gradient as the kernel's
+    ``dq, dqv, dk, dv`` (`judge_grads`'s ``qv_dim``)."""
+    def parts(x):
+        if x is None:
+            return None
+        dq, dk, dv = x.get("dq"), x.get("dk"), x.get("dv")
+        out = {"dq": None if dq is None else dq[..., :d], "dqv": None if dq is None else dq[..., d:],
+               "dk": None if dk is None else dk[..., :d],
+               "dv": None if dv is None or dk is None else dv + dk[..., d:]}
+        return out | {n: y for n, y in x.items() if n not in ("dq", "dk", "dv")}  # dsinks
+
+    skipped = {n: why for n, why in unjudged.items()}
+    if "dq" in unjudged:
+        skipped["dqv"] = unjudged["dq"]
+    if "dk" in unjudged:
+        skipped["dv"] = unjudged["dk"]
+    return parts(ref_grads), parts(allowances), parts(naive_errs), skipped
+
+
 def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
-                workers, context=None, mod_grad=None, device=None) -> dict:
+                workers, context=None, mod_grad=None, device=None, qv_dim=None) -> dict:
     """The gradients' rule (see the module docstring) on each given gradient.  ``context``
     (a dict): filled with each judged gradient's ``kernel``, ``ref`` and ``allowance`` (bhsd,
     float64) for the diagnosis; ``mod_grad``: the ``score_mod_grad`` (required with a
     ``score_mod``); ``device``: where the tiled float64 gradients (the lengths at which the
-    dense ones do not fit) are computed with torch (`attnlib.core.torch_backward`)."""
+    dense ones do not fit) are computed with torch (`attnlib.core.torch_backward`).
+    ``qv_dim``: q's head dim ``D`` when ``qh``, ``kh`` are MLA's joined ``[q, qv]``, ``[k, v]``
+    (`attnlib.core.mla`): the kernel's ``dq``, ``dqv``, ``dk`` are judged by the joined
+    gradients' parts, its ``dv`` by ``dv_p + dk'[..., D:]`` with the two allowances (and naive
+    errors) added, a bound on the error of the sum."""
     mod_grad = _score_mod_grad(mod_grad, opts)  # refused as the backward's keyword arguments are
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
@@ -571,6 +595,9 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         allowances = {n: as_tensor(n, np.asarray(a)) for n, a in allowances.items()}
         naive_errs = {n: None if e is None else as_tensor(n, np.asarray(e)) for n, e in naive_errs.items()}
     ref_grads = {n: as_tensor(n, np.asarray(r, dtype=np.float64)) for n, r in ref_grads.items()}
+    if qv_dim is not None:
+        ref_grads, allowances, naive_errs, unjudged = _split_qv(qv_dim, ref_grads, allowances, naive_errs,
+                                                                unjudged)
     verdicts = {}
     for name, g in kernel_grads.items():
         if g is None:
@@ -583,7 +610,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             describe = positions("sink")
         else:
             kernel = to_bhsd(g, layout).astype(np.float64)
-            describe = positions("query" if name == "dq" else "key")
+            describe = positions("query" if name in ("dq", "dqv") else "key")
         if allowances is None or name in unjudged:
             v = judge(name, kernel, ref_grads[name], np.inf, None, describe)[0]
             v.passed, v.ratio = None, None

@@ -54,7 +54,7 @@ def shape_problem(given, layout):
     dims = dict(batch=int(np.prod(bq, dtype=np.int64)), sq=sq, sk=sk, hq=hq, hk=hk, d=d, dv=dv,
                 squeeze=q.ndim == 2)
     expected = {"out": _like(q, dv), "dq": q.shape, "dk": k.shape, "dv": v.shape, "dout": _like(q, dv),
-                "lse": bq + ((hq,) if q.ndim > 2 else ()) + (sq,), "qv": _like(q, dv)}
+                "lse": bq + ((hq,) if q.ndim > 2 else ()) + (sq,), "qv": _like(q, dv), "dqv": _like(q, dv)}
     for n, shape in expected.items():
         if n in given and given[n].shape != tuple(shape):
             like = "q" if n != "lse" else "(batch, nheads, seqlen_q)"

@@ -25,6 +25,8 @@ from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
 
 #: Entries kept for the histograms (a random sample beyond it).
 SAMPLE = 200_000
+#: The gradients a kernel may give (``dqv``: MLA's, with ``qv``).
+GRADIENTS = ("dq", "dk", "dv", "dqv")
 
 
 @dataclass
@@ -77,7 +79,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
-                 qv=None, scheduler=None, device=None) -> KernelCheck:
+                 qv=None, dqv=None, scheduler=None, device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -133,7 +135,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         MLA's second query (FlashAttention 3/4's ``qv``), in ``q``'s layout with ``v``'s head
         dim: the attention judged has scores ``scale (q k^T + qv v^T)``, default scale
         ``1/sqrt(D + Dv)`` (`attnlib.core.mla`).  An output that matches qv ignored, or the
-        scale 1/sqrt(D), is diagnosed by name; gradients are not judged with it yet.
+        scale 1/sqrt(D), is diagnosed by name.  ``dqv``: the kernel's gradient of ``qv``,
+        judged with the others (``dv`` then sums its value and key parts, `judge_grads`).
     q_descale, k_descale, v_descale : array, optional
         An fp8 kernel's descales ``(batch, nheads_k)`` (FlashAttention 3's): ``q``, ``k``, ``v``
         are the fp8 tensors as stored, the attention judged that of their dequantised values
@@ -177,7 +180,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         no values to read (`attnlib.core.arrays`).  A failing kernel gets a verdict, never
         an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
-    names = {n: n for n in TENSORS + ("qv",)} | (names or {})
+    names = {n: n for n in TENSORS + ("qv", "dqv")} | (names or {})
     try:
         dev = device_of(device, q, k, v, out)  # before any tensor is read to the host
     except (ValueError, TypeError) as e:
@@ -204,10 +207,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     except ValueError as e:
         raise UnusableInput(str(e)) from None
     given, stored = {}, {}
-    if qv is not None and (any(x is not None for x in (dq, dk, dv)) or dsinks is not None):
-        raise UnusableInput("gradients are not judged with qv yet (dv then sums two parts): leave the "
-                            "gradients out, or judge them with attnlib.attention_backward(..., qv=) yourself")
-    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv).items():
+    if dqv is not None and qv is None:
+        raise UnusableInput("dqv was given without qv")
+    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
     if sinks is not None:
@@ -229,7 +231,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         if n in given and not np.isfinite(given[n]).all():
             bad = np.argwhere(~np.isfinite(given[n]))[:3].tolist()
             raise UnusableInput(f"{names[n]}: holds NaN or inf (first at {bad}); the inputs must be finite")
-    if (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None) and "dout" not in given:
+    if (any(n in given for n in GRADIENTS) or dsinks is not None) and "dout" not in given:
         raise UnusableInput("gradients were given without dout (the upstream gradient they answer)")
     if dsinks is not None:
         dsinks = _as_float(dsinks, names.get("dsinks", "dsinks"))[0]
@@ -253,7 +255,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     qvh = None if "qv" not in given else to_bhsd(given["qv"], layout).astype(np.float64)
     factors = {}  # the fp8 descales, laid out on (..., H, S, D)
     if descale.given(q_descale, k_descale, v_descale):
-        if any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None:
+        if any(n in given for n in GRADIENTS) or dsinks is not None:
             raise UnusableInput("gradients are not judged with fp8 descales (FlashAttention 3's fp8 "
                                 "path is forward only): leave the descales or the gradients out")
         try:
@@ -298,17 +300,18 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
             _diagnose_lse(lse_verdict, given["lse"], lse_expected, qh, kh, vh, opts, lse_opts, convention,
                           workers, dev)
     grads = {}
-    if "dout" in given and (any(n in given for n in ("dq", "dk", "dv")) or dsinks is not None):
-        kernel_grads = {n: given.get(n) for n in ("dq", "dk", "dv")} | {"dsinks": dsinks}
+    if "dout" in given and (any(n in given for n in GRADIENTS) or dsinks is not None):
+        kernel_grads = {n: given.get(n) for n in GRADIENTS} | {"dsinks": dsinks}
         context = {}
         douth = to_bhsd(given["dout"], layout).astype(np.float64)
         try:
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
-                                expected.ref_lse, douth, prec,
-                                opts, layout, shape, workers, context, mod_grad=score_mod_grad, device=dev)
+                                expected.ref_lse, douth, prec, opts, layout, shape, workers, context,
+                                mod_grad=score_mod_grad, device=dev, qv_dim=None if qvh is None else shape["d"])
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from None
-        _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name)
+        if qvh is None:  # the neighbouring problems' gradients are q, k and v's own
+            _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:

@@ -20,7 +20,7 @@ from ..core.varlen import sequences
 from ..core.arrays import UnusableInput
 
 #: The packed tensors by which offsets index their first axis.
-_BY_QUERY = ("q", "out", "dout", "dq", "qv")
+_BY_QUERY = ("q", "out", "dout", "dq", "qv", "dqv")
 _BY_KEY = ("k", "v", "dk", "dv")
 
 
