@@ -83,9 +83,8 @@ def test_the_inputs_are_never_modified():
 
 
 def _emulated_fp8(q, k, v, causal):
-    """FlashAttention's attention_ref(upcast=False, reorder_ops=True,
-    intermediate_dtype=float8_e4m3fn) on bfloat16 inputs, emulated: bfloat16 scores, the
-    softmax in float32, p rounded to fp8 and back."""
+    """An fp8 kernel's arithmetic, dense: bfloat16 inputs and scores, the softmax's weights
+    ``exp(s - m) <= 1`` in float32 rounded to fp8 before ``p @ v``, normalised after."""
     bf = ml_dtypes.bfloat16
     g = q.shape[1] // k.shape[1]
     q, k, v = (np.asarray(x, dtype=np.float64).astype(bf).astype(np.float32) for x in (q, k, v))
@@ -95,9 +94,9 @@ def _emulated_fp8(q, k, v, causal):
         s = np.where(np.arange(s.shape[-1])[None] > np.arange(s.shape[-2])[:, None] + s.shape[-1] - s.shape[-2],
                      -np.inf, s)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p = p / p.sum(axis=-1, keepdims=True)
-    p = p.astype(bf).astype(F8).astype(np.float32)
-    return (p @ v).astype(bf).astype(np.float64)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p.astype(F8).astype(np.float32)
+    return ((p @ v) / l).astype(bf).astype(np.float64)
 
 
 def test_the_fp8_baseline_rounds_p_to_fp8():
@@ -117,6 +116,21 @@ def test_the_fp8_baseline_rounds_p_to_fp8():
     emulated = _emulated_fp8(q, k, v, causal=True)
     ref8 = reference_attention(q, k, v, causal=True, compute_dtype="float8_e4m3fn").astype(np.float64)
     assert np.abs(ref8 - emulated).max() < 0.25 * np.abs(emulated - exact).max()
+
+
+def test_the_fp8_check_fails_wrong_outputs_at_long_rows():
+    """The weights are rounded as kernels hold them (<= 1), not normalised first: FlashAttention's
+    test reference rounds p ~ 1/Sk among fp8's subnormals, an error near the output's own size
+    that would let an all-zero output pass (found by review)."""
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((1, 8, 1, 128)) * 3).astype(F8)
+    k, v = ((rng.standard_normal((1, 1, 1024, 128)) * 3).astype(F8) for _ in range(2))
+    told = {n: np.full((1, 1), 0.3, np.float32) for n in ("q_descale", "k_descale", "v_descale")}
+    right = attention(q, k, v, compute_dtype="float8_e4m3fn", **told)
+    assert check.check_kernel(q, k, v, right, layout="bhsd", **told).passed is True
+    for wrong in (np.zeros_like(right), right.astype(np.float32) * 0.5, -right.astype(np.float32),
+                  np.roll(right.astype(np.float32), 1, axis=1)):
+        assert check.check_kernel(q, k, v, wrong, layout="bhsd", **told).passed is False
 
 
 def test_descales_are_refused_by_name():
@@ -200,3 +214,13 @@ def test_the_cli_reads_fp8_safetensors_and_descales(tmp_path, capsys):
         tensorio.load_tensor(str(tmp_path / "raw.npy"), "--q")
     raw, kind = tensorio.load_tensor(str(tmp_path / "raw.npy"), "--q", "float8_e4m3fn")
     assert kind == "float8_e4m3fn" and np.array_equal(raw.astype(np.float32), _bshd(q).astype(np.float32))
+
+
+def test_descales_in_bfloat16_are_read():
+    torch = pytest.importorskip("torch")
+    q, k, v, ds = _problem()
+    d16 = {n: x.astype(ml_dtypes.bfloat16) for n, x in ds.items()}
+    want = fa_attention(q, k, v, *(d16[n].astype(np.float32) for n in "qkv"))
+    got = attention(q, k, v, q_descale=d16["q"], k_descale=torch.from_numpy(d16["k"].astype(np.float32)).bfloat16(),
+                    v_descale=d16["v"])
+    assert _rel(got, want) < 1e-12

@@ -190,3 +190,22 @@ def test_a_low_precision_keeps_its_output_type_with_the_sink_excluded():
     out, lse = attention(q, k, v, causal=True, sinks=sinks, compute_dtype="float32", return_lse=True,
                          lse_sink="excluded")
     assert out.dtype == np.float32
+
+
+def test_the_varlen_layout_judges_each_convention():
+    """The padding rows of the thd layout hold what the told convention gives a row without
+    keys (found by review: they held attnlib's own values, failing correct kernels)."""
+    from attnlib import attention_varlen
+
+    r = np.random.default_rng(0)
+    cq, ck = np.array([0, 20, 50]), np.array([0, 30, 70])
+    q = r.standard_normal((50, 4, 32)).astype(np.float32)
+    k, v = (r.standard_normal((70, 2, 32)).astype(np.float32) for _ in range(2))
+    sinks = r.standard_normal(4)
+    out, lse = attention_varlen(q, k, v, cq, ck, return_lse=True, compute_dtype="float32", causal=True, sinks=sinks)
+    out_k, keys = attention_varlen(q, k, v, cq, ck, return_lse=True, compute_dtype="float32", causal=True)
+    kw = dict(layout="thd", cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True)
+    assert check.check_kernel(q, k, v, out, lse=lse / LN2, sinks=sinks, lse_base=2, **kw).lse.passed is True
+    assert check.check_kernel(q, k, v, out, lse=keys, sinks=sinks, lse_sink="excluded", **kw).lse.passed is True
+    assert check.check_kernel(q, k, v, out_k, lse=keys, lse_empty="+inf", **kw).lse.passed is True
+    assert check.check_kernel(q, k, v, out, lse=keys, sinks=sinks, **kw).lse.passed is False  # not told

@@ -194,3 +194,23 @@ def test_the_cli_takes_qv_and_the_shared_latent(tmp_path, capsys):
     assert check.main(argv[:-2]) == 2  # neither --v nor --v-from-k
     assert "--v-from-k" in capsys.readouterr().err
     assert check.main(argv[:-1] + ["41"]) == 2
+
+
+def test_a_nan_is_named_by_its_own_tensor_and_q_none_in_the_check():
+    """Found by review: a NaN in qv was reported as q's, at an index of the joined array."""
+    q, k, v, qv, _ = _problem(7)
+    qv = qv.copy()
+    qv[0, 1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match=r"qv contains NaN or inf \(first at index \(0, 1, 2, 3\)\)"):
+        attention(q, k, v, qv=qv)
+    with pytest.raises(ValueError, match="qv contains NaN"):
+        attention(*(torch.tensor(x) for x in (q, k, v)), qv=torch.tensor(qv))
+    with pytest.raises(check.UnusableInput, match="qv: holds NaN"):
+        check.check_kernel(*(_bshd(x) for x in (q, k, v)), np.zeros((B, SQ, HQ, DV)), qv=_bshd(qv))
+    with pytest.raises(check.UnusableInput, match="q is None"):
+        check.check_kernel(None, _bshd(k), _bshd(v), np.zeros((B, SQ, HQ, DV)), qv=_bshd(qv))
+    # qv-only scores in the check: q and k of head dim 0.
+    _, _, v, qv, _ = (x.astype(np.float32) for x in _problem(8))
+    out = attention(None, None, v, qv=qv, causal=True, compute_dtype="float32")
+    zeros = np.zeros((B, SQ, HQ, 0), np.float32), np.zeros((B, SK, HK, 0), np.float32)
+    assert check.check_kernel(*zeros, _bshd(v), _bshd(out), qv=_bshd(qv), causal=True).passed is True

@@ -209,6 +209,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     given, stored = {}, {}
     if dqv is not None and qv is None:
         raise UnusableInput("dqv was given without qv")
+    if q is None:
+        raise UnusableInput("q is None: the check judges scores q k^T (+ qv v^T); for MLA's qv-only "
+                            "scores give q and k of head dim 0 (np.zeros((..., 0)))")
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
@@ -216,7 +219,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         sinks = _as_float(sinks, names.get("sinks", "sinks"))[0].astype(np.float64)
     layout_note = ""
     if varlen:
-        given, q_lengths, kv_lengths = unpack_varlen(given, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names)
+        given, q_lengths, kv_lengths = unpack_varlen(given, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names,
+                                                     convention)
         layout = "bshd"
         layout_note = "varlen (thd): judged as its sequences padded into a batch, (sequence, position) below"
     elif paged:
@@ -227,7 +231,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if empty_dims:
         raise UnusableInput(f"{names['q']}: the problem is empty ({', '.join(empty_dims)} = 0): there "
                             "is no output to judge")
-    for n in ("q", "k", "v", "dout"):
+    for n in ("q", "k", "v", "dout", "qv"):
         if n in given and not np.isfinite(given[n]).all():
             bad = np.argwhere(~np.isfinite(given[n]))[:3].tolist()
             raise UnusableInput(f"{names[n]}: holds NaN or inf (first at {bad}); the inputs must be finite")

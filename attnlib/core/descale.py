@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import device as dev_mod
-from .arrays import as_float_array, as_numpy
+from .arrays import _is_ml_float, as_float_array, as_numpy
 
 NAMES = ("q_descale", "k_descale", "v_descale")
 
@@ -34,6 +34,8 @@ def factors(q, k, q_descale=None, k_descale=None, v_descale=None) -> dict:
         if x is None:
             continue
         a = as_numpy(x, name)
+        if isinstance(a, np.ndarray) and _is_ml_float(a.dtype):  # bfloat16, float8: exact in float64
+            a = a.astype(np.float64)
         if not isinstance(a, np.ndarray) or not (np.issubdtype(a.dtype, np.floating)
                                                   or np.issubdtype(a.dtype, np.integer)):
             raise TypeError(f"{name} must hold real numbers (batch, kv heads), got {getattr(a, 'dtype', type(a))}")

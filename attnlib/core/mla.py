@@ -14,7 +14,7 @@ import numpy as np
 
 from . import descale
 from . import device as dev_mod
-from .arrays import as_float_array
+from .arrays import as_float_array, check_finite as check_finite_array
 
 
 def _shape(x):
@@ -32,9 +32,10 @@ def check(q, k, v, qv):
         raise ValueError(f"qv must have q's shape but for its last dimension, got qv {qs} and q {ws}")
 
 
-def join(q, k, v, qv, dev=None):
+def join(q, k, v, qv, dev=None, check_finite=True):
     """``(q', k')``: ``[q, qv]`` and ``[k, v]`` along the head dim (``qv`` and ``v`` alone when
-    ``q`` is None), in float64: numpy arrays, or torch tensors on ``dev``."""
+    ``q`` is None), in float64: numpy arrays, or torch tensors on ``dev``.  ``check_finite``:
+    each part refused by its own name (and index) for NaN or inf, before the join hides it."""
     check(q, k, v, qv)
     if dev is None:
         parts = [None if x is None else as_float_array(x, n).astype(np.float64, copy=False)
@@ -46,6 +47,14 @@ def join(q, k, v, qv, dev=None):
                  for x, n in ((q, "q"), (k, "k"), (v, "v"), (qv, "qv"))]
         cat = torch.cat
     q, k, v, qv = parts
+    if check_finite:
+        for x, name in ((q, "q"), (k, "k"), (v, "v"), (qv, "qv")):
+            if x is None:
+                continue
+            if dev is None:
+                check_finite_array(x, name)
+            else:
+                dev_mod._first_bad(x, name)  # raises, naming the first NaN or inf
     if q is None:
         return qv, v
     return cat((q, qv), -1), cat((k, v), -1)
@@ -61,7 +70,7 @@ def split(grads, d: int, has_q: bool):
     return (dq_[..., :d], dk_[..., :d], dv + dk_[..., d:], dq_[..., d:], *rest)
 
 
-def inputs(q, k, v, qv=None, paged=False, q_descale=None, k_descale=None, v_descale=None):
+def inputs(q, k, v, qv=None, paged=False, q_descale=None, k_descale=None, v_descale=None, check_finite=True):
     """``(q, k, v)`` as the kernels take them: dequantised by the fp8 descales
     (`attnlib.core.descale`), then with MLA's ``qv`` joined (`join`); computed where
     torch tensors live (else numpy), so that the results come back in the inputs' kind."""
@@ -74,5 +83,5 @@ def inputs(q, k, v, qv=None, paged=False, q_descale=None, k_descale=None, v_desc
                              "cache; dequantise the pages, or judge the kernel with attnlib.check")
         q, k, v, qv = descale.dequantize(q, k, v, q_descale, k_descale, v_descale, dev, qv=qv)
     if qv is not None:
-        q, k = join(q, k, v, qv, dev)
+        q, k = join(q, k, v, qv, dev, check_finite)
     return q, k, v

@@ -159,7 +159,7 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     do not all underflow to 0.
     """
     opts = dense_options(**options)
-    q, k, v = mla.inputs(q, k, v, qv, False, q_descale, k_descale, v_descale)
+    q, k, v = mla.inputs(q, k, v, qv, False, q_descale, k_descale, v_descale, check_finite)
     conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse)
     if conv is None:
         return _dense_on(q, k, v, opts, device, return_lse, check_finite, compute_dtype)
@@ -192,18 +192,17 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
         out, lse = _dense(q5, k5, v5, pb, np.float64, opts)
     else:
         out, lse = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
-                          prec.accumulate.type, opts, prec.round, prec.round_p, prec.p_type is not None)
+                          prec.accumulate.type, opts, prec.round, prec.round_p)
         out = out.astype(prec.compute)
     return (out, lse) if return_lse else out
 
 
-def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None, normalized=False):
+def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None):
     """``(out, lse)`` in the caller's layout, computed densely in ``dtype``.
 
     ``round_lowp`` rounds the scores and ``round_p`` the weights to a low compute precision
-    (the naive same-precision baseline); None computes everything in ``dtype``.
-    ``normalized``: the weights divided by ``l`` before they are rounded (in the compute type,
-    then by ``round_p``) and multiplied, as FlashAttention's fp8 ``attention_ref`` has it.
+    (the naive same-precision baseline); None computes everything in ``dtype``.  The weights
+    are rounded before they are normalised, ``p = exp(s - m) <= 1``, as kernels hold them.
     """
     sink = problem.sinks(opts.sinks, pb, dtype)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, opts, dtype)  # (..., hk, g, sq, sk)
@@ -223,12 +222,8 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None, 
     v_max = pb.max_of("v", v5)
     e = problem.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
     v_scaled = v5.astype(dtype) if not e else np.ldexp(v5.astype(dtype), -e)
-    if normalized:  # softmax first, p stored in the compute type, then rounded to p's type
-        p = round_p(round_lowp(np.divide(p, l, out=np.zeros_like(p), where=seen)))
-        out = problem.unscale_values(np.matmul(p, v_scaled), e, v_max)
-    else:
-        out = np.matmul(p if round_p is None else round_p(p), v_scaled)
-        out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
+    out = np.matmul(p if round_p is None else round_p(p), v_scaled)
+    out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1)

@@ -213,7 +213,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
                return_stats=return_stats, check_finite=check_finite)
-    q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale)
+    q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale, check_finite)
     conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse)
     if conv is None:
         return forward_on(q, k, v, opts, device=device, **run)

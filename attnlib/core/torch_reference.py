@@ -154,12 +154,8 @@ def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
     v_max = pb.maxima[2]
     e = problem.value_exponent(v_max, pb.sk, np_dtype)  # values near the range: summed / 2**e
     v_scaled = v5.to(dtype) if not e else v5.to(dtype) * math.ldexp(1.0, -e)  # exact: a power of two
-    if p_low is not None and p_low != low:  # fp8 (`reference._dense`'s normalized): softmax first
-        p = round_to(round_to(torch.where(seen, p / torch.where(seen, l, 1.0), 0.0), low), p_low)
-        out = torch.matmul(p, v_scaled)
-    else:
-        out = torch.matmul(p if low is None else round_to(p, low), v_scaled)
-        out = torch.where(seen, out / torch.where(seen, l, 1.0), 0.0)
+    out = torch.matmul(p if low is None else round_to(p, p_low or low), v_scaled)
+    out = torch.where(seen, out / torch.where(seen, l, 1.0), 0.0)
     if e:  # `problem.unscale_values`
         bound = math.ldexp(v_max, -e)
         out = out.clamp(-bound, bound) * math.ldexp(1.0, e)

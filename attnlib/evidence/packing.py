@@ -32,10 +32,12 @@ def _pad(x, starts, ends, width):
     return out
 
 
-def unpack_varlen(given: dict, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names: dict):
+def unpack_varlen(given: dict, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, names: dict, lse_convention=None):
     """``given`` (thd tensors, ``lse (H, total_q)``) as bshd ones: ``(given, q_lengths,
     kv_lengths)``.  The lse of padded rows is filled with what the contract gives a row
-    without keys (``-inf``, or the sink), so that only real rows are judged."""
+    without keys (``-inf``, or the sink), in the kernel's ``lse_convention``
+    (`attnlib.core.lse_conventions`: its base, the sink's place, its empty rows' infinity),
+    so that only real rows are judged."""
     q, k = given["q"], given["k"]
     for name, x in given.items():
         if name != "lse" and x.ndim != 3:
@@ -61,9 +63,11 @@ def unpack_varlen(given: dict, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, nam
         if lse.ndim != 2 or lse.shape[1] != q.shape[0]:
             raise UnusableInput(f"{names['lse']}: the thd layout's lse is (nheads, total_q) = "
                                 f"({q.shape[1]}, {q.shape[0]}), got shape {lse.shape}")
-        fill = np.full((len(seqs), lse.shape[0]), -np.inf)
-        if sinks is not None:
-            fill[...] = np.asarray(sinks, dtype=np.float64)
+        conv = lse_convention
+        empty = -np.inf if conv is None or conv.empty is None else conv.empty
+        fill = np.full((len(seqs), lse.shape[0]), empty)
+        if sinks is not None and (conv is None or conv.sink == "included"):
+            fill[...] = np.asarray(sinks, dtype=np.float64) / (1.0 if conv is None else conv.factor)
         padded = np.repeat(fill[:, :, None], wq, axis=2).astype(lse.dtype)  # (batch, H, wq)
         for b, (s, e) in enumerate(zip(q0, q1)):
             padded[b, :, :e - s] = lse[:, s:e]
