@@ -209,3 +209,21 @@ def test_the_varlen_layout_judges_each_convention():
     assert check.check_kernel(q, k, v, out, lse=keys, sinks=sinks, lse_sink="excluded", **kw).lse.passed is True
     assert check.check_kernel(q, k, v, out_k, lse=keys, lse_empty="+inf", **kw).lse.passed is True
     assert check.check_kernel(q, k, v, out, lse=keys, sinks=sinks, **kw).lse.passed is False  # not told
+
+
+def test_a_base_2_merge_reads_lists_and_bfloat16_in_base_2():
+    """Found by review: lses that are no numpy float array were merged as natural ones."""
+    import ml_dtypes
+    from attnlib import merge_attention
+
+    q, k, v, _ = _problem("float64")
+    halves = [attention(q, k[..., a:b, :], v[..., a:b, :], return_lse=True) for a, b in ((0, 20), (20, S))]
+    _, lse_e = merge_attention([h[0] for h in halves], [h[1] for h in halves])
+    _, from_lists = merge_attention([h[0] for h in halves], [(h[1] / LN2).tolist() for h in halves], lse_base=2)
+    assert np.abs(from_lists * LN2 - lse_e).max() < 1e-13
+    b16 = [(h[1] / LN2).astype(ml_dtypes.bfloat16) for h in halves]
+    _, from_b16 = merge_attention([h[0] for h in halves], b16, lse_base=2)
+    want = merge_attention([h[0] for h in halves], [x.astype(np.float64) * LN2 for x in b16])[1]
+    assert np.abs(from_b16 * LN2 - want).max() < 1e-12
+    with pytest.raises(ValueError, match="lse_sink"):
+        LseConvention.parse(lse_sink=np.array(["excluded"]))

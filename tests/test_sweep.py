@@ -96,3 +96,30 @@ def test_a_kernel_returning_something_else_is_named():
         sweep_kernel(lambda q, k, v, x: {"o": 1}, Q, K, V, knobs={"x": [1]}, **CHECK)
     with pytest.raises(UnusableInput, match="tuple of 3"):
         sweep_kernel(lambda q, k, v, x: (1, 2, 3), Q, K, V, knobs={"x": [1]}, **CHECK)
+
+
+def test_a_kernel_writing_into_one_buffer_is_compared_run_by_run():
+    """Found by review: results held by reference made every repeat equal to itself."""
+    ref = good(Q, K, V)[0]
+    buf, calls = np.empty_like(ref), [0]
+
+    def in_place(q, k, v, s):
+        calls[0] += 1
+        buf[...] = ref
+        buf.flat[calls[0]] = np.nextafter(buf.flat[calls[0]], np.float32(9))
+        return buf
+
+    sweep = sweep_kernel(in_place, Q, K, V, knobs={"s": [1]}, repeats=2, **CHECK)
+    assert sweep.settings[0].nondeterministic == ["out"]
+
+
+def test_a_raising_kernel_names_its_setting_and_strings_are_no_lists():
+    def fails(q, k, v, num_splits):
+        if num_splits == 3:
+            raise IndexError("split out of range")
+        return good(q, k, v)
+
+    with pytest.raises(RuntimeError, match="the kernel raised at num_splits=3: IndexError: split out of range"):
+        sweep_kernel(fails, Q, K, V, knobs={"num_splits": [1, 3]}, **CHECK)
+    with pytest.raises(UnusableInput, match="list of values"):
+        sweep_kernel(good, Q, K, V, knobs={"num_splits": "13"}, **CHECK)

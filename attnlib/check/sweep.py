@@ -20,8 +20,9 @@ from .shapes import UnusableInput
 from .text import format_text
 from .verdict import check_kernel
 
-#: What a kernel may return, by name: ``out`` and optionally these.
-RESULTS = ("out", "lse", "dq", "dk", "dv")
+#: What a kernel may return, by name: ``out`` and optionally these (``dqv``: MLA's, with the
+#: check option ``qv``; ``dsinks``: with ``sinks``).
+RESULTS = ("out", "lse", "dq", "dk", "dv", "dqv", "dsinks")
 
 
 @dataclass
@@ -84,7 +85,15 @@ def _tensors(result, name="kernel") -> dict:
         got = dict(out=result[0], lse=result[1])
     else:
         got = dict(out=result)
-    return {n: np.asarray(as_numpy(x, n)) for n, x in got.items() if x is not None}
+    # Copies: a kernel that writes into one buffer call after call must not compare it with itself.
+    return {n: np.array(as_numpy(x, n), copy=True) for n, x in got.items() if x is not None}
+
+
+def _call(kernel, q, k, v, setting, extra):
+    try:
+        return kernel(q, k, v, **setting, **extra)
+    except Exception as e:  # which setting raised, with the kernel's own error chained
+        raise RuntimeError(f"the kernel raised at {_words(setting)}: {type(e).__name__}: {e}") from e
 
 
 def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, **check_options) -> Sweep:
@@ -94,8 +103,10 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
     Parameters
     ----------
     kernel : callable
-        Returns ``out``, ``(out, lse)`` or a dict with ``out`` and any of ``lse, dq, dk, dv``
-        (numpy arrays, torch tensors on any device, ...).
+        Returns ``out``, ``(out, lse)`` or a dict with ``out`` and any of ``lse, dq, dk, dv,
+        dqv, dsinks`` (numpy arrays, torch tensors on any device, ...).  Only ``q, k, v``, the
+        knobs and ``dout`` are passed to it: a kernel of more inputs (MLA's ``qv``, sinks)
+        takes them from its closure, and the check from ``check_options``.
     q, k, v : array
         The inputs, passed to the kernel as they are and judged as `check_kernel` takes them.
     knobs : dict
@@ -111,6 +122,9 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
     """
     if not isinstance(knobs, dict) or not all(isinstance(n, str) for n in knobs):
         raise UnusableInput(f"knobs must be a dict of the kernel's argument names to lists of values, got {knobs!r}")
+    bad = [n for n, vs in knobs.items() if isinstance(vs, (str, bytes)) or not hasattr(vs, "__iter__")]
+    if bad:
+        raise UnusableInput(f"knobs {bad}: each must map to a list of values, e.g. {{'num_splits': [1, 3]}}")
     values = {n: list(vs) for n, vs in knobs.items()}
     empty = [n for n, vs in values.items() if not vs]
     if empty:
@@ -121,10 +135,10 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
     settings, first = [], None
     for combo in itertools.product(*values.values()):
         setting = dict(zip(values, combo))
-        runs = [_tensors(kernel(q, k, v, **setting, **extra), f"kernel({_words(setting)})")
+        runs = [_tensors(_call(kernel, q, k, v, setting, extra), f"kernel({_words(setting)})")
                 for _ in range(1 + repeats)]
         got = runs[0]
-        grads = {n: got.get(n) for n in ("dq", "dk", "dv")}
+        grads = {n: got.get(n) for n in ("dq", "dk", "dv", "dqv", "dsinks")}
         result = check_kernel(q, k, v, got["out"], lse=got.get("lse"), dout=dout if any(
             g is not None for g in grads.values()) else None, **grads, **check_options)
         judged = [result.out] + ([result.lse] if result.lse else []) + list(result.grads.values())
@@ -136,7 +150,7 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
             if n in first and first[n].shape == x.shape and x is not first[n]:
                 with np.errstate(invalid="ignore", over="ignore"):
                     d = np.abs(x.astype(np.float64) - first[n].astype(np.float64))
-                spread[n] = float(np.nanmax(d)) if d.size else 0.0
+                spread[n] = float(d.max()) if d.size else 0.0  # NaN where either holds one
         ratio = max((float(t.ratio) for t in judged if t.ratio is not None), default=0.0)
         settings.append(Setting(setting, result.passed, ratio, differ, spread, format_text(result)))
     return Sweep(settings, repeats)

@@ -37,7 +37,7 @@ class LseConvention:
         else:
             raise ValueError(f"lse_base must be 'e' (natural log, the default) or 2, got {lse_base!r}")
         sink = "included" if lse_sink is None else lse_sink
-        if sink not in SINK:
+        if not isinstance(sink, str) or sink not in SINK:
             raise ValueError(f"lse_sink must be 'included' (the default) or 'excluded', got {lse_sink!r}")
         if lse_empty is None:
             empty = None

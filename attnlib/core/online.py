@@ -252,10 +252,8 @@ def merge_parts(outs, parts) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _floating(x) -> bool:
-    """A real floating array or tensor (numpy's kind "f", or torch's ``is_floating_point``)."""
-    if isinstance(x, np.ndarray):
-        return x.dtype.kind == "f"
-    return bool(getattr(x, "is_floating_point", lambda: False)()) and not getattr(x, "is_complex", lambda: False)()
+    """A real floating torch tensor (``is_floating_point``, not complex)."""
+    return bool(x.is_floating_point()) and not bool(x.is_complex())
 
 
 def merge_attention(outs, lses, *, lse_base=None, device=None):
@@ -295,8 +293,9 @@ def merge_attention(outs, lses, *, lse_base=None, device=None):
     """
     outs, lses = list(outs), list(lses)
     base = LseConvention.parse(lse_base)
-    if base.factor != 1.0:  # natural for the merge (floats only: the others are refused by name below)
-        lses = [x * base.factor if getattr(x, "dtype", None) is not None and _floating(x) else x for x in lses]
+    if base.factor != 1.0:  # natural for the merge; what is no float is refused by name, here or below
+        lses = [(x * base.factor if _floating(x) else x) if hasattr(x, "is_floating_point")  # torch: its device
+                else _real_float(x, f"lses[{r}]") * base.factor for r, x in enumerate(lses)]
         out, lse = merge_attention(outs, lses, device=device)
         return out, base.from_natural(lse)
     dev = device_of(device, *outs, *lses)
