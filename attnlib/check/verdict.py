@@ -141,7 +141,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         An fp8 kernel's descales ``(batch, nheads_k)`` (FlashAttention 3's): ``q``, ``k``, ``v``
         are the fp8 tensors as stored, the attention judged that of their dequantised values
         (`attnlib.core.descale`); ``dtype`` defaults to float8_e4m3fn for float8_e4m3fn ``q``
-        (FlashAttention's fp8 test reference: bfloat16 with ``p`` rounded to fp8).  An output
+        (an fp8 kernel's arithmetic: bfloat16 with ``p`` rounded to fp8).  An output
         that matches the descales ignored, applied twice or per tensor is diagnosed by name.
     lse_base, lse_sink, lse_empty : optional
         The kernel's LSE convention (`attnlib.core.lse_conventions`): ``lse_base`` "e"

@@ -109,8 +109,8 @@ class Precision:
     """A compute precision: inputs and ``p`` are rounded to ``compute``; the scores and the
     online state ``(m, l, acc)`` are kept in ``accumulate`` (float32 for the 16-bit types,
     as GPU kernels keep them).  ``p_type``: where ``p`` is rounded to another type before
-    ``p @ v`` (float8_e4m3fn: FlashAttention 3's fp8 forward, whose inputs and output are
-    bfloat16's in its test reference), else None."""
+    ``p @ v`` (float8_e4m3fn: an fp8 kernel's, FlashAttention 3's, whose inputs, scores and
+    output are bfloat16's), else None."""
 
     name: str
     compute: np.dtype
@@ -136,9 +136,9 @@ _PRECISIONS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn")
 
 def precision(x) -> Precision:
     """``compute_dtype``: None/"float64", "float32", "float16", "bfloat16" or "float8_e4m3fn"
-    (the last two need ml_dtypes; float8_e4m3fn is FlashAttention 3's fp8 forward as its test
-    reference has it: bfloat16 inputs and scores, ``p`` rounded to float8_e4m3fn before
-    ``p @ v``, the state in float32, ``out`` in bfloat16).
+    (the last two need ml_dtypes; float8_e4m3fn is an fp8 kernel's arithmetic, FlashAttention
+    3's: bfloat16 inputs and scores, the weights ``exp(s - m) <= 1`` rounded to float8_e4m3fn
+    before ``p @ v``, the state in float32, ``out`` in bfloat16).
 
     A numpy dtype or type of those names is taken too; anything else is a ValueError
     naming the choices.

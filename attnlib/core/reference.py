@@ -132,8 +132,10 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         The naive baseline in a lower precision (FlashAttention's test rule compares a
         kernel against it): inputs rounded to it, ``q k^T`` accumulated in float32 and
         stored in it, the softmax in float32, ``p`` rounded, ``p @ v`` accumulated in
-        float32, ``out`` returned in it (float8_e4m3fn: bfloat16, ``p`` rounded to
-        float8_e4m3fn, as FlashAttention's ``attention_ref(intermediate_dtype=fp8)``).
+        float32, ``out`` returned in it (float8_e4m3fn: bfloat16, ``p = exp(s - m) <= 1``
+        rounded to float8_e4m3fn before it is normalised, as fp8 kernels hold it; not the
+        normalised ``p`` of FlashAttention's ``attention_ref(intermediate_dtype=fp8)``, see
+        ``docs/semantics.md``, "fp8 descales").
     qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
         MLA's second query, as in `attention` (``q`` may be None).
     q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional

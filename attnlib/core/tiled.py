@@ -114,9 +114,9 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         The precision a kernel under test runs in: q, k, v and the weights ``p`` are
         rounded to it, the scores and ``(m, l, acc)`` kept in float32 (for the 16-bit types,
         as GPU kernels do; bfloat16 needs ``ml_dtypes``).  ``out`` is returned in it and
-        ``lse`` in float32.  float8_e4m3fn: FlashAttention 3's fp8 forward as its test
-        reference has it, bfloat16 but for ``p``, rounded to float8_e4m3fn before ``p @ v``
-        (``out`` in bfloat16).  Default: float64 throughout.
+        ``lse`` in float32.  float8_e4m3fn: an fp8 kernel's arithmetic (FlashAttention 3's),
+        bfloat16 but for ``p``, rounded to float8_e4m3fn before ``p @ v`` (``out`` in
+        bfloat16).  Default: float64 throughout.
     qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
         MLA's second query (FlashAttention 3/4's ``qv``): scores ``scale (q k^T + qv v^T)``,
         default ``scale = 1/sqrt(D + Dv)``; ``q`` may then be None (``qv v^T`` alone).
