@@ -263,3 +263,10 @@ def test_position_form_alibi_passes():
     l = p.sum(axis=-1, keepdims=True)
     judged = gate.judge((p @ v) / l, (m + np.log(l))[:, 0])
     assert judged["passed"], judged
+
+
+def test_sink_cases_draw_no_qv():
+    """The gradients report's sink problems stay within the head dims its defects are sized for."""
+    cases = attnlib.evidence.inputs.sink_cases(24, seed=0, max_len=256)
+    assert all(c.sinks is not None and not c.qv for c in cases)
+    assert any(c.qv for c in attnlib.evidence.inputs.feature_cases(24, seed=0, max_len=256))
