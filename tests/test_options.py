@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import attnlib
-from attnlib.core.options import MASKING, MODS, PAGING, SCORES, Options
+from attnlib.core.options import MASKING, MODS, PAGING, SCORES, SPARSE, Options
 from attnlib.evidence.gate import row_stats, tolerance
 
 Q, K, V = attnlib.random_qkv(6, 8, 4, heads=2, seed=0)
@@ -58,6 +58,8 @@ def test_the_same_checks_at_every_entry_point(entry, bad, error, name):
     ("attention_stream", dict(mask_mod=lambda b, h, i, j: i >= j)),
     ("attention_varlen", dict(q_lengths=[6])),
     ("attention_varlen", dict(score_mod=lambda s, b, h, i, j: s)),
+    ("attention_stream", dict(gather_kv_indices=np.zeros((6, 1), int))),
+    ("attention_varlen", dict(gather_kv_indices=np.zeros((6, 1), int))),
     ("attention_backward", dict(block_table=np.zeros((1, 1), int), cache_seqlens=[1])),
     ("reference_attention", dict(block_table=np.zeros((1, 1), int), cache_seqlens=[1])),
     ("row_stats", dict(block_table=np.zeros((1, 1), int), cache_seqlens=[1])),
@@ -76,7 +78,7 @@ def test_paging_needs_both_arrays():
 
 
 def test_the_groups_cover_the_fields_once():
-    names = [f for group in (MASKING, SCORES, MODS, PAGING) for f in group]
+    names = [f for group in (MASKING, SCORES, MODS, PAGING, SPARSE) for f in group]
     assert sorted(names) == sorted(Options.parse().__dataclass_fields__)
 
 

@@ -17,7 +17,7 @@ from .verdict import KernelCheck, check_kernel
 #: The notebook `check --html` runs: package data, so that it works from a plain install.
 NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
-INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens")
+INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens", "gather_kv_indices")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
 OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale") + INDEX_FILES
 #: Files besides the kernel's tensors, read like them (in the kernel's type): MLA's second query
@@ -32,7 +32,7 @@ NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
-                   q_descale="", k_descale="", v_descale="", qv="", dqv="", v_from_k=0, **options) -> KernelCheck:
+                   gather_kv_indices="", q_descale="", k_descale="", v_descale="", qv="", dqv="", v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
     ``sinks``, the fp8 descales, MLA's ``qv`` and the integer files of `INDEX_FILES` too.
     ``v_from_k=Dv``: ``v`` is the first ``Dv`` of ``k``'s head dim (FlashMLA's shared latent),
@@ -43,7 +43,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
     specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv, dqv=dqv)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                   block_table=block_table, cache_seqlens=cache_seqlens)
+                   block_table=block_table, cache_seqlens=cache_seqlens, gather_kv_indices=gather_kv_indices)
     arrays, kinds, names = {}, {}, {}
     for name, spec in indices.items():
         if spec:
@@ -135,6 +135,9 @@ def _parser():
                    help="paged KV cache: (batch, max_blocks) page indices; --k/--v are then the pages "
                         "(num_blocks, page_size, nheads, headdim)")
     p.add_argument("--cache-seqlens", default="", metavar="FILE", help="paged KV cache: keys per batch entry")
+    p.add_argument("--gather-kv-indices", default="", metavar="FILE",
+                   help="top-k sparse keys: integer lists (batch, seqlen_q, topk) shared by the heads, or "
+                        "per kv head in the layout's order; -1 or out-of-range entries select no key")
     p.add_argument("--sinks", default="", metavar="FILE",
                    help="attention-sink logits, (nheads,) or (batch, nheads): one more logit in every "
                         "row's softmax denominator, with no value (gpt-oss, FlashAttention learnable_sink)")

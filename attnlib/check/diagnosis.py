@@ -305,6 +305,8 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
                 taken[key] = np.broadcast_to(np.ravel(getattr(opts, key)), (shape["batch"],))[entries]
         if opts.sinks is not None and np.ndim(opts.sinks) == 2:  # (batch, H)
             taken["sinks"] = opts.sinks[entries]
+        if opts.gather_kv_indices is not None:  # (batch, [Hk,] Sq, topk)
+            taken["gather_kv_indices"] = np.asarray(opts.gather_kv_indices)[entries]
         opts = replace(opts, **taken)
 
         def pick(x):
@@ -312,7 +314,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     else:
         def pick(x):
             return x
-    alternatives += variant_alternatives(opts)  # (with the failing entries' own key_leftpad)
+    alternatives += variant_alternatives(opts, shape["sk"])  # (with the failing entries' own key_leftpad)
     q, k, v, kern, failing, allow = (pick(x) for x in (qh, kh, vh, kernel, todo, allowance))
     n_fail = int(failing.sum())
     scored = []
@@ -372,9 +374,10 @@ def _input_mixups(kernel, candidates, prec, dense, workers, device=None) -> list
     return []
 
 
-def variant_alternatives(opts: Options) -> list:
+def variant_alternatives(opts: Options, sk=None) -> list:
     """``(change, words)``: the 2026 variants a kernel may have dropped or misplaced (left
-    padding, chunks, sink tokens), for the options given."""
+    padding, chunks, sink tokens, top-k lists: with ``sk``, the keys, their -1 entries
+    wrapped or clamped), for the options given."""
     alts = []
     if opts.key_leftpad is not None:
         alts.append((dict(key_leftpad=None), "key_leftpad ignored (the left padding attended, positions from key 0)"))
@@ -386,7 +389,19 @@ def variant_alternatives(opts: Options) -> list:
         alts.append((dict(attention_chunk=None), "attention_chunk ignored (no chunks)"))
     if opts.sink_token_length and opts.window[0] is not None:
         alts.append((dict(sink_token_length=0), "sink_token_length ignored (the sink tokens slid out of the window)"))
+    if opts.gather_kv_indices is not None:
+        indices = np.asarray(opts.gather_kv_indices)
+        alts.append((dict(gather_kv_indices=None), "gather_kv_indices ignored (every key attended; "
+                     "FlashAttention's test reference skips the mask when topk >= Sk)"))
+        if sk is not None and ((indices < 0) & (indices >= -sk)).any():
+            wrapped = np.where((indices < 0) & (indices >= -sk), indices + sk, indices)
+            alts.append((dict(gather_kv_indices=wrapped), "the -1 entries read as key Sk - 1 (a negative "
+                         "index wrapped around, as Python's indexing does), not as no key"))
+        if sk is not None and (indices < 0).any():
+            alts.append((dict(gather_kv_indices=np.where(indices < 0, 0, indices)),
+                         "the -1 entries read as key 0 (clamped), not as no key"))
     return alts
+
 
 
 def _hide_keys_before(opts: Options):

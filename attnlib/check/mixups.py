@@ -4,7 +4,8 @@ Each mix-up is a kernel that computed a neighbouring problem exactly (the float6
 rounded once to the kernel's type, as in `attnlib.check.power`; the fp8 ones attnlib's fp8
 arithmetic on the mishandled descales): an LSE in another convention
 (base 2, the sink in or out, the other infinity on empty rows), a variant left out
-(``attention_chunk``, ``sink_token_length``, ``key_leftpad``), MLA's ``qv`` ignored or its
+(``attention_chunk``, ``sink_token_length``, ``key_leftpad``), top-k lists ignored or their
+``-1`` entries read as a key (the last, wrapped; or key 0, clamped), MLA's ``qv`` ignored or its
 ``Dv`` left out of the default scale, and fp8 descales ignored, applied twice or per tensor.
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
 diagnosis holds the words that name that mix-up; the hit rate is named runs over runs.  As in
@@ -76,8 +77,16 @@ def cases(prec_name, magnitude, seed) -> list:
                     ("sink_token_length ignored", dict(causal=True, window=(16, 0), sink_token_length=4),
                      dict(causal=True, window=(16, 0))),
                     ("key_leftpad ignored", dict(causal=True, key_leftpad=[10]), dict(causal=True))]
+        # Top-k lists with a quarter of their entries -1 (no key): dropped, or -1 read as a key.
+        idx = np.random.default_rng(2000 + seed).integers(0, SHAPE[4], size=(SHAPE[0], SHAPE[3], 24))
+        idx[..., ::4] = -1
+        variants += [("gather_kv_indices ignored", dict(causal=True, gather_kv_indices=idx), dict(causal=True))]
         for name, told, computed in variants:
             out.append((name, name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
+        out += [("-1 entries read as key Sk - 1", "the -1 entries read as key Sk - 1", dict(gather_kv_indices=idx),
+                 dict(out=_answer(prec, q, k, v, gather_kv_indices=np.where(idx < 0, idx + SHAPE[4], idx))[0])),
+                ("-1 entries read as key 0", "the -1 entries read as key 0", dict(gather_kv_indices=idx),
+                 dict(out=_answer(prec, q, k, v, gather_kv_indices=np.where(idx < 0, 0, idx))[0]))]
         d, dv = q.shape[-1], v.shape[-1]
         out += [
             ("qv ignored (its default scale 1/sqrt(D))", "qv ignored", dict(causal=True, qv=qv),

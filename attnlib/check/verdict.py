@@ -79,7 +79,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
-                 qv=None, dqv=None, scheduler=None, device=None) -> KernelCheck:
+                 qv=None, dqv=None, gather_kv_indices=None, scheduler=None, device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -118,6 +118,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
         as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
         ``sink_token_length``).
+    gather_kv_indices : array of int, optional
+        Top-k sparse keys, as in `attention`: ``(batch, seqlen_q, topk)`` shared by the heads,
+        or per kv head ``(batch, seqlen_q, nheads_k, topk)`` in ``"bshd"`` (FlashMLA's order)
+        and ``(batch, nheads_k, seqlen_q, topk)`` in ``"bhsd"``; not with varlen or a paged cache.
     mask_mod, score_mod, block_mask, score_mod_grad : optional
         FlexAttention-style programmable attention, as in `attention` (``score_mod_grad``,
         its derivative, for judging gradients).
@@ -202,6 +206,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("q_lengths comes from cu_seqlens_q in the varlen layout: leave it out")
     if dsinks is not None and sinks is None:
         raise UnusableInput("dsinks was given without sinks")
+    if gather_kv_indices is not None and (varlen or paged):
+        raise UnusableInput("gather_kv_indices is judged on a batch of contiguous keys: not with varlen "
+                            "offsets or a paged cache")
+    gather_kv_indices = _gather_layout(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
+                                                                             "gather_kv_indices")), layout)
     try:
         convention = LseConvention.parse(lse_base, lse_sink, lse_empty)
     except ValueError as e:
@@ -275,7 +284,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
                              scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
                              mask_mod=mask_mod, score_mod=score_mod, key_leftpad=key_leftpad,
-                             attention_chunk=attention_chunk, sink_token_length=sink_token_length)
+                             attention_chunk=attention_chunk, sink_token_length=sink_token_length,
+                             gather_kv_indices=gather_kv_indices)
         expected = expect(qh, kh, vh, opts, prec, workers, dense, scheduler, dev)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
         raise UnusableInput(str(e)) from None
@@ -355,6 +365,14 @@ def options_dict(opts: Options, **as_given) -> dict:
     if opts.sink_token_length:
         result["sink_token_length"] = opts.sink_token_length
     return result | as_given
+
+
+def _gather_layout(indices, layout):
+    """Top-k lists in attnlib's layout: per kv head ``(batch, Hk, Sq, topk)``, from ``"bshd"``'s
+    ``(batch, Sq, Hk, topk)``; shared lists ``(batch, Sq, topk)`` are the same in both."""
+    if indices is None or layout != "bshd" or np.ndim(indices) < 4:
+        return indices
+    return np.swapaxes(indices, -2, -3)
 
 
 def _inputs(stored, factors):

@@ -376,7 +376,11 @@ class Mods:
         if self.mask_mod is None:
             return vis
         shape = self.b.shape + ((len(cols), len(rows)) if keys_first else (len(rows), len(cols)))
-        m = mask_values(self.mask_mod, *self.grids(rows, cols, keys_first), shape)
+        tile = getattr(self.mask_mod, "tile", None)  # top-k lists (`sparse.Selection`): by search
+        if tile is not None and len(cols):
+            m = tile(self.b, self.h, rows, int(cols[0]), int(cols[-1]) + 1, keys_first)
+        else:
+            m = mask_values(self.mask_mod, *self.grids(rows, cols, keys_first), shape)
         return m if vis is None else m & vis
 
 

@@ -150,8 +150,15 @@ class MaskSpec:
         transposed grid ``(len(j), len(i))``.  Only the rules in force are evaluated (a
         causal tile costs one comparison)."""
         i, j = np.asarray(i), np.asarray(j)
-        shape = (j.size, i.size) if keys_first else (i.size, j.size)
-        i, j = (i[None, :], j[:, None]) if keys_first else (i[:, None], j[None, :])
+        if keys_first:
+            return self.visible_at(i[None, :], j[:, None])
+        return self.visible_at(i[:, None], j[None, :])
+
+    def visible_at(self, i, j) -> np.ndarray:
+        """Boolean, the broadcast shape of the index arrays ``i`` and ``j``: may query
+        ``i`` see key ``j``, pair by pair (`visible` on a grid; a gathered key list)."""
+        i, j = np.asarray(i), np.asarray(j)
+        shape = np.broadcast_shapes(i.shape, j.shape)
         vis = None
 
         def both(rule):

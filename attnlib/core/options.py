@@ -31,6 +31,7 @@ MASKING = ("causal", "causal_align", "window", "q_lengths", "kv_lengths", "q_seg
            "kv_segment_ids", "key_leftpad", "attention_chunk", "sink_token_length")
 SCORES = ("softcap", "alibi_slopes", "sinks", "scale")
 MODS = ("mask_mod", "score_mod", "block_mask")
+SPARSE = ("gather_kv_indices",)
 PAGING = ("block_table", "cache_seqlens")
 
 
@@ -64,6 +65,7 @@ class Options:
     block_mask: Any = None
     block_table: Any = None
     cache_seqlens: Any = None
+    gather_kv_indices: Any = None
 
     @classmethod
     def parse(cls, options: "Options | None" = None, /, **given) -> "Options":
@@ -88,6 +90,11 @@ class Options:
             if not math.isfinite(scale):
                 raise ValueError(f"scale must be finite, got {scale!r}")
             scale = float(scale)
+        if given.get("gather_kv_indices") is not None:
+            mods = sorted(n for n in ("mask_mod", "block_mask") if given.get(n) is not None)
+            if mods:
+                raise ValueError(f"gather_kv_indices cannot be combined with {' or '.join(mods)}: "
+                                 "AND the mask into the index lists (-1 drops an entry)")
         paging = [given.get(n) is not None for n in PAGING]
         if any(paging) and not all(paging):
             raise ValueError("a paged KV cache needs both block_table and cache_seqlens")
@@ -106,6 +113,7 @@ class Options:
             score_mod=_callable(given.get("score_mod"), "score_mod"),
             block_mask=flex.as_block_mask(given.get("block_mask")),
             block_table=given.get("block_table"), cache_seqlens=given.get("cache_seqlens"),
+            gather_kv_indices=given.get("gather_kv_indices"),
         )
 
     @classmethod
@@ -140,7 +148,21 @@ class Options:
 
     @property
     def has_mods(self) -> bool:
-        return any(getattr(self, n) is not None for n in MODS)
+        """Whether the tiles carry a programmable mask: FlexAttention's, or top-k lists."""
+        return any(getattr(self, n) is not None for n in MODS + SPARSE)
+
+    def selection(self, pb: "problem.Problem"):
+        """The top-k lists (`sparse.Selection`) of ``gather_kv_indices`` for ``pb``, or None;
+        parsed once per problem shape."""
+        if self.gather_kv_indices is None:
+            return None
+        from .sparse import Selection
+        key = (pb.batch, pb.hq, pb.hk, pb.sq, pb.sk)
+        cache = self.__dict__.setdefault("_selections", {})  # frozen: a cache, not a field
+        if key not in cache:
+            cache.clear()
+            cache[key] = Selection.parse(self.gather_kv_indices, pb)
+        return cache[key]
 
     def specs(self, pb: "problem.Problem") -> dict:
         """``{batch index: MaskSpec}`` for the problem (`masks.mask_specs`)."""
@@ -165,8 +187,11 @@ class Options:
                          base.block_k if block_k is None else validate.positive_int(block_k, "block_k"))
 
     def mods(self, pb: "problem.Problem", tiles):
-        """`flex.mods_for` of the programmable options: None without any."""
-        return flex.mods_for(self.mask_mod, self.score_mod, self.block_mask, pb, pb.sq, pb.sk, tiles)
+        """`flex.mods_for` of the programmable options: None without any.  Top-k lists
+        become a block mask over ``tiles`` whose ``mask_mod`` is their `sparse.Selection`."""
+        sel = self.selection(pb)
+        block_mask = self.block_mask if sel is None else sel.block_mask(pb, tiles)
+        return flex.mods_for(self.mask_mod, self.score_mod, block_mask, pb, pb.sq, pb.sk, tiles)
 
 
 def _callable(fn, name):
@@ -186,4 +211,4 @@ def _names() -> tuple:
 
 _DEFAULTS = {f.name: f.default for f in fields(Options)}
 
-__all__ = ["Options", "MASKING", "SCORES", "MODS", "PAGING"]
+__all__ = ["Options", "MASKING", "SCORES", "MODS", "PAGING", "SPARSE"]

@@ -88,7 +88,7 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
 
     ``visible`` (bool) and ``distance`` (the ALiBi ``|i + o - j|``, or None without ALiBi)
     are ``(sq, sk)``, or ``(*batch, 1, 1, sq, sk)`` when the mask depends on the batch
-    entry; ``cap`` is the softcap or None; ``slopes`` the ALiBi slopes ``(..., hk, g)`` or
+    entry (``visible`` ``(*batch, hk or 1, 1, sq, sk)`` with top-k lists); ``cap`` is the softcap or None; ``slopes`` the ALiBi slopes ``(..., hk, g)`` or
     None.
     """
     specs = opts.specs(pb)
@@ -103,6 +103,9 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
         return grid.reshape(pb.batch + (1, 1, pb.sq, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
 
     visible = per_pair(lambda spec: spec.visible(i, j))
+    sel = opts.selection(pb)
+    if sel is not None:  # top-k lists: (*batch, hk or 1, 1, sq, sk), ANDed
+        visible = visible & sel.dense(pb.batch, pb.hk)
     distance = None if slopes is None else per_pair(lambda spec: spec.distance(i, j))
     return visible, distance, cap, slopes
 

@@ -15,7 +15,7 @@ import numpy as np
 from . import arrays
 from . import problem
 from . import validate
-from .options import MODS, Options
+from .options import MODS, SPARSE, Options
 from .masks import SKIP, MaskSpec, sink_tokens
 from .tilesizes import DEFAULT_TILES, TileSizes
 from . import hooks
@@ -94,7 +94,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
                    workers=None, return_lse=False, check_finite=True, device=None):
     """`attention_stream` with its options already parsed into ``opts``."""
     refused = sorted(opts.given(("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "key_leftpad")
-                                + MODS))
+                                + MODS + SPARSE))
     if refused:
         raise ValueError(f"{', '.join(refused)} cannot be combined with streamed keys")
     tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,

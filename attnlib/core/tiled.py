@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import lse_conventions, mla, problem
+from . import lse_conventions, mla, problem, sparse
 from . import validate
 from . import flex
 from . import hooks
@@ -36,7 +36,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
               cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, qv=None, q_descale=None,
-              k_descale=None, v_descale=None, lse_base=None, lse_sink=None, lse_empty=None, device=None):
+              k_descale=None, v_descale=None, lse_base=None, lse_sink=None, lse_empty=None,
+              gather_kv_indices=None, device=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -133,6 +134,12 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         factor on its query heads), ``k * k_descale`` and ``v * v_descale``, formed once in
         float64 (exact for fp8 values and float32 factors).  Positive, finite, and of a shape
         that broadcasts to ``(..., Hk)`` (a per-tensor scale too); not with a paged cache.
+    gather_kv_indices : array_like of int, ``(..., Sq, topk)`` or ``(..., Hk, Sq, topk)``, optional
+        Top-k sparse keys (DeepSeek sparse attention, FlashMLA's ``indices``, FlashAttention 4's):
+        query ``i`` sees only the keys its list names, shared by the heads or per kv head; a set
+        (repeats count once), ``-1`` or out-of-range entries select nothing, ANDed with the
+        other masks (`attnlib.core.sparse`).  Where few keys are listed the forward gathers
+        them, at a cost that follows ``Sq * topk``; not with ``mask_mod`` or ``block_mask``.
     workers : int, optional
         Threads that take (head block, query tile) units in parallel; default (None, or
         -1): one per available CPU.  numpy releases the GIL in matmul and ``exp``.  The
@@ -209,7 +216,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                          sink_token_length=sink_token_length, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, scale=scale,
                          mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask,
-                         block_table=block_table, cache_seqlens=cache_seqlens)
+                         block_table=block_table, cache_seqlens=cache_seqlens,
+                         gather_kv_indices=gather_kv_indices)
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
                return_stats=return_stats, check_finite=check_finite)
@@ -245,7 +253,7 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
     if opts.paged:
         unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
                                      "key_leftpad", "attention_chunk", "sink_token_length",
-                                     "mask_mod", "score_mod", "block_mask")),
+                                     "mask_mod", "score_mod", "block_mask", "gather_kv_indices")),
                        "return_stats": return_stats or None,
                        "kv_splits": None if kv_splits == 1 else kv_splits,
                        "rescale_threshold": rescale_threshold or None,
@@ -274,6 +282,12 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
     # float64 partials keep their lse in two parts (m, log l), which merge without the loss
     # of a one-float lse at large scores; a low precision merges its lse, as its kernel does.
     parts = len(splits) > 1 and prec.is_float64
+    sel = setup.selection
+    if sel is not None and len(splits) == 1 and sel.prefer_gather(tiles.block_q, tiles.block_k):
+        # Top-k lists: the listed keys gathered, at a cost that follows them (`sparse.gathered`).
+        partials = [sparse.gathered(q5, k5, v5, pb, setup, sel, workers=workers,
+                                    count_rescales=return_stats)]
+        return _results(pb, tiles, prec, *partials[0][:2], partials, return_lse, return_stats)
     partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
                          (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
                          count_rescales=return_stats, lse_parts=parts)
@@ -285,9 +299,13 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
         lse = lse_of(merged)
     else:
         out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
+    return _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats)
+
+
+def _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats):
+    """`stats.results` of the merged ``out, lse`` of the key ranges' ``partials``."""
     if not prec.is_float64:  # what a kernel in that precision would write out
         out, lse = out.astype(prec.compute), lse.astype(prec.accumulate)
-
     return results(pb, tiles, out, lse, sum(p[2] for p in partials) if return_stats else None, partials[0][3],
                    return_lse=return_lse, return_stats=return_stats)
 
@@ -308,6 +326,7 @@ class Setup:
     check: bool  # problem.scores_may_overflow: each tile checks its scores
     v_max: float
     tau: float = 0.0
+    selection: object = None  # sparse.Selection: the top-k lists, or None
 
 
 def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=None, tau=0.0) -> Setup:
@@ -323,7 +342,7 @@ def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=N
     v_max = pb.max_of("v", v5)  # once, for every key range
     if tau:
         tau = problem.safe_threshold(tau, prec, pb.sk, v_max)
-    return Setup(specs, tiles, cap, slopes, sink, mods, prec, check, v_max, tau)
+    return Setup(specs, tiles, cap, slopes, sink, mods, prec, check, v_max, tau, opts.selection(pb))
 
 
 def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=False, lse_parts=False):

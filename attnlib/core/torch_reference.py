@@ -101,6 +101,9 @@ def _scores(torch, q5, k5, pb, opts, np_dtype, dev, visible_, distance):
     score_fn = torch_flex.on_device(opts.score_mod, "score_mod", dev)
     if mask_fn is not None or score_fn is not None:  # (*batch, hk, g): each head's batch entry and query head
         _, (b, h) = torch_flex.grids(pb, (), dev)
+    sel = opts.selection(pb)
+    if sel is not None:  # top-k lists, ANDed: the dense mask, as the numpy reference's
+        visible_ = visible_ & torch.as_tensor(sel.dense(pb.batch, pb.hk), device=dev)
     if mask_fn is not None:  # AND the built-in masks
         visible_ = visible_ & torch_flex.mask_values(mask_fn, b, h, 0, pb.sq, 0, pb.sk,
                                                      tuple(b.shape) + (pb.sq, pb.sk), dev)

@@ -29,7 +29,7 @@ from .tiled import forward
 #: Options that describe padding or documents: varlen says that with ``cu_seqlens`` and
 #: ``seqused_k`` instead.
 _NOT_IN_VARLEN = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "key_leftpad", "block_table",
-                  "cache_seqlens", "mask_mod", "score_mod", "block_mask")
+                  "cache_seqlens", "mask_mod", "score_mod", "block_mask", "gather_kv_indices")
 
 
 #: What each varlen entry point takes besides the options: its kernel's own arguments.

@@ -247,6 +247,8 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
     bk = validate.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     specs = opts.specs(pb)
     mask_mod = flex.visible_mod(opts.mask_mod, opts.block_mask)  # a block mask carries its own mask_mod
+    if opts.gather_kv_indices is not None:  # top-k lists (never with a mask_mod): their pairs only
+        mask_mod = opts.selection(pb)
     score_mod, cap = opts.score_mod, opts.softcap
     mod_size = np.zeros(q5.shape[:-1]) if score_mod is not None else None
     qa = np.abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q

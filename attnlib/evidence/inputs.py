@@ -242,6 +242,8 @@ class Case:
     attention_chunk: int | None = None
     sink_token_length: int = 0  # keys exempt from the window's left bound
     qv: bool = False  # MLA: q holds [q, qv] and k [k, v] (`qkv`); the kernel is called with qv=
+    topk: int = 0  # > 0: top-k sparse keys, lists of this many entries (`gather_kv_indices`)
+    topk_per_head: bool = False  # the lists per kv head, else shared by the heads
 
     def qkv(self):
         """The case's ``(q, k, v)`` from `random_qkv`; with ``qv``, the joined problem of MLA's
@@ -270,7 +272,16 @@ class Case:
             kwargs["sink_token_length"] = self.sink_token_length
         if self.documents:
             kwargs["q_segment_ids"], kwargs["kv_segment_ids"] = self.segment_ids()
+        if self.topk:
+            kwargs["gather_kv_indices"] = self.gather_kv_indices()
         return kwargs
+
+    def gather_kv_indices(self):
+        """The top-k lists ``(*batch, [kv_heads,] sq, topk)``: seeded keys in ``[-1, sk)``, so
+        that about ``1/sk`` of the entries are -1 (no key) and some repeat."""
+        heads = (self.kv_heads,) if self.topk_per_head else ()
+        rng = np.random.default_rng(self.seed + 13)
+        return rng.integers(-1, self.sk, self.batch + heads + (self.sq, self.topk))
 
     def segment_ids(self):
         """``(q_ids (*batch, sq), kv_ids (*batch, sk))``: ``documents`` sorted documents each,
@@ -307,7 +318,8 @@ class Case:
             ("sinks", self.sinks is not None), ("key_leftpad", self.key_leftpad is not None),
             (f"chunk={self.attention_chunk}", self.attention_chunk is not None),
             (f"sink tokens={self.sink_token_length}", self.sink_token_length > 0),
-            ("qv", self.qv)) if on]
+            ("qv", self.qv), (f"topk={self.topk}" + (" per head" if self.topk_per_head else ""), self.topk))
+            if on]
         return ", ".join(names) or "-"
 
 
@@ -407,9 +419,9 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
 #: The options `feature_cases` cycles through, each on in every ``len(FEATURES)``-th case.
 FEATURES = ("window", "softcap", "alibi", "kv_lengths", "q_lengths", "documents", "kv_splits", "lazy",
             "sinks")
-#: The 2026 variants: case ``c`` with ``c % 3 == 0`` pins ``VARIANTS[(c // 3) % 4]``, any case
+#: The 2026 variants: case ``c`` with ``c % 3 == 0`` pins ``VARIANTS[(c // 3) % 5]``, any case
 #: draws each with probability 1/6 (from a generator of its own: the draws above stay).
-VARIANTS = ("key_leftpad", "attention_chunk", "sink_token_length", "qv")
+VARIANTS = ("key_leftpad", "attention_chunk", "sink_token_length", "qv", "gather_kv_indices")
 
 
 def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Case]:
@@ -422,7 +434,7 @@ def feature_cases(n: int = 50, *, seed: int = 0, max_len: int = 2048) -> list[Ca
     sets feature ``FEATURES[c % len(FEATURES)]`` and each other one with probability 1/3,
     so every option is exercised and most in combination; the case pinned to ALiBi has no
     causal mask, so that keys lie on both sides of its queries.  The `VARIANTS` (left-padded
-    keys, chunks, sink tokens inside a window, MLA's qv) join as that constant says.
+    keys, chunks, sink tokens inside a window, MLA's qv, top-k lists) join as that constant says.
     """
     n = validate.positive_int(n, "n")
     max_len = validate.positive_int(max_len, "max_len")
@@ -473,6 +485,9 @@ def _with_variants(case: Case, c: int, rng) -> Case:
             changes["window"] = (w, None if case.causal else int(rng.integers(0, w + 1)))
     if "qv" in on:
         changes["qv"] = True
+    if "gather_kv_indices" in on:  # from a few keys to more than Sk (repeats, -1: the set's edges)
+        changes["topk"] = int(np.exp(rng.uniform(0, np.log(case.sk + 8))))
+        changes["topk_per_head"] = bool(rng.random() < 0.5)
     return replace(case, **changes)
 
 

@@ -1,0 +1,305 @@
+"""Top-k sparse keys (``gather_kv_indices``): each query row sees only the keys its list names.
+
+DeepSeek's sparse attention, FlashMLA's ``indices`` and FlashAttention 4's
+``gather_kv_indices`` give every query row (per batch entry, and per kv head or shared by
+them) a list of ``topk`` key positions; ``-1`` or an out-of-range entry selects nothing and a
+repeat counts once.  `Selection` holds the lists sorted and deduplicated, one row per
+``(batch entry, kv head, query)``::
+
+    keys[b, h', i] = (j_1 < j_2 < ... < j_c, Sk, ..., Sk)     c = counts[b, h', i]
+
+and serves every kernel from them: the dense reference (`Selection.dense`), the tiles' classes
+(`Selection.block_mask`), a tile's listed pairs (`Selection.tile`, by binary search in the
+lists) and any index grid (`Selection.__call__`, a FlexAttention ``mask_mod``, on numpy or
+torch).  `gathered` is the forward whose cost follows the listed keys: each query tile
+gathers its rows' keys, ``block_k`` at a time, into the online softmax, one row per batch of
+the matmul, so that ``s = q_i k_{j(i, t)}`` and ``acc += p v_{j(i, t)}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import hooks, problem, validate
+from .arrays import _is_torch_tensor, as_numpy
+from .masks import FULL, PARTIAL, SKIP
+
+#: The largest gathered chunk, in float64 elements of ``(rows, keys, D)``, per kv head: 2 MiB
+#: ran 1.4 s where 8 MiB ran 2.0 s and 256 KiB 2.5 s (8 heads, 1024 x 1024 of 8192 keys, D 64).
+GATHER_ELEMENTS = 1 << 18
+#: The gathered forward is taken when its pairs, times this, are fewer than the dense tiles':
+#: a gathered pair moves its key and value (memory-bound), measured 10-32x a dense tile's pair.
+GATHER_COST = 12
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """The listed keys of every ``(batch entry, kv head or 1, query row)``: ``keys (B, H', Sq,
+    T)`` int64, each row ascending and padded with ``Sk``, and ``counts (B, H', Sq)``; ``H'``
+    is ``Hk`` for per-head lists, else 1.  ``group`` query heads read one kv head's list."""
+
+    keys: np.ndarray
+    counts: np.ndarray
+    sk: int
+    group: int
+
+    @classmethod
+    def parse(cls, indices, pb: "problem.Problem") -> "Selection | None":
+        """The checked lists of ``indices`` for the problem ``pb`` (None stays None)."""
+        if indices is None:
+            return None
+        x = as_numpy(indices, "gather_kv_indices")
+        x = np.asarray(x)
+        if x.dtype == bool or not np.issubdtype(x.dtype, np.integer):
+            raise TypeError(f"gather_kv_indices must hold integers, got dtype {x.dtype}")
+        nb = len(pb.batch)
+        shared, per_head = pb.batch + (pb.sq,), pb.batch + (pb.hk, pb.sq)
+        if x.ndim == nb + 2 and x.shape[:-1] == shared:
+            x = x.reshape((math.prod(pb.batch), 1, pb.sq, x.shape[-1]))
+        elif x.ndim == nb + 3 and x.shape[:-1] == per_head:
+            x = x.reshape((math.prod(pb.batch), pb.hk, pb.sq, x.shape[-1]))
+        else:
+            raise ValueError(f"gather_kv_indices must have shape {shared + ('topk',)} (batch axes, Sq, "
+                             f"topk: shared by the heads) or {per_head + ('topk',)} (per kv head), got "
+                             f"{x.shape}")
+        validate.check_allocation(24 * x.size, f"gather_kv_indices' sorted lists ({x.size} entries)")
+        keys = x.astype(np.int64)  # a copy: the input is never written
+        keys[(keys < 0) | (keys >= pb.sk)] = pb.sk  # selects nothing: sorts last
+        keys.sort(axis=-1)
+        repeat = np.zeros(keys.shape, dtype=bool)
+        repeat[..., 1:] = keys[..., 1:] == keys[..., :-1]
+        keys[repeat] = pb.sk  # a set: the first of equal entries stays
+        keys.sort(axis=-1)
+        counts = np.count_nonzero(keys < pb.sk, axis=-1)
+        width = int(counts.max()) if counts.size else 0
+        return cls(np.ascontiguousarray(keys[..., :width]), counts, pb.sk, pb.group)
+
+    @property
+    def per_head(self) -> bool:
+        return self.keys.shape[1] > 1
+
+    def _row(self, b, h):
+        """The list row of query heads ``h`` of batch entries ``b`` (broadcast arrays)."""
+        hh = h // self.group if self.per_head else 0 * h
+        b = b if self.keys.shape[0] > 1 else 0 * b
+        return b * self.keys.shape[1] + hh
+
+    @property
+    def _codes(self) -> np.ndarray:
+        """Every list entry as one ascending int64 code, ``row * (Sk + 1) + key``."""
+        codes = self.__dict__.get("_codes_made")
+        if codes is None:
+            sq, width = self.keys.shape[2], self.keys.shape[3]
+            rows = np.arange(self.keys.shape[0] * self.keys.shape[1] * sq, dtype=np.int64)
+            codes = (rows[:, None] * (self.sk + 1) + self.keys.reshape(-1, width)).ravel()
+            self.__dict__["_codes_made"] = codes  # frozen: a cache, made once
+        return codes
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        """``mask_mod(b, h, q_idx, kv_idx)``: is key ``kv_idx`` in query ``q_idx``'s list?
+        Broadcast index arrays (numpy, or torch tensors on any device)."""
+        sq = self.keys.shape[2]
+        if _is_torch_tensor(kv_idx):
+            from .device import _torch
+            torch = _torch()
+            dev = kv_idx.device
+            cache = self.__dict__.setdefault("_device_codes", {})
+            if str(dev) not in cache:
+                cache[str(dev)] = torch.as_tensor(self._codes, device=dev)
+            codes = cache[str(dev)]
+            code = (self._row(b, h) * sq + q_idx) * (self.sk + 1) + kv_idx
+            if codes.numel() == 0:
+                return torch.zeros(torch.broadcast_shapes(code.shape), dtype=torch.bool, device=dev)
+            pos = torch.searchsorted(codes, code.contiguous()).clamp_(max=codes.numel() - 1)
+            return (codes[pos] == code) & (kv_idx >= 0) & (kv_idx < self.sk)
+        code = (self._row(np.asarray(b), np.asarray(h)) * sq + np.asarray(q_idx)) * (self.sk + 1) \
+            + np.asarray(kv_idx)
+        codes = self._codes
+        if not codes.size:
+            return np.zeros(code.shape, dtype=bool)
+        pos = np.minimum(np.searchsorted(codes, code), codes.size - 1)
+        return (codes[pos] == code) & (np.asarray(kv_idx) >= 0) & (np.asarray(kv_idx) < self.sk)
+
+    def tile(self, b, h, rows, k0: int, k1: int, keys_first: bool = False) -> np.ndarray:
+        """``(*lead, len(rows), k1 - k0)`` (keys first: the last two axes swapped): the listed
+        pairs of queries ``rows`` and keys ``[k0, k1)`` for the heads ``b, h (*lead,)``, found
+        by two binary searches per row in the sorted lists: ``O(rows log n + listed)``."""
+        b, h = np.broadcast_arrays(np.asarray(b), np.asarray(h))
+        rows = np.asarray(rows, dtype=np.int64)
+        sq, c = self.keys.shape[2], k1 - k0
+        base = ((self._row(b, h)[..., None] * sq + rows) * (self.sk + 1)).ravel()  # (heads * r,)
+        codes = self._codes
+        lo, hi = np.searchsorted(codes, base + k0), np.searchsorted(codes, base + k1)
+        n = hi - lo
+        out = np.zeros(b.shape + (rows.size, c), dtype=bool)
+        flat = out.reshape(-1, c)
+        if n.sum():
+            which = np.repeat(np.arange(n.size), n)  # each listed pair's (head, row)
+            first = np.repeat(lo - np.cumsum(n) + n, n)  # its row's first entry, less its rank
+            at = first + np.arange(which.size)
+            flat[which, codes[at] - base[which] - k0] = True
+        return np.swapaxes(out, -1, -2) if keys_first else out
+
+    def dense(self, batch: tuple, hk: int) -> np.ndarray:
+        """The lists as a boolean ``(*batch, H', 1, Sq, Sk)`` mask (the dense reference's)."""
+        nb, nh, sq, width = self.keys.shape
+        validate.check_allocation(nb * nh * sq * (self.sk + 1), f"the top-k mask of {sq} x {self.sk} pairs")
+        mask = np.zeros((nb, nh, sq, self.sk + 1), dtype=bool)  # column Sk: the padding's
+        np.put_along_axis(mask, self.keys, True, axis=-1)
+        return mask[..., :self.sk].reshape(batch + (nh, 1, sq, self.sk))
+
+    def tile_counts(self, block_q: int, block_k: int) -> np.ndarray:
+        """Listed pairs per ``(B, H', query tile, key tile)``, int64: ``O(Sq topk)`` (kept for
+        the last tile sizes asked: the block mask and `prefer_gather` both read it)."""
+        cached = self.__dict__.get("_tile_counts_made")
+        if cached is not None and cached[0] == (block_q, block_k):
+            return cached[1]
+        counts = self._tile_counts(block_q, block_k)
+        counts.flags.writeable = False
+        self.__dict__["_tile_counts_made"] = ((block_q, block_k), counts)
+        return counts
+
+    def _tile_counts(self, block_q: int, block_k: int) -> np.ndarray:
+        nb, nh, sq, width = self.keys.shape
+        nq, nk = -(-sq // block_q), -(-self.sk // block_k)
+        validate.check_allocation(8 * nb * nh * nq * nk, f"top-k tile counts of {nq} x {nk} tiles")
+        valid = self.keys < self.sk
+        a = (np.arange(sq) // block_q)[:, None]  # each row's query tile
+        cell = ((np.arange(nb * nh).reshape(nb, nh, 1, 1) * nq + a) * nk + self.keys // block_k)
+        counts = np.bincount(cell[valid], minlength=nb * nh * nq * nk)
+        return counts.reshape(nb, nh, nq, nk)
+
+    def block_mask(self, pb: "problem.Problem", tiles):
+        """`flex.BlockMask` of the lists over the ``tiles``: SKIP where no row of the query tile
+        lists a key of the key tile, FULL where every pair is listed; its ``mask_mod`` is this."""
+        from .flex import BlockMask
+        bq, bk = tiles.block_q, tiles.block_k
+        counts = self.tile_counts(bq, bk)
+        rows = np.minimum(bq, pb.sq - np.arange(counts.shape[2]) * bq)[:, None]
+        cols = np.minimum(bk, pb.sk - np.arange(counts.shape[3]) * bk)[None, :]
+        kinds = np.where(counts == 0, SKIP, np.where(counts == rows * cols, FULL, PARTIAL)).astype(np.int8)
+        if self.per_head:  # one list per kv head: the same classes for each of its query heads
+            kinds = np.repeat(kinds, self.group, axis=1)
+        return BlockMask(kinds, bq, bk, pb.sq, pb.sk, self)
+
+    def dense_pairs(self, block_q: int, block_k: int) -> int:
+        """The pairs the dense tiles with this selection would compute (its non-SKIP tiles)."""
+        counts = self.tile_counts(block_q, block_k)
+        nq, nk = counts.shape[2:]
+        rows = np.minimum(block_q, self.keys.shape[2] - np.arange(nq) * block_q)[:, None]
+        cols = np.minimum(block_k, self.sk - np.arange(nk) * block_k)[None, :]
+        return int(((counts > 0) * rows * cols).sum())
+
+    def prefer_gather(self, block_q: int, block_k: int) -> bool:
+        """Whether the gathered forward computes fewer pairs (weighted by `GATHER_COST`)."""
+        return GATHER_COST * int(self.counts.sum()) < self.dense_pairs(block_q, block_k)
+
+
+def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=False):
+    """The forward over the listed keys: ``(out, lse, rescales, kinds)`` as `tiled.run_keys`.
+
+    ``q (*batch, hk, g, sq, d)``, ``k, v (*batch, hk, 1, sk, .)`` (`problem.parse`).  One work
+    item per (batch entry, kv head, query tile): its ``g`` query heads' rows, each row a batch
+    of the matmuls, gather the row's listed keys and values ``t`` at a time (ascending), mask
+    the pairs the other rules hide and feed them to `OnlineSoftmax` as one tile."""
+    from .parallel import run_tiles
+    scores_of = hooks.get("tile_scores")  # the declared step (`attnlib.core.hooks`), as the tiles'
+    tiles, prec = setup.tiles, setup.prec
+    bq, bk = tiles.block_q, tiles.block_k
+    nb = math.prod(pb.batch)
+    g, d, dv, sq = pb.group, pb.d, pb.dv, pb.sq
+    q4, k4, v4 = (x.reshape((nb,) + x.shape[len(pb.batch):]) for x in (q, k, v))  # views
+    out = np.empty((nb, pb.hk, g, sq, dv))
+    lse = np.empty((nb, pb.hk, g, sq))
+    n_q, n_k = -(-sq // bq), -(-pb.sk // bk)
+    rescales = kinds = None
+    if count_rescales:
+        rescales = np.zeros((nb, pb.hk, g, n_q, n_k), dtype=np.int64)
+        kinds = np.empty((nb, n_q, n_k), dtype=np.int8)
+    specs = setup.specs
+    mods = setup.mods
+    from .flex import Mods, index_grids
+    low = not prec.is_float64
+    v_exp = problem.value_exponent(setup.v_max, pb.sk, prec.accumulate)
+    v_scale = math.ldexp(1.0, -v_exp)
+    items = [(e, hk, a) for e in range(nb) for hk in range(pb.hk) for a in range(n_q)]
+    entry_of = np.arange(nb).reshape(pb.batch) if pb.batch else np.zeros((), dtype=np.int64)
+    index_of = {int(entry_of[idx]): idx for idx in np.ndindex(pb.batch)} if pb.batch else {0: ()}
+
+    def spec_of(e):
+        return specs[()] if () in specs else specs[index_of[e]]
+
+    def item(n):
+        e, hk, a = items[n]
+        spec = spec_of(e)
+        q0, q1 = a * bq, min(sq, (a + 1) * bq)
+        r = q1 - q0
+        row = e * sel.keys.shape[1] + (hk if sel.per_head else 0)
+        keys = sel.keys.reshape(-1, sq, sel.keys.shape[3])[row, q0:q1]  # (r, T)
+        width = int(sel.counts.reshape(-1, sq)[row, q0:q1].max(initial=0))
+        b_grid, h_grid = index_grids(pb, index_of[e])
+        heads = Mods(*mods, b_grid[hk], h_grid[hk]) if mods is not None else None
+        if kinds is not None and hk == 0:  # the classes over all heads, as the dense tiles'
+            builtin = spec.tile_kind(q0, q1, *spec.key_tiles(bk))
+            kinds[e, a] = Mods(*mods, b_grid, h_grid).tile_kinds(a, builtin)
+        cap, slopes, sink = setup.cap, setup.slopes, setup.sink
+        slopes = None if slopes is None else np.broadcast_to(slopes, pb.batch + (pb.hk, g)).reshape(nb, pb.hk, g)[e, hk]
+        sink = None if sink is None else np.broadcast_to(sink, pb.batch + (pb.hk, g)).reshape(nb, pb.hk, g)[e, hk]
+        if low:
+            q_i = prec.round(q4[e, hk, :, q0:q1, :])[:, :, None, :]  # (g, r, 1, d)
+            dtype = prec.accumulate
+        else:
+            with np.errstate(over="ignore") if setup.check else contextlib.nullcontext():
+                q_i = q4[e, hk, :, q0:q1, :].astype(np.float64)[:, :, None, :] * pb.scale
+            dtype = np.float64
+        state = hooks.get("state").empty((g, r, 1), dv, dtype,
+                                         sink=None if sink is None else sink[:, None, None])
+        i = np.arange(q0, q1)
+        step = max(1, min(bk, GATHER_ELEMENTS // max(1, r * max(d, dv))))
+        for t0 in range(0, width, step):
+            j = keys[:, t0:t0 + step]  # (r, t), ascending per row; Sk: nothing listed
+            listed = j < pb.sk
+            j = np.where(listed, j, 0)
+            vis = listed & spec.visible_at(i[:, None], j)  # (r, t): the other rules AND the list
+            k_j, v_j = k4[e, hk, 0][j], v4[e, hk, 0][j]  # (r, t, d), (r, t, dv): the gather
+            if low:
+                k_j, v_j = prec.round(k_j), prec.round(v_j)
+            if v_scale != 1.0:  # exact: a power of two
+                v_j = v_j * v_scale
+            vis3 = vis[:, None, :]  # (r, 1, t), as s's (g, r, 1, t)
+            s, _ = scores_of(q_i, k_j, spec, i, None, PARTIAL, cap, None, post_scale=pb.scale if low else None,
+                               check=setup.check, vis=vis3, mods=None)
+            if heads is not None and heads.score_mod is not None:  # score_mod on the gathered pairs
+                from .flex import score_values
+                s[...] = np.where(vis3, score_values(heads.score_mod, s, heads.b[:, None, None, None],
+                                                     heads.h[:, None, None, None], i[:, None, None],
+                                                     j[:, None, :]), -np.inf)
+            if slopes is not None:  # ALiBi after masking: -inf stays -inf
+                dist = np.abs(i[:, None] + spec.offset - j).astype(np.float64)[:, None, :]
+                s -= slopes[:, None, None, None] * dist
+            top = np.argmax(np.where(np.isfinite(s), s, -np.inf), axis=-1) if rescales is not None else None
+            moved = state.update(s, v_j[None], threshold=setup.tau, overwrite_s=True,
+                                 round_p=prec.round_p if low else None, visible=np.broadcast_to(vis3, s.shape))
+            if rescales is not None:  # each event in the tile of the key that moved the max
+                tile_of = np.take_along_axis(np.broadcast_to(j[None, :, None, :], s.shape), top[..., None],
+                                             axis=-1)[..., 0, 0] // bk  # (g, r)
+                ev = moved[..., 0]
+                for h in range(g):
+                    np.add.at(rescales[e, hk, h, a], tile_of[h][ev[h]], 1)
+        o_i, lse_i = state.finalize()
+        out[e, hk, :, q0:q1] = problem.unscale_values(o_i[:, :, 0], v_exp, setup.v_max)
+        lse[e, hk, :, q0:q1] = lse_i[:, :, 0]
+
+    if nb and items:
+        run_tiles(item, range(len(items)), workers)
+    shape = pb.batch + (pb.hk, g)
+    return (out.reshape(shape + (sq, dv)), lse.reshape(shape + (sq,)),
+            None if rescales is None else rescales.reshape(shape + (n_q, n_k)),
+            None if kinds is None else kinds.reshape(pb.batch + (n_q, n_k)))
+
+
+__all__ = ["Selection", "gathered", "GATHER_COST", "GATHER_ELEMENTS"]
