@@ -574,6 +574,31 @@ def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=(), prec
     return found
 
 
+def diagnose_max_scores(kernel, ref, allowance, opts: Options, convention: LseConvention, scale) -> list:
+    """Names for a failing ``max_scores``: the first neighbour the kernel matches on every row
+    that sees a key, as stored (in the base told), by the allowance: the other base, the sink
+    taken as a score (a running max started at the sink), the scores before the scale."""
+    kernel = np.asarray(kernel, dtype=np.float64).reshape(ref.shape)
+    seen = ~np.isneginf(ref)
+    f = convention.factor
+    other = 1.0 if f != 1.0 else LN2
+    # (values as stored, their allowance's factor, words): each neighbour's error scales with it.
+    candidates = [(ref / other, 1 / other, f"max_scores in base {'e' if other == 1.0 else '2'} (told base "
+                                           f"{'2' if f != 1.0 else 'e'}: lse_base)")]
+    if opts.sinks is not None:
+        sink = np.broadcast_to(np.asarray(opts.sinks, dtype=np.float64), ref.shape[:-1])[..., None]
+        candidates.append((np.maximum(ref, sink) / f, 1 / f, "the sink taken as a score (the running max "
+                                                             "started at the sink, not the keys' own max)"))
+    if scale not in (0.0, 1.0) and opts.softcap is None and opts.alibi_slopes is None and opts.score_mod is None:
+        candidates.append((ref / scale / f, 1 / abs(scale * f), "the scores before the scale (q . k, not scale q . k)"))
+    for cand, factor, words in candidates:
+        with np.errstate(over="ignore", invalid="ignore"):
+            ok = np.abs(kernel - cand) <= allowance * factor
+        if seen.any() and ok[seen].all():
+            return [f"diagnosis: the max_scores match {words}"]
+    return []
+
+
 def diagnose_lse(kernel, ref, allowance, empty, alternatives=(), convention: LseConvention = NATURAL,
                  other_sink=None) -> list:
     """Likely causes of a failing ``lse`` (``(..., H, S)``, float64 as the kernel stored it;

@@ -449,6 +449,73 @@ def judge_lse(lse, expected: Expected, stored, convention: LseConvention = NATUR
     return verdict
 
 
+def expect_max_scores(qh, kh, vh, opts: Options, prec, expected: Expected, workers=None, dense=True,
+                      on=None):
+    """``(ref, allowance, naive_err)`` for a kernel's ``max_scores`` (`docs/semantics.md`):
+    the float64 reference's, by attnlib's tiled kernel, and what a correct kernel may differ by,
+    entry by entry, ``(..., Hq, Sq)``.
+
+    A row's largest score is off by at most its worst score's rounding.  In float64: twice the
+    verdict gate's bound on a row's score error (``delta``: the kernel's and the reference's)
+    plus an ulp of ``|max|``; below it, twice the larger error of the naive baselines' maxima
+    (tiled with float32 scores; dense, its scores stored in the type), pooled per head, plus an
+    ulp of the head's largest ``|max|`` in the state's type, as the lse's rule has it.
+    ``on``: an `OnDevice` to run the forwards on."""
+    run = forward if on is None else on.run
+    ref = run(qh, kh, vh, opts, return_max_scores=True, workers=workers)[1]
+    if on is not None:
+        ref = arrays.as_numpy(ref, "max_scores")
+    empty = np.isneginf(ref)
+    r = np.where(empty, 0.0, ref)
+    if prec.is_float64:
+        tol = tolerance(*((qh, kh) if on is None else (on.put(qh), on.put(kh))), vh, expected.ref_lse,
+                        block_k=1, options=opts)
+        return ref, 2 * np.asarray(tol.delta) + unit(np.abs(r), np.float64), None
+    naive_err = np.zeros(ref.shape)
+    runs = [lambda: run(qh, kh, vh, opts, return_max_scores=True, compute_dtype=prec.name, workers=workers,
+                        check_finite=False)[1]]
+    if dense:
+        runs.append(lambda: (dense_attention if on is None else on.dense)(
+            qh, kh, vh, opts, return_max_scores=True, compute_dtype=prec.name, check_finite=False)[1])
+    for naive in runs:
+        with np.errstate(over="ignore", invalid="ignore"):  # a naive that overflows is left out
+            m = np.asarray(arrays.as_numpy(naive(), "max_scores"), dtype=np.float64)
+        if np.isfinite(np.where(empty, 0.0, m)).all():
+            np.maximum(naive_err, np.abs(np.where(empty, 0.0, m) - r), out=naive_err)
+    allowance = (2 * per_head_max(naive_err[..., None]) + unit(per_head_max(np.abs(r)[..., None]),
+                                                               prec.accumulate))[..., 0]
+    return ref, np.broadcast_to(allowance, ref.shape), naive_err
+
+
+def judge_max_scores(kernel, ref, allowance, naive_err, stored, convention: LseConvention = NATURAL) -> TensorVerdict:
+    """A kernel's ``max_scores (..., Hq, Sq)`` against ``ref`` (`expect_max_scores`), stored in
+    ``stored`` and in ``convention``'s base; rows without a visible key must hold ``-inf``."""
+    kernel = convention.to_natural(np.asarray(kernel, dtype=np.float64).reshape(ref.shape))
+    empty = np.isneginf(ref)
+    allowance = np.array(allowance, dtype=np.float64)
+    stored, f = np.dtype(stored), convention.factor
+    top = np.abs(np.where(empty, 0.0, ref)) / f  # |max| as the kernel stored it
+    if arrays.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
+        with np.errstate(over="ignore"):
+            top = np.minimum(top, float(arrays.finfo(stored).max))
+            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64)) * f
+    if f != 1.0:  # the product by ln 2 rounds once more, in float64
+        allowance += np.spacing(top * f)
+    k = np.where(empty, 0.0, kernel)[..., None]
+    r = np.where(empty, 0.0, ref)[..., None]
+    n = None if naive_err is None else naive_err[..., None]
+    k, r, allowance = (x[None] if x.ndim == 2 else x for x in (k, r, allowance[..., None]))
+    n = None if n is None else (n[None] if n.ndim == 2 else n)
+    verdict = judge("max_scores", k, r, allowance, n, positions())[0]
+    for w in verdict.worst + verdict.nonfinite_at:
+        w.pop("dim")
+    wrong = int(np.count_nonzero(empty & ~np.isneginf(kernel)))
+    if wrong:
+        verdict.passed, verdict.ratio = False, float("inf")
+        verdict.notes.append(f"rows without a visible key must have max_scores -inf: {wrong} do not")
+    return verdict
+
+
 def gradient_rounding(qh, kh, vh, opts: Options, prec) -> float:
     """``e_g``: a first-order bound on one implementation's gradient error, relative to the
     gradient's componentwise size (`reference_attention_backward` with ``return_abs``).

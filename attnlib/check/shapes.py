@@ -55,9 +55,10 @@ def shape_problem(given, layout):
                 squeeze=q.ndim == 2)
     expected = {"out": _like(q, dv), "dq": q.shape, "dk": k.shape, "dv": v.shape, "dout": _like(q, dv),
                 "lse": bq + ((hq,) if q.ndim > 2 else ()) + (sq,), "qv": _like(q, dv), "dqv": _like(q, dv)}
+    expected["max_scores"] = expected["lse"]
     for n, shape in expected.items():
         if n in given and given[n].shape != tuple(shape):
-            like = "q" if n != "lse" else "(batch, nheads, seqlen_q)"
+            like = "q" if n not in ("lse", "max_scores") else "(batch, nheads, seqlen_q)"
             return n, f"{n} must have shape {tuple(shape)} (like {like} in {layout}), got {given[n].shape}"
     return None, dims
 

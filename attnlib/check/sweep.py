@@ -22,7 +22,7 @@ from .verdict import check_kernel
 
 #: What a kernel may return, by name: ``out`` and optionally these (``dqv``: MLA's, with the
 #: check option ``qv``; ``dsinks``: with ``sinks``).
-RESULTS = ("out", "lse", "dq", "dk", "dv", "dqv", "dsinks")
+RESULTS = ("out", "lse", "max_scores", "dq", "dk", "dv", "dqv", "dsinks")
 
 
 @dataclass
@@ -139,9 +139,10 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
                 for _ in range(1 + repeats)]
         got = runs[0]
         grads = {n: got.get(n) for n in ("dq", "dk", "dv", "dqv", "dsinks")}
-        result = check_kernel(q, k, v, got["out"], lse=got.get("lse"), dout=dout if any(
-            g is not None for g in grads.values()) else None, **grads, **check_options)
-        judged = [result.out] + ([result.lse] if result.lse else []) + list(result.grads.values())
+        result = check_kernel(q, k, v, got["out"], lse=got.get("lse"), max_scores=got.get("max_scores"),
+                              dout=dout if any(g is not None for g in grads.values()) else None, **grads,
+                              **check_options)
+        judged = result.judged
         differ = sorted({n for r in runs[1:] for n in got
                          if n not in r or r[n].shape != got[n].shape or r[n].tobytes() != got[n].tobytes()})
         first = got if first is None else first

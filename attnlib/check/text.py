@@ -56,7 +56,7 @@ def format_text(check: KernelCheck) -> str:
         f"  {rule_text(check.dtype)}",
         "",
     ]
-    for v in [check.out] + ([check.lse] if check.lse else []) + list(check.grads.values()):
+    for v in check.judged:
         lines += format_tensor(v)
         if v is check.out:
             lines.append(f"  error along the query position: {check.trend}")

@@ -17,10 +17,11 @@ from ..core.lse_conventions import LseConvention
 from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
-from .diagnosis import (DROPPED, descale_variants, diagnose, diagnose_gradient, diagnose_lse, guard_grad,
-                        guard_mods, row_ratios, trend, variant_alternatives)
+from .diagnosis import (DROPPED, descale_variants, diagnose, diagnose_gradient, diagnose_lse,
+                        diagnose_max_scores, guard_grad, guard_mods, row_ratios, trend, variant_alternatives)
 from ..evidence.packing import unpack_paged, unpack_varlen
-from .rule import Expected, TensorVerdict, expect, judge_grads, judge_lse, judge_out
+from .rule import (Expected, TensorVerdict, expect, expect_max_scores, judge_grads, judge_lse,
+                   judge_max_scores, judge_out, OnDevice)
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
 
 #: Entries kept for the histograms (a random sample beyond it).
@@ -49,10 +50,16 @@ class KernelCheck:
     naive_ratios: np.ndarray | None  # the naive baseline's, same entries
     trend: str
     diagnosis: list
+    max_scores: TensorVerdict | None = None
+
+    @property
+    def judged(self) -> list:
+        """The tensors' verdicts: out, then lse and max_scores when given, then the gradients."""
+        return [self.out] + [v for v in (self.lse, self.max_scores) if v] + list(self.grads.values())
 
     @property
     def passed(self) -> bool:
-        judged = [self.out] + ([self.lse] if self.lse else []) + list(self.grads.values())
+        judged = self.judged
         return all(v.passed is not False for v in judged)
 
     @property
@@ -79,7 +86,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
-                 qv=None, dqv=None, gather_kv_indices=None, scheduler=None, device=None) -> KernelCheck:
+                 qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
+                 device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
@@ -118,6 +126,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
         as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
         ``sink_token_length``).
+    max_scores : ndarray, optional
+        FlexAttention's aux ``max_scores``, ``(batch, nheads, seqlen_q)`` as ``lse``: each row's
+        largest visible score (natural units, or base 2 with ``lse_base=2``; ``-inf`` on rows
+        without a key), judged entry by entry with the score's own allowance.
     gather_kv_indices : array of int, optional
         Top-k sparse keys, as in `attention`: ``(batch, seqlen_q, topk)`` shared by the heads,
         or per kv head ``(batch, seqlen_q, nheads_k, topk)`` in ``"bshd"`` (FlashMLA's order)
@@ -184,7 +196,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         no values to read (`attnlib.core.arrays`).  A failing kernel gets a verdict, never
         an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
-    names = {n: n for n in TENSORS + ("qv", "dqv")} | (names or {})
+    names = {n: n for n in TENSORS + ("qv", "dqv", "max_scores")} | (names or {})
     try:
         dev = device_of(device, q, k, v, out)  # before any tensor is read to the host
     except (ValueError, TypeError) as e:
@@ -221,7 +233,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if q is None:
         raise UnusableInput("q is None: the check judges scores q k^T (+ qv v^T); for MLA's qv-only "
                             "scores give q and k of head dim 0 (np.zeros((..., 0)))")
-    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv).items():
+    for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv,
+                     max_scores=max_scores).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
     if sinks is not None:
@@ -313,6 +326,15 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         if lse_verdict.passed is False:
             _diagnose_lse(lse_verdict, given["lse"], lse_expected, qh, kh, vh, opts, lse_opts, convention,
                           workers, dev)
+    max_verdict = None
+    if max_scores is not None:
+        ms_ref, ms_allow, ms_naive = expect_max_scores(qh, kh, vh, opts, prec, expected, workers, dense,
+                                                       None if dev is None else OnDevice(dev, qh, kh, vh))
+        max_verdict = judge_max_scores(given["max_scores"], ms_ref, ms_allow, ms_naive, stored["max_scores"],
+                                       convention)
+        if max_verdict.passed is False:
+            scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(qh.shape[-1])  # [q, qv]'s
+            max_verdict.notes += diagnose_max_scores(given["max_scores"], ms_ref, ms_allow, opts, convention, scale)
     grads = {}
     if "dout" in given and (any(n in given for n in GRADIENTS) or dsinks is not None):
         kernel_grads = {n: given.get(n) for n in GRADIENTS} | {"dsinks": dsinks}
@@ -343,7 +365,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         row_naive_ratio=None if naive_ratio is None else row_ratios(naive_ratio[0], naive_ratio[1], expected.allowance),
         head_row_ratio=head_row_ratio, ratios=finite.ravel()[sample],
         naive_ratios=None if naive_ratio is None else naive_ratio[1].ravel()[sample],
-        trend=trend(row_ratio), diagnosis=diagnosis)
+        trend=trend(row_ratio), diagnosis=diagnosis, max_scores=max_verdict)
 
 
 #: The keys `KernelCheck.options` always has; ``q_lengths``, the 2026 variants, ``mask_mod``

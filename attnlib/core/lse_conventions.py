@@ -7,7 +7,7 @@ attnlib's own is base e, the sink included, ``-inf`` on rows with no visible key
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -81,18 +81,38 @@ class LseConvention:
         return ", ".join(parts)
 
 
-def parse_for_output(lse_base, lse_sink, lse_empty, return_lse):
-    """The convention an entry point returns its lse in, or None for attnlib's own; a
-    ValueError naming the argument for one given without ``return_lse``."""
+def parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores=False):
+    """The convention an entry point returns its lse (and ``max_scores``, in the same base) in,
+    or None for attnlib's own; a ValueError naming the argument for one given without
+    ``return_lse`` (``lse_base`` alone: or ``return_max_scores``)."""
     conv = LseConvention.parse(lse_base, lse_sink, lse_empty)
     if conv.is_default or (conv.base == math.e and conv.sink == "included" and conv.empty is not None
                            and conv.empty < 0):
         return None
-    if not return_lse:
-        given = [n for n, x in (("lse_base", lse_base), ("lse_sink", lse_sink), ("lse_empty", lse_empty))
-                 if x is not None]
+    given = [n for n, x in (("lse_base", lse_base), ("lse_sink", lse_sink), ("lse_empty", lse_empty))
+             if x is not None and (not return_max_scores or n != "lse_base")]
+    if not return_lse and given:
         raise ValueError(f"{', '.join(given)}: only the returned lse takes a convention; pass return_lse=True")
     return conv
+
+
+def apply(conv, opts, run, return_lse: bool, return_max_scores: bool = False):
+    """``run(options)``'s result ``(out, [lse], [max_scores], [stats])`` in the convention
+    ``conv`` (`parse_for_output`; None: as it is): with the sink excluded, ``run`` attends
+    without the sinks and ``out`` is weighted by them after (`without_sink`); ``lse`` and
+    ``max_scores`` in its base, ``lse``'s empty rows as it says."""
+    if conv is None:
+        return run(opts)
+    excluded = return_lse and conv.sink == "excluded" and opts.sinks is not None
+    out, *rest = run(replace(opts, sinks=None) if excluded else opts)
+    if return_lse:
+        if excluded:  # the keys' own lse; out weighted by the sinks after
+            out = without_sink(out, rest[0], opts.sinks)
+        rest[0] = conv.from_natural(rest[0])
+    if return_max_scores and conv.factor != 1.0:
+        at = 1 if return_lse else 0
+        rest[at] = rest[at] / conv.factor  # -inf stays -inf
+    return (out, *rest)
 
 
 def without_sink(out, lse, sinks):

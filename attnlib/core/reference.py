@@ -8,7 +8,6 @@ against hand-built cases.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import numbers
 
 import numpy as np
@@ -112,7 +111,7 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
                         qv=None, q_descale=None, k_descale=None, v_descale=None, lse_base=None, lse_sink=None,
-                        lse_empty=None, device=None, **options):
+                        lse_empty=None, return_max_scores=False, device=None, **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
 
     Parameters
@@ -165,45 +164,42 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     """
     opts = dense_options(**options)
     q, k, v = mla.inputs(q, k, v, qv, False, q_descale, k_descale, v_descale, check_finite)
-    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse)
-    if conv is None:
-        return _dense_on(q, k, v, opts, device, return_lse, check_finite, compute_dtype)
-    excluded = conv.sink == "excluded" and opts.sinks is not None
-    out, lse = _dense_on(q, k, v, replace(opts, sinks=None) if excluded else opts, device, True, check_finite,
-                         compute_dtype)
-    if excluded:  # the keys' own lse; out weighted by the sinks after
-        out = lse_conventions.without_sink(out, lse, opts.sinks)
-    return out, conv.from_natural(lse)
+    return_max_scores = validate.flag(return_max_scores, "return_max_scores")
+    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores)
+    return lse_conventions.apply(
+        conv, opts, lambda o: _dense_on(q, k, v, o, device, return_lse, check_finite, compute_dtype,
+                                        return_max_scores), return_lse, return_max_scores)
 
 
-def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_dtype):
+def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_dtype, return_max_scores=False):
     """`dense_attention` here, or its torch twin on the device `attention`'s rule picks."""
     dev = device_of(device, q, k, v)
+    run = dict(return_lse=return_lse, check_finite=check_finite, compute_dtype=compute_dtype,
+               return_max_scores=return_max_scores)
     if dev is None:
-        return dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,
-                               compute_dtype=compute_dtype)
+        return dense_attention(q, k, v, opts, **run)
     from . import torch_reference
-    result = torch_reference.dense_attention(q, k, v, opts, dev=dev, return_lse=return_lse,
-                                             check_finite=check_finite, compute_dtype=compute_dtype)
-    return on_device(result, (q, k, v))
+    return on_device(torch_reference.dense_attention(q, k, v, opts, dev=dev, **run), (q, k, v))
 
 
-def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None):
+def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None,
+                    return_max_scores=False):
     """`reference_attention` with its options parsed into ``opts``."""
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     prec = problem.precision(compute_dtype)
     problem.check_representable(prec, q=q5, k=k5, v=v5)
     if prec.is_float64:
-        out, lse = _dense(q5, k5, v5, pb, np.float64, opts)
+        out, lse, maxes = _dense(q5, k5, v5, pb, np.float64, opts)
     else:
-        out, lse = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
-                          prec.accumulate.type, opts, prec.round, prec.round_p)
+        out, lse, maxes = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
+                                 prec.accumulate.type, opts, prec.round, prec.round_p)
         out = out.astype(prec.compute)
-    return (out, lse) if return_lse else out
+    result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
+    return result[0] if len(result) == 1 else result
 
 
 def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None):
-    """``(out, lse)`` in the caller's layout, computed densely in ``dtype``.
+    """``(out, lse, max_scores)`` in the caller's layout, computed densely in ``dtype``.
 
     ``round_lowp`` rounds the scores and ``round_p`` the weights to a low compute precision
     (the naive same-precision baseline); None computes everything in ``dtype``.  The weights
@@ -214,6 +210,7 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None):
     if round_lowp is not None:
         s = round_lowp(s)  # a naive kernel stores its scores in the compute type
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # -inf for rows with no key
+    maxes = m[..., 0]  # the keys' largest score: max_scores (the sink is no key's)
     if sink is not None:  # one more logit per row, with no value: the max over both
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
         m = np.maximum(m, sink)
@@ -231,7 +228,7 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None):
     out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
-    return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1)
+    return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1), pb.merge_heads(maxes, 1)
 
 
 def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,

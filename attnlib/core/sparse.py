@@ -199,8 +199,8 @@ class Selection:
         return GATHER_COST * int(self.counts.sum()) < self.dense_pairs(block_q, block_k)
 
 
-def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=False):
-    """The forward over the listed keys: ``(out, lse, rescales, kinds)`` as `tiled.run_keys`.
+def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=False, max_scores=False):
+    """The forward over the listed keys: ``(out, lse, rescales, kinds, maxes)`` as `tiled.run_keys`.
 
     ``q (*batch, hk, g, sq, d)``, ``k, v (*batch, hk, 1, sk, .)`` (`problem.parse`).  One work
     item per (batch entry, kv head, query tile): its ``g`` query heads' rows, each row a batch
@@ -215,6 +215,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
     q4, k4, v4 = (x.reshape((nb,) + x.shape[len(pb.batch):]) for x in (q, k, v))  # views
     out = np.empty((nb, pb.hk, g, sq, dv))
     lse = np.empty((nb, pb.hk, g, sq))
+    maxes = np.full((nb, pb.hk, g, sq), -np.inf) if max_scores else None
     n_q, n_k = -(-sq // bq), -(-pb.sk // bk)
     rescales = kinds = None
     if count_rescales:
@@ -258,6 +259,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
             dtype = np.float64
         state = hooks.get("state").empty((g, r, 1), dv, dtype,
                                          sink=None if sink is None else sink[:, None, None])
+        mx_i = None if maxes is None else np.full((g, r, 1), -np.inf, dtype=dtype)
         i = np.arange(q0, q1)
         step = max(1, min(bk, GATHER_ELEMENTS // max(1, r * max(d, dv))))
         for t0 in range(0, width, step):
@@ -281,6 +283,8 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
             if slopes is not None:  # ALiBi after masking: -inf stays -inf
                 dist = np.abs(i[:, None] + spec.offset - j).astype(np.float64)[:, None, :]
                 s -= slopes[:, None, None, None] * dist
+            if mx_i is not None:  # max_scores: before update overwrites s
+                np.maximum(mx_i, s.max(axis=-1), out=mx_i)
             top = np.argmax(np.where(np.isfinite(s), s, -np.inf), axis=-1) if rescales is not None else None
             moved = state.update(s, v_j[None], threshold=setup.tau, overwrite_s=True,
                                  round_p=prec.round_p if low else None, visible=np.broadcast_to(vis3, s.shape))
@@ -293,13 +297,16 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
         o_i, lse_i = state.finalize()
         out[e, hk, :, q0:q1] = problem.unscale_values(o_i[:, :, 0], v_exp, setup.v_max)
         lse[e, hk, :, q0:q1] = lse_i[:, :, 0]
+        if mx_i is not None:
+            maxes[e, hk, :, q0:q1] = mx_i[:, :, 0]
 
     if nb and items:
         run_tiles(item, range(len(items)), workers)
     shape = pb.batch + (pb.hk, g)
     return (out.reshape(shape + (sq, dv)), lse.reshape(shape + (sq,)),
             None if rescales is None else rescales.reshape(shape + (n_q, n_k)),
-            None if kinds is None else kinds.reshape(pb.batch + (n_q, n_k)))
+            None if kinds is None else kinds.reshape(pb.batch + (n_q, n_k)),
+            None if maxes is None else maxes.reshape(shape + (sq,)))
 
 
 __all__ = ["Selection", "gathered", "GATHER_COST", "GATHER_ELEMENTS"]

@@ -64,12 +64,15 @@ def tile_stats(rescales, kinds, pb, tiles) -> AttentionStats:
 
 
 
-def results(pb, tiles, out, lse, rescales, kinds, *, return_lse: bool, return_stats: bool):
-    """A forward's return value in the caller's layout: ``out``, then ``lse`` and the stats as
-    asked (``rescales``: the per-tile counts summed over the key ranges, host numpy)."""
+def results(pb, tiles, out, lse, rescales, kinds, *, return_lse: bool, return_stats: bool, max_scores=None):
+    """A forward's return value in the caller's layout: ``out``, then ``lse``, ``max_scores``
+    (when given) and the stats as asked (``rescales``: the per-tile counts summed over the key
+    ranges, host numpy)."""
     result = [pb.merge_heads(out, 2)]
     if return_lse:
         result.append(pb.merge_heads(lse, 1))
+    if max_scores is not None:
+        result.append(pb.merge_heads(max_scores, 1))
     if return_stats:
         result.append(tile_stats(rescales, kinds, pb, tiles))
     return result[0] if len(result) == 1 else tuple(result)

@@ -8,6 +8,7 @@ processed at once inside a tile by broadcasting matmul.  Working memory is a few
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
               cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, qv=None, q_descale=None,
               k_descale=None, v_descale=None, lse_base=None, lse_sink=None, lse_empty=None,
-              gather_kv_indices=None, device=None):
+              gather_kv_indices=None, return_max_scores=False, device=None):
     """Exact attention computed tile by tile with the online softmax.
 
     Equal to `reference_attention` up to float64 rounding, in working memory independent of
@@ -148,6 +149,10 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         BLAS is held to one thread meanwhile, so the machine is never oversubscribed.
     return_lse : bool
         Also return ``lse: (..., Hq, Sq)``.
+    return_max_scores : bool
+        Also return ``max_scores: (..., Hq, Sq)`` after ``lse`` (FlexAttention's aux): each row's
+        largest visible score after every modification, ``-inf`` where none (no sink), in the
+        base of ``lse_base``.
     return_stats : bool
         Also return an `AttentionStats` (costs ``O(Hq * n_q_tiles * n_k_tiles)`` memory).
     check_finite : bool
@@ -218,18 +223,14 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
                          mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask,
                          block_table=block_table, cache_seqlens=cache_seqlens,
                          gather_kv_indices=gather_kv_indices)
+    return_max_scores = validate.flag(return_max_scores, "return_max_scores")
     run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
                rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
-               return_stats=return_stats, check_finite=check_finite)
+               return_stats=return_stats, check_finite=check_finite, return_max_scores=return_max_scores)
     q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale, check_finite)
-    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse)
-    if conv is None:
-        return forward_on(q, k, v, opts, device=device, **run)
-    excluded = conv.sink == "excluded" and opts.sinks is not None
-    out, lse, *rest = forward_on(q, k, v, replace(opts, sinks=None) if excluded else opts, device=device, **run)
-    if excluded:  # the keys' own lse; out weighted by the sinks after
-        out = lse_conventions.without_sink(out, lse, opts.sinks)
-    return (out, conv.from_natural(lse), *rest)
+    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores)
+    return lse_conventions.apply(conv, opts, lambda o: forward_on(q, k, v, o, device=device, **run),
+                                 return_lse, return_max_scores)
 
 
 def forward_on(q, k, v, opts: Options, *, device=None, **run):
@@ -246,7 +247,7 @@ def forward_on(q, k, v, opts: Options, *, device=None, **run):
 
 def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, workers=None,
             rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
-            check_finite=True, dev=None):
+            check_finite=True, dev=None, return_max_scores=False):
     """`attention` with its masking and score options already parsed into ``opts``; ``dev``
     (a torch device) serves a paged cache only (`forward_on` sends the rest to
     `attnlib.core.torch_tiled`)."""
@@ -257,6 +258,7 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
                        "return_stats": return_stats or None,
                        "kv_splits": None if kv_splits == 1 else kv_splits,
                        "rescale_threshold": rescale_threshold or None,
+                       "return_max_scores": return_max_scores or None,
                        "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
         given = sorted(name for name, value in unsupported.items() if value is not None)
         if given:
@@ -286,11 +288,11 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
     if sel is not None and len(splits) == 1 and sel.prefer_gather(tiles.block_q, tiles.block_k):
         # Top-k lists: the listed keys gathered, at a cost that follows them (`sparse.gathered`).
         partials = [sparse.gathered(q5, k5, v5, pb, setup, sel, workers=workers,
-                                    count_rescales=return_stats)]
+                                    count_rescales=return_stats, max_scores=return_max_scores)]
         return _results(pb, tiles, prec, *partials[0][:2], partials, return_lse, return_stats)
     partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
                          (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
-                         count_rescales=return_stats, lse_parts=parts)
+                         count_rescales=return_stats, lse_parts=parts, max_scores=return_max_scores)
                 for r, part in enumerate(splits)]
     if len(partials) == 1:
         out, lse = partials[0][:2]
@@ -303,11 +305,16 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
 
 
 def _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats):
-    """`stats.results` of the merged ``out, lse`` of the key ranges' ``partials``."""
+    """`stats.results` of the merged ``out, lse`` of the key ranges' ``partials`` (and their
+    ``max_scores``, the largest of theirs, when they carry one)."""
+    maxes = None
+    if partials[0][4] is not None:
+        maxes = functools.reduce(np.maximum, [p[4] for p in partials])
     if not prec.is_float64:  # what a kernel in that precision would write out
         out, lse = out.astype(prec.compute), lse.astype(prec.accumulate)
+        maxes = None if maxes is None else maxes.astype(prec.accumulate)
     return results(pb, tiles, out, lse, sum(p[2] for p in partials) if return_stats else None, partials[0][3],
-                   return_lse=return_lse, return_stats=return_stats)
+                   return_lse=return_lse, return_stats=return_stats, max_scores=maxes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,10 +352,12 @@ def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=N
     return Setup(specs, tiles, cap, slopes, sink, mods, prec, check, v_max, tau, opts.selection(pb))
 
 
-def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=False, lse_parts=False):
-    """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``, grouped heads.
-    ``lse_parts``: ``lse`` as ``(..., sq, 2)`` parts ``(m, log l)``, for partials to merge
-    (`online.merge_parts`).
+def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=False, lse_parts=False,
+             max_scores=False):
+    """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds, maxes)``, grouped
+    heads.  ``lse_parts``: ``lse`` as ``(..., sq, 2)`` parts ``(m, log l)``, for partials to merge
+    (`online.merge_parts`); ``max_scores``: ``maxes (..., sq)``, each row's largest visible
+    score over these keys (else None).
 
     ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``setup.specs`` (all batch entries
     at once when the mask does not depend on them), and the work items of every plan on
@@ -364,6 +373,7 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
     v_exp = problem.value_exponent(v_max, pb.sk, prec.accumulate)
     out = np.empty(lead + (pb.sq, pb.dv))
     lse = np.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()))
+    maxes = np.full(lead + (pb.sq,), -np.inf) if max_scores else None
     kinds = rescales = None
     if count_rescales:
         # The tile map and per-tile counts grow as (Sq / block_q) * (Sk / block_k): kept
@@ -375,7 +385,7 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
         kinds = np.empty(pb.batch + shape, dtype=np.int8)
         rescales = np.zeros(lead + shape, dtype=np.int64)
     if not math.prod(lead):  # a zero-size batch axis: nothing to compute, no tile to map
-        return out, lse, rescales, kinds
+        return out, lse, rescales, kinds, maxes
     plans = []  # (items, fn) per entry
     per_thread = threading.local()  # each thread's tile buffers, shared by every entry's plan
     for idx, spec in specs.items():
@@ -387,7 +397,7 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
                               per_thread, problem.for_entry(sink, idx),
                               None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
-                              (v_exp, v_max), lse_parts))
+                              (v_exp, v_max), lse_parts, None if maxes is None else maxes[idx]))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
@@ -395,11 +405,11 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
         plans[p][1](i - int(starts[p]))
 
     run_tiles(item, range(int(starts[-1])), workers)
-    return out, lse, rescales, kinds
+    return out, lse, rescales, kinds, maxes
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False):
+             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False, maxes=None):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -413,6 +423,7 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     set of buffers per thread however many batch entries have masks of their own.
     ``sink`` (broadcastable to ``lead``) starts every row from its head's sink.
     ``values``: ``(e, max|v|)``, the values summed divided by ``2**e`` (`problem.value_exponent`).
+    ``maxes (*lead, sq)``, if given, receives each row's largest visible score.
     """
     v_exp, v_max = values
     bq, bk = tiles.block_q, tiles.block_k
@@ -472,11 +483,13 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         state = hooks.get("state").empty(q_i.shape[:-1], dv, dtype,
                                          keys_first=tile_steps.keys_first_for(q_i.shape[-2]), sink=sink_rows)
         todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
+        mx_i = None if maxes is None else np.full(state.m.shape, -np.inf, dtype=dtype)  # as state.m
         events = hooks.get("absorb")(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],
                                      tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],
                                      count=rescales is not None, threshold=tau, prec=prec, scale=scale,
                                      buffers=per_thread.__dict__.setdefault("buffers", {}), check=check,
-                                     rows=rows, row_groups=groups, mods=mods_u, v_scale=math.ldexp(1.0, -v_exp))
+                                     rows=rows, row_groups=groups, mods=mods_u, v_scale=math.ldexp(1.0, -v_exp),
+                                     maxes=mx_i)
         if rescales is not None:
             rescales[unit][..., a, todo] = events
         o_i, lse_i = state.finalize_parts() if lse_parts else state.finalize()
@@ -485,6 +498,9 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
         if packed:
             o_i = o_i.reshape(o_i.shape[:-2] + (g, q1 - q0, dv))
             lse_i = lse_i.reshape(lse_i.shape[:-1 - len(tail)] + (g, q1 - q0) + tail)
+            mx_i = None if mx_i is None else mx_i.reshape(mx_i.shape[:-1] + (g, q1 - q0))
+        if mx_i is not None:
+            maxes[unit][..., q0:q1] = mx_i
         out[unit][..., q0:q1, :] = o_i
         lse[unit][(..., slice(q0, q1)) + ((slice(None),) if lse_parts else ())] = lse_i
 

@@ -33,7 +33,7 @@ def keys_first_for(rows: int) -> bool:
 
 def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
            key_offset=0, count=False, threshold=0.0, prec=None, scale=None, buffers=None,
-           check=False, rows=None, row_groups=1, mods=None, v_scale=1.0):
+           check=False, rows=None, row_groups=1, mods=None, v_scale=1.0, maxes=None):
     """Feed the key tiles ``[k0s[t], k1s[t])`` (ascending, none SKIP) into one query tile.
 
     ``q_i: (..., bq, d)`` is the scaled query tile starting at row ``q0``; ``k, v`` hold
@@ -52,6 +52,8 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
     packed) when ``count``, else None.  ``mods``: the `attnlib.core.flex.Mods` of the tile's
     heads (``mask_mod`` joins the PARTIAL tiles' visibility, ``score_mod`` every tile's scores).
     ``v_scale``: a power of two the values are multiplied by (`problem.value_exponent`).
+    ``maxes``, laid out as ``state.m``: raised in place to each row's largest visible score
+    (``max_scores``; the running max is no substitute, being lazy and sink-initialised).
     The masks and scores are the steps ``"tile_visible"`` and ``"tile_scores"`` of
     `attnlib.core.hooks`; callers reach this function as its step ``"absorb"``.
     """
@@ -94,6 +96,8 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
         s, _ = scores_of(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
                          post_scale=scale if low else None, check=check, keys_first=keys_first,
                          vis=vis, mods=mods)
+        if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
+            np.maximum(maxes, s.max(axis=-2 if keys_first else -1), out=maxes)
         rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
                                 round_p=prec.round_p if low else None,
                                 keys_first=keys_first, visible=vis)  # s now holds p

@@ -132,7 +132,7 @@ def _scores(torch, q5, k5, pb, opts, np_dtype, dev, visible_, distance):
 
 
 def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
-    """`reference._dense`: ``(out, lse)`` in the caller's layout.  ``low``: the torch
+    """`reference._dense`: ``(out, lse, max_scores)`` in the caller's layout.  ``low``: the torch
     compute type of the naive low-precision baseline (q5, k5, v5 already rounded to it and
     held in float32), or None for float64; ``p_low``: the type ``p`` is rounded to."""
     np_dtype = np.float64 if low is None else np.float32
@@ -146,6 +146,7 @@ def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
         m = s.amax(dim=-1, keepdim=True)  # -inf for rows with no visible key
     else:
         m = torch.full(s.shape[:-1] + (1,), -math.inf, dtype=dtype, device=dev)
+    maxes = m[..., 0]  # the keys' largest score: max_scores (the sink is no key's)
     if sink is not None:  # one more logit per row, with no value: the max over both
         sink = torch.as_tensor(sink.astype(np_dtype), device=dev)[..., None, None]
         m = torch.maximum(m, sink)
@@ -163,7 +164,7 @@ def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
         bound = math.ldexp(v_max, -e)
         out = out.clamp(-bound, bound) * math.ldexp(1.0, e)
     lse = torch.where(seen, torch.log(torch.where(seen, l, 1.0)), -math.inf) + m
-    return pb.merge_heads(out, 2), pb.merge_heads(lse[..., 0], 1)
+    return pb.merge_heads(out, 2), pb.merge_heads(lse[..., 0], 1), pb.merge_heads(maxes.to(lse.dtype), 1)
 
 
 def _check_representable(torch, low, pb_inputs):
@@ -183,7 +184,8 @@ def _check_representable(torch, low, pb_inputs):
         f"rounded to {kind} it is inf; scale {name} down or compute in a wider type")
 
 
-def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, compute_dtype=None):
+def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, compute_dtype=None,
+                    return_max_scores=False):
     """`reference.dense_attention` computed with torch on ``dev``: torch tensors out
     (float64, or ``out`` in the compute type and ``lse`` in float32 for a low one)."""
     torch = dev_mod._torch()
@@ -192,10 +194,11 @@ def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, 
     with torch.no_grad():
         if low is None:
             f64 = torch.float64
-            out, lse = _dense(torch, q5.to(f64), k5.to(f64), v5.to(f64), pb, opts, dev)
+            out, lse, maxes = _dense(torch, q5.to(f64), k5.to(f64), v5.to(f64), pb, opts, dev)
         else:
             _check_representable(torch, low, (("q", q5), ("k", k5), ("v", v5)))
-            out, lse = _dense(torch, round_to(q5, low), round_to(k5, low), round_to(v5, low), pb, opts, dev,
-                              low, p_low)
+            out, lse, maxes = _dense(torch, round_to(q5, low), round_to(k5, low), round_to(v5, low), pb, opts,
+                                     dev, low, p_low)
             out = out.to(low)
-    return (out, lse) if return_lse else out
+    result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
+    return result[0] if len(result) == 1 else result

@@ -70,6 +70,7 @@ class _State:
     m: object
     l: object
     acc: object
+    mx: object = None  # (..., hk, g, r): the largest visible score so far (max_scores), if asked
 
 
 #: Most band masks one call keeps on the device (each at most one tile): a causal run or a
@@ -183,7 +184,7 @@ def band_key(spec, q0, q1, k0, k1, seg=None):
 
 def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_splits=1, workers=None,
             rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
-            check_finite=True):
+            check_finite=True, return_max_scores=False):
     """`attnlib.core.tiled.forward` computed with torch on ``dev``: torch tensors out (float64)."""
     torch = dev_mod._torch()
 
@@ -214,7 +215,7 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     parts = len(splits) > 1 and prec.is_float64
     with dev_mod.threads(dev, workers), torch.no_grad():
         kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, tau, return_stats, workers, prec,
-                         mods)
+                         mods, return_max_scores)
         partials = [kernel.run(q5, k5, v5, specs, sink if r == 0 else None,
                                (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), parts)
                     for r, part in enumerate(splits)]
@@ -226,17 +227,23 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
             out, merged = merge_parts([p[0] for p in partials], lse_parts)
             lse = lse_of(merged)
         kernel.raise_flags()
+        maxes = None
+        if return_max_scores:  # the largest of the key ranges'
+            maxes = functools.reduce(torch.maximum, [p[4] for p in partials])
         if not prec.is_float64:  # what a kernel in that precision would write out
             out, lse = out.to(kernel.compute), lse.to(kernel.acc)
+            maxes = None if maxes is None else maxes.to(kernel.acc)
     return results(pb, tiles, out, lse, sum(np.asarray(p[2].cpu()) for p in partials) if return_stats else None,
-                   partials[0][3], return_lse=return_lse, return_stats=return_stats)
+                   partials[0][3], return_lse=return_lse, return_stats=return_stats, max_scores=maxes)
 
 
 class _Kernel:
     """One call's tile loop on the device, with its flags (overflow) and constants."""
 
-    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers, prec, mods=None):
+    def __init__(self, torch, dev, pb, tiles, cap, slopes, check, v_max, tau, count, workers, prec, mods=None,
+                 maxes=False):
         self.torch, self.dev, self.pb, self.tiles = torch, dev, pb, tiles
+        self.maxes = maxes  # run also returns each row's largest visible score (max_scores)
         # The programmable options (`flex.mods_for`), their functions called on device tensors.
         self.mods = mods
         if mods is not None:
@@ -264,12 +271,14 @@ class _Kernel:
             self.errors.raise_for(self.errors.state().cpu(), self.prec.accumulate)
 
     def run(self, q5, k5, v5, specs, sink, key_tiles, lse_parts):
-        """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds)``."""
+        """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds, maxes)``
+        (``maxes``, each row's largest visible score, None unless asked)."""
         torch, pb, tiles = self.torch, self.pb, self.tiles
         lead = q5.shape[:-2]  # (*batch, hk, g)
         f64 = dict(dtype=torch.float64, device=self.dev)
         out = torch.empty(lead + (pb.sq, pb.dv), **f64)
         lse = torch.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()), **f64)
+        maxes = torch.full(lead + (pb.sq,), -math.inf, **f64) if self.maxes else None
         shape = (-(-pb.sq // tiles.block_q), -(-pb.sk // tiles.block_k))
         kinds = rescales = None
         if self.count:
@@ -278,7 +287,7 @@ class _Kernel:
             kinds = np.empty(pb.batch + shape, dtype=np.int8)
             rescales = torch.zeros(lead + shape, dtype=torch.int64, device=self.dev)
         if not math.prod(lead):
-            return out, lse, rescales, kinds
+            return out, lse, rescales, kinds, maxes
         sink_t = None if sink is None else torch.as_tensor(sink, device=self.dev)
         items = []
         for idx, spec in specs.items():  # idx = (): every batch entry shares one mask
@@ -290,17 +299,19 @@ class _Kernel:
                                 None if self.slopes is None else problem.for_entry(self.slopes, idx),
                                 None if sink_t is None else problem.for_entry(sink_t, idx),
                                 out[idx], lse[idx], None if rescales is None else rescales[idx],
-                                None if kinds is None else kinds[idx], key_tiles, lse_parts)
+                                None if kinds is None else kinds[idx], key_tiles, lse_parts,
+                                None if maxes is None else maxes[idx])
         with dev_mod.threads(self.dev, 1 if self.workers > 1 else None):
             run_tiles(self._run_item, items, self.workers)
-        return out, lse, rescales, kinds
+        return out, lse, rescales, kinds, maxes
 
     def _run_item(self, item):
         if self.workers > 1:  # a worker thread of `run_tiles`: one torch thread of its own first
             dev_mod.hold_one_thread()
         item()
 
-    def _plan(self, idx, q, k, v, spec, seg, slopes, sink, out, lse, rescales, kinds, key_tiles, lse_parts):
+    def _plan(self, idx, q, k, v, spec, seg, slopes, sink, out, lse, rescales, kinds, key_tiles, lse_parts,
+              maxes=None):
         """One mask's work: a list of callables, one per (query tile, head block) unit, each
         writing its own rows of ``out``, ``lse`` and ``rescales``.  ``q: (..., hk, g, sq, d)``,
         ``k, v: (..., hk, 1, sk, .)``; the longest (last, under causal) query tiles first."""
@@ -338,11 +349,12 @@ class _Kernel:
                     None if sink is None else sink[unit], out[unit], lse[unit],
                     None if rescales is None else rescales[unit], a, q0, q1,
                     [(int(t), int(k_starts[t]), int(k_ends[t]), unit_kinds[t]) for t in todo], lse_parts,
-                    None if heads is None else (heads[0][unit], heads[1][unit])))
+                    None if heads is None else (heads[0][unit], heads[1][unit]),
+                    None if maxes is None else maxes[unit]))
         return items
 
     def _tile(self, q, k, v, spec, seg, slopes, sink, out, lse, rescales, a, q0, q1, todo, lse_parts,
-              heads=None):
+              heads=None, maxes=None):
         """One query tile of one head block against its key tiles ``todo``:
         ``q: (..., g, sq, d)``, ``k, v: (..., sk, .)`` (the group's kv head)."""
         torch, pb = self.torch, self.pb
@@ -362,6 +374,8 @@ class _Kernel:
         else:  # each row starts from its head's sink: (m, l, acc) = (sink, 1, 0)
             st = _State(sink[..., None].expand(shape).to(self.acc), torch.ones(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
+        if maxes is not None:
+            st.mx = torch.full(shape, -math.inf, **f64)
         v_scale = math.ldexp(1.0, -self.v_exp)
         for t, k0, k1, kind in todo:
             k_j = self._operand(k[..., k0:k1, :])  # (..., c, d)
@@ -373,6 +387,8 @@ class _Kernel:
             if rescales is not None:
                 rescales[..., a, t] = events
         self._finalize(st, out, lse, q0, q1, lse_parts)
+        if maxes is not None:
+            maxes[..., q0:q1] = st.mx
 
     def _operand(self, x):
         """A tile of q, k or v in the type the products take: float64, or rounded to the
@@ -439,6 +455,8 @@ class _Kernel:
         its `_mask`; returns the rescale events per head ``(..., hk, g)`` (int64 on the device)."""
         torch = self.torch
         m_tile = (s if mask is None else s + mask[1]).amax(dim=-1)  # (..., hk, g, r): visible pairs only
+        if st.mx is not None:  # max_scores: its own reduction (m is lazy and sink-initialised)
+            st.mx = torch.maximum(st.mx, m_tile)
         if self.tau:  # lazy: keep a stale max until the tile's exceeds it by more than tau
             m_new = torch.where(m_tile > st.m + self.tau, m_tile, st.m)
         else:

@@ -46,7 +46,7 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
                           prec=problem.precision(None), check=check, v_max=pb.max_of("v", v5))
             n_k_tiles = -(-pb.sk // tiles.block_k)
             # One thread per task: the cluster's workers are the parallelism.
-            out, parts, _, _ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
+            out, parts, *_ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
