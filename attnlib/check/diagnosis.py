@@ -129,7 +129,8 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
              workers, device=None, mixups=()) -> list:
     """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values); ``device``: where
     the alternatives' references are computed with torch (None: the host); ``mixups``: the
-    problem's inputs mishandled, ``(words, (q, k, v), options)`` (fp8 descales, MLA's qv)."""
+    problem's inputs mishandled, an iterable of ``(words, (q, k, v), options)`` (fp8 descales,
+    MLA's qv) read only as far as the first match."""
     found = []
     finite_row = np.isfinite(kernel).all(axis=-1)  # (..., H, S)
     row_bad = ratio.max(axis=-1, initial=0.0) > 1  # NaN/inf rows included (ratio inf)

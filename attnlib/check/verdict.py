@@ -400,32 +400,29 @@ def _gather_layout(indices, layout):
 def _inputs(stored, factors):
     """``(q, k, v)`` the reference takes: the stored ``(q, k, v, qv)`` (bhsd, float64) times the
     fp8 descales in ``factors``, then with MLA's ``qv`` joined (`attnlib.core.mla`)."""
-    q, k, v, qv = stored
-    q, k, v, qv = (x if x is None or factors.get(f"{n}_descale") is None else x * factors[f"{n}_descale"]
-                   for x, n in zip((q, k, v, qv), ("q", "k", "v", "q")))
+    q, k, v, qv = descale.scaled(*stored, factors)
     if qv is not None:
         q, k = mla.join(q, k, v, qv)
     return q, k, v
 
 
-def _mixups(stored, factors, opts: Options) -> list:
+def _mixups(stored, factors, opts: Options):
     """``(words, (q, k, v), options)``: the inputs a kernel may have mishandled (the fp8
-    descales; MLA's qv ignored, or its Dv left out of the default scale)."""
-    out = [(words, _inputs(stored, f), opts) for words, f in descale_variants(factors)] if factors else []
+    descales; MLA's qv ignored, or its Dv left out of the default scale), made one at a time as
+    the diagnosis asks (each is a float64 copy of the inputs)."""
+    for words, f in (descale_variants(factors) if factors else ()):
+        yield words, _inputs(stored, f), opts
     q, k, v, qv = stored
     if qv is not None:
         d, dv = q.shape[-1], v.shape[-1]
         joined = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d + dv)
-        out.append(("qv ignored (the scores q k^T alone)", _inputs((q, k, v, None), factors),
-                    opts.replace(scale=joined)))
+        yield "qv ignored (the scores q k^T alone)", _inputs((q, k, v, None), factors), opts.replace(scale=joined)
         if opts.scale is None:
-            out.append((f"qv ignored (the scores q k^T alone, scaled by 1/sqrt(D) = {1 / math.sqrt(d):.4g})",
-                        _inputs((q, k, v, None), factors), opts))
-        if opts.scale is None:
-            out.append((f"the default scale 1/sqrt(D) = {1 / math.sqrt(d):.4g}, not 1/sqrt(D + Dv) = "
-                        f"{joined:.4g} (qv's Dv left out of it)", _inputs(stored, factors),
-                        opts.replace(scale=1.0 / math.sqrt(d))))
-    return out
+            yield (f"qv ignored (the scores q k^T alone, scaled by 1/sqrt(D) = {1 / math.sqrt(d):.4g})",
+                   _inputs((q, k, v, None), factors), opts)
+            yield (f"the default scale 1/sqrt(D) = {1 / math.sqrt(d):.4g}, not 1/sqrt(D + Dv) = "
+                   f"{joined:.4g} (qv's Dv left out of it)", _inputs(stored, factors),
+                   opts.replace(scale=1.0 / math.sqrt(d)))
 
 
 def _problem_alternatives(opts: Options) -> list:

@@ -62,7 +62,12 @@ def dequantize(q, k, v, q_descale=None, k_descale=None, v_descale=None, dev=None
     """``(q, k, v, qv)`` times their descales (``qv``, MLA's second query, takes ``q``'s), in
     float64: numpy arrays, or torch tensors on ``dev`` (the inputs are never written).  Inputs
     without a descale (or None) are returned as given."""
-    f = factors(qv if q is None else q, k, q_descale, k_descale, v_descale)
+    return scaled(q, k, v, qv, factors(qv if q is None else q, k, q_descale, k_descale, v_descale), dev)
+
+
+def scaled(q, k, v, qv, f: dict, dev=None):
+    """``(q, k, v, qv)`` times the laid-out factors ``f`` (`factors`; ``qv`` takes ``q``'s), in
+    float64, as `dequantize`."""
     xs = {"q": q, "k": k, "v": v, "qv": qv}
     for name, x in xs.items():
         a = f.get(f"{name[0]}_descale")
