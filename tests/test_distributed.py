@@ -418,3 +418,29 @@ def test_worker_memory_gate_has_power(tmp_path):
             growth[label] = working[1] - working[0]
     bound = scaleout.growth_bound(*sweep, d)
     assert growth["planned"] < bound <= growth["whole key range"], (growth, bound)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_top_k_lists_piece_by_piece_and_no_task_for_pieces_without_a_listed_key(client, tmp_path, per_head):
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((2, 4, 300, 16)), rng.standard_normal((2, 2, 700, 16)), rng.standard_normal((2, 2, 700, 8))
+    shape = (2, 2, 300, 12) if per_head else (2, 300, 12)
+    lists = rng.integers(-1, 300, size=shape)  # keys >= 300 never listed: their pieces are no tasks
+    options = dict(causal=True, kv_lengths=np.array([700, 280]), sinks=np.arange(4.0), gather_kv_indices=lists)
+    with distributed.get_task_stream(client=client) as stream:
+        out, lse = ad.attention(q, k, v, client=client, block_q=128, kv_block=256, return_lse=True, **options)
+    starts = {int(str(t["key"]).rsplit("-", 1)[1]) for t in stream.data if str(t["key"]).startswith("attnlib-piece")}
+    assert starts == {0, 256}  # the key range [512, 700) is visible, but lists none of its keys
+    _check_equal(out, lse, q, k, v, options)
+    # The CLI, in FlashAttention's layout: per-head lists as (batch, Sq, Hk, topk).
+    from attnlib.distributed.cli import main
+    bshd = {n: np.ascontiguousarray(np.swapaxes(x, 1, 2)) for n, x in (("q", q), ("k", k), ("v", v))}
+    for n, x in {**bshd, "lists": np.swapaxes(lists, 1, 2) if per_head else lists}.items():
+        np.save(tmp_path / f"{n}.npy", x)
+    no_lengths = {n: x for n, x in options.items() if n not in ("kv_lengths", "sinks")}
+    args = [f"--{n}={tmp_path / n}.npy" for n in ("q", "k", "v")] + [
+        f"--out-file={tmp_path / 'out.npy'}", "--causal", f"--gather-kv-indices={tmp_path / 'lists.npy'}",
+        f"--scheduler={client.scheduler.address}"]
+    assert main(args) == 0
+    ref = attnlib.reference_attention(q, k, v, **no_lengths)
+    np.testing.assert_allclose(np.swapaxes(np.load(tmp_path / "out.npy"), 1, 2), ref, rtol=0, atol=1e-13)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..core import arrays
 from ..core import problem
-from ..core import descale, flex, mla
+from ..core import descale, flex, mla, sparse
 from ..evidence.memory import dense_fits
 from ..core.arrays import as_numpy
 from ..core.backward import dense_backward
@@ -221,7 +221,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if gather_kv_indices is not None and (varlen or paged):
         raise UnusableInput("gather_kv_indices is judged on a batch of contiguous keys: not with varlen "
                             "offsets or a paged cache")
-    gather_kv_indices = _gather_layout(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
+    gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
                                                                              "gather_kv_indices")), layout)
     try:
         convention = LseConvention.parse(lse_base, lse_sink, lse_empty)
@@ -387,14 +387,6 @@ def options_dict(opts: Options, **as_given) -> dict:
     if opts.sink_token_length:
         result["sink_token_length"] = opts.sink_token_length
     return result | as_given
-
-
-def _gather_layout(indices, layout):
-    """Top-k lists in attnlib's layout: per kv head ``(batch, Hk, Sq, topk)``, from ``"bshd"``'s
-    ``(batch, Sq, Hk, topk)``; shared lists ``(batch, Sq, topk)`` are the same in both."""
-    if indices is None or layout != "bshd" or np.ndim(indices) < 4:
-        return indices
-    return np.swapaxes(indices, -2, -3)
 
 
 def _inputs(stored, factors):

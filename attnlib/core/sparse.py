@@ -199,8 +199,19 @@ class Selection:
         return GATHER_COST * int(self.counts.sum()) < self.dense_pairs(block_q, block_k)
 
 
-def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=False, max_scores=False):
-    """The forward over the listed keys: ``(out, lse, rescales, kinds, maxes)`` as `tiled.run_keys`.
+def in_bhsd(indices, layout: str):
+    """Top-k lists in attnlib's order: per kv head ``(batch, Hk, Sq, topk)``, from ``"bshd"``'s
+    ``(batch, Sq, Hk, topk)`` (FlashMLA's); shared lists ``(batch, Sq, topk)`` are the same in
+    both (a view; None stays None)."""
+    if indices is None or layout != "bshd" or np.ndim(indices) < 4:
+        return indices
+    return np.swapaxes(np.asarray(indices), -2, -3)
+
+
+def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=False, max_scores=False,
+             lse_parts=False):
+    """The forward over the listed keys: ``(out, lse, rescales, kinds, maxes)`` as `tiled.run_keys`
+    (``lse_parts``: ``lse`` as its ``(m, log l)`` parts, ``(..., sq, 2)``, for a merge).
 
     ``q (*batch, hk, g, sq, d)``, ``k, v (*batch, hk, 1, sk, .)`` (`problem.parse`).  One work
     item per (batch entry, kv head, query tile): its ``g`` query heads' rows, each row a batch
@@ -214,7 +225,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
     g, d, dv, sq = pb.group, pb.d, pb.dv, pb.sq
     q4, k4, v4 = (x.reshape((nb,) + x.shape[len(pb.batch):]) for x in (q, k, v))  # views
     out = np.empty((nb, pb.hk, g, sq, dv))
-    lse = np.empty((nb, pb.hk, g, sq))
+    lse = np.empty((nb, pb.hk, g, sq) + ((2,) if lse_parts else ()))
     maxes = np.full((nb, pb.hk, g, sq), -np.inf) if max_scores else None
     n_q, n_k = -(-sq // bq), -(-pb.sk // bk)
     rescales = kinds = None
@@ -294,7 +305,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
                 ev = moved[..., 0]
                 for h in range(g):
                     np.add.at(rescales[e, hk, h, a], tile_of[h][ev[h]], 1)
-        o_i, lse_i = state.finalize()
+        o_i, lse_i = state.finalize_parts() if lse_parts else state.finalize()
         out[e, hk, :, q0:q1] = problem.unscale_values(o_i[:, :, 0], v_exp, setup.v_max)
         lse[e, hk, :, q0:q1] = lse_i[:, :, 0]
         if mx_i is not None:
@@ -303,10 +314,10 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
     if nb and items:
         run_tiles(item, range(len(items)), workers)
     shape = pb.batch + (pb.hk, g)
-    return (out.reshape(shape + (sq, dv)), lse.reshape(shape + (sq,)),
+    return (out.reshape(shape + (sq, dv)), lse.reshape(shape + (sq,) + lse.shape[4:]),
             None if rescales is None else rescales.reshape(shape + (n_q, n_k)),
             None if kinds is None else kinds.reshape(pb.batch + (n_q, n_k)),
             None if maxes is None else maxes.reshape(shape + (sq,)))
 
 
-__all__ = ["Selection", "gathered", "GATHER_COST", "GATHER_ELEMENTS"]
+__all__ = ["Selection", "gathered", "in_bhsd", "GATHER_COST", "GATHER_ELEMENTS"]

@@ -20,7 +20,7 @@ import sys
 
 
 from ..core.validate import cli_window, window_side
-from ..core.tensorio import TensorFileError, load_tensor, split_spec
+from ..core.tensorio import TensorFileError, load_indices, load_tensor, split_spec
 
 
 def _parser():
@@ -51,6 +51,9 @@ def _parser():
     p.add_argument("--attention-chunk", type=int, default=0, metavar="C", help="chunked attention (0: off)")
     p.add_argument("--sink-token-length", type=int, default=0, metavar="N",
                    help="keys exempt from the window's left bound")
+    p.add_argument("--gather-kv-indices", default="", metavar="FILE",
+                   help="top-k sparse keys: integer lists (batch, seqlen_q, topk), or per kv head in the "
+                        "layout's order; -1 or out-of-range entries select no key")
     p.add_argument("--block-q", type=int, default=None, help="query rows per task")
     p.add_argument("--kv-block", type=int, default=None, help="keys per task")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
@@ -78,8 +81,9 @@ def main(argv=None) -> int:
                    layout=args.layout, progress=args.progress)
     try:
         q, k, v = (_input(getattr(args, n), f"--{n}") for n in ("q", "k", "v"))
+        lists = load_indices(args.gather_kv_indices, "--gather-kv-indices") if args.gather_kv_indices else None
         out = attention(q, k, v, client=args.scheduler, out=args.out_file, lse_out=args.lse_file,
-                        return_lse=args.lse_file is not None, **options)
+                        return_lse=args.lse_file is not None, gather_kv_indices=lists, **options)
     except (TensorFileError, ValueError, TypeError, BlockError, OSError) as e:
         print(f"attnlib reference: {type(e).__name__ + ': ' if isinstance(e, OSError) else ''}{e}",
               file=sys.stderr)

@@ -6,10 +6,11 @@ import contextlib
 import itertools
 import os
 import uuid
+from dataclasses import replace
 
 import numpy as np
 
-from ..core import problem
+from ..core import problem, sparse
 from ..core import validate
 from ..core.online import lse_of, merge_parts
 from ..core.options import Options
@@ -28,11 +29,12 @@ class BlockError(RuntimeError):
     """A task of `attention` failed (other than by losing its worker): names the piece."""
 
 
-def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
+def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, lists=None):
     """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse parts (hq', bq, 2))``,
     the lse as ``(m, log l)`` (`online.merge_parts` merges them without the loss of a
     one-float lse at large scores); ``sink`` (the piece's ``hq'`` sinks, the first piece of a
-    query block only) starts its rows."""
+    query block only) starts its rows; ``lists``: the piece's top-k lists in its own key
+    positions (`gather_kv_indices`; entries outside the piece select nothing there)."""
     try:
         q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
         with np.errstate(divide="raise", over="raise", invalid="raise"):
@@ -42,14 +44,42 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None):
             tiles = default_tiles(pb.d)
             check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
                                                 k_max=pb.max_of("k", k5))
-            setup = Setup(specs={(): spec}, tiles=tiles, cap=cap, slopes=slopes, sink=sink, mods=None,
-                          prec=problem.precision(None), check=check, v_max=pb.max_of("v", v5))
+            opts = Options.parse(gather_kv_indices=lists)
+            setup = Setup(specs={(): spec}, tiles=tiles, cap=cap, slopes=slopes, sink=sink,
+                          mods=opts.mods(pb, tiles), prec=problem.precision(None), check=check,
+                          v_max=pb.max_of("v", v5), selection=opts.selection(pb))
             n_k_tiles = -(-pb.sk // tiles.block_k)
             # One thread per task: the cluster's workers are the parallelism.
-            out, parts, *_ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
+            sel = setup.selection
+            if sel is not None and sel.prefer_gather(tiles.block_q, tiles.block_k):
+                out, parts, *_ = sparse.gathered(q5, k5, v5, pb, setup, sel, workers=1, lse_parts=True)
+            else:
+                out, parts, *_ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
+
+
+def _lists_of(sel, pb, p):
+    """The piece's rows of the sorted lists: ``(1, H', bq, T)`` (the batch entry's, its kv heads'
+    or the shared ones)."""
+    e = int(np.ravel_multi_index(p.entry, pb.batch)) if pb.batch else 0
+    heads = slice(p.h0, p.h1) if sel.per_head else slice(0, 1)
+    return sel.keys[e:e + 1, heads, p.q0:p.q1]
+
+
+def _lists_hit(sel, pb, p) -> bool:
+    """Whether a row of the piece lists one of its keys ``[k0, k1)``."""
+    keys = _lists_of(sel, pb, p)
+    return bool(((keys >= p.k0) & (keys < p.k1)).any())
+
+
+def _piece_lists(sel, pb, p):
+    """The piece's lists in its own key positions, ``(bq, T)`` or ``(H', bq, T)`` as its q is
+    laid out: entries outside ``[k0, k1)`` become -1 (no key)."""
+    keys = _lists_of(sel, pb, p)[0]
+    local = np.where((keys >= p.k0) & (keys < p.k1), keys - p.k0, -1)
+    return local if sel.per_head else local[0]
 
 
 def _merge(label, *parts):
@@ -159,7 +189,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
               key_leftpad=None, attention_chunk=None, sink_token_length=0, scale=None, softcap=None,
               alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
               heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
-              progress=False):
+              progress=False, gather_kv_indices=None):
     """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
 
     Parameters
@@ -175,6 +205,10 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     attention_chunk, sink_token_length, scale, softcap, alibi_slopes, sinks
         As in `attnlib.attention`, on absolute positions.  The sinks start the rows of the
         first piece of each query block (once per row, as in the single-process kernel).
+    gather_kv_indices : array of int, ``(..., Sq, topk)`` or ``(..., Hk, Sq, topk)``, optional
+        Top-k sparse keys, as in `attnlib.attention` (per kv head ``(..., Sq, Hk, topk)`` with
+        ``layout="bshd"``; in memory: each piece is sent its query block's lists, shifted to
+        its keys); pieces holding no listed key are no tasks.
     block_q, kv_block : int, optional
         The query block and key range of a piece (default `DEFAULT_BLOCK`): a task's memory
         is bounded by them, whatever ``Sq`` and ``Sk``.
@@ -232,11 +266,15 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                          kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                          key_leftpad=key_leftpad, attention_chunk=attention_chunk,
                          sink_token_length=sink_token_length,
-                         scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+                         scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                         gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout))
     _, _, _, pb = problem.parse(*stand_ins, scale=opts.scale, check_finite_inputs=False)
     specs = opts.specs(pb)
+    sel = opts.selection(pb)  # the lists, checked against the problem (None without)
     cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
     blocks = make_plan(pb.batch, pb.hk, pb.sq, pb.sk, specs, block_q, kv_block, heads_per_task)
+    if sel is not None:  # a piece whose rows list none of its keys is no task
+        blocks = [replace(b, pieces=tuple(p for p in b.pieces if _lists_hit(sel, pb, p))) for b in blocks]
 
     squeeze, g = pb.squeeze, pb.group
     bshd = layout == "bshd" and not squeeze
@@ -335,6 +373,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                         _piece, q_parts[(p.entry, p.h0, p.h1, p.q0, p.q1)],
                         k_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)], v_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)],
                         spec, pb.scale, cap, block_slopes, p.label, piece_sink,
+                        None if sel is None else _piece_lists(sel, pb, p),
                         key=f"attnlib-piece-{token}-{n}-{p.k0}", pure=False))
                 final = chain.root()
                 if out_target is not None:
