@@ -444,3 +444,21 @@ def test_top_k_lists_piece_by_piece_and_no_task_for_pieces_without_a_listed_key(
     assert main(args) == 0
     ref = attnlib.reference_attention(q, k, v, **no_lengths)
     np.testing.assert_allclose(np.swapaxes(np.load(tmp_path / "out.npy"), 1, 2), ref, rtol=0, atol=1e-13)
+
+
+def test_mla_qv_and_fp8_descales_piece_by_piece(client):
+    """MLA's qv joined and the descales applied in each piece (bshd files read in place)."""
+    rng = np.random.default_rng(6)
+    q, k, v = rng.standard_normal((2, 4, 300, 16)), rng.standard_normal((2, 2, 500, 16)), rng.standard_normal((2, 2, 500, 24))
+    qv = rng.standard_normal((2, 4, 300, 24))
+    f = {f"{n}_descale": rng.uniform(0.1, 2.0, (2, 2)) for n in "qkv"}
+    ref, ref_lse = attnlib.reference_attention(q, k, v, qv=qv, causal=True, return_lse=True, **f)
+    out, lse = ad.attention(q, k, v, qv=qv, causal=True, client=client, block_q=128, kv_block=256,
+                            return_lse=True, **f)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-13)
+    bshd = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v, qv)]
+    out = ad.attention(*bshd[:3], qv=bshd[3], layout="bshd", client=client, block_q=128, kv_block=256)
+    np.testing.assert_allclose(np.swapaxes(out, 1, 2), attnlib.reference_attention(q, k, v, qv=qv), rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="qv"):
+        ad.attention(q, k, v, qv=qv[..., :5], client=client)

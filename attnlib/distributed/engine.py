@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..core import problem, sparse
+from ..core import descale, mla, problem, sparse
 from ..core import validate
 from ..core.online import lse_of, merge_parts
 from ..core.options import Options
@@ -29,14 +29,22 @@ class BlockError(RuntimeError):
     """A task of `attention` failed (other than by losing its worker): names the piece."""
 
 
-def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, lists=None):
+def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, lists=None, qv_part=None,
+           factors=None):
     """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse parts (hq', bq, 2))``,
     the lse as ``(m, log l)`` (`online.merge_parts` merges them without the loss of a
     one-float lse at large scores); ``sink`` (the piece's ``hq'`` sinks, the first piece of a
     query block only) starts its rows; ``lists``: the piece's top-k lists in its own key
-    positions (`gather_kv_indices`; entries outside the piece select nothing there)."""
+    positions (`gather_kv_indices`; entries outside the piece select nothing there);
+    ``qv_part``: MLA's second query, joined here (`mla.join`); ``factors``: the piece's fp8
+    descales, laid out (`descale.factors`), applied first."""
     try:
         q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
+        qv = None if qv_part is None else materialize(qv_part)
+        if factors:
+            q, k, v, qv = descale.scaled(q, k, v, qv, factors)
+        if qv is not None:
+            q, k = mla.join(q, k, v, qv)
         with np.errstate(divide="raise", over="raise", invalid="raise"):
             q5, k5, v5, pb = problem.parse(q, k, v, scale=scale, check_finite_inputs=True)
             slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
@@ -58,6 +66,14 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
+
+
+def _piece_factors(factors, p, g) -> dict:
+    """The piece's rows of the laid-out descales (`descale.factors`): its entry, its kv heads
+    (and their query heads, ``g`` each, for q's)."""
+    heads = {"q_descale": slice(p.h0 * g, p.h1 * g)}
+    return {n: np.ascontiguousarray(a[p.entry + (heads.get(n, slice(p.h0, p.h1)),)])
+            for n, a in factors.items()}
 
 
 def _lists_of(sel, pb, p):
@@ -189,7 +205,8 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
               key_leftpad=None, attention_chunk=None, sink_token_length=0, scale=None, softcap=None,
               alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
               heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
-              progress=False, gather_kv_indices=None):
+              progress=False, gather_kv_indices=None, qv=None, q_descale=None, k_descale=None,
+              v_descale=None):
     """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
 
     Parameters
@@ -209,6 +226,12 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         Top-k sparse keys, as in `attnlib.attention` (per kv head ``(..., Sq, Hk, topk)`` with
         ``layout="bshd"``; in memory: each piece is sent its query block's lists, shifted to
         its keys); pieces holding no listed key are no tasks.
+    qv : array-like, ``(..., Hq, Sq, Dv)`` (q's layout), optional
+        MLA's second query, as in `attnlib.attention` (default scale ``1/sqrt(D + Dv)``): read
+        slice by slice like q and joined to each piece's q and k (`attnlib.core.mla`).
+    q_descale, k_descale, v_descale : array_like, ``(..., Hk)``, optional
+        fp8 descales, as in `attnlib.attention`: each piece dequantises its slices by its
+        entry's and heads' factors.
     block_q, kv_block : int, optional
         The query block and key range of a piece (default `DEFAULT_BLOCK`): a task's memory
         is bounded by them, whatever ``Sq`` and ``Sk``.
@@ -262,6 +285,12 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     inputs = [Input(x, name, layout == "bshd") for x, name in ((q, "q"), (k, "k"), (v, "v"))]
     # The contract's layout checks, on stand-ins of the right shapes (no data read).
     stand_ins = [np.broadcast_to(np.zeros(()), x.shape) for x in inputs]
+    qv_input = None if qv is None else Input(qv, "qv", layout == "bshd")
+    factors = descale.factors(*stand_ins[:2], q_descale, k_descale, v_descale)  # {} without descales
+    if qv_input is not None:  # the joined problem's shapes, [q, qv] against [k, v] (nothing read)
+        mla.check(*stand_ins, np.broadcast_to(np.zeros(()), qv_input.shape))
+        dv = stand_ins[2].shape[-1]
+        stand_ins[:2] = [np.broadcast_to(np.zeros(()), x.shape[:-1] + (x.shape[-1] + dv,)) for x in stand_ins[:2]]
     opts = Options.parse(causal=causal, causal_align=causal_align, window=window, q_lengths=q_lengths,
                          kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                          key_leftpad=key_leftpad, attention_chunk=attention_chunk,
@@ -346,6 +375,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         q_parts = dict(zip(q_keys, inputs[0].parts(c, [q_index(*key) for key in q_keys])))
         k_parts = dict(zip(kv_keys, inputs[1].parts(c, [kv_index(*key) for key in kv_keys])))
         v_parts = dict(zip(kv_keys, inputs[2].parts(c, [kv_index(*key) for key in kv_keys])))
+        qv_parts = {} if qv_input is None else dict(zip(q_keys, qv_input.parts(c, [q_index(*key) for key in q_keys])))
         flow = _Flow(c, blocks, out_arr if out_target is None else None,
                      lse_arr if out_target is None else None, out_index, lse_index, bshd)
         try:
@@ -374,6 +404,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                         k_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)], v_parts[(p.entry, p.h0, p.h1, p.k0, p.k1)],
                         spec, pb.scale, cap, block_slopes, p.label, piece_sink,
                         None if sel is None else _piece_lists(sel, pb, p),
+                        qv_parts.get((p.entry, p.h0, p.h1, p.q0, p.q1)), _piece_factors(factors, p, g),
                         key=f"attnlib-piece-{token}-{n}-{p.k0}", pure=False))
                 final = chain.root()
                 if out_target is not None:
