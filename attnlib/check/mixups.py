@@ -3,7 +3,8 @@
 Each mix-up is a kernel that computed a neighbouring problem exactly (the float64 answer to it
 rounded once to the kernel's type, as in `attnlib.check.power`; the fp8 ones attnlib's fp8
 arithmetic on the mishandled descales): an LSE in another convention
-(base 2, the sink in or out, the other infinity on empty rows), a variant left out
+(base 2, the sink in or out, the other infinity on empty rows), FlexAttention's ``max_scores``
+in base 2 or with the sink taken as a score, a variant left out
 (``attention_chunk``, ``sink_token_length``, ``key_leftpad``), top-k lists ignored or their
 ``-1`` entries read as a key (the last, wrapped; or key 0, clamped), MLA's ``qv`` ignored or its
 ``Dv`` left out of the default scale, and fp8 descales ignored, applied twice or per tensor.
@@ -46,10 +47,11 @@ def _problem(prec, magnitude, seed, dv=None):
 
 
 def _answer(prec, q, k, v, **opts):
-    """``(out, lse)``: the float64 answer rounded once to the kernel's types."""
-    out, lse = attention(q, k, v, return_lse=True, **opts)
+    """``(out, lse, max_scores)``: the float64 answer rounded once to the kernel's types."""
+    out, lse, top = attention(q, k, v, return_lse=True, return_max_scores=True, **opts)
     with np.errstate(over="ignore"):
-        return prec.round(out).astype(np.float64), lse.astype(np.float32).astype(np.float64)
+        return (prec.round(out).astype(np.float64), lse.astype(np.float32).astype(np.float64),
+                top.astype(np.float32).astype(np.float64))
 
 
 def cases(prec_name, magnitude, seed) -> list:
@@ -72,6 +74,12 @@ def cases(prec_name, magnitude, seed) -> list:
              dict(causal=True, sinks=sinks, lse_sink="excluded"), dict(out=right[0], lse=right[1])),
             ("empty rows +inf, told -inf", "rows without a visible key hold +inf", dict(short, lse_empty="-inf"),
              dict(out=plain[0], lse=np.where(np.isneginf(plain[1]), np.inf, plain[1]))),
+            # FlexAttention's max_scores: in base 2 (its kernels' own units), or the running max
+            # that started at the sink.
+            ("max_scores in base 2", "max_scores in base 2", dict(causal=True),
+             dict(out=keys_only[0], max_scores=keys_only[2] / LN2)),
+            ("max_scores with the sink", "the sink taken as a score", dict(causal=True, sinks=sinks),
+             dict(out=right[0], max_scores=np.maximum(right[2], sinks[None, :, None]))),
         ]
         variants = [("attention_chunk ignored", dict(causal=True, attention_chunk=32), dict(causal=True)),
                     ("sink_token_length ignored", dict(causal=True, window=(16, 0), sink_token_length=4),
@@ -132,16 +140,17 @@ def measure(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitudes=(1e-
         for magnitude in magnitudes:
             for seed in seeds:
                 for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
-                    if "lse" not in tensors and not _changed(tensors, dict(out=_right(prec_name, q, k, v, told)),
-                                                             "out", prec_name):
+                    stat = next((n for n in ("lse", "max_scores") if n in tensors), None)  # the judged statistic
+                    if stat is None and not _changed(tensors, dict(out=_right(prec_name, q, k, v, told)),
+                                                     "out", prec_name):
                         continue  # the mix-up vanishes in the type
                     stored = (_fp8(x) for x in (q, k, v)) if prec_name == "float8_e4m3fn" else (q, k, v)
-                    r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"), layout="bhsd",
-                                     dtype=prec_name, workers=1, **told)
-                    judged = r.lse if "lse" in tensors else r.out
-                    # The diagnosis only: the lse's other notes state facts a miss would state too.
-                    notes = [n for n in r.lse.notes if n.startswith("diagnosis: ")] if "lse" in tensors \
-                        else r.diagnosis
+                    r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"),
+                                     max_scores=tensors.get("max_scores"), layout="bhsd", dtype=prec_name,
+                                     workers=1, **told)
+                    judged = r.out if stat is None else getattr(r, stat)
+                    # The diagnosis only: a statistic's other notes state facts a miss would state too.
+                    notes = r.diagnosis if stat is None else [n for n in judged.notes if n.startswith("diagnosis: ")]
                     rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, kernel=name,
                                      failed=judged.passed is False, named=any(words in n for n in notes),
                                      ratio=float(judged.ratio), note=notes[0] if notes else ""))
