@@ -214,3 +214,20 @@ def test_a_nan_is_named_by_its_own_tensor_and_q_none_in_the_check():
     out = attention(None, None, v, qv=qv, causal=True, compute_dtype="float32")
     zeros = np.zeros((B, SQ, HQ, 0), np.float32), np.zeros((B, SK, HK, 0), np.float32)
     assert check.check_kernel(*zeros, _bshd(v), _bshd(out), qv=_bshd(qv), causal=True).passed is True
+
+
+def test_varlen_takes_qv_as_each_sequence_alone():
+    """FlashMLA's varlen prefill: the packed qv joined once, each sequence as attention alone."""
+    rng = np.random.default_rng(8)
+    q, k = rng.standard_normal((10, 4, 8)), rng.standard_normal((12, 2, 8))
+    v, qv = rng.standard_normal((12, 2, 6)), rng.standard_normal((10, 4, 6))
+    cu_q, cu_k = np.array([0, 3, 3, 10]), np.array([0, 5, 7, 12])
+    out = attnlib.attention_varlen(q, k, v, cu_q, cu_k, causal=True, qv=qv)
+    dense = attnlib.reference_attention_varlen(q, k, v, cu_q, cu_k, causal=True, qv=qv)
+    t = [torch.from_numpy(x) for x in (q, k, v, qv)]
+    on_torch = attnlib.attention_varlen(*t[:3], cu_q, cu_k, causal=True, qv=t[3])
+    for (q0, q1), (k0, k1) in zip(((0, 3), (3, 3), (3, 10)), ((0, 5), (5, 7), (7, 12))):
+        alone = attention(*(x[a:b].swapaxes(0, 1) for x, (a, b) in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)))),
+                          qv=qv[q0:q1].swapaxes(0, 1), causal=True).swapaxes(0, 1)
+        assert _rel(out[q0:q1], alone) < BOUND if q1 > q0 else out[q0:q1].size == 0
+    assert _rel(dense, out) < BOUND and _rel(on_torch, out) < BOUND

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import arrays
 from .arrays import as_numpy
-from . import problem
+from . import mla, problem
 from . import validate
 from .backward import _score_mod_grad, dense_backward, tiled_backward
 from . import device as dev_mod
@@ -120,6 +120,14 @@ def _packed(q, k, v, dev=None):
     return q, k, v
 
 
+def _joined(q, k, v, qv, dev):
+    """``(q, k, v)`` with MLA's ``qv`` joined (`mla.join`: the packed ``(total, H, .)`` layout
+    joins along the head dim as the padded one does), on ``dev`` (None: numpy)."""
+    if qv is None:
+        return q, k, v
+    return (*mla.join(q, k, v, qv, dev), v)
+
+
 def _heads_first(x):
     return np.swapaxes(x, 0, 1)  # (S, H, D) -> (H, S, D), a view
 
@@ -155,7 +163,7 @@ def _run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_s
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max_seqlen_q=None,
-                     max_seqlen_k=None, return_lse=False, return_stats=False, device=None, **options):
+                     max_seqlen_k=None, return_lse=False, return_stats=False, qv=None, device=None, **options):
     """Attention over packed variable-length sequences (FlashAttention's varlen layout).
 
     Parameters
@@ -184,6 +192,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
         Also return ``lse: (Hq, total_q)`` (FlashAttention's ``softmax_lse`` layout).
     return_stats : bool
         Also return a list of `AttentionStats`, one per sequence.
+    qv : array_like, shape ``(total_q, Hq, Dv)``, optional
+        MLA's second query, as in `attention` (FlashMLA's varlen prefill): joined to ``q`` and
+        ``k`` once (`attnlib.core.mla`), default scale ``1/sqrt(D + Dv)``.
     device : str or torch.device, optional
         As in `attention`: given torch tensors (or ``device=``) each sequence goes through
         the torch forward on that device, ``out`` and ``lse`` float64 tensors there (numpy
@@ -216,6 +227,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
     return_lse = validate.flag(return_lse, "return_lse")
     return_stats = validate.flag(return_stats, "return_stats")
     dev = dev_mod.resolve(device, q, k, v)
+    q, k, v = _joined(q, k, v, qv, dev)
     if dev is None:
         kernel = forward
     else:
@@ -232,12 +244,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
 
 
 def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None,
-                               max_seqlen_q=None, max_seqlen_k=None, return_lse=False, device=None,
+                               max_seqlen_q=None, max_seqlen_k=None, return_lse=False, qv=None, device=None,
                                **options):
     """`attention_varlen` by the dense float64 reference, sequence by sequence (each
     sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time); with torch tensors (or ``device=``)
     by the torch reference on that device."""
     dev = dev_mod.resolve(device, q, k, v)
+    q, k, v = _joined(q, k, v, qv, dev)
     if dev is None:
         kernel = dense_attention
     else:
