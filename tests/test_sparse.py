@@ -169,6 +169,7 @@ def test_gathered_equals_dense_tiles_and_reference(seed, topk, per_head, variant
             assert np.array_equal(np.isfinite(lse), fin)
             assert np.abs(lse[fin] - r_lse[fin]).max(initial=0) <= BOUND * max(1.0, np.abs(r_lse[fin]).max(initial=0))
         np.testing.assert_array_equal(g_st.tile_kind, d_st.tile_kind)  # the same classes in both paths
+        np.testing.assert_array_equal(g_st.rescales, d_st.rescales)  # and the same events, per key tile
     finally:
         mp.undo()
 
@@ -290,3 +291,44 @@ def test_check_passes_a_correct_kernel_and_names_lists_ignored_or_wrapped(tmp_pa
     from attnlib.check.cli import main
     assert main(args + ["--causal", f"--gather-kv-indices={tmp_path / 'idx.npy'}"]) == 0
     assert main(args + ["--causal"]) == 1  # without the lists: the dense attention, a failure
+
+
+def test_the_rescale_counts_follow_the_key_tiles_in_both_paths(monkeypatch):
+    """A review's case: keys 4..7 of one tile and key 0 of another hidden by the left padding;
+    the gathered path counts per key tile, as the dense tiles and `reference_rescales` do."""
+    q, k, v = np.ones((1, 1, 1, 1)), np.arange(8.0).reshape(1, 1, 8, 1), np.ones((1, 1, 8, 1))
+    idx = np.array([[[0, 4, 5, 6, 7]]])
+    for cost in (0, 10**18):
+        monkeypatch.setattr(sparse, "GATHER_COST", cost)
+        stats = attention(q, k, v, gather_kv_indices=idx, key_leftpad=np.array([4]), scale=1.0, block_k=4,
+                          return_stats=True)[1]
+        np.testing.assert_array_equal(stats.rescales.ravel(), [0, 0])
+    scores = attnlib.reference_scores(q, k, key_leftpad=np.array([4]), scale=1.0)
+    scores = np.where(_listed_one(idx, 8), scores, -np.inf)
+    np.testing.assert_array_equal(attnlib.reference_rescales(scores, 1, 4).ravel(), [0, 0])
+
+
+def _listed_one(idx, sk):
+    mask = np.zeros(idx.shape[:-1] + (sk,), dtype=bool)
+    np.put_along_axis(mask, np.where((idx >= 0) & (idx < sk), idx, 0), (idx >= 0) & (idx < sk), axis=-1)
+    return mask
+
+
+def test_check_takes_narrow_integer_lists_and_bshd_lists_without_a_batch_axis():
+    rng = np.random.default_rng(9)
+    # int8 lists, Sk past int8's range: a failing kernel gets a verdict (its diagnosis adds Sk).
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)
+    k = v = rng.standard_normal((1, 200, 2, 8)).astype(np.float32)
+    idx = np.array([[[-1, 3, 7]] * 4], np.int8)
+    assert check.check_kernel(q, k, v, np.zeros((1, 4, 2, 8), np.float32), gather_kv_indices=idx).passed is False
+    # 3-D bshd inputs: per-kv-head lists are (Sq, Hk, topk), even where Sq == Hk.
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 2, 8), (10, 2, 8), (10, 2, 8)))
+    lists = np.array([[[0, 1], [5, 6]], [[2, 3], [8, 9]]])  # (Sq, Hk, topk)
+    out = np.zeros((2, 2, 8), np.float32)
+    for i in range(2):
+        for h in range(2):
+            s = k[lists[i, h], h] @ q[i, h] / np.float32(math.sqrt(8))
+            w = np.exp(s - s.max())
+            out[i, h] = w @ v[lists[i, h], h] / w.sum()
+    assert check.check_kernel(q, k, v, out, gather_kv_indices=lists).passed
+    assert check.check_kernel(q, k, v, out, gather_kv_indices=np.swapaxes(lists, 0, 1)).passed is False

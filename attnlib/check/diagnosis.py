@@ -391,7 +391,7 @@ def variant_alternatives(opts: Options, sk=None) -> list:
     if opts.sink_token_length and opts.window[0] is not None:
         alts.append((dict(sink_token_length=0), "sink_token_length ignored (the sink tokens slid out of the window)"))
     if opts.gather_kv_indices is not None:
-        indices = np.asarray(opts.gather_kv_indices)
+        indices = np.asarray(opts.gather_kv_indices).astype(np.int64)  # int8 lists: + Sk fits
         alts.append((dict(gather_kv_indices=None), "gather_kv_indices ignored (every key attended; "
                      "FlashAttention's test reference skips the mask when topk >= Sk)"))
         if sk is not None and ((indices < 0) & (indices >= -sk)).any():

@@ -100,7 +100,7 @@ from ..core import problem
 from ..core.device import as_tensor
 from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
 from ..core.lse_conventions import NATURAL, LseConvention
-from ..core.options import Options
+from ..core.options import MASKING, SPARSE, Options
 from ..evidence.gate import C_EXP, LAMBDA, row_stats, tolerance
 from ..evidence.memory import dense_fits
 from ..evidence.metrics import BOUND, TINY
@@ -215,9 +215,9 @@ def doubled_options(opts: Options, d) -> Options:
 
 def row_masks(opts: Options) -> Options:
     """What `row_stats` is given for a row's score size and visible keys here: the built-in
-    masks, ``kv_lengths`` and the scale (neither ``q_lengths`` nor the mods)."""
-    return Options(causal=opts.causal, causal_align=opts.causal_align, window=opts.window,
-                   kv_lengths=opts.kv_lengths, scale=opts.scale)
+    masks (``kv_lengths``, documents, the 2026 variants), the top-k lists and the scale
+    (neither ``q_lengths`` nor the mods)."""
+    return replace(Options(), **{n: getattr(opts, n) for n in MASKING + SPARSE + ("scale",) if n != "q_lengths"})
 
 
 def forward_rss(run, qh, kh, vh, opts: Options, ref_lse) -> np.ndarray:

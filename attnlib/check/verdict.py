@@ -222,7 +222,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("gather_kv_indices is judged on a batch of contiguous keys: not with varlen "
                             "offsets or a paged cache")
     gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
-                                                                             "gather_kv_indices")), layout)
+                                                                             "gather_kv_indices")), layout,
+                                       len(q.shape) if hasattr(q, "shape") else np.ndim(q))
     try:
         convention = LseConvention.parse(lse_base, lse_sink, lse_empty)
     except ValueError as e:

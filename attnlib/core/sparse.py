@@ -12,8 +12,8 @@ and serves every kernel from them: the dense reference (`Selection.dense`), the 
 (`Selection.block_mask`), a tile's listed pairs (`Selection.tile`, by binary search in the
 lists) and any index grid (`Selection.__call__`, a FlexAttention ``mask_mod``, on numpy or
 torch).  `gathered` is the forward whose cost follows the listed keys: each query tile
-gathers its rows' keys, ``block_k`` at a time, into the online softmax, one row per batch of
-the matmul, so that ``s = q_i k_{j(i, t)}`` and ``acc += p v_{j(i, t)}``.
+gathers its rows' keys, whole key tiles of them at a time, into the online softmax, one row
+per batch of the matmul, so that ``s = q_i k_{j(i, t)}`` and ``acc += p v_{j(i, t)}``.
 """
 
 from __future__ import annotations
@@ -199,11 +199,50 @@ class Selection:
         return GATHER_COST * int(self.counts.sum()) < self.dense_pairs(block_q, block_k)
 
 
-def in_bhsd(indices, layout: str):
-    """Top-k lists in attnlib's order: per kv head ``(batch, Hk, Sq, topk)``, from ``"bshd"``'s
-    ``(batch, Sq, Hk, topk)`` (FlashMLA's); shared lists ``(batch, Sq, topk)`` are the same in
-    both (a view; None stays None)."""
-    if indices is None or layout != "bshd" or np.ndim(indices) < 4:
+class _TileRescales:
+    """The rescale events of gathered rows by the dense tiles' rule (`docs/semantics.md`,
+    "The tiled kernel"): per key tile in ascending order, a row whose running max is finite
+    and is passed by more than ``tau`` by the tile's max counts once.  The gathered chunks
+    do not end on key tiles, so a row's last tile of a chunk is held (``tile``, ``top``) until
+    a later tile or the end shows it complete."""
+
+    def __init__(self, g, r, dtype, sink, tau):
+        self.m = np.full((g, r), -np.inf, dtype=dtype)  # the running max, as the dense state's
+        if sink is not None:
+            self.m[...] = np.asarray(sink, dtype=dtype)[:, None]
+        self.tile = np.full(r, -1, dtype=np.int64)  # each row's held tile (-1: none)
+        self.top = np.full((g, r), -np.inf, dtype=dtype)  # its max so far
+        self.tau = tau
+
+    def _close(self, rows, events):
+        """Apply the rule to the held tiles of ``rows`` (bool ``(r,)``): ``events (g, n_k)``."""
+        moves = (self.top > self.m + self.tau) & rows
+        hit = moves & np.isfinite(self.m)
+        for h in range(hit.shape[0]):
+            np.add.at(events[h], self.tile[hit[h]], 1)
+        self.m = np.where(moves, self.top, self.m)
+        self.tile = np.where(rows, -1, self.tile)
+        self.top = np.where(rows, -np.inf, self.top)
+
+    def absorb(self, s, tiles, events):
+        """One chunk: scores ``s (g, r, t)`` (``-inf`` hidden) of keys in key tiles ``tiles (r, t)``
+        (ascending per row; -1 for no key)."""
+        for t in np.unique(tiles[tiles >= 0]):
+            here = tiles == t  # (r, t)
+            rows = here.any(axis=-1)
+            self._close(rows & (self.tile >= 0) & (self.tile != t), events)  # an earlier tile is complete
+            self.tile = np.where(rows, t, self.tile)
+            self.top = np.maximum(self.top, np.where(here[None], s, -np.inf).max(axis=-1))
+
+    def finish(self, events):
+        self._close(self.tile >= 0, events)
+
+
+def in_bhsd(indices, layout: str, q_ndim: int):
+    """Top-k lists in attnlib's order: per kv head ``(..., Hk, Sq, topk)``, from ``"bshd"``'s
+    ``(..., Sq, Hk, topk)`` (FlashMLA's); shared lists ``(..., Sq, topk)``, one axis fewer than
+    ``q`` (of ``q_ndim`` axes), are the same in both (a view; None stays None)."""
+    if indices is None or layout != "bshd" or q_ndim < 3 or np.ndim(indices) != q_ndim:
         return indices
     return np.swapaxes(np.asarray(indices), -2, -3)
 
@@ -215,8 +254,9 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
 
     ``q (*batch, hk, g, sq, d)``, ``k, v (*batch, hk, 1, sk, .)`` (`problem.parse`).  One work
     item per (batch entry, kv head, query tile): its ``g`` query heads' rows, each row a batch
-    of the matmuls, gather the row's listed keys and values ``t`` at a time (ascending), mask
-    the pairs the other rules hide and feed them to `OnlineSoftmax` as one tile."""
+    of the matmuls, gather the row's listed keys and values (ascending, a run of key tiles at a
+    time: at most `GATHER_ELEMENTS` per chunk), mask the pairs the other rules hide and feed them
+    to `OnlineSoftmax` as one tile; the rescales are counted per key tile, as the dense tiles'."""
     from .parallel import run_tiles
     scores_of = hooks.get("tile_scores")  # the declared step (`attnlib.core.hooks`), as the tiles'
     tiles, prec = setup.tiles, setup.prec
@@ -252,7 +292,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
         r = q1 - q0
         row = e * sel.keys.shape[1] + (hk if sel.per_head else 0)
         keys = sel.keys.reshape(-1, sq, sel.keys.shape[3])[row, q0:q1]  # (r, T)
-        width = int(sel.counts.reshape(-1, sq)[row, q0:q1].max(initial=0))
+        width = int(sel.counts.reshape(-1, sq)[row, q0:q1].max(initial=0))  # the longest list here
         b_grid, h_grid = index_grids(pb, index_of[e])
         heads = Mods(*mods, b_grid[hk], h_grid[hk]) if mods is not None else None
         if kinds is not None and hk == 0:  # the classes over all heads, as the dense tiles'
@@ -273,6 +313,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
         mx_i = None if maxes is None else np.full((g, r, 1), -np.inf, dtype=dtype)
         i = np.arange(q0, q1)
         step = max(1, min(bk, GATHER_ELEMENTS // max(1, r * max(d, dv))))
+        counter = None if rescales is None else _TileRescales(g, r, dtype, sink, setup.tau)
         for t0 in range(0, width, step):
             j = keys[:, t0:t0 + step]  # (r, t), ascending per row; Sk: nothing listed
             listed = j < pb.sk
@@ -285,7 +326,7 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
                 v_j = v_j * v_scale
             vis3 = vis[:, None, :]  # (r, 1, t), as s's (g, r, 1, t)
             s, _ = scores_of(q_i, k_j, spec, i, None, PARTIAL, cap, None, post_scale=pb.scale if low else None,
-                               check=setup.check, vis=vis3, mods=None)
+                             check=setup.check, vis=vis3, mods=None)
             if heads is not None and heads.score_mod is not None:  # score_mod on the gathered pairs
                 from .flex import score_values
                 s[...] = np.where(vis3, score_values(heads.score_mod, s, heads.b[:, None, None, None],
@@ -296,15 +337,12 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
                 s -= slopes[:, None, None, None] * dist
             if mx_i is not None:  # max_scores: before update overwrites s
                 np.maximum(mx_i, s.max(axis=-1), out=mx_i)
-            top = np.argmax(np.where(np.isfinite(s), s, -np.inf), axis=-1) if rescales is not None else None
-            moved = state.update(s, v_j[None], threshold=setup.tau, overwrite_s=True,
-                                 round_p=prec.round_p if low else None, visible=np.broadcast_to(vis3, s.shape))
-            if rescales is not None:  # each event in the tile of the key that moved the max
-                tile_of = np.take_along_axis(np.broadcast_to(j[None, :, None, :], s.shape), top[..., None],
-                                             axis=-1)[..., 0, 0] // bk  # (g, r)
-                ev = moved[..., 0]
-                for h in range(g):
-                    np.add.at(rescales[e, hk, h, a], tile_of[h][ev[h]], 1)
+            if counter is not None:  # before update overwrites s
+                counter.absorb(s[:, :, 0, :], np.where(listed, j // bk, -1), rescales[e, hk, :, a])
+            state.update(s, v_j[None], threshold=setup.tau, overwrite_s=True,
+                         round_p=prec.round_p if low else None, visible=np.broadcast_to(vis3, s.shape))
+        if counter is not None:
+            counter.finish(rescales[e, hk, :, a])
         o_i, lse_i = state.finalize_parts() if lse_parts else state.finalize()
         out[e, hk, :, q0:q1] = problem.unscale_values(o_i[:, :, 0], v_exp, setup.v_max)
         lse[e, hk, :, q0:q1] = lse_i[:, :, 0]

@@ -296,7 +296,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                          key_leftpad=key_leftpad, attention_chunk=attention_chunk,
                          sink_token_length=sink_token_length,
                          scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                         gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout))
+                         gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout, len(inputs[0].shape)))
     _, _, _, pb = problem.parse(*stand_ins, scale=opts.scale, check_finite_inputs=False)
     specs = opts.specs(pb)
     sel = opts.selection(pb)  # the lists, checked against the problem (None without)
