@@ -401,6 +401,9 @@ def variant_alternatives(opts: Options, sk=None) -> list:
         if sk is not None and (indices < 0).any():
             alts.append((dict(gather_kv_indices=np.where(indices < 0, 0, indices)),
                          "the -1 entries read as key 0 (clamped), not as no key"))
+        if sk is not None and (indices >= sk).any():
+            alts.append((dict(gather_kv_indices=np.where(indices >= sk, sk - 1, indices)),
+                         "the entries past the keys (>= Sk) read as key Sk - 1 (clamped), not as no key"))
     return alts
 
 
