@@ -134,3 +134,18 @@ def test_check_judges_max_scores_and_names_the_mixups(prec, off):
     mx[1] = 0.0
     r = check.check_kernel(q, k, v, out.astype(np.float64), max_scores=mx, **kw)
     assert r.max_scores.passed is False and any("must have max_scores -inf" in n for n in r.max_scores.notes)
+
+
+def test_the_allowance_is_each_rows_own_not_its_heads_largest():
+    """A review's case: one row's scores near 90 in a head beside rows near 2; in bfloat16 the
+    small rows are judged in their own units (an error of 3 of their ulps fails)."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 16, 32))
+    q[:, :, 0] *= 40
+    q, k, v = (x.astype(np.float32) for x in (q, rng.standard_normal((1, 2, 64, 32)), rng.standard_normal((1, 2, 64, 32))))
+    out, mx = attention(q, k, v, compute_dtype="bfloat16", return_max_scores=True)
+    kw = dict(layout="bhsd", dtype="bfloat16")
+    assert check.check_kernel(q, k, v, out.astype(np.float64), max_scores=mx, **kw).passed
+    off = mx.copy()
+    off[0, 0, 1] += 0.05  # about 3 bfloat16 ulps at 2.1; the head's largest max is 89
+    assert check.check_kernel(q, k, v, out.astype(np.float64), max_scores=off, **kw).max_scores.passed is False

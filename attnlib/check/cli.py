@@ -53,8 +53,9 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
     for name, spec in specs.items():
         if spec:
             # The sinks, descales and max_scores are parameters or statistics: read as stored.
-            arrays[name], kinds[name] = load_tensor(spec, f"--{name}", None if name in OPTION_FILES else dtype or None)
-            names[name] = f"--{name} {spec}"
+            flag = f"--{name.replace('_', '-')}"
+            arrays[name], kinds[name] = load_tensor(spec, flag, None if name in OPTION_FILES else dtype or None)
+            names[name] = f"{flag} {spec}"
     if v_from_k:
         d = arrays["k"].shape[-1] if arrays["k"].ndim else 0
         if not isinstance(v_from_k, int) or not 0 < v_from_k <= d:
@@ -246,7 +247,7 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
             if name in INDEX_FILES:
                 load_indices(spec, f"--{name.replace('_', '-')}")
             else:
-                load_tensor(spec, f"--{name}", None if name in OPTION_FILES else dtype or None)
+                load_tensor(spec, f"--{name.replace('_', '-')}", None if name in OPTION_FILES else dtype or None)
 
     def absolute(spec):  # the notebook runs elsewhere: absolute paths, ":name" kept
         path, key = split_spec(spec)

@@ -458,8 +458,10 @@ def expect_max_scores(qh, kh, vh, opts: Options, prec, expected: Expected, worke
     A row's largest score is off by at most its worst score's rounding.  In float64: twice the
     verdict gate's bound on a row's score error (``delta``: the kernel's and the reference's)
     plus an ulp of ``|max|``; below it, twice the larger error of the naive baselines' maxima
-    (tiled with float32 scores; dense, its scores stored in the type), pooled per head, plus an
-    ulp of the head's largest ``|max|`` in the state's type, as the lse's rule has it.
+    (tiled with float32 scores; dense, its scores stored in the type) in units of each row's own
+    score size ``sigma_i + |max_i|`` (``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over its
+    visible keys, `row_stats`; ``|max_i|`` holds the softcap's and ALiBi's part), pooled per
+    head in those units, plus an ulp of ``|max_i|`` in the state's type.
     ``on``: an `OnDevice` to run the forwards on."""
     run = forward if on is None else on.run
     ref = run(qh, kh, vh, opts, return_max_scores=True, workers=workers)[1]
@@ -482,9 +484,11 @@ def expect_max_scores(qh, kh, vh, opts: Options, prec, expected: Expected, worke
             m = np.asarray(arrays.as_numpy(naive(), "max_scores"), dtype=np.float64)
         if np.isfinite(np.where(empty, 0.0, m)).all():
             np.maximum(naive_err, np.abs(np.where(empty, 0.0, m) - r), out=naive_err)
-    allowance = (2 * per_head_max(naive_err[..., None]) + unit(per_head_max(np.abs(r)[..., None]),
-                                                               prec.accumulate))[..., 0]
-    return ref, np.broadcast_to(allowance, ref.shape), naive_err
+    sigma = row_stats(qh, kh, options=row_masks(opts), device=None if on is None else on.device)[0]
+    size = np.asarray(arrays.as_numpy(sigma, "sigma"), dtype=np.float64).reshape(ref.shape) + np.abs(r)
+    rel = np.divide(naive_err, size, out=np.zeros_like(naive_err), where=size > 0)
+    allowance = 2 * per_head_max(rel[..., None])[..., 0] * size + unit(np.abs(r), prec.accumulate)
+    return ref, np.where(empty, 0.0, allowance), naive_err
 
 
 def judge_max_scores(kernel, ref, allowance, naive_err, stored, convention: LseConvention = NATURAL) -> TensorVerdict:

@@ -218,12 +218,18 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("q_lengths comes from cu_seqlens_q in the varlen layout: leave it out")
     if dsinks is not None and sinks is None:
         raise UnusableInput("dsinks was given without sinks")
+    if max_scores is not None and varlen:
+        raise UnusableInput("max_scores is judged in the bshd and bhsd layouts (batch, nheads, seqlen_q); "
+                            "not in the varlen layout thd: pad the sequences into a batch")
     if gather_kv_indices is not None and (varlen or paged):
         raise UnusableInput("gather_kv_indices is judged on a batch of contiguous keys: not with varlen "
                             "offsets or a paged cache")
-    gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
-                                                                             "gather_kv_indices")), layout,
-                                       len(q.shape) if hasattr(q, "shape") else np.ndim(q))
+    try:
+        gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
+                                                                                 "gather_kv_indices")), layout,
+                                           tuple(q.shape) if hasattr(q, "shape") else np.shape(q))
+    except ValueError as e:
+        raise UnusableInput(str(e)) from None
     try:
         convention = LseConvention.parse(lse_base, lse_sink, lse_empty)
     except ValueError as e:

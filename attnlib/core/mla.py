@@ -30,6 +30,9 @@ def check(q, k, v, qv):
         raise ValueError(f"qv's last dimension must be v's head dim Dv = {vs[-1]}, got qv {qs}")
     if ws is not None and qs[:-1] != ws[:-1]:
         raise ValueError(f"qv must have q's shape but for its last dimension, got qv {qs} and q {ws}")
+    ks = None if q is None or k is None else _shape(k)  # qv-only scores take no k
+    if ks is not None and (len(ks) != len(vs) or ks[:-1] != vs[:-1]):
+        raise ValueError(f"k and v must have the same heads and keys (joined for qv), got k {ks} and v {vs}")
 
 
 def join(q, k, v, qv, dev=None, check_finite=True):

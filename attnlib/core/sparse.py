@@ -238,12 +238,17 @@ class _TileRescales:
         self._close(self.tile >= 0, events)
 
 
-def in_bhsd(indices, layout: str, q_ndim: int):
+def in_bhsd(indices, layout: str, q_shape: tuple):
     """Top-k lists in attnlib's order: per kv head ``(..., Hk, Sq, topk)``, from ``"bshd"``'s
     ``(..., Sq, Hk, topk)`` (FlashMLA's); shared lists ``(..., Sq, topk)``, one axis fewer than
-    ``q`` (of ``q_ndim`` axes), are the same in both (a view; None stays None)."""
-    if indices is None or layout != "bshd" or q_ndim < 3 or np.ndim(indices) != q_ndim:
+    ``q`` (of shape ``q_shape``, in ``layout``), are the same in both (a view; None stays None).
+    A ValueError, in the layout's own order, for per-head lists whose ``Sq`` is not ``q``'s."""
+    if indices is None or layout != "bshd" or len(q_shape) < 3 or np.ndim(indices) != len(q_shape):
         return indices
+    shape, sq = np.shape(indices), q_shape[-3]
+    if shape[-3] != sq:
+        raise ValueError(f"gather_kv_indices per kv head in layout bshd must have shape "
+                         f"{tuple(q_shape[:-3]) + (sq, 'Hk', 'topk')} (batch axes, Sq, Hk, topk), got {shape}")
     return np.swapaxes(np.asarray(indices), -2, -3)
 
 

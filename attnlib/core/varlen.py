@@ -120,12 +120,12 @@ def _packed(q, k, v, dev=None):
     return q, k, v
 
 
-def _joined(q, k, v, qv, dev):
+def _joined(q, k, v, qv, dev, check_finite=True):
     """``(q, k, v)`` with MLA's ``qv`` joined (`mla.join`: the packed ``(total, H, .)`` layout
     joins along the head dim as the padded one does), on ``dev`` (None: numpy)."""
     if qv is None:
         return q, k, v
-    return (*mla.join(q, k, v, qv, dev), v)
+    return (*mla.join(q, k, v, qv, dev, check_finite), v)
 
 
 def _heads_first(x):
@@ -227,7 +227,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
     return_lse = validate.flag(return_lse, "return_lse")
     return_stats = validate.flag(return_stats, "return_stats")
     dev = dev_mod.resolve(device, q, k, v)
-    q, k, v = _joined(q, k, v, qv, dev)
+    q, k, v = _joined(q, k, v, qv, dev, options.get("check_finite", True))
     if dev is None:
         kernel = forward
     else:
@@ -250,7 +250,7 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
     sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time); with torch tensors (or ``device=``)
     by the torch reference on that device."""
     dev = dev_mod.resolve(device, q, k, v)
-    q, k, v = _joined(q, k, v, qv, dev)
+    q, k, v = _joined(q, k, v, qv, dev, options.get("check_finite", True))
     if dev is None:
         kernel = dense_attention
     else:

@@ -68,6 +68,12 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
 
 
+def _stored_shape(x: Input) -> tuple:
+    """An input's shape as the caller stores it (``(..., S, H, D)`` for bshd)."""
+    s = x.shape
+    return s[:-3] + (s[-2], s[-3], s[-1]) if x.bshd else s
+
+
 def _piece_factors(factors, p, g) -> dict:
     """The piece's rows of the laid-out descales (`descale.factors`): its entry, its kv heads
     (and their query heads, ``g`` each, for q's)."""
@@ -296,7 +302,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                          key_leftpad=key_leftpad, attention_chunk=attention_chunk,
                          sink_token_length=sink_token_length,
                          scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                         gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout, len(inputs[0].shape)))
+                         gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout, _stored_shape(inputs[0])))
     _, _, _, pb = problem.parse(*stand_ins, scale=opts.scale, check_finite_inputs=False)
     specs = opts.specs(pb)
     sel = opts.selection(pb)  # the lists, checked against the problem (None without)
