@@ -401,6 +401,30 @@ def judge_out(out, expected: Expected):
     return judge("out", out, expected.ref, expected.allowance, expected.naive_err, positions())
 
 
+def _judge_row_values(name, kernel, ref, empty, allowance, naive_err, stored, convention) -> TensorVerdict:
+    """The rule on one value per row, ``(..., Hq, Sq)`` in natural units (an lse, a max score),
+    with one ulp of the type ``stored`` it was kept in (and the product by ln 2 of a base-2
+    one) added to ``allowance``; rows in ``empty`` are judged by their caller (0 against 0 here)."""
+    allowance = np.array(allowance, dtype=np.float64)
+    stored, f = np.dtype(stored), convention.factor  # natural = stored * f
+    top = np.abs(np.where(empty, 0.0, ref)) / f  # |value| as the kernel stored it
+    if arrays.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
+        with np.errstate(over="ignore"):
+            top = np.minimum(top, float(arrays.finfo(stored).max))
+            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64)) * f
+    if f != 1.0:  # the product by ln 2 rounds once more, in float64
+        allowance += np.spacing(top * f)
+    k = np.where(empty, 0.0, kernel)[..., None]
+    r = np.where(empty, 0.0, ref)[..., None]
+    n = None if naive_err is None else naive_err[..., None]
+    k, r, allowance = (x[None] if x.ndim == 2 else x for x in (k, r, allowance[..., None]))
+    n = None if n is None else (n[None] if n.ndim == 2 else n)
+    verdict = judge(name, k, r, allowance, n, positions())[0]
+    for w in verdict.worst + verdict.nonfinite_at:
+        w.pop("dim")
+    return verdict
+
+
 def judge_lse(lse, expected: Expected, stored, convention: LseConvention = NATURAL) -> TensorVerdict:
     """``lse`` against the expectation; ``stored``: the dtype the kernel stored it in;
     ``convention``: its base and what its empty rows hold (`attnlib.core.lse_conventions`;
@@ -412,27 +436,9 @@ def judge_lse(lse, expected: Expected, stored, convention: LseConvention = NATUR
     ref_lse = expected.ref_lse
     lse = convention.to_natural(np.asarray(lse, dtype=np.float64).reshape(ref_lse.shape))
     empty = expected.empty
-    allowance = np.array(expected.lse_allowance, dtype=np.float64)
-    stored = np.dtype(stored)
-    f = convention.factor  # natural = stored * f
-    top = np.abs(np.where(empty, 0.0, ref_lse)) / f  # |lse| as the kernel stored it
-    if arrays.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
-        with np.errstate(over="ignore"):
-            top = np.minimum(top, float(arrays.finfo(stored).max))
-            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64)) * f
-    if f != 1.0:  # the product by ln 2 rounds once more, in float64
-        allowance += np.spacing(top * f)
     # Empty rows are judged below, by what they hold: here they are 0 against 0.
-    k = np.where(empty, 0.0, lse)[..., None]
-    r = np.where(empty, 0.0, ref_lse)[..., None]
-    n = None if expected.naive_lse_err is None else expected.naive_lse_err[..., None]
-    k, r, allowance = (x[None] if x.ndim == 2 else x for x in (k, r, allowance[..., None]))
-    n = None if n is None else (n[None] if n.ndim == 2 else n)
-    verdict = judge("lse", k, r, allowance, n, positions())[0]
-    for w in verdict.worst:
-        w.pop("dim")
-    for p in verdict.nonfinite_at:
-        p.pop("dim")
+    verdict = _judge_row_values("lse", lse, ref_lse, empty, expected.lse_allowance, expected.naive_lse_err,
+                                stored, convention)
     nan_empty = int(np.count_nonzero(empty & np.isnan(lse)))
     finite_empty = int(np.count_nonzero(empty & np.isfinite(lse)))
     wrong_inf = 0 if convention.empty is None else int(np.count_nonzero(empty & (lse == -convention.empty)))
@@ -496,23 +502,7 @@ def judge_max_scores(kernel, ref, allowance, naive_err, stored, convention: LseC
     ``stored`` and in ``convention``'s base; rows without a visible key must hold ``-inf``."""
     kernel = convention.to_natural(np.asarray(kernel, dtype=np.float64).reshape(ref.shape))
     empty = np.isneginf(ref)
-    allowance = np.array(allowance, dtype=np.float64)
-    stored, f = np.dtype(stored), convention.factor
-    top = np.abs(np.where(empty, 0.0, ref)) / f  # |max| as the kernel stored it
-    if arrays.finfo(stored).nmant < 52:  # rounded to a coarser type when stored: one of its ulps
-        with np.errstate(over="ignore"):
-            top = np.minimum(top, float(arrays.finfo(stored).max))
-            allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64)) * f
-    if f != 1.0:  # the product by ln 2 rounds once more, in float64
-        allowance += np.spacing(top * f)
-    k = np.where(empty, 0.0, kernel)[..., None]
-    r = np.where(empty, 0.0, ref)[..., None]
-    n = None if naive_err is None else naive_err[..., None]
-    k, r, allowance = (x[None] if x.ndim == 2 else x for x in (k, r, allowance[..., None]))
-    n = None if n is None else (n[None] if n.ndim == 2 else n)
-    verdict = judge("max_scores", k, r, allowance, n, positions())[0]
-    for w in verdict.worst + verdict.nonfinite_at:
-        w.pop("dim")
+    verdict = _judge_row_values("max_scores", kernel, ref, empty, allowance, naive_err, stored, convention)
     wrong = int(np.count_nonzero(empty & ~np.isneginf(kernel)))
     if wrong:
         verdict.passed, verdict.ratio = False, float("inf")
