@@ -225,12 +225,6 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("gather_kv_indices is judged on a batch of contiguous keys: not with varlen "
                             "offsets or a paged cache")
     try:
-        gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
-                                                                                 "gather_kv_indices")), layout,
-                                           tuple(q.shape) if hasattr(q, "shape") else np.shape(q))
-    except ValueError as e:
-        raise UnusableInput(str(e)) from None
-    try:
         convention = LseConvention.parse(lse_base, lse_sink, lse_empty)
     except ValueError as e:
         raise UnusableInput(str(e)) from None
@@ -244,6 +238,12 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                      max_scores=max_scores).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
+    try:  # the lists in attnlib's order, against q as read
+        gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
+                                                                                 "gather_kv_indices")), layout,
+                                           given["q"].shape)
+    except ValueError as e:
+        raise UnusableInput(str(e)) from None
     if sinks is not None:
         sinks = _as_float(sinks, names.get("sinks", "sinks"))[0].astype(np.float64)
     layout_note = ""
