@@ -12,7 +12,7 @@ and serves every kernel from them: the dense reference (`Selection.dense`), the 
 (`Selection.block_mask`), a tile's listed pairs (`Selection.tile`, by binary search in the
 lists) and any index grid (`Selection.__call__`, a FlexAttention ``mask_mod``, on numpy or
 torch).  `gathered` is the forward whose cost follows the listed keys: each query tile
-gathers its rows' keys, whole key tiles of them at a time, into the online softmax, one row
+gathers its rows' keys, up to ``block_k`` of them at a time, into the online softmax, one row
 per batch of the matmul, so that ``s = q_i k_{j(i, t)}`` and ``acc += p v_{j(i, t)}``.
 """
 
@@ -259,9 +259,10 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
 
     ``q (*batch, hk, g, sq, d)``, ``k, v (*batch, hk, 1, sk, .)`` (`problem.parse`).  One work
     item per (batch entry, kv head, query tile): its ``g`` query heads' rows, each row a batch
-    of the matmuls, gather the row's listed keys and values (ascending, a run of key tiles at a
-    time: at most `GATHER_ELEMENTS` per chunk), mask the pairs the other rules hide and feed them
-    to `OnlineSoftmax` as one tile; the rescales are counted per key tile, as the dense tiles'."""
+    of the matmuls, gather the row's listed keys and values (ascending, up to ``block_k`` and at
+    most `GATHER_ELEMENTS` per chunk), mask the pairs the other rules hide and feed them to
+    `OnlineSoftmax` as one tile; the rescales are counted per key tile, as the dense tiles'
+    (`_TileRescales`)."""
     from .parallel import run_tiles
     scores_of = hooks.get("tile_scores")  # the declared step (`attnlib.core.hooks`), as the tiles'
     tiles, prec = setup.tiles, setup.prec
