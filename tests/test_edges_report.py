@@ -30,10 +30,11 @@ NOT_BOUNDED = {
     "blocks": "tile sizes: the kernel clamps tiles to the lengths",
     "sweep_sizes": "tile sizes: the kernel clamps tiles to the lengths",
     "scaleout.block": "a piece's query block and key range, clamped to the lengths",
+    "project_block": "the projected plan's query block and key range, clamped to project_n",
     "project_d": "the projected head dim: arithmetic only, refused past float64's range",
 }
 SIZE_CHECKS = (report.positive, report.non_negative, report.sizes, report.check_shapes,
-               report.power_shapes)
+               report.power_shapes, report.model_cases)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,8 @@ def huge(check, value):
         return [[1, 1, 64, 64, HUGE, True]]
     if check is report.power_shapes:  # [batch, heads, kv_heads, seqlen_q, seqlen_k, headdim, causal]
         return [[1, 2, 2, 64, 64, HUGE, True]]
+    if check is report.model_cases:  # [heads, n, block]
+        return [[1, HUGE, 256]]
     return HUGE
 
 

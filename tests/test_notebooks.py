@@ -206,10 +206,18 @@ def test_scaleout_figures(quick_reports):
     assert all(r["piece tasks"] > 0 and r["working = peak - left (MiB)"] > 0 for r in figs["sweep"])
     lo, hi = quick["sweep"][-2:]
     assert figs["growth_bound_mib"] == 8 * (hi - lo) * quick["d"] / 2**20 > figs["growth_mib"]
-    assert figs["model"]["rate_flops_per_worker"] > 0
+    assert figs["model"]["rate_alone"] >= figs["model"]["rate_full_machine"] > 0
+    # The headline figures, as fractions.
+    assert 0 < figs["per_core_efficiency"] and figs["per_core_efficiency_noise"] >= 0
+    assert figs["model_heldout_error"] == max(abs(r["error"]) for r in figs["model_runs"] + [figs["long"]]
+                                              if r.get("runs", "held out") == "held out")
+    assert {r["runs"] for r in figs["model_runs"]} == {"fit", "held out"}
+    assert figs["long"]["n"] == quick["long_n"] and len(figs["long"]["checks"]) == quick["long_samples"]
+    assert figs["long_rel_error"] < 1e-13
+    assert all(set(ph) >= {"read", "kernel", "merge", "idle"} for ph in figs["timing"]["phases"].values())
     assert len(figs["projection"]) == len(report.NOTEBOOKS["scaleout"].quick.get(
         "project_machines", [1, 8, 64, 512]))
-    assert all(p["hours"] > 0 for p in figs["projection"])
+    assert all(p["hours"] >= max(p["model_hours"], p["scheduler_floor_hours"]) > 0 for p in figs["projection"])
 
 
 def test_html_is_self_contained_and_indexed(quick_reports):

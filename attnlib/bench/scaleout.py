@@ -66,9 +66,17 @@ def local_cluster(workers: int):
         yield client
 
 
+@contextlib.contextmanager
+def clusters(worker_counts):
+    """A `local_cluster` of each size in ``worker_counts``, all started at once:
+    ``{workers: client}``."""
+    with contextlib.ExitStack() as stack:
+        yield {w: stack.enter_context(local_cluster(w)) for w in worker_counts}
+
+
 def timed_run(client, paths, block, causal=True, out=None) -> dict:
-    """One `attnlib.distributed.attention` call: wall seconds, and the seconds the workers
-    spent inside tasks (Dask's task stream), summed by task kind."""
+    """One `attnlib.distributed.attention` call: wall seconds, the seconds the workers
+    spent inside tasks (Dask's task stream), summed by task kind, and the task counts."""
     from distributed import get_task_stream
 
     from ..distributed import attention
@@ -78,35 +86,170 @@ def timed_run(client, paths, block, causal=True, out=None) -> dict:
         result = attention(*paths, client=client, causal=causal, block_q=block, kv_block=block, out=out)
         wall = time.perf_counter() - start
     busy = {"piece": 0.0, "merge": 0.0, "other": 0.0}
+    tasks = {"piece": 0, "merge": 0, "other": 0}
     for task in stream.data:
         kind = next((k for k in ("piece", "merge") if str(task["key"]).startswith(f"attnlib-{k}")), "other")
         busy[kind] += sum(s["stop"] - s["start"] for s in task["startstops"] if s["action"] == "compute")
-    return {"wall": wall, "busy": busy, "result": result}
+        tasks[kind] += 1
+    return {"wall": wall, "busy": busy, "tasks": tasks, "result": result}
 
 
-def time_workers(paths, block, worker_counts=(1, 2), repeats=3, causal=True) -> dict:
-    """Median wall seconds per worker count: clusters started once each, runs interleaved."""
-    clusters = {w: local_cluster(w) for w in worker_counts}
-    clients = {w: cm.__enter__() for w, cm in clusters.items()}
-    try:
-        for c in clients.values():
-            timed_run(c, paths, block, causal)  # warm-up: imports, first reads
-        samples = {w: [] for w in worker_counts}
-        busy = {w: [] for w in worker_counts}
+def worker_pids(client) -> list:
+    """The process ids of the cluster's workers."""
+    return sorted(client.run(os.getpid).values())
+
+
+def _cpu_seconds(pids) -> tuple:
+    """(seconds the machine's CPUs were busy, of them stolen by the hypervisor, and used by
+    ``pids`` and their children), since boot (psutil; Linux counts in 10 ms ticks)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+    own = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for p in [proc] + proc.children(recursive=True):
+                c = p.cpu_times()
+                own += c.user + c.system
+        except psutil.Error:  # a process that ended: its time is no longer counted
+            pass
+    return busy, getattr(t, "steal", 0.0), own
+
+
+@contextlib.contextmanager
+def load_watch(pids):
+    """Measure the machine's load over the block: ``record`` gets ``wall`` (s), ``others``
+    (CPUs kept busy on average by processes other than ``pids``, which are this process
+    and the workers), ``steal`` (CPUs taken by the hypervisor) and the 1-minute load
+    average at the end."""
+    record = {}
+    busy0, steal0, own0 = _cpu_seconds(pids)
+    start = time.perf_counter()
+    yield record
+    wall = time.perf_counter() - start
+    busy1, steal1, own1 = _cpu_seconds(pids)
+    record.update(wall=wall, others=max(0.0, (busy1 - busy0) - (own1 - own0)) / wall,
+                  steal=(steal1 - steal0) / wall, loadavg=os.getloadavg()[0])
+
+
+def _digests(client) -> dict:
+    """Every worker's running totals of Dask's fine performance metrics."""
+    return client.run(lambda dask_worker: dict(dask_worker.digests_total))
+
+
+#: Dask's labels of the time it spends serialising and compressing results between
+#: processes (``get-data`` on the sender, ``gather-dep`` on the receiver).
+_SERIAL = ("serialize", "deserialize", "compress", "decompress", "pickle")
+
+
+def phases(before, after, wall, threads) -> dict:
+    """Seconds of one call by phase, summed over the workers, from the difference of Dask's
+    fine performance metrics (``_digests``) around it: ``read`` (a piece's slices read,
+    `engine._meter`), ``kernel`` (the rest of the piece tasks), ``merge``, ``write``
+    (the blocks written to an output file), ``serialisation`` (results pickled and
+    compressed to move between processes), ``dask`` (Dask's own time around each task on
+    the worker thread), ``transfer wait`` (results on the wire: in the workers' event
+    loops, overlapping the rest), and ``idle``: ``threads x wall`` less every phase on
+    the worker threads."""
+    out = dict.fromkeys(("read", "kernel", "merge", "write", "serialisation", "dask", "transfer wait"), 0.0)
+    for worker, totals in after.items():
+        for key, value in totals.items():
+            if not (isinstance(key, tuple) and key[-1] == "seconds"):
+                continue
+            delta = value - before.get(worker, {}).get(key, 0.0)
+            label = key[-2]
+            if key[0] == "execute":
+                prefix = key[2]
+                if label in ("executor", "other"):
+                    out["dask"] += delta
+                elif label == "read":
+                    out["read"] += delta
+                elif label in _SERIAL:
+                    out["serialisation"] += delta
+                else:
+                    kind = {"attnlib-piece": "kernel", "attnlib-merge": "merge", "attnlib-write": "write"}
+                    out[kind.get(prefix, "dask")] += delta
+            elif key[0] in ("get-data", "gather-dep"):
+                out["serialisation" if label in _SERIAL else "transfer wait"] += delta
+    on_threads = sum(v for k, v in out.items() if k != "transfer wait")
+    out["idle"] = max(0.0, threads * wall - on_threads)
+    return out
+
+
+def rss_peak(client, since) -> dict:
+    """Each worker's largest RSS (bytes) sampled by Dask's system monitor (every 0.5 s) since
+    the monitor time ``since``, by worker address."""
+    def peak(dask_worker, since=since):
+        q = dask_worker.monitor.quantities
+        return max((m for m, t in zip(q["memory"], q["time"]) if t >= since), default=0)
+
+    return client.run(peak)
+
+
+def monitor_now(client) -> float:
+    """The workers' monitor clock now (they share this host's clock)."""
+    return max(client.run(lambda dask_worker: dask_worker.monitor.last_time).values())
+
+
+def spread(samples) -> float:
+    """The noise of a median of ``samples``: half their range, relative to the median."""
+    m = statistics.median(samples)
+    return (max(samples) - min(samples)) / (2 * m) if m > 0 else 0.0
+
+
+def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal=True) -> dict:
+    """The single-process kernel (`attnlib.attention` with its default threads, inputs in
+    memory) and `attnlib.distributed.attention` on clusters of ``worker_counts`` (inputs as
+    ``.npy`` files), started once each, timed in turn repeat after repeat in the same
+    window, with the machine's load over each run (`load_watch`) and each cluster call's
+    phases (`phases`).  The per-core efficiency of a cluster of ``w`` workers is
+    ``single x cores / (cluster x w)``, ``cores`` the single process's threads; its noise
+    is the two medians' `spread` added."""
+    import attnlib
+
+    from ..core.validate import available_cpus
+
+    cores = available_cpus()
+    q, k, v = (np.load(p) for p in paths)
+    with clusters(worker_counts) as clients:
+        pids = [os.getpid()] + [p for c in clients.values() for p in worker_pids(c)]
+        runs = {"single": lambda: attnlib.attention(q, k, v, causal=causal)}
+        runs.update({w: (lambda c=c: timed_run(c, paths, block, causal)) for w, c in clients.items()})
+        for run in runs.values():
+            run()  # warm-up: imports, first reads, page cache
+        samples = {name: [] for name in runs}
+        load = {name: [] for name in runs}
+        phase_runs = {w: [] for w in clients}
         results = {}
         for _ in range(repeats):
-            for w, c in clients.items():
-                run = timed_run(c, paths, block, causal)
-                samples[w].append(run["wall"])
-                busy[w].append(sum(run["busy"].values()))
-                results[w] = run["result"]
-        same = all(np.array_equal(results[w], results[worker_counts[0]]) for w in worker_counts)
-        return {"seconds": {w: statistics.median(s) for w, s in samples.items()},
-                "busy": {w: statistics.median(s) for w, s in busy.items()},
-                "bitwise_identical": bool(same)}
-    finally:
-        for cm in clusters.values():
-            cm.__exit__(None, None, None)
+            for name, run in runs.items():
+                before = _digests(clients[name]) if name != "single" else None
+                with load_watch(pids) as rec:
+                    value = run()
+                samples[name].append(rec["wall"])
+                load[name].append(rec)
+                if name != "single":
+                    results[name] = value["result"]
+                    ph = phases(before, _digests(clients[name]), rec["wall"], threads=name)
+                    phase_runs[name].append({**ph, "tasks": value["tasks"]})
+    median = {name: statistics.median(s) for name, s in samples.items()}
+    noise = {name: spread(s) for name, s in samples.items()}
+    first = results[worker_counts[0]]
+    return {
+        "cores": cores, "samples": samples, "median": median, "noise": noise,
+        "efficiency": {w: median["single"] * cores / (median[w] * w) for w in clients},
+        "efficiency_noise": {w: noise["single"] + noise[w] for w in clients},
+        "others": {name: statistics.median(r["others"] for r in rs) for name, rs in load.items()},
+        "others_max": max(r["others"] for rs in load.values() for r in rs),
+        "steal_max": max(r["steal"] for rs in load.values() for r in rs),
+        "loadavg": [r["loadavg"] for rs in load.values() for r in rs],
+        "phases": {w: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "tasks"}
+                   for w, rs in phase_runs.items()},
+        "tasks": {w: rs[0]["tasks"] for w, rs in phase_runs.items()},
+        "bitwise_identical": bool(all(np.array_equal(r, first) for r in results.values())),
+    }
 
 
 def _trace_start():
@@ -154,31 +297,164 @@ def growth_bound(n_before: int, n_after: int, d: int) -> int:
     return 8 * (n_after - n_before) * d
 
 
+#: The cost model's terms: a run's wall seconds on ``w`` workers, ``w_m`` of them on each
+#: machine of ``c`` cores, are
+#: ``flops / w (t_flop + t_shared (w_m - 1) / (c - 1)) + pieces t_piece / w + merges t_merge / w
+#: + latency``: a worker's time per flop alone on its machine, and what the other busy
+#: workers of its machine add to it (shared caches, memory bandwidth, hyperthreads).
+MODEL_TERMS = ("seconds_per_flop", "shared_seconds_per_flop", "seconds_per_piece",
+               "seconds_per_merge", "latency_seconds")
+
+
+def _design(row) -> list:
+    w, w_m, c = row["workers"], row["workers_per_machine"], row["machine_cores"]
+    shared = (w_m - 1) / (c - 1) if c > 1 else 0.0
+    return [row["flops"] / w, row["flops"] / w * shared, row["pieces"] / w, row["merges"] / w, 1.0]
+
+
+def _nnls(a, y):
+    """Least squares with every coefficient >= 0 (a negative cost is noise): the most
+    negative term is dropped and the rest refitted until none is negative."""
+    active = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        coef[active] = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
+        if coef.min() >= 0:
+            return coef
+        active.remove(int(np.argmin(coef)))
+
+
 def fit_cost_model(rows) -> dict:
-    """Least squares of ``busy = flops / rate + pieces * c_piece`` over measured runs
-    (``rows``: dicts with ``flops``, ``pieces``, ``busy``, ``wall``, ``workers``, all at one
-    cluster size: a worker's rate is what it gets with every worker busy), and the time
-    outside tasks per task, ``(wall * workers - busy) / tasks``, as their median."""
-    a = np.array([[r["flops"], r["pieces"]] for r in rows], dtype=float)
-    y = np.array([r["busy"] for r in rows])
-    (per_flop, per_piece), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if per_piece < 0 or per_flop <= 0:  # a negative cost is noise: fit the flops alone
-        per_flop, per_piece = float(a[:, 0] @ y / (a[:, 0] @ a[:, 0])), 0.0
-    idle = [max(0.0, (r["wall"] * r["workers"] - r["busy"]) / (r["pieces"] + r["merges"])) for r in rows]
-    return {"rate_flops_per_worker": 1.0 / per_flop, "seconds_per_piece": per_piece,
-            "idle_seconds_per_task": statistics.median(idle)}
+    """The model (`MODEL_TERMS`) fitted to measured runs (``rows``: dicts with ``flops``,
+    ``pieces``, ``merges``, ``workers``, ``workers_per_machine``, ``machine_cores`` and
+    ``wall``) by least squares of the relative error (each run weighs the same, whatever
+    its length), every term >= 0; with the rates per worker it implies, alone and on a
+    full machine."""
+    a = np.array([_design(r) for r in rows], dtype=float)
+    y = np.array([r["wall"] for r in rows], dtype=float)
+    coef = _nnls(a / y[:, None], np.ones(len(rows)))
+    if not a[:, 0].any() or coef[0] <= 0:
+        raise ValueError("the runs do not determine a rate: give runs of different sizes")
+    model = dict(zip(MODEL_TERMS, map(float, coef)))
+    model["rate_alone"] = 1 / model["seconds_per_flop"]
+    model["rate_full_machine"] = 1 / (model["seconds_per_flop"] + model["shared_seconds_per_flop"])
+    return model
 
 
-def predict(model, flops, pieces, merges, workers) -> float:
-    """Wall seconds the model gives for a run on ``workers`` workers."""
-    busy = flops / model["rate_flops_per_worker"] + pieces * model["seconds_per_piece"]
-    return busy / workers + (pieces + merges) * model["idle_seconds_per_task"] / workers
+def predict(model, row) -> float:
+    """Wall seconds the model gives for ``row`` (as `fit_cost_model`'s, without ``wall``)."""
+    return float(np.dot([model[t] for t in MODEL_TERMS], _design(row)))
 
 
-def project(model, n, heads, d, machines, cores, block=8192, causal=True) -> dict:
-    """The model's wall time for ``(1, heads, n, d)`` on ``machines`` x ``cores`` workers."""
+def model_errors(model, rows) -> list:
+    """``predicted / measured - 1`` for each run."""
+    return [predict(model, r) / r["wall"] - 1 for r in rows]
+
+
+def model_runs(clients, cases, folder, repeats=3, seed=1) -> list:
+    """The model's measurements: each case ``(heads, n, d, block)`` (one batch entry,
+    causal) written to ``.npy`` files once and run on every cluster of ``clients`` (``{workers: client}``, all on this machine, warmed up),
+    the clusters in turn, ``repeats`` times; the median wall of each, with the plan's
+    counts."""
+    from ..core.validate import available_cpus
+
+    rows = []
+    for h, n, d, block in cases:
+        paths = save_case(folder, 1, h, n, d, seed=seed)
+        try:
+            walls = {w: [] for w in clients}
+            for _ in range(repeats):
+                for w, c in clients.items():
+                    walls[w].append(timed_run(c, paths, block)["wall"])
+        finally:
+            for path in paths:
+                os.remove(path)
+        for w, ws in walls.items():
+            rows.append({**plan_stats(1, h, n, d, block), "n": n, "heads": h, "d": d, "block": block,
+                         "workers": w, "workers_per_machine": w, "machine_cores": available_cpus(),
+                         "wall": statistics.median(ws), "noise": spread(ws)})
+    return rows
+
+
+def _noop(i):
+    return i
+
+
+def scheduler_rate(client, tasks=2000) -> float:
+    """Tasks per second the cluster's scheduler completes when each does nothing: the
+    ceiling of a task graph's throughput, whatever the workers' speed (measured, median of
+    three batches of ``tasks``)."""
+    from distributed import wait
+
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        futures = client.map(_noop, range(tasks), pure=False)
+        wait(futures)
+        rates.append(tasks / (time.perf_counter() - start))
+        del futures
+    return statistics.median(rates)
+
+
+def project(model, n, heads, d, machines, cores, block, scheduler_tps, causal=True) -> dict:
+    """The model's wall time for ``(1, heads, n, d)`` on ``machines`` x ``cores`` workers,
+    never below either floor: the flops at the measured rate on every worker, and the task
+    count at the measured scheduler throughput (``scheduler_tps``)."""
     stats = plan_stats(1, heads, n, d, block, causal)
     workers = machines * cores
+    row = {**stats, "workers": workers, "workers_per_machine": cores, "machine_cores": cores}
+    model_s = predict(model, row)
+    compute_floor = stats["flops"] / (model["rate_full_machine"] * workers)
+    scheduler_floor = (stats["pieces"] + stats["merges"]) / scheduler_tps
+    seconds = max(model_s, compute_floor, scheduler_floor)
+    bound = ("scheduler" if seconds == scheduler_floor and scheduler_floor > model_s
+             else "compute floor" if seconds == compute_floor and compute_floor > model_s else "model")
     return {"n": n, "heads": heads, "d": d, "machines": machines, "workers": workers,
             "pieces": stats["pieces"], "merges": stats["merges"], "flops": stats["flops"],
-            "hours": predict(model, stats["flops"], stats["pieces"], stats["merges"], workers) / 3600}
+            "bytes_per_piece": stats["bytes_per_piece"], "model_hours": model_s / 3600,
+            "compute_floor_hours": compute_floor / 3600, "scheduler_floor_hours": scheduler_floor / 3600,
+            "hours": seconds / 3600, "bound": bound}
+
+
+def long_run(client, paths, block, out, samples=3) -> dict:
+    """One causal call on inputs too long for the rest of the report, written block by
+    block to ``out``: its wall seconds, each worker's peak RSS over it (Dask's system
+    monitor), and the result checked against `attnlib.attention` on ``samples`` query blocks
+    (first, evenly spaced, last; each block's rows against the keys up to its last row,
+    with bottom-right causal alignment: the same absolute-position mask), the contract's
+    `rel_error` of each (`check_blocks`)."""
+    from ..distributed import attention
+
+    pids = [os.getpid()] + worker_pids(client)
+    since = monitor_now(client)
+    with load_watch(pids) as rec:
+        result = attention(*paths, client=client, causal=True, block_q=block, kv_block=block, out=out)
+    rss = rss_peak(client, since)
+    errors = check_blocks(result, paths, block, samples)
+    return {"wall": rec["wall"], "others": rec["others"], "steal": rec["steal"],
+            "rss_peak": rss, "checks": errors}
+
+
+def check_blocks(result, paths, block, samples) -> list:
+    """The causal ``result`` of the inputs at ``paths`` against `attnlib.attention` on
+    ``samples`` query blocks of ``block`` rows (the first, evenly spaced, the last), each
+    block's rows against the keys up to its last row with bottom-right causal alignment
+    (the same absolute-position mask): ``[{"rows", "rel_error"}, ...]``.  A sample: a
+    result wrong only in blocks between the samples passes."""
+    import attnlib
+
+    from ..evidence.metrics import rel_error
+
+    q, k, v = (np.load(p, mmap_mode="r") for p in paths)
+    n = q.shape[-2]
+    last = (n - 1) // block  # the plan's query blocks start at multiples of block
+    starts = sorted({round(i * last / max(1, samples - 1)) * block for i in range(samples)})
+    errors = []
+    for q0 in starts:
+        q1 = min(n, q0 + block)
+        rows = (Ellipsis, slice(q0, q1), slice(None))
+        keys = (Ellipsis, slice(0, q1), slice(None))
+        ref = attnlib.attention(np.asarray(q[rows]), np.asarray(k[keys]), np.asarray(v[keys]), causal=True)
+        ref_abs = attnlib.attention(np.asarray(q[rows]), np.asarray(k[keys]), np.abs(v[keys]), causal=True)
+        errors.append({"rows": f"{q0}..{q1 - 1}", "rel_error": rel_error(np.asarray(result[rows]), ref, ref_abs)})
+    return errors

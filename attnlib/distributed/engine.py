@@ -39,8 +39,9 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
     ``qv_part``: MLA's second query, joined here (`mla.join`); ``factors``: the piece's fp8
     descales, laid out (`descale.factors`), applied first."""
     try:
-        q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
-        qv = None if qv_part is None else materialize(qv_part)
+        with _meter("read"):
+            q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
+            qv = None if qv_part is None else materialize(qv_part)
         if factors:
             q, k, v, qv = descale.scaled(q, k, v, qv, factors)
         if qv is not None:
@@ -66,6 +67,15 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
+
+
+def _meter(label):
+    """Book the seconds spent inside under ``label`` in Dask's fine performance metrics
+    (`distributed.metrics.context_meter`), apart from the rest of the task's time; a no-op
+    outside a Dask task."""
+    from distributed.metrics import context_meter
+
+    return context_meter.meter(label)
 
 
 def _stored_shape(x: Input) -> tuple:

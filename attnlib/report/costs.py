@@ -294,8 +294,23 @@ def _scaleout_costs(p):
                3 * 8 * sweep[-1] * d + PIECE_BYTES * 2 * _plan_pieces(1, sweep[-1], block),
                sum(4 * (_pass(1, m, m, d) + TASK_WORK * 2 * _plan_pieces(1, m, block)) for m in sweep),
                disk=3 * 8 * sweep[-1] * d)
-    pieces = _plan_pieces(p["project_heads"], p["project_n"], 8192)  # planned, never run
-    yield Cost(("project_n", "project_heads", "project_machines"), "the projection's plan (its pieces made "
+    cases = p["model_fit"] + p["model_heldout"]
+    biggest = max(h * m for h, m, _ in cases)
+    yield Cost(("model_fit", "model_heldout", "d", "model_repeats"), "the cost model's runs (q, k, v of each "
+               "written to the temporary folder, run on every cluster size)",
+               3 * 8 * biggest * d + PIECE_BYTES * 2 * max(_plan_pieces(h, m, bl) for h, m, bl in cases),
+               sum(p["model_repeats"] * len(workers) * (_pass(h, m, m, d) + TASK_WORK * 2 * _plan_pieces(h, m, bl))
+                   for h, m, bl in cases), disk=3 * 8 * biggest * d)
+    ln = p["long_n"]
+    lb = min(block, ln)
+    # The cluster's run, then each sampled query block against its keys in this process
+    # (its k, v slices, |v| and the two outputs; the tiled kernel's tiles).
+    yield Cost(("long_n", "long_samples", "d", "block"), "the long run (q, k, v and the output as .npy files "
+               "in the temporary folder)", 6 * 8 * ln * d + 8 * 4 * lb * d + PIECE_BYTES * 2 * _plan_pieces(1, ln, lb),
+               _pass(1, ln, ln, d) + TASK_WORK * 2 * _plan_pieces(1, ln, lb)
+               + 2 * p["long_samples"] * _pass(1, lb, ln, d), disk=4 * 8 * ln * d)
+    pieces = _plan_pieces(p["project_heads"], p["project_n"], p["project_block"])  # planned, never run
+    yield Cost(("project_n", "project_heads", "project_block", "project_machines"), "the projection's plan (its pieces made "
                "as Python objects)", PIECE_BYTES * pieces, len(p["project_machines"]) * PIECE_WORK * pieces)
     flops = 4 * p["project_d"] * p["project_heads"] * p["project_n"] * (p["project_n"] + 1) // 2
     if flops > 2**1000 or p["project_machines"][-1] * p["project_cores"] > 2**53:

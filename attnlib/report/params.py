@@ -116,6 +116,19 @@ def _shape_list(name, x, fields):
     return shapes
 
 
+def model_cases(name, x):
+    """A non-empty list of ``[heads, n, block]`` (positive integers): runs of the scale-out
+    cost model."""
+    if not isinstance(x, (list, tuple)) or not x:
+        raise TypeError(f"parameter {name} must be a non-empty list of [heads, n, block], got {x!r}")
+    cases = []
+    for i, case in enumerate(x):
+        if not isinstance(case, (list, tuple)) or len(case) != 3:
+            raise ValueError(f"parameter {name}[{i}] must be [heads, n, block], got {case!r}")
+        cases.append([positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(case)])
+    return cases
+
+
 def check_shapes(name, x):
     """A non-empty list of ``[batch, heads, seqlen_q, seqlen_k, headdim, causal]``."""
     return _shape_list(name, x, ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
@@ -242,10 +255,14 @@ NOTEBOOKS = {
     "scaleout": Notebook(
         "Scale-out: the exact float64 oracle on a Dask cluster",
         {"n": positive, "heads": positive, "d": positive, "block": positive, "workers": sizes,
-         "repeats": positive, "sweep": sizes, "project_n": positive, "project_heads": positive,
-         "project_d": positive, "project_machines": sizes, "project_cores": positive,
+         "repeats": positive, "sweep": sizes, "model_fit": model_cases, "model_heldout": model_cases,
+         "model_repeats": positive, "long_n": positive, "long_samples": positive,
+         "project_n": positive, "project_heads": positive, "project_d": positive,
+         "project_machines": sizes, "project_cores": positive, "project_block": positive,
          "results_json": text},
-        {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096]},
+        {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096],
+         "model_fit": [[1, 1024, 256], [1, 2048, 512]], "model_heldout": [[1, 2048, 256]],
+         "model_repeats": 1, "long_n": 8192, "long_samples": 2, "project_n": 65536},
         costs=_scaleout_costs),
     "flex_gallery": Notebook(
         "Programmable attention: a gallery of FlexAttention masks and scores, exact",

@@ -1,0 +1,194 @@
+"""The scale-out report's measurements (`attnlib.bench.scaleout`): the load record, the
+phases from Dask's metrics, the cost model and its projection, the long run's checks."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("distributed")
+
+from attnlib.bench import scaleout  # noqa: E402
+
+
+def _row(flops, pieces, merges, workers, cores=2, **kw):
+    return {"flops": flops, "pieces": pieces, "merges": merges, "workers": workers,
+            "workers_per_machine": workers, "machine_cores": cores, **kw}
+
+
+TRUE = {"seconds_per_flop": 4e-11, "shared_seconds_per_flop": 1e-11, "seconds_per_piece": 3e-3,
+        "seconds_per_merge": 1e-3, "latency_seconds": 0.05}
+
+
+def _synthetic(cases, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for h, n, block in cases:
+        st = scaleout.plan_stats(1, h, n, 64, block)
+        for w in (1, 2):
+            r = _row(st["flops"], st["pieces"], st["merges"], w)
+            r["wall"] = scaleout.predict(TRUE, r) * (1 + noise * rng.uniform(-1, 1))
+            rows.append(r)
+    return rows
+
+
+FIT = [(1, 8192, 1024), (1, 8192, 2048), (2, 8192, 2048), (1, 16384, 1024), (1, 16384, 4096)]
+HELD = [(1, 32768, 2048), (2, 16384, 2048), (1, 65536, 4096)]
+
+
+def test_cost_model_recovers_its_terms_and_predicts_held_out_runs():
+    model = scaleout.fit_cost_model(_synthetic(FIT))
+    for term, value in TRUE.items():
+        assert model[term] == pytest.approx(value, rel=1e-6), term
+    assert model["rate_alone"] == pytest.approx(1 / 4e-11)
+    assert model["rate_full_machine"] == pytest.approx(1 / 5e-11)
+    assert max(map(abs, scaleout.model_errors(model, _synthetic(HELD)))) < 1e-9
+    # Measured with 5% noise, the held-out runs stay within about that.
+    noisy = scaleout.fit_cost_model(_synthetic(FIT, noise=0.05))
+    assert max(map(abs, scaleout.model_errors(noisy, _synthetic(HELD)))) < 0.15
+
+
+def test_cost_model_terms_are_never_negative_and_a_model_without_a_rate_is_refused():
+    rows = _synthetic(FIT)
+    for r in rows:  # pieces that seem to save time: noise, not a negative cost
+        r["wall"] -= 2e-3 * r["pieces"] / r["workers"]
+    model = scaleout.fit_cost_model(rows)
+    assert all(model[t] >= 0 for t in scaleout.MODEL_TERMS)
+    flat = [_row(0, 1, 1, w, wall=1.0) for w in (1, 2)]
+    with pytest.raises(ValueError, match="rate"):
+        scaleout.fit_cost_model(flat)
+
+
+def test_projection_never_goes_below_its_floors():
+    model = dict(TRUE, rate_alone=1 / 4e-11, rate_full_machine=1 / 5e-11)
+    small = scaleout.project(model, 2**18, 32, 128, 1, 32, 8192, scheduler_tps=1000.0)
+    huge = scaleout.project(model, 2**18, 32, 128, 10**6, 32, 8192, scheduler_tps=1000.0)
+    for p in (small, huge):
+        assert p["hours"] >= max(p["model_hours"], p["compute_floor_hours"], p["scheduler_floor_hours"])
+        assert p["scheduler_floor_hours"] == pytest.approx((p["pieces"] + p["merges"]) / 1000 / 3600)
+    assert small["bound"] == "model" and huge["bound"] == "scheduler"
+    assert huge["model_hours"] < huge["scheduler_floor_hours"] == huge["hours"]
+    # The full-machine rate sets the compute floor (32 busy workers per machine).
+    assert small["compute_floor_hours"] == pytest.approx(small["flops"] * 5e-11 / 32 / 3600)
+
+
+def test_phases_sort_dasks_metrics_by_kind_and_leave_the_rest_idle():
+    before = {"w1": {("execute", "s", "attnlib-piece", "thread-cpu", "seconds"): 1.0}}
+    after = {"w1": {("execute", "s", "attnlib-piece", "thread-cpu", "seconds"): 3.0,
+                    ("execute", "s", "attnlib-piece", "thread-noncpu", "seconds"): 0.5,
+                    ("execute", "s", "attnlib-piece", "read", "seconds"): 0.25,
+                    ("execute", "s", "attnlib-piece", "executor", "seconds"): 0.1,
+                    ("execute", "s", "attnlib-merge", "thread-cpu", "seconds"): 0.4,
+                    ("execute", "s", "attnlib-piece", "memory-read", "bytes"): 10**9,
+                    ("get-data", "serialize", "seconds"): 0.05,
+                    ("get-data", "network", "seconds"): 0.7,
+                    "tick-duration": 5.0},
+             "w2": {("execute", "t", "attnlib-write", "thread-cpu", "seconds"): 0.2,
+                    ("gather-dep", "deserialize", "seconds"): 0.05}}
+    ph = scaleout.phases(before, after, wall=2.0, threads=2)
+    assert ph["kernel"] == pytest.approx(2.5) and ph["read"] == 0.25 and ph["merge"] == 0.4
+    assert ph["write"] == 0.2 and ph["dask"] == 0.1 and ph["serialisation"] == pytest.approx(0.1)
+    assert ph["transfer wait"] == 0.7  # overlaps the rest: not taken from idle
+    assert ph["idle"] == pytest.approx(4.0 - (2.5 + 0.25 + 0.4 + 0.2 + 0.1 + 0.1))
+
+
+def _spinner(seconds):
+    """A process that keeps one CPU busy for ``seconds``, not a child of this one (its
+    shell exits at once): its pid."""
+    spin = f"import time\nt = time.time()\nwhile time.time() - t < {seconds}: pass"
+    out = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{spin}" > /dev/null 2>&1 & echo $!'],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[-1])
+
+
+def test_load_watch_sees_another_process_keep_a_cpu_busy():
+    with scaleout.load_watch([os.getpid()]) as quiet:
+        time.sleep(0.5)
+    _spinner(1.5)
+    with scaleout.load_watch([os.getpid()]) as busy:
+        time.sleep(1.0)
+    assert set(busy) == {"wall", "others", "steal", "loadavg"}
+    assert busy["others"] > 0.6 > quiet["others"], (quiet, busy)
+    time.sleep(0.6)
+    # A process counted as the caller's is not someone else's load.
+    pid = _spinner(1.5)
+    with scaleout.load_watch([os.getpid(), pid]) as own:
+        time.sleep(1.0)
+    assert own["others"] < 0.4, own
+
+
+def test_check_blocks_samples_the_first_and_last_blocks_and_catches_a_wrong_one(tmp_path):
+    import attnlib
+
+    paths = scaleout.save_case(str(tmp_path), 1, 1, 1000, 16, seed=0)
+    q, k, v = (np.load(p) for p in paths)
+    out = attnlib.attention(q, k, v, causal=True)
+    checks = scaleout.check_blocks(out, paths, 256, 3)
+    assert [c["rows"] for c in checks] == ["0..255", "512..767", "768..999"]
+    assert max(c["rel_error"] for c in checks) < 1e-13
+    wrong = out.copy()
+    wrong[..., 900, :] += 1e-9  # one row of the last block
+    assert max(c["rel_error"] for c in scaleout.check_blocks(wrong, paths, 256, 3)) > 1e-11
+    between = out.copy()
+    between[..., 300, :] += 1.0  # a block between the samples: a sample does not see it
+    assert max(c["rel_error"] for c in scaleout.check_blocks(between, paths, 256, 3)) < 1e-13
+
+
+def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path):
+    """One small pass of everything the report runs on clusters: the same bits on 1 and 2
+    workers, the phases of each call (the piece's slices read are metered inside the task),
+    the load beside each median, the model's runs, the scheduler's rate and the long run's
+    check."""
+    paths = scaleout.save_case(str(tmp_path), 1, 2, 1024, 32, seed=0)
+    t = scaleout.time_single_vs_cluster(paths, 256, (1, 2), repeats=2)
+    assert t["bitwise_identical"]
+    assert set(t["median"]) == {"single", 1, 2} and all(len(s) == 2 for s in t["samples"].values())
+    for w in (1, 2):
+        assert t["efficiency"][w] == pytest.approx(t["median"]["single"] * t["cores"] / (t["median"][w] * w))
+        ph = t["phases"][w]
+        assert ph["read"] > 0 and ph["kernel"] > ph["read"] and ph["merge"] > 0, ph
+        assert t["tasks"][w]["piece"] == scaleout.plan_stats(1, 2, 1024, 32, 256)["pieces"]
+    assert t["others_max"] >= 0 and len(t["loadavg"]) == 3 * 2
+    with scaleout.clusters((1, 2)) as clients:
+        rows = scaleout.model_runs(clients, [(1, 1024, 32, 256), (1, 2048, 32, 512)], str(tmp_path), repeats=1)
+        assert [(r["n"], r["workers"]) for r in rows] == [(1024, 1), (1024, 2), (2048, 1), (2048, 2)]
+        assert all(r["wall"] > 0 and r["machine_cores"] >= 1 for r in rows)
+        assert scaleout.scheduler_rate(clients[2], tasks=200) > 10
+        long_paths = scaleout.save_case(str(tmp_path), 1, 1, 4096, 32, seed=3)
+        long = scaleout.long_run(clients[2], long_paths, 1024, str(tmp_path / "out.npy"), samples=2)
+    assert [c["rows"] for c in long["checks"]] == ["0..1023", "3072..4095"]
+    assert max(c["rel_error"] for c in long["checks"]) < 1e-13
+    assert len(long["rss_peak"]) == 2 and all(v > 0 for v in long["rss_peak"].values())
+
+
+def test_long_run_rss_gate_has_power(tmp_path):
+    """The long run's flatness verdict (peak worker RSS, Dask's monitor, grows from one n to
+    a longer one by less than one head's keys for the added positions) passes the planned
+    pieces and fails pieces that read whole key ranges."""
+    import dask
+
+    import attnlib.distributed
+
+    d, block, ns = 64, 1024, (4096, 16384)
+    growth = {}
+    with dask.config.set({"distributed.admin.system-monitor.interval": "20ms"}), \
+            scaleout.local_cluster(2) as client:
+        for label in ("planned", "whole key range"):
+            peaks = []
+            for n in ns:
+                paths = scaleout.save_case(str(tmp_path), 1, 1, n, d, seed=1)
+                kv = block if label == "planned" else n
+                out = str(tmp_path / f"out_{n}.npy")
+                call = dict(client=client, causal=True, block_q=block, kv_block=kv, out=out)
+                if not peaks and label == "planned":
+                    attnlib.distributed.attention(*paths, **call)  # warm-up: the workers' imports
+                since = scaleout.monitor_now(client)
+                attnlib.distributed.attention(*paths, **call)
+                time.sleep(0.1)  # the monitor's last sample
+                peaks.append(max(scaleout.rss_peak(client, since).values()))
+            growth[label] = peaks[1] - peaks[0]
+    bound = scaleout.growth_bound(*ns, d)
+    assert growth["planned"] < bound <= growth["whole key range"], (growth, bound)
