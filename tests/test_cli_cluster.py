@@ -84,6 +84,11 @@ def test_oracle_and_both_commands_against_a_cli_cluster(cluster, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), out)
+    # --piece-device: the pieces with torch's kernel on the workers (its CPU here), to rounding.
+    done = subprocess.run(cmd[:-1] + [f"--out-file={tmp_path / 'out_torch.npy'}", "--piece-device=cpu", cmd[-1]],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "out_torch.npy"), ref, rtol=0, atol=1e-13)
     # attnlib check --scheduler: a correct float32 kernel passes, one off by 1e-3 fails.
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
     good = attnlib.attention(q32, k32, v32, compute_dtype="float32", **options)

@@ -462,3 +462,45 @@ def test_mla_qv_and_fp8_descales_piece_by_piece(client):
     np.testing.assert_allclose(np.swapaxes(out, 1, 2), attnlib.reference_attention(q, k, v, qv=qv), rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="qv"):
         ad.attention(q, k, v, qv=qv[..., :5], client=client)
+
+
+def _kernel_labels(client):
+    """The ``kernel on <device>`` labels the pieces booked in Dask's metrics, on any worker."""
+    totals = client.run(lambda dask_worker: list(dask_worker.digests_total))
+    return {key[-2] for keys in totals.values() for key in keys
+            if isinstance(key, tuple) and key[0] == "execute" and str(key[-2]).startswith("kernel on")}
+
+
+def test_pieces_on_a_torch_device_by_call_or_by_worker_setting(tmp_path):
+    """``device=`` runs each piece with the device kernel (torch, float64) on its worker; a
+    worker started with ``attnlib.device`` in its Dask configuration does so unasked; the
+    result equals the numpy pieces' to rounding.  On this machine the device is torch's CPU:
+    the same code runs a CUDA worker's pieces on its GPU."""
+    pytest.importorskip("torch")
+    import dask
+
+    from attnlib.bench import scaleout
+
+    paths = scaleout.save_case(str(tmp_path), 1, 4, 700, 32, seed=5)
+    q, k, v = (np.load(p) for p in paths)
+    ref = attnlib.attention(q, k, v, causal=True, sinks=np.linspace(-1, 1, 4))
+    ref_abs = attnlib.attention(q, k, np.abs(v), causal=True, sinks=np.linspace(-1, 1, 4))
+    options = dict(causal=True, sinks=np.linspace(-1, 1, 4), block_q=256, kv_block=256)
+    with scaleout.local_cluster(2) as client:
+        numpy_out = attnlib.distributed.attention(*paths, client=client, **options)
+        assert _kernel_labels(client) == set()
+        auto = attnlib.distributed.attention(*paths, client=client, device="auto", **options)
+        assert _kernel_labels(client) == set()  # no CUDA here: "auto" is the numpy kernel
+        torch_out = attnlib.distributed.attention(*paths, client=client, device="cpu", **options)
+        assert _kernel_labels(client) == {"kernel on cpu"}
+        with pytest.raises(attnlib.distributed.BlockError, match="the piece .* failed.*CUDA"):
+            attnlib.distributed.attention(*paths, client=client, device="cuda", **options)
+    assert np.array_equal(auto, numpy_out)
+    assert rel_error(torch_out, ref, ref_abs) < 1e-13 and rel_error(numpy_out, ref, ref_abs) < 1e-13
+    with dask.config.set({"attnlib.device": "cpu"}), scaleout.local_cluster(2) as client:
+        by_worker = attnlib.distributed.attention(*paths, client=client, **options)
+        assert _kernel_labels(client) == {"kernel on cpu"}
+        forced = attnlib.distributed.attention(*paths, client=client, device="numpy", **options)
+    assert np.array_equal(by_worker, torch_out) and np.array_equal(forced, numpy_out)
+    with pytest.raises(TypeError, match="device"):
+        attnlib.distributed.attention(*paths, client="tcp://127.0.0.1:1", device=3, **options)

@@ -30,6 +30,7 @@ NOT_BOUNDED = {
     "blocks": "tile sizes: the kernel clamps tiles to the lengths",
     "sweep_sizes": "tile sizes: the kernel clamps tiles to the lengths",
     "scaleout.block": "a piece's query block and key range, clamped to the lengths",
+    "long_block": "the long run's query block and key range, clamped to long_n",
     "project_block": "the projected plan's query block and key range, clamped to project_n",
     "project_d": "the projected head dim: arithmetic only, refused past float64's range",
 }

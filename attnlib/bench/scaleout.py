@@ -106,14 +106,19 @@ def _cpu_seconds(pids) -> tuple:
 
     t = psutil.cpu_times()
     busy = t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
-    own = 0.0
+    procs = {}  # by pid: a worker is this process's child and in ``pids``, counted once
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            for p in [proc] + proc.children(recursive=True):
-                c = p.cpu_times()
-                own += c.user + c.system
+            procs.update((p.pid, p) for p in [proc] + proc.children(recursive=True))
         except psutil.Error:  # a process that ended: its time is no longer counted
+            pass
+    own = 0.0
+    for p in procs.values():
+        try:
+            c = p.cpu_times()
+            own += c.user + c.system
+        except psutil.Error:
             pass
     return busy, getattr(t, "steal", 0.0), own
 
@@ -146,34 +151,31 @@ _SERIAL = ("serialize", "deserialize", "compress", "decompress", "pickle")
 
 def phases(before, after, wall, threads) -> dict:
     """Seconds of one call by phase, summed over the workers, from the difference of Dask's
-    fine performance metrics (``_digests``) around it: ``read`` (a piece's slices read,
-    `engine._meter`), ``kernel`` (the rest of the piece tasks), ``merge``, ``write``
-    (the blocks written to an output file), ``serialisation`` (results pickled and
-    compressed to move between processes), ``dask`` (Dask's own time around each task on
-    the worker thread), ``transfer wait`` (results on the wire: in the workers' event
-    loops, overlapping the rest), and ``idle``: ``threads x wall`` less every phase on
-    the worker threads."""
-    out = dict.fromkeys(("read", "kernel", "merge", "write", "serialisation", "dask", "transfer wait"), 0.0)
+    fine performance metrics (``_digests``) around it.  On the worker threads: ``read`` (a
+    piece's slices read, `engine._meter`), ``kernel`` (the rest of the piece tasks),
+    ``merge``, ``write`` (the blocks written to an output file), ``dask`` (Dask's own time
+    around each task there), and ``idle``: ``threads x wall`` less those.  Beside them, in
+    the workers' event loops and overlapping them: ``serialisation`` (results pickled and
+    compressed to move between processes) and ``transfer wait`` (results on the wire)."""
+    out = dict.fromkeys(("read", "kernel", "merge", "write", "dask", "serialisation", "transfer wait"), 0.0)
+    kind = {"attnlib-piece": "kernel", "attnlib-merge": "merge", "attnlib-write": "write"}
     for worker, totals in after.items():
         for key, value in totals.items():
             if not (isinstance(key, tuple) and key[-1] == "seconds"):
                 continue
             delta = value - before.get(worker, {}).get(key, 0.0)
             label = key[-2]
-            if key[0] == "execute":
-                prefix = key[2]
+            if key[0] == "execute":  # ("execute", [span id,] task prefix, label, "seconds")
+                prefix = key[-3]
                 if label in ("executor", "other"):
                     out["dask"] += delta
                 elif label == "read":
                     out["read"] += delta
-                elif label in _SERIAL:
-                    out["serialisation"] += delta
                 else:
-                    kind = {"attnlib-piece": "kernel", "attnlib-merge": "merge", "attnlib-write": "write"}
                     out[kind.get(prefix, "dask")] += delta
             elif key[0] in ("get-data", "gather-dep"):
                 out["serialisation" if label in _SERIAL else "transfer wait"] += delta
-    on_threads = sum(v for k, v in out.items() if k != "transfer wait")
+    on_threads = sum(out[k] for k in ("read", "kernel", "merge", "write", "dask"))
     out["idle"] = max(0.0, threads * wall - on_threads)
     return out
 
@@ -203,10 +205,13 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
     """The single-process kernel (`attnlib.attention` with its default threads, inputs in
     memory) and `attnlib.distributed.attention` on clusters of ``worker_counts`` (inputs as
     ``.npy`` files), started once each, timed in turn repeat after repeat in the same
-    window, with the machine's load over each run (`load_watch`) and each cluster call's
-    phases (`phases`).  The per-core efficiency of a cluster of ``w`` workers is
-    ``single x cores / (cluster x w)``, ``cores`` the single process's threads; its noise
-    is the two medians' `spread` added."""
+    window (the order reversed every other repeat, so that a drift of the machine's speed
+    over the window weighs on each the same), with the machine's load over each run
+    (`load_watch`) and each cluster call's phases (`phases`).  The per-core efficiency of a
+    cluster of ``w`` workers is ``single x cores / (cluster x w)``, ``cores`` the single
+    process's threads: the median over the repeats of each repeat's own ratio (its runs
+    seconds apart, where the medians of the two may be minutes apart), its noise half the
+    range of those ratios; ``efficiency_of_medians`` is the same of the medians."""
     import attnlib
 
     from ..core.validate import available_cpus
@@ -223,8 +228,10 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
         load = {name: [] for name in runs}
         phase_runs = {w: [] for w in clients}
         results = {}
-        for _ in range(repeats):
-            for name, run in runs.items():
+        order = list(runs)
+        for r in range(repeats):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                run = runs[name]
                 before = _digests(clients[name]) if name != "single" else None
                 with load_watch(pids) as rec:
                     value = run()
@@ -237,10 +244,13 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
     median = {name: statistics.median(s) for name, s in samples.items()}
     noise = {name: spread(s) for name, s in samples.items()}
     first = results[worker_counts[0]]
+    paired = {w: [a * cores / (b * w) for a, b in zip(samples["single"], samples[w])] for w in clients}
     return {
         "cores": cores, "samples": samples, "median": median, "noise": noise,
-        "efficiency": {w: median["single"] * cores / (median[w] * w) for w in clients},
-        "efficiency_noise": {w: noise["single"] + noise[w] for w in clients},
+        "efficiency": {w: statistics.median(e) for w, e in paired.items()},
+        "efficiency_noise": {w: (max(e) - min(e)) / 2 for w, e in paired.items()},
+        "efficiency_by_repeat": paired,
+        "efficiency_of_medians": {w: median["single"] * cores / (median[w] * w) for w in clients},
         "others": {name: statistics.median(r["others"] for r in rs) for name, rs in load.items()},
         "others_max": max(r["others"] for rs in load.values() for r in rs),
         "steal_max": max(r["steal"] for rs in load.values() for r in rs),
@@ -298,43 +308,64 @@ def growth_bound(n_before: int, n_after: int, d: int) -> int:
 
 
 #: The cost model's terms: a run's wall seconds on ``w`` workers, ``w_m`` of them on each
-#: machine of ``c`` cores, are
-#: ``flops / w (t_flop + t_shared (w_m - 1) / (c - 1)) + pieces t_piece / w + merges t_merge / w
-#: + latency``: a worker's time per flop alone on its machine, and what the other busy
-#: workers of its machine add to it (shared caches, memory bandwidth, hyperthreads).
-MODEL_TERMS = ("seconds_per_flop", "shared_seconds_per_flop", "seconds_per_piece",
-               "seconds_per_merge", "latency_seconds")
+#: machine of ``c`` cores, with ``tasks`` pieces and merges, are
+#: ``flops / w (t_flop + t_shared (w_m - 1) / (c - 1)) + tasks t_task / w + tasks t_serial
+#: + latency``: a worker's time per flop alone on its machine, what the other busy workers
+#: of its machine add to it (shared caches, memory bandwidth, hyperthreads), a cost per task
+#: spread over the workers, a cost per task that no worker count divides (the client
+#: submitting the tasks one by one, the scheduler), and a fixed latency per call.
+MODEL_TERMS = ("seconds_per_flop", "shared_seconds_per_flop", "seconds_per_task",
+               "serial_seconds_per_task", "latency_seconds")
+
+
+def _shared(row) -> float:
+    """``(w_m - 1) / (c - 1)``: the share of a machine's other cores busy beside a worker."""
+    c = row["machine_cores"]
+    return (row["workers_per_machine"] - 1) / (c - 1) if c > 1 else 0.0
 
 
 def _design(row) -> list:
-    w, w_m, c = row["workers"], row["workers_per_machine"], row["machine_cores"]
-    shared = (w_m - 1) / (c - 1) if c > 1 else 0.0
-    return [row["flops"] / w, row["flops"] / w * shared, row["pieces"] / w, row["merges"] / w, 1.0]
+    w, tasks = row["workers"], row["pieces"] + row["merges"]
+    return [row["flops"] / w, row["flops"] / w * _shared(row), tasks / w, tasks, 1.0]
 
 
-def _nnls(a, y):
-    """Least squares with every coefficient >= 0 (a negative cost is noise): the most
-    negative term is dropped and the rest refitted until none is negative."""
-    active = list(range(a.shape[1]))
-    while True:
-        coef = np.zeros(a.shape[1])
+def _nnls(a, y, keep=0):
+    """Least squares with every coefficient >= 0 (a negative cost is noise), exactly: the
+    best of the fits on every subset of the terms that holds ``keep`` (the work's) and gives
+    no negative coefficient (a handful of terms: 2^4 subsets)."""
+    n = a.shape[1]
+    best, best_res = None, np.inf
+    others = [i for i in range(n) if i != keep]
+    for mask in range(1 << len(others)):
+        active = [keep] + [i for j, i in enumerate(others) if mask >> j & 1]
+        coef = np.zeros(n)
         coef[active] = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
-        if coef.min() >= 0:
-            return coef
-        active.remove(int(np.argmin(coef)))
+        if coef.min() < 0 or coef[keep] <= 0:
+            continue
+        res = float(np.sum((a @ coef - y) ** 2))
+        if res < best_res:
+            best, best_res = coef, res
+    return best
 
 
 def fit_cost_model(rows) -> dict:
     """The model (`MODEL_TERMS`) fitted to measured runs (``rows``: dicts with ``flops``,
     ``pieces``, ``merges``, ``workers``, ``workers_per_machine``, ``machine_cores`` and
     ``wall``) by least squares of the relative error (each run weighs the same, whatever
-    its length), every term >= 0; with the rates per worker it implies, alone and on a
-    full machine."""
+    its length), every term >= 0 (`_nnls`); with the rates per worker it implies, alone and
+    on a full machine.  Refused where the runs cannot tell the terms apart: fewer runs than
+    terms, or runs whose design is rank-deficient (one cluster size only, one problem size
+    only)."""
     a = np.array([_design(r) for r in rows], dtype=float)
     y = np.array([r["wall"] for r in rows], dtype=float)
+    if len(rows) <= len(MODEL_TERMS) or np.linalg.matrix_rank(a / y[:, None]) < len(MODEL_TERMS):
+        raise ValueError(f"{len(rows)} runs do not determine the model's {len(MODEL_TERMS)} terms: give "
+                         "more runs than terms, on at least two cluster sizes, of several sizes and blocks")
+    if not (a[:, 0] > 0).all():
+        raise ValueError("every run must have work (flops > 0) to determine a rate")
     coef = _nnls(a / y[:, None], np.ones(len(rows)))
-    if not a[:, 0].any() or coef[0] <= 0:
-        raise ValueError("the runs do not determine a rate: give runs of different sizes")
+    if coef is None:
+        raise ValueError("the runs do not determine a positive rate: their times do not grow with the work")
     model = dict(zip(MODEL_TERMS, map(float, coef)))
     model["rate_alone"] = 1 / model["seconds_per_flop"]
     model["rate_full_machine"] = 1 / (model["seconds_per_flop"] + model["shared_seconds_per_flop"])
@@ -353,26 +384,34 @@ def model_errors(model, rows) -> list:
 
 def model_runs(clients, cases, folder, repeats=3, seed=1) -> list:
     """The model's measurements: each case ``(heads, n, d, block)`` (one batch entry,
-    causal) written to ``.npy`` files once and run on every cluster of ``clients`` (``{workers: client}``, all on this machine, warmed up),
-    the clusters in turn, ``repeats`` times; the median wall of each, with the plan's
-    counts."""
+    causal) in ``.npy`` files, run on every cluster of ``clients`` (``{workers: client}``,
+    all on this machine, warmed up).  Every case on every cluster runs once per repeat, the
+    order reversed every other repeat, so that a drift of the machine's speed over the
+    minutes this takes weighs on every case alike; each row is the median wall of its
+    ``repeats`` runs, with its `spread` and the plan's counts."""
     from ..core.validate import available_cpus
 
-    rows = []
-    for h, n, d, block in cases:
-        paths = save_case(folder, 1, h, n, d, seed=seed)
-        try:
-            walls = {w: [] for w in clients}
-            for _ in range(repeats):
-                for w, c in clients.items():
-                    walls[w].append(timed_run(c, paths, block)["wall"])
-        finally:
+    files = {}
+    try:
+        for h, n, d, _ in cases:
+            if (h, n, d) not in files:
+                files[(h, n, d)] = save_case(folder, 1, h, n, d, seed=seed)
+        runs = [(i, w) for i in range(len(cases)) for w in clients]
+        walls = {run: [] for run in runs}
+        for r in range(repeats):
+            for i, w in (runs if r % 2 == 0 else runs[::-1]):
+                h, n, d, block = cases[i]
+                walls[(i, w)].append(timed_run(clients[w], files[(h, n, d)], block)["wall"])
+    finally:
+        for paths in files.values():
             for path in paths:
                 os.remove(path)
-        for w, ws in walls.items():
-            rows.append({**plan_stats(1, h, n, d, block), "n": n, "heads": h, "d": d, "block": block,
-                         "workers": w, "workers_per_machine": w, "machine_cores": available_cpus(),
-                         "wall": statistics.median(ws), "noise": spread(ws)})
+    rows = []
+    for (i, w), ws in walls.items():
+        h, n, d, block = cases[i]
+        rows.append({**plan_stats(1, h, n, d, block), "n": n, "heads": h, "d": d, "block": block,
+                     "workers": w, "workers_per_machine": w, "machine_cores": available_cpus(),
+                     "wall": statistics.median(ws), "noise": spread(ws)})
     return rows
 
 
@@ -398,13 +437,15 @@ def scheduler_rate(client, tasks=2000) -> float:
 
 def project(model, n, heads, d, machines, cores, block, scheduler_tps, causal=True) -> dict:
     """The model's wall time for ``(1, heads, n, d)`` on ``machines`` x ``cores`` workers,
-    never below either floor: the flops at the measured rate on every worker, and the task
-    count at the measured scheduler throughput (``scheduler_tps``)."""
+    never below either floor: the flops at the fitted rate of a worker on a full machine on
+    every worker, and the task count at the measured scheduler throughput
+    (``scheduler_tps``)."""
     stats = plan_stats(1, heads, n, d, block, causal)
     workers = machines * cores
     row = {**stats, "workers": workers, "workers_per_machine": cores, "machine_cores": cores}
     model_s = predict(model, row)
-    compute_floor = stats["flops"] / (model["rate_full_machine"] * workers)
+    per_flop = model["seconds_per_flop"] + model["shared_seconds_per_flop"] * _shared(row)
+    compute_floor = stats["flops"] * per_flop / workers
     scheduler_floor = (stats["pieces"] + stats["merges"]) / scheduler_tps
     seconds = max(model_s, compute_floor, scheduler_floor)
     bound = ("scheduler" if seconds == scheduler_floor and scheduler_floor > model_s
@@ -416,6 +457,17 @@ def project(model, n, heads, d, machines, cores, block, scheduler_tps, causal=Tr
             "hours": seconds / 3600, "bound": bound}
 
 
+def rss_of_call(client, paths, block, out):
+    """One causal call written to ``out``: its result (the file, opened) and each worker's
+    peak RSS over it (`rss_peak`), by worker."""
+    from ..distributed import attention
+
+    since = monitor_now(client)
+    result = attention(*paths, client=client, causal=True, block_q=block, kv_block=block, out=out)
+    time.sleep(0.6)  # the monitor's next sample (every 0.5 s): the call's last moments
+    return result, rss_peak(client, since)
+
+
 def long_run(client, paths, block, out, samples=3) -> dict:
     """One causal call on inputs too long for the rest of the report, written block by
     block to ``out``: its wall seconds, each worker's peak RSS over it (Dask's system
@@ -423,13 +475,9 @@ def long_run(client, paths, block, out, samples=3) -> dict:
     (first, evenly spaced, last; each block's rows against the keys up to its last row,
     with bottom-right causal alignment: the same absolute-position mask), the contract's
     `rel_error` of each (`check_blocks`)."""
-    from ..distributed import attention
-
     pids = [os.getpid()] + worker_pids(client)
-    since = monitor_now(client)
     with load_watch(pids) as rec:
-        result = attention(*paths, client=client, causal=True, block_q=block, kv_block=block, out=out)
-    rss = rss_peak(client, since)
+        result, rss = rss_of_call(client, paths, block, out)
     errors = check_blocks(result, paths, block, samples)
     return {"wall": rec["wall"], "others": rec["others"], "steal": rec["steal"],
             "rss_peak": rss, "checks": errors}

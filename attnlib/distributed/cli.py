@@ -58,6 +58,10 @@ def _parser():
     p.add_argument("--kv-block", type=int, default=None, help="keys per task")
     p.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help="a Dask scheduler (tcp://host:8786); default: a LocalCluster for this run")
+    p.add_argument("--piece-device", default=None, metavar="DEVICE",
+                   help="where each piece computes on its worker: numpy, auto (a worker's GPU where it "
+                        "has one), or a torch device such as cuda (default: each worker's "
+                        "DASK_ATTNLIB__DEVICE setting, else numpy)")
     p.add_argument("--progress", action="store_true", help="show Dask's progress bar")
     return p
 
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
                    q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
                    attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
                    block_q=args.block_q, kv_block=args.kv_block,
-                   layout=args.layout, progress=args.progress)
+                   layout=args.layout, progress=args.progress, device=args.piece_device)
     try:
         q, k, v = (_input(getattr(args, n), f"--{n}") for n in ("q", "k", "v"))
         lists = load_indices(args.gather_kv_indices, "--gather-kv-indices") if args.gather_kv_indices else None

@@ -30,15 +30,17 @@ class BlockError(RuntimeError):
 
 
 def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, lists=None, qv_part=None,
-           factors=None):
+           factors=None, device=None):
     """Run the tiled kernel on one piece: ``(out (hq', bq, dv), lse parts (hq', bq, 2))``,
     the lse as ``(m, log l)`` (`online.merge_parts` merges them without the loss of a
     one-float lse at large scores); ``sink`` (the piece's ``hq'`` sinks, the first piece of a
     query block only) starts its rows; ``lists``: the piece's top-k lists in its own key
     positions (`gather_kv_indices`; entries outside the piece select nothing there);
     ``qv_part``: MLA's second query, joined here (`mla.join`); ``factors``: the piece's fp8
-    descales, laid out (`descale.factors`), applied first."""
+    descales, laid out (`descale.factors`), applied first; ``device``: where the kernel runs
+    (`_piece_device`)."""
     try:
+        dev = _piece_device(device)
         with _meter("read"):
             q, k, v = (materialize(p) for p in (q_part, k_part, v_part))
             qv = None if qv_part is None else materialize(qv_part)
@@ -46,6 +48,9 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
             q, k, v, qv = descale.scaled(q, k, v, qv, factors)
         if qv is not None:
             q, k = mla.join(q, k, v, qv)
+        if dev is not None:
+            with _meter(f"kernel on {dev}"):
+                return _piece_torch(q, k, v, spec, scale, cap, slopes, sink, lists, dev)
         with np.errstate(divide="raise", over="raise", invalid="raise"):
             q5, k5, v5, pb = problem.parse(q, k, v, scale=scale, check_finite_inputs=True)
             slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
@@ -67,6 +72,66 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
+
+
+#: The Dask configuration key a worker reads for the device its pieces run on when the call
+#: names none (`_piece_device`): e.g. ``DASK_ATTNLIB__DEVICE=cuda dask worker ...``.
+DEVICE_CONFIG = "attnlib.device"
+
+
+def _piece_device(device):
+    """The torch device a piece's kernel runs on, or None for the numpy kernel: the call's
+    ``device``, else this worker's `DEVICE_CONFIG` setting; ``"numpy"`` (or nothing set):
+    the numpy kernel; ``"auto"``: the worker's CUDA device when it has one (and torch), else
+    the numpy kernel; anything else: that torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``),
+    refused by name where the worker has none."""
+    if device is None:
+        import dask
+
+        device = dask.config.get(DEVICE_CONFIG, None)
+    if device is None or device == "numpy":
+        return None
+    if device == "auto":
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device = "cuda"
+    from ..core import device as dev_mod
+
+    return dev_mod.resolve(device)
+
+
+def _piece_torch(q, k, v, spec, scale, cap, slopes, sink, lists, dev):
+    """`_piece`'s kernel with torch on ``dev`` (`attnlib.core.torch_tiled`, the device kernel
+    of the single-process entry points): the same ``(out, lse parts)``, back on the host
+    for the merges (a piece's result is ``block_q`` rows: small beside its work)."""
+    import math
+
+    from ..core import device as dev_mod
+    from ..core import torch_flex
+    from ..core.torch_tiled import _Kernel, device_tiles
+
+    torch = dev_mod._torch()
+    q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=scale, check_finite_inputs=True, dev=dev)
+    opts = Options.parse(gather_kv_indices=lists)
+    tiles = device_tiles(dev, math.prod(pb.batch) * pb.hq, opts)
+    prec = problem.precision(None)
+    q_max, k_max, v_max = pb.maxima
+    check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=q_max, k_max=k_max)
+    slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
+    sink = None if sink is None else sink.reshape(pb.hk, pb.group)
+    with dev_mod.threads(dev, 1), torch.no_grad():  # one thread per task, as the numpy kernel
+        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, 0.0, False, 1, prec,
+                         torch_flex.device_mods(opts, pb, tiles, dev))
+        out, parts, *_ = kernel.run(q5, k5, v5, {(): spec}, sink, (0, -(-pb.sk // tiles.block_k)), True)
+        kernel.raise_flags()
+    out, parts = (np.asarray(x.cpu()) for x in (out, parts))
+    return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
 
 
 def _meter(label):
@@ -222,7 +287,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
               alibi_slopes=None, sinks=None, block_q=None, kv_block=None,
               heads_per_task=1, return_lse=False, out=None, lse_out=None, layout="bhsd",
               progress=False, gather_kv_indices=None, qv=None, q_descale=None, k_descale=None,
-              v_descale=None):
+              v_descale=None, device=None):
     """Exact float64 attention on a Dask cluster: `attnlib.attention`'s contract, piece by piece.
 
     Parameters
@@ -248,6 +313,15 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     q_descale, k_descale, v_descale : array_like, ``(..., Hk)``, optional
         fp8 descales, as in `attnlib.attention`: each piece dequantises its slices by its
         entry's and heads' factors.
+    device : str or torch.device, optional
+        Where each piece's kernel runs, on its worker: ``"numpy"`` (the numpy kernel, on the
+        worker's thread), ``"auto"`` (the worker's CUDA device when it has one, else numpy),
+        or a torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``: the device kernel of
+        `attnlib.attention` on torch tensors, float64 there).  None (the default): each
+        worker's own setting `DEVICE_CONFIG` (Dask's configuration, e.g. start a GPU
+        worker as ``DASK_ATTNLIB__DEVICE=cuda dask worker ...``), numpy where it has none.
+        Pieces merge on the host.  Workers that run the numpy kernel and workers that run a
+        device kernel agree to rounding, not bit for bit.
     block_q, kv_block : int, optional
         The query block and key range of a piece (default `DEFAULT_BLOCK`): a task's memory
         is bounded by them, whatever ``Sq`` and ``Sk``.
@@ -292,6 +366,10 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     the mask hides.  With nothing to compute (``Sq``, ``Sk`` or a batch axis of 0, every
     length 0) no cluster is used at all: ``out = 0``, ``lse = -inf`` (the sink with sinks).
     """
+    if device is not None and not (isinstance(device, str) or type(device).__name__ == "device"):
+        raise TypeError(f"device must be 'numpy', 'auto', a torch device name such as 'cuda', or a "
+                        f"torch.device; got {device!r}")
+    device = None if device is None else str(device)  # a torch.device travels to workers as its name
     block_q = validate.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
     kv_block = validate.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
     heads_per_task = validate.positive_int(heads_per_task, "heads_per_task")
@@ -421,7 +499,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                         spec, pb.scale, cap, block_slopes, p.label, piece_sink,
                         None if sel is None else _piece_lists(sel, pb, p),
                         qv_parts.get((p.entry, p.h0, p.h1, p.q0, p.q1)), _piece_factors(factors, p, g),
-                        key=f"attnlib-piece-{token}-{n}-{p.k0}", pure=False))
+                        device, key=f"attnlib-piece-{token}-{n}-{p.k0}", pure=False))
                 final = chain.root()
                 if out_target is not None:
                     final = c.submit(_write, final, out_target, out_index(b), lse_target,
@@ -510,7 +588,10 @@ class _Flow:
         n = self.finals.get(future.key)
         b = self.blocks[n] if n is not None else None
         try:
-            value = future.result()  # a task's own failure is a BlockError naming it
+            # A finished merge inside a block's chain stays on its worker for the next merge:
+            # fetched here it would cross to the client for nothing (a block's rows per merge).
+            # A block's result is fetched, and a failure raised (a BlockError naming the task).
+            value = None if b is None and future.status == "finished" else future.result()
         except BlockError:
             raise
         except Exception as e:  # cancelled elsewhere, or the cluster gave up on it

@@ -302,10 +302,10 @@ def _scaleout_costs(p):
                sum(p["model_repeats"] * len(workers) * (_pass(h, m, m, d) + TASK_WORK * 2 * _plan_pieces(h, m, bl))
                    for h, m, bl in cases), disk=3 * 8 * biggest * d)
     ln = p["long_n"]
-    lb = min(block, ln)
+    lb = min(p["long_block"], ln)
     # The cluster's run, then each sampled query block against its keys in this process
     # (its k, v slices, |v| and the two outputs; the tiled kernel's tiles).
-    yield Cost(("long_n", "long_samples", "d", "block"), "the long run (q, k, v and the output as .npy files "
+    yield Cost(("long_n", "long_block", "long_samples", "d"), "the long run (q, k, v and the output as .npy files "
                "in the temporary folder)", 6 * 8 * ln * d + 8 * 4 * lb * d + PIECE_BYTES * 2 * _plan_pieces(1, ln, lb),
                _pass(1, ln, ln, d) + TASK_WORK * 2 * _plan_pieces(1, ln, lb)
                + 2 * p["long_samples"] * _pass(1, lb, ln, d), disk=4 * 8 * ln * d)
