@@ -34,27 +34,29 @@ def cluster(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli_cluster")
     sched_file = d / "scheduler.json"
     log = open(d / "cluster.log", "wb")
-    procs = [subprocess.Popen(DASK + ["scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                                      "--scheduler-file", str(sched_file)], stdout=log, stderr=subprocess.STDOUT)]
+    scheduler = subprocess.Popen(DASK + ["scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                                         "--scheduler-file", str(sched_file)], stdout=log, stderr=subprocess.STDOUT)
+    workers = []  # the tests replace the workers they kill: these are stopped at the end
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while not sched_file.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert sched_file.exists(), (d / "cluster.log").read_text()
-        workers = [_worker(sched_file, f"w{i}", log) for i in range(2)]
-        procs += workers
+        workers += [_worker(sched_file, f"w{i}", log) for i in range(2)]
         with distributed.Client(scheduler_file=str(sched_file), timeout=START_TIMEOUT) as client:
             client.wait_for_workers(2, timeout=START_TIMEOUT)
             yield client, client.scheduler.address, sched_file, workers, log
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    finally:  # the workers first (each closes with the scheduler still there), then the scheduler
+        for group in (workers, [scheduler]):
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()
+            for p in group:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         log.close()
 
 

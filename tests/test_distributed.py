@@ -504,3 +504,86 @@ def test_pieces_on_a_torch_device_by_call_or_by_worker_setting(tmp_path):
     assert np.array_equal(by_worker, torch_out) and np.array_equal(forced, numpy_out)
     with pytest.raises(TypeError, match="device"):
         attnlib.distributed.attention(*paths, client="tcp://127.0.0.1:1", device=3, **options)
+
+
+_PIECE_CASES = {
+    "plain": {},
+    "causal top-left, GQA": dict(causal=True, causal_align="top_left", gqa=True),
+    "window, sink tokens": dict(causal=True, window=(40, 0), sink_token_length=3, k0=0),
+    "documents": dict(segments=True),
+    "softcap, ALiBi, sinks": dict(causal=True, softcap=20.0, alibi=True, sinks=True),
+    "padding, left pad, chunk": dict(q_lengths=[90], kv_lengths=[150], key_leftpad=[7], attention_chunk=64),
+    "top-k lists": dict(lists=True),
+    "per-head top-k lists, GQA": dict(lists="per head", gqa=True),
+    "fully masked rows": dict(causal=True, causal_align="bottom_right", small_k=True),
+}
+
+
+@pytest.mark.parametrize("case", list(_PIECE_CASES))
+def test_a_torch_cpu_piece_equals_the_numpy_piece(case, monkeypatch):
+    """`engine._piece` with the device kernel (torch CPU here) gives the numpy piece's
+    ``(out, (m, log l))`` to rounding, option by option, on a piece cut from inside a larger
+    problem (its own offset, lengths and document ids); no cluster needed."""
+    pytest.importorskip("torch")
+    from attnlib.core import masks, torch_tiled
+    from attnlib.distributed.engine import _piece
+
+    o = _PIECE_CASES[case]
+    rng = np.random.default_rng(3)
+    hq, hk, sq, sk, d = 4, 2 if o.get("gqa") else 4, 96, 40 if o.get("small_k") else 160, 16
+    q, k, v = (rng.standard_normal((1, h, s, d)) * 2 for h, s in ((hq, sq), (hk, sk), (hk, sk)))
+    seg = None
+    if o.get("segments"):
+        seg = dict(q_segment_ids=np.repeat([[0, 1, 2]], [32, 32, 32], axis=1)[:, :sq],
+                   kv_segment_ids=np.repeat([[0, 1, 2, 3]], [40, 50, 40, 30], axis=1)[:, :sk])
+    keys = dict(causal=o.get("causal", False), causal_align=o.get("causal_align", "bottom_right"),
+                window=o.get("window"), q_lengths=o.get("q_lengths"), kv_lengths=o.get("kv_lengths"),
+                key_leftpad=o.get("key_leftpad"), attention_chunk=o.get("attention_chunk"),
+                sink_token_length=o.get("sink_token_length", 0), **(seg or {}))
+    k0 = o.get("k0", 64)  # a piece from inside; the sink tokens' from the first key
+    spec = masks.mask_specs((1,), sq + 32, sk + k0, **{n: _padded_ids(x, k0) for n, x in keys.items()})
+    spec = next(iter(spec.values())).piece(32, 32 + sq, k0, k0 + sk)
+    slopes = np.linspace(0.05, 0.4, hq) if o.get("alibi") else None
+    sink = np.linspace(-1.0, 2.0, hq) if o.get("sinks") else None
+    lists = None
+    if o.get("lists"):
+        lists = np.sort(rng.choice(sk, (hk, sq, 12) if o["lists"] == "per head" else (sq, 12)), -1)
+        lists[..., ::5, 6:] = -1  # short lists
+    args = (q[0], k[0], v[0], spec, 0.3, o.get("softcap"), slopes, "p", sink, lists)
+    want = _piece(*args)
+    chosen = []  # the tiles the device piece takes
+    device_tiles = torch_tiled.device_tiles
+    monkeypatch.setattr(torch_tiled, "device_tiles", lambda *a, **kw: chosen.append(device_tiles(*a, **kw))
+                        or chosen[-1])
+    got = _piece(*args, device="cpu")
+    scale = np.abs(want[0]).max()
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=1e-13 * scale)
+    finite = np.isfinite(want[1])
+    assert np.array_equal(finite, np.isfinite(got[1])) and np.array_equal(want[1][~finite], got[1][~finite])
+    np.testing.assert_allclose(got[1][finite], want[1][finite], rtol=1e-13, atol=1e-13)
+    if o.get("small_k"):
+        assert not np.isfinite(want[1][..., 0]).all()  # some rows see no key: m = -inf there
+    # Documents and narrow windows take the CPU's smaller tiles.
+    assert chosen == [torch_tiled.CPU_MASK_TILES if seg or o.get("window") else torch_tiled.CPU_TILES]
+    if o.get("sink_token_length"):  # the sink tokens are in this piece: they change it
+        plain = masks.mask_specs((1,), sq + 32, sk, **dict(keys, sink_token_length=0))[()].piece(32, 32 + sq, 0, sk)
+        assert not np.allclose(_piece(q[0], k[0], v[0], plain, *args[4:])[0], want[0])
+
+
+def _padded_ids(x, k0):
+    """A per-piece mask argument widened to the whole problem: document ids padded with their
+    edge values before the piece's rows (32) and keys (``k0``); the rest as given."""
+    if isinstance(x, np.ndarray):  # document ids (1, s)
+        pad = 32 if x.shape[1] == 96 else k0
+        return np.pad(x, ((0, 0), (pad, 0)), mode="edge")
+    return x
+
+
+def test_a_device_name_no_torch_device_has_is_refused_before_any_task():
+    """A typo in ``device=`` is refused on the client, naming the argument, before a task
+    runs (the client address here reaches no cluster)."""
+    pytest.importorskip("torch")
+    q = np.zeros((1, 1, 8, 4))
+    for bad in ("cdua", "meta", "cuda:x"):
+        with pytest.raises(ValueError, match="device"):
+            attnlib.distributed.attention(q, q, q, client="tcp://127.0.0.1:1", device=bad)

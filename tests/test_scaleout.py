@@ -14,13 +14,13 @@ pytest.importorskip("distributed")
 from attnlib.bench import scaleout  # noqa: E402
 
 
-def _row(flops, pieces, merges, workers, cores=2, **kw):
-    return {"flops": flops, "pieces": pieces, "merges": merges, "workers": workers,
+def _row(flops, pieces, merges, workers, cores=2, piece_flops=0, **kw):
+    return {"flops": flops, "piece_flops": piece_flops, "pieces": pieces, "merges": merges, "workers": workers,
             "workers_per_machine": workers, "machine_cores": cores, **kw}
 
 
 TRUE = {"seconds_per_flop": 4e-11, "shared_seconds_per_flop": 1e-11, "seconds_per_task": 3e-3,
-        "serial_seconds_per_task": 1e-3, "latency_seconds": 0.05}
+        "serial_seconds_per_task": 1e-3, "latency_seconds": 0.05, "tail_seconds_per_flop": 3e-11}
 
 
 def _synthetic(cases, noise=0.0, seed=0):
@@ -29,7 +29,7 @@ def _synthetic(cases, noise=0.0, seed=0):
     for h, n, block in cases:
         st = scaleout.plan_stats(1, h, n, 64, block)
         for w in (1, 2):
-            r = _row(st["flops"], st["pieces"], st["merges"], w)
+            r = _row(st["flops"], st["pieces"], st["merges"], w, piece_flops=st["piece_flops"])
             r["wall"] = scaleout.predict(TRUE, r) * (1 + noise * rng.uniform(-1, 1))
             rows.append(r)
     return rows
@@ -51,10 +51,39 @@ def test_cost_model_recovers_its_terms_and_predicts_held_out_runs():
     assert max(map(abs, scaleout.model_errors(noisy, _synthetic(HELD)))) < 0.15
 
 
+def test_cost_model_with_the_shared_slowdown_measured_apart():
+    """Given what a busy machine adds to a worker's seconds per flop (here the true 1/4),
+    the fit holds it and recovers the other terms; `kernel_slowdown` reads it from the
+    kernel seconds of the same problem on 1 and 2 workers, and on 2 and 4 of 4 cores."""
+    model = scaleout.fit_cost_model(_synthetic(FIT), shared_slowdown=0.25)
+    for term, value in TRUE.items():
+        assert model[term] == pytest.approx(value, rel=1e-6), term
+    assert model["shared_slowdown"] == 0.25
+    # A wrong slowdown is not taken back by the fit: the runs on 2 workers show it.
+    wrong = scaleout.fit_cost_model(_synthetic(FIT), shared_slowdown=1.0)
+    assert max(map(abs, scaleout.model_errors(wrong, _synthetic(HELD)))) > 0.05
+    assert scaleout.kernel_slowdown({1: {"kernel": 8.0}, 2: {"kernel": 10.0}}, 2) == pytest.approx(0.25)
+    # 4 cores: 2 workers share 1/3 of the others, 4 all of them; 1 + k/3 : 1 + k = 10 : 12.
+    k = scaleout.kernel_slowdown({2: {"kernel": 10.0}, 4: {"kernel": 12.0}}, 4)
+    assert (1 + k) / (1 + k / 3) == pytest.approx(1.2)
+    assert scaleout.kernel_slowdown({1: {"kernel": 8.0}, 2: {"kernel": 7.5}}, 2) == 0.0  # noise
+    with pytest.raises(ValueError, match="shared_slowdown"):
+        scaleout.fit_cost_model(_synthetic(FIT), shared_slowdown=-0.1)
+    with pytest.raises(ValueError, match="two cluster sizes"):
+        scaleout.kernel_slowdown({2: {"kernel": 1.0}}, 2)
+    with pytest.raises(ValueError, match="kernel seconds > 0"):
+        scaleout.kernel_slowdown({1: {"kernel": 0.0}, 2: {"kernel": 1.0}}, 2)
+    with pytest.raises(TypeError, match="shared_slowdown"):
+        scaleout.fit_cost_model(_synthetic(FIT), shared_slowdown="0.1")
+    # Keys as a report's JSON gives them back; numpy scalars taken as numbers.
+    assert scaleout.kernel_slowdown({"1": {"kernel": 8.0}, "10": {"kernel": 10.0}}, 10) == pytest.approx(0.25)
+    assert scaleout.fit_cost_model(_synthetic(FIT), shared_slowdown=np.float32(0.25))["shared_slowdown"] == 0.25
+
+
 def test_cost_model_keeps_its_rate_when_latency_dominates():
     """Tiny runs on a loaded machine, whose wall is mostly latency: the rate term stays in
     the fit (another term is dropped), not the other way round."""
-    rows = _synthetic([(1, 1024, 256), (1, 2048, 256), (1, 2048, 512)])
+    rows = _synthetic([(1, 1024, 256), (1, 2048, 256), (1, 2048, 512), (1, 1024, 512)])
     rng = np.random.default_rng(1)
     for r in rows:
         r["wall"] = 0.5 * (1 + 0.3 * rng.uniform(-1, 1)) + 1e-3 * r["wall"]
@@ -73,8 +102,9 @@ def test_cost_model_terms_are_never_negative_and_a_model_without_a_rate_is_refus
 
     a = np.array([scaleout._design(r) for r in rows]) / np.array([r["wall"] for r in rows])[:, None]
     best = float(np.sum((a @ [model[t] for t in scaleout.MODEL_TERMS] - 1) ** 2))
-    for k in range(1, 6):
-        for cols in itertools.combinations(range(5), k):
+    terms = len(scaleout.MODEL_TERMS)
+    for k in range(1, terms + 1):
+        for cols in itertools.combinations(range(terms), k):
             c = np.linalg.lstsq(a[:, cols], np.ones(len(rows)), rcond=None)[0]
             if (c >= 0).all() and 0 in cols and c[0] > 0:
                 assert float(np.sum((a[:, cols] @ c - 1) ** 2)) >= best - 1e-12
@@ -184,7 +214,7 @@ def test_check_blocks_samples_the_first_and_last_blocks_and_catches_a_wrong_one(
     assert max(c["rel_error"] for c in scaleout.check_blocks(between, paths, 256, 3)) < 1e-13
 
 
-def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path):
+def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path, monkeypatch):
     """One small pass of everything the report runs on clusters: the same bits on 1 and 2
     workers, the phases of each call (the piece's slices read are metered inside the task),
     the load beside each median, the model's runs, the scheduler's rate and the long run's
@@ -206,7 +236,16 @@ def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path):
     assert t["others_max"] >= 0 and len(t["loadavg"]) == 3 * 2
     with scaleout.clusters((1, 2)) as clients:
         cases = [(1, 1024, 32, 256), (1, 2048, 32, 512), (1, 1024, 32, 512)]
-        rows = scaleout.model_runs(clients, cases, str(tmp_path), repeats=2)
+        runs, before = [], []  # the timed runs, and how many came before `middle`
+        timed_run = scaleout.timed_run
+
+        def counted(*a, **kw):
+            runs.append(1)
+            return timed_run(*a, **kw)
+
+        monkeypatch.setattr(scaleout, "timed_run", counted)
+        rows = scaleout.model_runs(clients, cases, str(tmp_path), repeats=2, middle=lambda: before.append(len(runs)))
+        assert before == [len(cases) * 2] and len(runs) == 2 * len(cases) * 2  # once, between the repeats
         assert [(r["n"], r["block"], r["workers"]) for r in rows] == [
             (1024, 256, 1), (1024, 256, 2), (2048, 512, 1), (2048, 512, 2), (1024, 512, 1), (1024, 512, 2)]
         assert not list(tmp_path.glob("*_1x1x*.npy"))  # the cases' files are removed

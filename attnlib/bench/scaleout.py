@@ -10,6 +10,7 @@ to the measured runs that projects contexts no one machine can finish.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import statistics
 import time
@@ -32,7 +33,9 @@ def save_case(folder, b: int, h: int, n: int, d: int, seed: int = 0) -> tuple:
 
 
 def plan_stats(b, h, n, d, block, causal=True, heads_per_task=1) -> dict:
-    """Task counts of the plan and the bytes each piece reads (q block, k and v ranges)."""
+    """Task counts of the plan, the bytes each piece reads (q block, k and v ranges), the
+    visible pairs and their flops, and the flops of the plan's largest piece (its whole
+    ``block_q x kv_block`` rectangle)."""
     from ..distributed import count_tasks, make_plan
 
     specs = mask_specs((b,), n, n, causal=causal)
@@ -40,9 +43,11 @@ def plan_stats(b, h, n, d, block, causal=True, heads_per_task=1) -> dict:
     counts = count_tasks(blocks)
     piece_bytes = [8 * heads_per_task * ((p.q1 - p.q0) * d + 2 * (p.k1 - p.k0) * d)
                    for blk in blocks for p in blk.pieces]
+    piece_flops = 4 * d * heads_per_task * max((p.q1 - p.q0) * (p.k1 - p.k0)
+                                               for blk in blocks for p in blk.pieces)
     visible = b * h * (n * (n + 1) // 2 if causal else n * n)
     return {**counts, "bytes_per_piece": int(max(piece_bytes)), "bytes_read": int(sum(piece_bytes)),
-            "visible_pairs": visible, "flops": 4 * d * visible}
+            "visible_pairs": visible, "flops": 4 * d * visible, "piece_flops": int(piece_flops)}
 
 
 #: Dask's own diagnostics, off in the clusters measured here: the workers' statistical
@@ -66,6 +71,11 @@ def local_cluster(workers: int):
         yield client
 
 
+#: What the timed calls' pieces run on: the numpy kernel always, whatever a worker's
+#: ``attnlib.device`` setting says (the single process they are compared with is numpy).
+NUMPY = "numpy"
+
+
 @contextlib.contextmanager
 def clusters(worker_counts):
     """A `local_cluster` of each size in ``worker_counts``, all started at once:
@@ -83,7 +93,8 @@ def timed_run(client, paths, block, causal=True, out=None) -> dict:
 
     with get_task_stream(client=client) as stream:
         start = time.perf_counter()
-        result = attention(*paths, client=client, causal=causal, block_q=block, kv_block=block, out=out)
+        result = attention(*paths, client=client, causal=causal, block_q=block, kv_block=block, out=out,
+                           device=NUMPY)
         wall = time.perf_counter() - start
     busy = {"piece": 0.0, "merge": 0.0, "other": 0.0}
     tasks = {"piece": 0, "merge": 0, "other": 0}
@@ -291,7 +302,7 @@ def worker_peaks(client, paths, block, out, causal=True, kv_block=None, calls=2)
     for _ in range(calls):
         client.run(_trace_start)
         attention(*paths, client=client, causal=causal, block_q=block,
-                  kv_block=block if kv_block is None else kv_block, out=out)
+                  kv_block=block if kv_block is None else kv_block, out=out, device=NUMPY)
         now = [(peak, left, peak - left) for left, peak in
                (client.run(_trace_now)[w] for w in sorted(client.scheduler_info()["workers"]))]
         best = now if best is None else [min(a, b, key=lambda x: x[2]) for a, b in zip(best, now)]
@@ -310,12 +321,15 @@ def growth_bound(n_before: int, n_after: int, d: int) -> int:
 #: The cost model's terms: a run's wall seconds on ``w`` workers, ``w_m`` of them on each
 #: machine of ``c`` cores, with ``tasks`` pieces and merges, are
 #: ``flops / w (t_flop + t_shared (w_m - 1) / (c - 1)) + tasks t_task / w + tasks t_serial
-#: + latency``: a worker's time per flop alone on its machine, what the other busy workers
-#: of its machine add to it (shared caches, memory bandwidth, hyperthreads), a cost per task
-#: spread over the workers, a cost per task that no worker count divides (the client
-#: submitting the tasks one by one, the scheduler), and a fixed latency per call.
+#: + latency + piece_flops (w - 1) / w t_tail``: a worker's time per flop alone on its
+#: machine, what the other busy workers of its machine add to it (shared caches, memory
+#: bandwidth, hyperthreads), a cost per task spread over the workers, a cost per task that
+#: no worker count divides (the client submitting the tasks one by one, the scheduler), a
+#: fixed latency per call, and the call's tail: its last pieces, run while the other
+#: workers have nothing left (about one piece's seconds of ``w - 1`` of the ``w``
+#: workers; none on one worker).
 MODEL_TERMS = ("seconds_per_flop", "shared_seconds_per_flop", "seconds_per_task",
-               "serial_seconds_per_task", "latency_seconds")
+               "serial_seconds_per_task", "latency_seconds", "tail_seconds_per_flop")
 
 
 def _shared(row) -> float:
@@ -326,13 +340,14 @@ def _shared(row) -> float:
 
 def _design(row) -> list:
     w, tasks = row["workers"], row["pieces"] + row["merges"]
-    return [row["flops"] / w, row["flops"] / w * _shared(row), tasks / w, tasks, 1.0]
+    return [row["flops"] / w, row["flops"] / w * _shared(row), tasks / w, tasks, 1.0,
+            row["piece_flops"] * (w - 1) / w]
 
 
 def _nnls(a, y, keep=0):
     """Least squares with every coefficient >= 0 (a negative cost is noise), exactly: the
     best of the fits on every subset of the terms that holds ``keep`` (the work's) and gives
-    no negative coefficient (a handful of terms: 2^4 subsets)."""
+    no negative coefficient (a handful of terms: 2^5 subsets)."""
     n = a.shape[1]
     best, best_res = None, np.inf
     others = [i for i in range(n) if i != keep]
@@ -348,28 +363,76 @@ def _nnls(a, y, keep=0):
     return best
 
 
-def fit_cost_model(rows) -> dict:
+def fit_cost_model(rows, shared_slowdown=None) -> dict:
     """The model (`MODEL_TERMS`) fitted to measured runs (``rows``: dicts with ``flops``,
-    ``pieces``, ``merges``, ``workers``, ``workers_per_machine``, ``machine_cores`` and
-    ``wall``) by least squares of the relative error (each run weighs the same, whatever
-    its length), every term >= 0 (`_nnls`); with the rates per worker it implies, alone and
-    on a full machine.  Refused where the runs cannot tell the terms apart: fewer runs than
-    terms, or runs whose design is rank-deficient (one cluster size only, one problem size
-    only)."""
+    ``piece_flops``, ``pieces``, ``merges``, ``workers``, ``workers_per_machine``,
+    ``machine_cores`` and ``wall``) by least squares of the relative error (each run weighs
+    the same, whatever its length), every term >= 0 (`_nnls`); with the rates per worker it
+    implies, alone and on a full machine.
+
+    ``shared_slowdown``: what a machine's other busy cores add to a worker's seconds per
+    flop, as a fraction, measured apart (`kernel_slowdown`); the fit then holds
+    ``t_shared = shared_slowdown x t_flop`` and fits the other terms.  Fitted from the walls
+    instead, it takes on the per-call costs of short runs on many workers (which time
+    does not divide by the workers) and is too slow on long ones.
+
+    Refused where the runs cannot tell the terms apart: no more runs than terms, or runs
+    whose design is rank-deficient (one cluster size only, one problem size only)."""
     a = np.array([_design(r) for r in rows], dtype=float)
     y = np.array([r["wall"] for r in rows], dtype=float)
-    if len(rows) <= len(MODEL_TERMS) or np.linalg.matrix_rank(a / y[:, None]) < len(MODEL_TERMS):
-        raise ValueError(f"{len(rows)} runs do not determine the model's {len(MODEL_TERMS)} terms: give "
+    free = list(range(len(MODEL_TERMS)))
+    if shared_slowdown is not None:
+        if isinstance(shared_slowdown, bool) or not isinstance(shared_slowdown, numbers.Real):
+            raise TypeError(f"shared_slowdown must be a real number, got {shared_slowdown!r}")
+        shared_slowdown = float(shared_slowdown)
+        if not 0 <= shared_slowdown < np.inf:
+            raise ValueError(f"shared_slowdown must be a finite fraction >= 0, got {shared_slowdown!r}")
+        a[:, 0] += shared_slowdown * a[:, 1]  # t_shared = shared_slowdown x t_flop
+        free.remove(1)
+    a = a[:, free]
+    if len(rows) <= len(free) or np.linalg.matrix_rank(a / y[:, None]) < len(free):
+        raise ValueError(f"{len(rows)} runs do not determine the model's {len(free)} fitted terms: give "
                          "more runs than terms, on at least two cluster sizes, of several sizes and blocks")
     if not (a[:, 0] > 0).all():
         raise ValueError("every run must have work (flops > 0) to determine a rate")
-    coef = _nnls(a / y[:, None], np.ones(len(rows)))
-    if coef is None:
+    fitted = _nnls(a / y[:, None], np.ones(len(rows)))
+    if fitted is None:
         raise ValueError("the runs do not determine a positive rate: their times do not grow with the work")
+    coef = np.zeros(len(MODEL_TERMS))
+    coef[free] = fitted
+    if shared_slowdown is not None:
+        coef[1] = shared_slowdown * coef[0]
     model = dict(zip(MODEL_TERMS, map(float, coef)))
+    model["shared_slowdown"] = None if shared_slowdown is None else float(shared_slowdown)
     model["rate_alone"] = 1 / model["seconds_per_flop"]
     model["rate_full_machine"] = 1 / (model["seconds_per_flop"] + model["shared_seconds_per_flop"])
     return model
+
+
+def kernel_slowdown(phases, cores) -> float:
+    """What the machine's other busy cores add to a worker's seconds per flop, as a fraction
+    per unit of `_shared`'s share: from the kernel seconds (Dask's metrics, `phases`) of the
+    same problem on the smallest and the largest cluster of ``phases`` (``{workers:
+    phases}``), timed in turn (`time_single_vs_cluster`); never below 0 (a faster kernel on
+    a busier machine is noise)."""
+    phases = {int(w): p for w, p in phases.items()}  # keys as read back from a report's JSON too
+    if len(phases) < 2:
+        raise ValueError("kernel_slowdown needs the phases of at least two cluster sizes")
+    lo, hi = min(phases), max(phases)
+    if not (phases[lo]["kernel"] > 0 and phases[hi]["kernel"] > 0):
+        raise ValueError(f"kernel_slowdown needs kernel seconds > 0 on both clusters (Dask's fine metrics), got "
+                         f"{phases[lo]['kernel']!r} and {phases[hi]['kernel']!r}")
+
+    def share(w):
+        return (w - 1) / (cores - 1) if cores > 1 else 0.0
+
+    if share(hi) == share(lo):
+        raise ValueError(f"clusters of {lo} and {hi} workers on {cores} cores share the machine alike")
+    # seconds per flop t (1 + slowdown x share): the ratio of the two solved for the slowdown
+    ratio = phases[hi]["kernel"] / phases[lo]["kernel"]
+    if share(hi) - ratio * share(lo) <= 0:
+        raise ValueError(f"the kernel's seconds on {lo} and {hi} workers ({ratio:.2f}x) fit no slowdown")
+    return max(0.0, (ratio - 1) / (share(hi) - ratio * share(lo)))
 
 
 def predict(model, row) -> float:
@@ -382,13 +445,16 @@ def model_errors(model, rows) -> list:
     return [predict(model, r) / r["wall"] - 1 for r in rows]
 
 
-def model_runs(clients, cases, folder, repeats=3, seed=1) -> list:
+def model_runs(clients, cases, folder, repeats=4, seed=1, middle=None) -> list:
     """The model's measurements: each case ``(heads, n, d, block)`` (one batch entry,
     causal) in ``.npy`` files, run on every cluster of ``clients`` (``{workers: client}``,
     all on this machine, warmed up).  Every case on every cluster runs once per repeat, the
     order reversed every other repeat, so that a drift of the machine's speed over the
     minutes this takes weighs on every case alike; each row is the median wall of its
-    ``repeats`` runs, with its `spread` and the plan's counts."""
+    ``repeats`` runs, with its `spread` and the plan's counts.  ``middle``, when given, is
+    called once halfway through the repeats (a long run the model is to predict: the runs
+    it is fitted on then lie on both sides of it in time, and a drift of the machine's speed
+    between the two does not fall on the long run alone)."""
     from ..core.validate import available_cpus
 
     files = {}
@@ -399,6 +465,8 @@ def model_runs(clients, cases, folder, repeats=3, seed=1) -> list:
         runs = [(i, w) for i in range(len(cases)) for w in clients]
         walls = {run: [] for run in runs}
         for r in range(repeats):
+            if middle is not None and r == repeats // 2:
+                middle()
             for i, w in (runs if r % 2 == 0 else runs[::-1]):
                 h, n, d, block = cases[i]
                 walls[(i, w)].append(timed_run(clients[w], files[(h, n, d)], block)["wall"])
@@ -457,15 +525,13 @@ def project(model, n, heads, d, machines, cores, block, scheduler_tps, causal=Tr
             "hours": seconds / 3600, "bound": bound}
 
 
-def rss_of_call(client, paths, block, out):
-    """One causal call written to ``out``: its result (the file, opened) and each worker's
-    peak RSS over it (`rss_peak`), by worker."""
-    from ..distributed import attention
-
+def rss_of_call(client, paths, block, out=None) -> dict:
+    """One causal `timed_run` (written to ``out`` when given) and each worker's peak RSS over
+    it (`rss_peak`), by worker, as ``"rss_peak"``."""
     since = monitor_now(client)
-    result = attention(*paths, client=client, causal=True, block_q=block, kv_block=block, out=out)
+    run = timed_run(client, paths, block, out=out)
     time.sleep(0.6)  # the monitor's next sample (every 0.5 s): the call's last moments
-    return result, rss_peak(client, since)
+    return {**run, "rss_peak": rss_peak(client, since)}
 
 
 def long_run(client, paths, block, out, samples=3) -> dict:
@@ -477,10 +543,10 @@ def long_run(client, paths, block, out, samples=3) -> dict:
     `rel_error` of each (`check_blocks`)."""
     pids = [os.getpid()] + worker_pids(client)
     with load_watch(pids) as rec:
-        result, rss = rss_of_call(client, paths, block, out)
-    errors = check_blocks(result, paths, block, samples)
+        run = rss_of_call(client, paths, block, out)
+    errors = check_blocks(run["result"], paths, block, samples)
     return {"wall": rec["wall"], "others": rec["others"], "steal": rec["steal"],
-            "rss_peak": rss, "checks": errors}
+            "rss_peak": run["rss_peak"], "checks": errors}
 
 
 def check_blocks(result, paths, block, samples) -> list:

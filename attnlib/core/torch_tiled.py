@@ -47,15 +47,18 @@ CPU_MASK_TILES = TileSizes(256, 256)
 NARROW = 1024
 
 
-def device_tiles(dev, heads: int, opts: Options | None = None) -> TileSizes:
+def device_tiles(dev, heads: int, opts: Options | None = None, *, spec=None) -> TileSizes:
     """The default tiles on ``dev``: on the CPU `CPU_TILES` (`CPU_MASK_TILES` under
-    documents or a narrow window), on a GPU square tiles of up to 4096 whose
-    ``heads * block_q * block_k`` float64 scores fit `GPU_TILE_BYTES` (a per-tile Python
-    loop is launch-bound there)."""
+    documents or a narrow window, read from ``opts`` or a piece's mask ``spec``), on a GPU
+    square tiles of up to 4096 whose ``heads * block_q * block_k`` float64 scores fit
+    `GPU_TILE_BYTES` (a per-tile Python loop is launch-bound there)."""
     if dev.type == "cpu":
-        window = (None, None) if opts is None or opts.window is None else tuple(opts.window)
+        if spec is not None:
+            window, documents = tuple(spec.window), spec.q_segments is not None
+        else:
+            window = (None, None) if opts is None or opts.window is None else tuple(opts.window)
+            documents = opts is not None and opts.q_segment_ids is not None
         narrow = any(w is not None and 0 <= w < NARROW for w in window)
-        documents = opts is not None and opts.q_segment_ids is not None
         return CPU_MASK_TILES if narrow or documents else CPU_TILES
     side = 4096
     while side > 256 and heads * side * side * 8 > GPU_TILE_BYTES:
@@ -201,11 +204,10 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
     mods = torch_flex.device_mods(opts, pb, tiles, dev)  # (mask_mod, score_mod, block_mask) or None, checked
     prec = problem.precision(compute_dtype)
     cap, slopes, sink = opts.score_terms(pb, prec)
-    q_max, k_max, v_max = pb.maxima
+    v_max = pb.maxima[2]
     # Values beyond the compute type's range round to inf there (the host path's message).
     problem.check_representable(prec, **{n: np.array(extremes.get(n, (0.0, 0.0))) for n in "qkv"})
-    check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=q_max, k_max=k_max) \
-        if pb.sq and pb.sk else False
+    check = _overflow_check(q5, k5, pb, prec)
     if tau:
         tau = problem.safe_threshold(tau, prec, pb.sk, v_max)
     n_k_tiles = -(-pb.sk // tiles.block_k)
@@ -235,6 +237,33 @@ def forward(q, k, v, opts: Options, *, dev, block_q=None, block_k=None, kv_split
             maxes = None if maxes is None else maxes.to(kernel.acc)
     return results(pb, tiles, out, lse, sum(np.asarray(p[2].cpu()) for p in partials) if return_stats else None,
                    partials[0][3], return_lse=return_lse, return_stats=return_stats, max_scores=maxes)
+
+
+def piece(q, k, v, spec, opts: Options, *, dev, cap, slopes, sink):
+    """One piece of a larger problem (`attnlib.distributed`): all of its keys under its own
+    mask ``spec``, float64, on one thread (the cluster's workers are the parallelism):
+    ``(out (..., hk, g, sq, dv), lse parts (..., hk, g, sq, 2))`` as ``(m, log l)``, the
+    problem's `problem.Problem` beside them. ``opts`` carries the scale and the top-k lists;
+    ``slopes`` and ``sink``: one per query head, or None."""
+    torch = dev_mod._torch()
+    q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=opts.scale, check_finite_inputs=True, dev=dev)
+    slopes, sink = (None if x is None else x.reshape(pb.hk, pb.group) for x in (slopes, sink))
+    tiles = device_tiles(dev, math.prod(pb.batch) * pb.hq, opts, spec=spec)
+    prec = problem.precision(None)
+    with dev_mod.threads(dev, 1), torch.no_grad():
+        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, _overflow_check(q5, k5, pb, prec),
+                         pb.maxima[2], 0.0, False, 1, prec, torch_flex.device_mods(opts, pb, tiles, dev))
+        out, parts, *_ = kernel.run(q5, k5, v5, {(): spec}, sink, (0, -(-pb.sk // tiles.block_k)), True)
+        kernel.raise_flags()
+    return out, parts, pb
+
+
+def _overflow_check(q5, k5, pb, prec) -> bool:
+    """Whether a score may overflow ``prec``'s accumulator (`problem.scores_may_overflow`),
+    checked per tile when it may."""
+    q_max, k_max, _ = pb.maxima
+    return problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=q_max, k_max=k_max) \
+        if pb.sq and pb.sk else False
 
 
 class _Kernel:

@@ -106,30 +106,32 @@ def _piece_device(device):
     return dev_mod.resolve(device)
 
 
+def _check_device_name(device: str):
+    """Refuse a name no torch device has before any task runs (a typo would otherwise fail on
+    every worker); whether a worker has that device is the worker's to say (`_piece_device`).
+    Without torch here, the workers judge the name."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not 'numpy', 'auto' or a torch device ({e})") from None
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds no values to compute with")
+
+
 def _piece_torch(q, k, v, spec, scale, cap, slopes, sink, lists, dev):
-    """`_piece`'s kernel with torch on ``dev`` (`attnlib.core.torch_tiled`, the device kernel
-    of the single-process entry points): the same ``(out, lse parts)``, back on the host
-    for the merges (a piece's result is ``block_q`` rows: small beside its work)."""
-    import math
+    """`_piece`'s kernel with torch on ``dev`` (`torch_tiled.piece`): the same ``(out, lse
+    parts)``, back on the host for the merges (a piece's result is ``block_q`` rows: small
+    beside its work)."""
+    from ..core import torch_tiled
 
-    from ..core import device as dev_mod
-    from ..core import torch_flex
-    from ..core.torch_tiled import _Kernel, device_tiles
-
-    torch = dev_mod._torch()
-    q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=scale, check_finite_inputs=True, dev=dev)
-    opts = Options.parse(gather_kv_indices=lists)
-    tiles = device_tiles(dev, math.prod(pb.batch) * pb.hq, opts)
-    prec = problem.precision(None)
-    q_max, k_max, v_max = pb.maxima
-    check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=q_max, k_max=k_max)
-    slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
-    sink = None if sink is None else sink.reshape(pb.hk, pb.group)
-    with dev_mod.threads(dev, 1), torch.no_grad():  # one thread per task, as the numpy kernel
-        kernel = _Kernel(torch, dev, pb, tiles, cap, slopes, check, v_max, 0.0, False, 1, prec,
-                         torch_flex.device_mods(opts, pb, tiles, dev))
-        out, parts, *_ = kernel.run(q5, k5, v5, {(): spec}, sink, (0, -(-pb.sk // tiles.block_k)), True)
-        kernel.raise_flags()
+    out, parts, pb = torch_tiled.piece(q, k, v, spec, Options.parse(scale=scale, gather_kv_indices=lists),
+                                       dev=dev, cap=cap, slopes=slopes, sink=sink)
     out, parts = (np.asarray(x.cpu()) for x in (out, parts))
     return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
 
@@ -370,6 +372,8 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         raise TypeError(f"device must be 'numpy', 'auto', a torch device name such as 'cuda', or a "
                         f"torch.device; got {device!r}")
     device = None if device is None else str(device)  # a torch.device travels to workers as its name
+    if device not in (None, "numpy", "auto"):
+        _check_device_name(device)
     block_q = validate.positive_int(DEFAULT_BLOCK if block_q is None else block_q, "block_q")
     kv_block = validate.positive_int(DEFAULT_BLOCK if kv_block is None else kv_block, "kv_block")
     heads_per_task = validate.positive_int(heads_per_task, "heads_per_task")
