@@ -311,3 +311,80 @@ def test_bad_kv_splits():
     q, k, v = random_qkv(5, 7, 4, seed=0)
     with pytest.raises(ValueError, match="kv_splits must be a positive integer"):
         attention(q, k, v, kv_splits=0)
+
+
+def _packed_ids(rng, n, docs):
+    """Ascending document ids of ``n`` positions in ``docs`` runs (some may be empty)."""
+    cuts = np.sort(rng.integers(0, n + 1, docs - 1))
+    return np.searchsorted(cuts, np.arange(n), side="right")
+
+
+def _scored_pairs():
+    """A `tile_scores` step that counts the score pairs it forms, and the count."""
+    from attnlib.core import hooks
+
+    pairs = [0]
+
+    def tile_scores(q_i, k_j, *args, **kwargs):
+        pairs[0] += q_i.shape[-2] * k_j.shape[-2]
+        return hooks.default("tile_scores")(q_i, k_j, *args, **kwargs)
+
+    return tile_scores, pairs
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monkeypatch):
+    # The blocks (`MaskSpec.document_blocks`) give what the whole masked tile gives: the same
+    # tile map and rescale counts, the same max scores, out and lse equal up to rounding, and
+    # within the contract's bound of the reference, with fewer score pairs formed.
+    from attnlib.core import hooks, tiles
+
+    rng = np.random.default_rng(case)
+    sq = int(rng.integers(200, 700))
+    sk = sq if case % 2 else int(rng.integers(200, 700))
+    q_ids = _packed_ids(rng, sq, int(rng.integers(2, 9)))[None]
+    kv_ids = q_ids if sq == sk else _packed_ids(rng, sk, int(rng.integers(2, 9)))[None]
+    q, k, v = random_qkv(sq, sk, 16, batch=(1,), heads=4, kv_heads=2, seed=case)
+    opts = dict(causal=case % 3 != 0, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                block_q=int(rng.choice([64, 128, 256])), block_k=int(rng.choice([64, 128, 256])))
+    if case % 4 == 1:
+        opts.update(window=(int(rng.integers(10, 200)), None), sink_token_length=3)
+    if case % 4 == 2:
+        opts.update(softcap=5.0, alibi_slopes=[0.1, 0.2, 0.3, 0.4], sinks=[0.5, -1.0, 2.0, 0.0])
+    if case % 4 == 3:
+        opts.update(kv_lengths=[sk - 37], q_lengths=[sq - 11], rescale_threshold=2.0)
+    runs = {}
+    for least in (0, math.inf):  # every tile of several documents by blocks, then every tile whole
+        monkeypatch.setattr(tiles, "DOCUMENT_BLOCK_PAIRS", least)
+        counted, pairs = _scored_pairs()
+        with hooks.replaced(tile_scores=counted), np.errstate(divide="raise", over="raise", invalid="raise"):
+            out, lse, maxes, stats = attention(q, k, v, return_lse=True, return_max_scores=True,
+                                               return_stats=True, **opts)
+        runs[least] = out, lse, maxes, stats, pairs[0]
+    (out, lse, maxes, stats, pairs), (out_w, lse_w, maxes_w, stats_w, pairs_w) = runs.values()
+    assert pairs < pairs_w
+    np.testing.assert_array_equal(stats.tile_kind, stats_w.tile_kind)
+    np.testing.assert_array_equal(stats.rescale_counts, stats_w.rescale_counts)
+    for got, whole in ((maxes, maxes_w), (lse, lse_w)):  # a block's product rounds as its shape has it
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(whole))
+        np.testing.assert_allclose(got[np.isfinite(got)], whole[np.isfinite(whole)], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(out, out_w, rtol=0, atol=1e-13 * np.abs(out_w).max())
+    masks = {name: opts[name] for name in opts if name not in ("block_q", "block_k", "rescale_threshold")}
+    assert attention_errors(out, q, k, v, **masks).rel_error < BOUND
+
+
+def test_a_document_block_edge_off_by_one_is_caught(monkeypatch):
+    # Power: the key before each document block in it too is a visible error against the reference.
+    rng = np.random.default_rng(5)
+    ids = _packed_ids(rng, 500, 6)[None]
+    q, k, v = random_qkv(500, 500, 16, batch=(1,), heads=2, seed=5)
+    opts = dict(causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    assert attention_errors(attention(q, k, v, **opts), q, k, v, **opts).rel_error < BOUND
+    shipped = MaskSpec.document_blocks
+
+    def off_by_one(self, rows, cols):
+        blocks = shipped(self, rows, cols)
+        return None if blocks is None else [(r0, r1, max(c0 - 1, 0), c1) for r0, r1, c0, c1 in blocks]
+
+    monkeypatch.setattr(MaskSpec, "document_blocks", off_by_one)
+    assert attention_errors(attention(q, k, v, **opts), q, k, v, **opts).rel_error > 1e3 * BOUND

@@ -203,6 +203,8 @@ def test_mask_cases_match_attnlib_and_torch_masks():
         np.testing.assert_allclose(out, dense, rtol=0, atol=1e-13)
     rows = bench.time_masks(bench.mask_cases(64, decode_batch=2), repeats=1, include_torch=False)
     assert [r["case"] for r in rows] == [c.name for c in bench.mask_cases(64)] and all(r["attnlib"] > 0 for r in rows)
+    # The case's dense / visible pairs, counted: a causal window of 256 over 64 keys is causal.
+    assert rows[0]["dense / visible pairs"] == 64 * 64 / (64 * 65 / 2)
 
 
 def test_load_benchmark_runs():

@@ -138,13 +138,18 @@ def implementations(case: MaskCase, include_torch=True) -> dict:
 
 
 def time_masks(cases, repeats=3, include_torch=True, log=None) -> list[dict]:
-    """Median seconds of every implementation on every case (interleaved), and the largest
-    difference of each from attnlib over rows that see a key (torch gives NaN elsewhere)."""
+    """Median seconds of every implementation on every case (interleaved), the largest
+    difference of each from attnlib over rows that see a key (torch gives NaN elsewhere),
+    and the case's ``"dense / visible pairs"``: the pairs SDPA forms over those any pair
+    skipping kernel must form (its gain over SDPA at SDPA's rate per pair)."""
     rows = []
     for case in cases:
         q, k, v = _inputs(case)
         impls = implementations(case, include_torch)
-        row = {"case": case.name, "shape": case.shape}
+        vis = case.visible()
+        # The most that computing only the visible pairs can gain, at SDPA's rate per pair.
+        row = {"case": case.name, "shape": case.shape,
+               "dense / visible pairs": vis.size / max(1, int(np.count_nonzero(vis)))}
         args, ok = {}, {}
         for name, (prep, run) in impls.items():
             try:
@@ -155,7 +160,7 @@ def time_masks(cases, repeats=3, include_torch=True, log=None) -> list[dict]:
                 row[f"{name} error"] = f"{type(e).__name__}: {e}"[:200]
                 continue
             ok[name] = np.asarray(result, dtype=np.float64)
-        seen = case.visible().any(axis=-1)[..., None]  # (B, 1, Sq, 1): rows with a key
+        seen = vis.any(axis=-1)[..., None]  # (B, 1, Sq, 1): rows with a key
         for name in ok:
             if name != DEFAULT:
                 diff = np.where(seen, np.abs(ok[name] - ok[DEFAULT]), 0.0)

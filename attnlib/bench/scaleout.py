@@ -403,7 +403,7 @@ def fit_cost_model(rows, shared_slowdown=None) -> dict:
     if shared_slowdown is not None:
         coef[1] = shared_slowdown * coef[0]
     model = dict(zip(MODEL_TERMS, map(float, coef)))
-    model["shared_slowdown"] = None if shared_slowdown is None else float(shared_slowdown)
+    model["shared_slowdown"] = shared_slowdown
     model["rate_alone"] = 1 / model["seconds_per_flop"]
     model["rate_full_machine"] = 1 / (model["seconds_per_flop"] + model["shared_seconds_per_flop"])
     return model
@@ -424,7 +424,7 @@ def kernel_slowdown(phases, cores) -> float:
                          f"{phases[lo]['kernel']!r} and {phases[hi]['kernel']!r}")
 
     def share(w):
-        return (w - 1) / (cores - 1) if cores > 1 else 0.0
+        return _shared({"workers_per_machine": w, "machine_cores": cores})
 
     if share(hi) == share(lo):
         raise ValueError(f"clusters of {lo} and {hi} workers on {cores} cores share the machine alike")
@@ -545,7 +545,8 @@ def long_run(client, paths, block, out, samples=3) -> dict:
     with load_watch(pids) as rec:
         run = rss_of_call(client, paths, block, out)
     errors = check_blocks(run["result"], paths, block, samples)
-    return {"wall": rec["wall"], "others": rec["others"], "steal": rec["steal"],
+    # The call's own wall (`timed_run`); the load record also spans the RSS monitor's wait.
+    return {"wall": run["wall"], "others": rec["others"], "steal": rec["steal"],
             "rss_peak": run["rss_peak"], "checks": errors}
 
 

@@ -32,6 +32,20 @@ def _torch():
     return torch
 
 
+def parse_name(device, accepted="a torch device"):
+    """The torch device named ``device`` (a string or a ``torch.device``), refusing a name no
+    torch device has (the error says the ``accepted`` names) and ``meta``, which holds no
+    values; whether this machine has it is not asked (`resolve` asks)."""
+    torch = _torch()
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not {accepted} ({e})") from None
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds no values to compute with")
+    return dev
+
+
 def resolve(device, *arrays):
     """The torch device a call computes on, or None for the numpy kernel.
 
@@ -46,12 +60,7 @@ def resolve(device, *arrays):
         if isinstance(device, bool) or not isinstance(device, (str, torch.device)):
             raise TypeError(f"device must be a string such as 'cuda' or 'cpu', or a torch.device; "
                             f"got {device!r}")
-        try:
-            dev = torch.device(device)
-        except RuntimeError as e:
-            raise ValueError(f"device={device!r} is not a torch device ({e})") from None
-        if dev.type == "meta":
-            raise ValueError("device='meta' holds no values to compute with")
+        dev = parse_name(device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: torch {torch.__version__} sees no CUDA device here")
         return dev

@@ -29,7 +29,8 @@ their output is 0 and their ``lse`` is ``-inf``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -271,24 +272,45 @@ class MaskSpec:
 
     def _documents(self, rows, cols, keys_first):
         """``q_segments[i] == kv_segments[j]`` over a tile."""
+        blocks = self.document_blocks(rows, cols)
+        if blocks is not None:  # ascending ids: filled as rectangles by slicing
+            shape = (cols.size, rows.size) if keys_first else (rows.size, cols.size)
+            vis = np.zeros(shape, dtype=bool)
+            for r0, r1, c0, c1 in blocks:
+                if keys_first:
+                    vis[c0:c1, r0:r1] = True
+                else:
+                    vis[r0:r1, c0:c1] = True
+            return vis
         q_ids, kv_ids = self.q_segments[rows], self.kv_segments[cols]
-        if np.all(q_ids[1:] >= q_ids[:-1]) and np.all(kv_ids[1:] >= kv_ids[:-1]):
-            # Ascending ids: each document is a run of rows and a run of keys.
-            r = np.concatenate([[0], np.flatnonzero(q_ids[1:] != q_ids[:-1]) + 1, [q_ids.size]])
-            if r.size - 1 <= MAX_RECTANGLES:
-                ids = q_ids[r[:-1]]
-                c0 = np.searchsorted(kv_ids, ids, side="left")
-                c1 = np.searchsorted(kv_ids, ids, side="right")
-                shape = (cols.size, rows.size) if keys_first else (rows.size, cols.size)
-                vis = np.zeros(shape, dtype=bool)
-                for r0, r1, a, b in zip(r[:-1], r[1:], c0, c1):
-                    if b > a:
-                        if keys_first:
-                            vis[a:b, r0:r1] = True
-                        else:
-                            vis[r0:r1, a:b] = True
-                return vis
         return kv_ids[:, None] == q_ids[None, :] if keys_first else q_ids[:, None] == kv_ids[None, :]
+
+    def document_blocks(self, rows, cols):
+        """A tile's documents as rectangles, when its ids ascend along the rows and along
+        the keys (packed sequences): ``[(r0, r1, c0, c1)]``, rows ``rows[r0:r1]`` and keys
+        ``cols[c0:c1]`` of one shared document, disjoint in rows, in the tile's own
+        coordinates; every pair outside them is invisible.  None when the ids do not
+        ascend, or when the tile holds more than `MAX_RECTANGLES` documents.
+        """
+        q_ids, kv_ids = self.q_segments[rows], self.kv_segments[cols]
+        if not (np.all(q_ids[1:] >= q_ids[:-1]) and np.all(kv_ids[1:] >= kv_ids[:-1])):
+            return None
+        if not q_ids.size or not kv_ids.size:
+            return []
+        # Each document is a run of rows and a run of keys.
+        r = np.concatenate([[0], np.flatnonzero(q_ids[1:] != q_ids[:-1]) + 1, [q_ids.size]])
+        if r.size - 1 > MAX_RECTANGLES:
+            return None
+        ids = q_ids[r[:-1]]
+        c0 = np.searchsorted(kv_ids, ids, side="left")
+        c1 = np.searchsorted(kv_ids, ids, side="right")
+        return [(int(a), int(b), int(c), int(d)) for a, b, c, d in zip(r[:-1], r[1:], c0, c1) if d > c]
+
+    @functools.cached_property
+    def without_documents(self) -> "MaskSpec":
+        """This rule with its document ids dropped: what holds inside one document's block
+        (`document_blocks`)."""
+        return replace(self, q_segments=None, kv_segments=None)
 
     def distance(self, i, j) -> np.ndarray:
         """``|i + o - j|``, ``(len(i), len(j))``: the ALiBi distance of each pair."""

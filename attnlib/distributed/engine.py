@@ -112,16 +112,10 @@ def _check_device_name(device: str):
     Without torch here, the workers judge the name."""
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
-        return
-    import torch
+    if importlib.util.find_spec("torch") is not None:
+        from ..core.device import parse_name
 
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device={device!r} is not 'numpy', 'auto' or a torch device ({e})") from None
-    if dev.type == "meta":
-        raise ValueError("device='meta' holds no values to compute with")
+        parse_name(device, accepted="'numpy', 'auto' or a torch device")
 
 
 def _piece_torch(q, k, v, spec, scale, cap, slopes, sink, lists, dev):
