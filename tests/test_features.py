@@ -332,13 +332,8 @@ def _scored_pairs():
     return tile_scores, pairs
 
 
-@pytest.mark.parametrize("case", range(10))
-def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monkeypatch):
-    # The blocks (`MaskSpec.document_blocks`) give what the whole masked tile gives: the same
-    # tile map and rescale counts, the same max scores, out and lse equal up to rounding, and
-    # within the contract's bound of the reference, with fewer score pairs formed.
-    from attnlib.core import hooks, tiles
-
+def _document_case(case):
+    """Packed documents with other options by ``case``: ``q, k, v, options``."""
     rng = np.random.default_rng(case)
     sq = int(rng.integers(200, 700))
     sk = sq if case % 2 else int(rng.integers(200, 700))
@@ -353,6 +348,30 @@ def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monke
         opts.update(softcap=5.0, alibi_slopes=[0.1, 0.2, 0.3, 0.4], sinks=[0.5, -1.0, 2.0, 0.0])
     if case % 4 == 3:
         opts.update(kv_lengths=[sk - 37], q_lengths=[sq - 11], rescale_threshold=2.0)
+    return q, k, v, opts
+
+
+def _same_up_to_rounding(got, whole):
+    """Two runs' ``(out, lse, max_scores, stats)``: the same tile map and rescale counts, the
+    rest equal up to rounding (a block's product rounds as its shape has it)."""
+    np.testing.assert_array_equal(got[3].tile_kind, whole[3].tile_kind)
+    np.testing.assert_array_equal(np.asarray(got[3].rescales), np.asarray(whole[3].rescales))  # per head
+    for a, b in zip(got[1:3], whole[1:3]):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+        np.testing.assert_allclose(a[np.isfinite(a)], b[np.isfinite(b)], rtol=0, atol=1e-13)
+    out, out_w = np.asarray(got[0]), np.asarray(whole[0])
+    np.testing.assert_allclose(out, out_w, rtol=0, atol=1e-13 * np.abs(out_w).max())
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monkeypatch):
+    # The blocks (`MaskSpec.document_blocks`) give what the whole masked tile gives (the same
+    # tile map, rescale counts; out, lse and max scores up to rounding), within the contract's
+    # bound of the reference, with fewer score pairs formed.
+    from attnlib.core import hooks, tiles
+
+    q, k, v, opts = _document_case(case)
     runs = {}
     for least in (0, math.inf):  # every tile of several documents by blocks, then every tile whole
         monkeypatch.setattr(tiles, "DOCUMENT_BLOCK_PAIRS", least)
@@ -361,16 +380,40 @@ def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monke
             out, lse, maxes, stats = attention(q, k, v, return_lse=True, return_max_scores=True,
                                                return_stats=True, **opts)
         runs[least] = out, lse, maxes, stats, pairs[0]
-    (out, lse, maxes, stats, pairs), (out_w, lse_w, maxes_w, stats_w, pairs_w) = runs.values()
+    (*got, pairs), (*whole, pairs_w) = runs.values()
     assert pairs < pairs_w
-    np.testing.assert_array_equal(stats.tile_kind, stats_w.tile_kind)
-    np.testing.assert_array_equal(stats.rescale_counts, stats_w.rescale_counts)
-    for got, whole in ((maxes, maxes_w), (lse, lse_w)):  # a block's product rounds as its shape has it
-        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(whole))
-        np.testing.assert_allclose(got[np.isfinite(got)], whole[np.isfinite(whole)], rtol=0, atol=1e-13)
-    np.testing.assert_allclose(out, out_w, rtol=0, atol=1e-13 * np.abs(out_w).max())
+    _same_up_to_rounding(got, whole)
+    out = got[0]
     masks = {name: opts[name] for name in opts if name not in ("block_q", "block_k", "rescale_threshold")}
     assert attention_errors(out, q, k, v, **masks).rel_error < BOUND
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_torch_cpu_computes_a_packed_documents_tile_by_blocks_too(case, monkeypatch):
+    # The torch kernel on the CPU takes the same blocks: what its whole tiles give, and the
+    # numpy kernel's stats.
+    torch = pytest.importorskip("torch")
+    from attnlib.core import tiles, torch_tiled
+
+    q, k, v, opts = _document_case(case)
+    calls = []
+    shipped = torch_tiled._Kernel._blocks
+
+    def counted(self, *args):
+        calls.append(1)
+        return shipped(self, *args)
+
+    monkeypatch.setattr(torch_tiled._Kernel, "_blocks", counted)
+    runs = []
+    for least in (0, math.inf):
+        monkeypatch.setattr(tiles, "DOCUMENT_BLOCK_PAIRS", least)
+        runs.append(attention(*(torch.from_numpy(x) for x in (q, k, v)), return_lse=True,
+                              return_max_scores=True, return_stats=True, **opts))
+        if least == 0:
+            assert calls
+    _same_up_to_rounding(runs[0], runs[1])
+    _same_up_to_rounding(runs[0], attention(q, k, v, return_lse=True, return_max_scores=True,
+                                            return_stats=True, **opts))
 
 
 def test_a_document_block_edge_off_by_one_is_caught(monkeypatch):

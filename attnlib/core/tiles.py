@@ -88,9 +88,9 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
             buffers[shape] = (np.empty(lead + tile, dtype=state.acc.dtype),
                               np.empty(pv, dtype=state.acc.dtype))  # (..., dv, bq) keys first
         s_buf, pv_buf = buffers[shape]
-        blocks = (_document_blocks(spec, q0, q_i.shape[-2], k0, k1)
+        blocks = (document_blocks(spec, q0, q_i.shape[-2], k0, k1)
                   if kinds[t] == PARTIAL and contiguous and mods is None else None)
-        if blocks is not None:  # packed documents: each document's block alone (see _document_blocks)
+        if blocks is not None:  # packed documents: each document's block alone (see document_blocks)
             rescaled = np.zeros(state.m.shape, dtype=bool) if count else None
             for r0, r1, c0, c1 in blocks:
                 sub = spec.without_documents
@@ -147,7 +147,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
 DOCUMENT_BLOCK_PAIRS = 16384
 
 
-def _document_blocks(spec, q0, rows, k0, k1):
+def document_blocks(spec, q0, rows, k0, k1):
     """The document blocks (`MaskSpec.document_blocks`) of queries ``[q0, q0 + rows)`` against
     keys ``[k0, k1)`` worth computing apart, or None: the tile is then computed whole."""
     if spec.q_segments is None:

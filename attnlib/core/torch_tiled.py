@@ -25,6 +25,7 @@ from .masks import PARTIAL, SKIP
 from .options import Options
 from .parallel import _unit_of, run_tiles, work_units
 from .stats import results
+from . import tiles as tile_steps
 from . import torch_flex
 from .torch_merge import lse_of, merge_parts  # noqa: F401  (torch_stream takes them from here too)
 from .tilesizes import TileSizes
@@ -401,7 +402,7 @@ class _Kernel:
             st = _State(torch.full(shape, -math.inf, **f64), torch.zeros(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
         else:  # each row starts from its head's sink: (m, l, acc) = (sink, 1, 0)
-            st = _State(sink[..., None].expand(shape).to(self.acc), torch.ones(shape, **f64),
+            st = _State(sink[..., None].expand(shape).to(self.acc).contiguous(), torch.ones(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
         if maxes is not None:
             st.mx = torch.full(shape, -math.inf, **f64)
@@ -411,13 +412,43 @@ class _Kernel:
             v_j = self._operand(v[..., k0:k1, :])  # (..., c, dv)
             if v_scale != 1.0:  # exact: a power of two
                 v_j = v_j * v_scale
-            s, mask = self._scores(q_i, k_j, spec, seg, q0, q1, k0, k1, kind, slopes, lead, heads)
-            events = self._update(st, s, mask, v_j, lead, r)
+            # Packed documents on the CPU: each document's block alone (`tiles.absorb`'s rule).
+            blocks = (tile_steps.document_blocks(spec, q0, r, k0, k1)
+                      if kind == PARTIAL and heads is None and self.dev.type == "cpu" else None)
+            if blocks is None:
+                s, mask = self._scores(q_i, k_j, spec, seg, q0, q1, k0, k1, kind, slopes, lead, heads)
+                events = self._update(st, s, mask, v_j, lead, r)
+            else:
+                events = self._blocks(st, q_i, k_j, v_j, spec, blocks, q0, k0, slopes, lead, r)
             if rescales is not None:
                 rescales[..., a, t] = events
         self._finalize(st, out, lse, q0, q1, lse_parts)
         if maxes is not None:
             maxes[..., q0:q1] = st.mx
+
+    def _blocks(self, st, q_i, k_j, v_j, spec, blocks, q0, k0, slopes, lead, r):
+        """A PARTIAL tile of packed documents, block by block (`MaskSpec.document_blocks`):
+        each block's rows of ``st`` absorb its keys under the rules but the documents';
+        returns the tile's rescale events per head (None unless counted)."""
+        sub, events = spec.without_documents, None
+        q_rows = q_i.view(lead + (r, q_i.shape[-1]))  # (..., hk, g, r, d)
+        for r0, r1, c0, c1 in blocks:
+            kind = sub.tile_kind(q0 + r0, q0 + r1, k0 + c0, k0 + c1)
+            if kind == SKIP:
+                continue
+            q_b = q_rows[..., r0:r1, :].reshape(lead[:-1] + (lead[-1] * (r1 - r0), q_i.shape[-1]))
+            s, mask = self._scores(q_b, k_j[..., c0:c1, :], sub, None, q0 + r0, q0 + r1, k0 + c0, k0 + c1,
+                                   kind, slopes, lead)
+            part = _State(st.m[..., r0:r1], st.l[..., r0:r1], st.acc[..., r0:r1, :],
+                          None if st.mx is None else st.mx[..., r0:r1])
+            moved = self._update(part, s, mask, v_j[..., c0:c1, :], lead, r1 - r0)
+            st.m[..., r0:r1] = part.m  # _update rebinds m and mx; l and acc change in place
+            if st.mx is not None:
+                st.mx[..., r0:r1] = part.mx
+            events = moved if events is None else events + moved
+        if events is None and self.count:  # no block with a visible pair
+            events = self.torch.zeros(lead, dtype=self.torch.int64, device=self.dev)
+        return events
 
     def _operand(self, x):
         """A tile of q, k or v in the type the products take: float64, or rounded to the
