@@ -416,6 +416,23 @@ def test_torch_cpu_computes_a_packed_documents_tile_by_blocks_too(case, monkeypa
                                             return_stats=True, **opts))
 
 
+def test_torch_sinks_are_not_written_by_a_one_row_tile_of_document_blocks(monkeypatch):
+    # A one-row tile's state started as a view of the sinks themselves; its blocks wrote the
+    # rows' max into them, changing every later tile (review).
+    torch = pytest.importorskip("torch")
+    from attnlib.core import tiles
+
+    monkeypatch.setattr(tiles, "DOCUMENT_BLOCK_PAIRS", 0)  # blocks for these small tiles too
+    q, k, v = random_qkv(193, 8, 8, batch=(1,), heads=1, seed=0)
+    opts = dict(q_segment_ids=np.array([[0] * 150 + [1] * 43]), kv_segment_ids=np.array([[1, 1, 1, 2, 2, 3, 4, 4]]),
+                block_q=32, block_k=128)
+    expect = attention(q, k, v, sinks=[-1.5], **opts)
+    for sinks in ([-1.5], torch.tensor([-1.5], dtype=torch.float64)):
+        out = attention(*(torch.from_numpy(x) for x in (q, k, v)), sinks=sinks, **opts)
+        np.testing.assert_allclose(out.numpy(), expect, rtol=0, atol=1e-15)
+        assert list(sinks) == [-1.5]
+
+
 def test_a_document_block_edge_off_by_one_is_caught(monkeypatch):
     # Power: the key before each document block in it too is a visible error against the reference.
     rng = np.random.default_rng(5)

@@ -402,7 +402,9 @@ class _Kernel:
             st = _State(torch.full(shape, -math.inf, **f64), torch.zeros(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
         else:  # each row starts from its head's sink: (m, l, acc) = (sink, 1, 0)
-            st = _State(sink[..., None].expand(shape).to(self.acc).contiguous(), torch.ones(shape, **f64),
+            # A copy of its own (a one-row tile's expand is the sink itself): blocks write m's rows.
+            st = _State(sink[..., None].expand(shape).to(self.acc).clone(memory_format=torch.contiguous_format),
+                        torch.ones(shape, **f64),
                         torch.zeros(shape + (dv,), **f64))
         if maxes is not None:
             st.mx = torch.full(shape, -math.inf, **f64)
