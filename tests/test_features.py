@@ -448,3 +448,52 @@ def test_a_document_block_edge_off_by_one_is_caught(monkeypatch):
 
     monkeypatch.setattr(MaskSpec, "document_blocks", off_by_one)
     assert attention_errors(attention(q, k, v, **opts), q, k, v, **opts).rel_error > 1e3 * BOUND
+
+
+def test_the_defects_reach_a_tile_computed_by_document_blocks():
+    # Power on the block path: a documents-only mask (every block FULL, no PARTIAL tile's mask
+    # formed) still fails the off-by-one mask and the softcap after the mask, and a subclass
+    # state's own slot (the sink's first-tile defect) survives a block's row slice (review).
+    from attnlib.core import hooks
+    from attnlib.evidence.defects import DEFECTS
+    from attnlib.evidence.gate import Gate
+
+    rng = np.random.default_rng(3)
+    ids = _packed_ids(rng, 1024, 24)[None]
+    q, k, v = random_qkv(1024, 1024, 32, batch=(1,), heads=2, seed=3)
+    split = []
+
+    def counted(*args):
+        blocks = hooks.default("document_blocks")(*args)
+        split.append(blocks is not None)
+        return blocks
+
+    for opts, names in ((dict(softcap=5.0), ("off_by_one_mask", "softcap_after_mask")),
+                        (dict(causal=True, sinks=[0.5, -1.0]), ("sink_first_tile_unscaled", "sink_weight_dropped"))):
+        opts.update(q_segment_ids=ids, kv_segment_ids=ids, block_q=512, block_k=512)
+        gate = Gate(q, k, v, **{n: x for n, x in opts.items() if n != "block_q"})
+        split.clear()
+        with hooks.replaced(document_blocks=counted):
+            assert gate.judge(*attention(q, k, v, return_lse=True, **opts))["passed"]
+        assert any(split)  # the real kernel took the block path
+        for name in names:
+            with DEFECTS[name].active(), np.errstate(divide="raise", over="raise", invalid="raise"):
+                assert not gate.judge(*attention(q, k, v, return_lse=True, **opts))["passed"], name
+
+
+def test_the_packed_documents_cases_take_the_block_path():
+    # The equivalence report's packed-documents problems are computed by document blocks.
+    from attnlib.evidence.differential import run_case
+    from attnlib.evidence.inputs import DOCUMENT_OPTIONS, document_cases
+
+    cases = document_cases(8, seed=1, max_len=2048)
+    assert all(c.sq == c.sk and c.shared_documents for c in cases)
+    assert {"causal/bottom_right", "none"} == {c.mask_name for c in cases}
+    assert all(any(o.split("=")[0] in c.features or (o == "lazy" and "lazy" in c.features)
+                   for c in cases) for o in ("window", "softcap", "alibi", "sinks", "kv_splits"))
+    assert len(DOCUMENT_OPTIONS) == 6
+    q_ids, kv_ids = cases[0].segment_ids()
+    np.testing.assert_array_equal(q_ids, kv_ids)
+    for case in cases[:3]:
+        row = run_case(case)
+        assert row["passed"] and row["document_block_tiles"] > 0, case

@@ -30,7 +30,7 @@ SECOND = (130, 150)  # varlen: a second, shorter sequence after the problem
 
 
 def test_the_steps_are_declared_with_their_defaults():
-    assert set(hooks.STEPS) == {"state", "tile_scores", "tile_visible", "absorb", "backward"}
+    assert set(hooks.STEPS) == {"state", "tile_scores", "tile_visible", "absorb", "document_blocks", "backward"}
     assert all(isinstance(text, str) and text for text in hooks.STEPS.values())
     assert hooks.default("state") is OnlineSoftmax
     assert hooks.default("tile_scores") is tiles.tile_scores

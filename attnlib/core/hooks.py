@@ -34,6 +34,11 @@ The steps (`STEPS`) and who calls them:
 ``"absorb"``
     `attnlib.core.tiles.absorb`, the key-tile loop of one query tile; called by the forward
     (once per query tile and key range) and the stream (once per query tile and chunk).
+``"document_blocks"``
+    `attnlib.core.tiles.document_blocks`, called by `absorb` as ``(spec, q0, rows, k0, k1)``
+    for each PARTIAL tile of contiguous rows without mods: the blocks ``(r0, r1, c0, c1)``
+    (relative to the tile) of its queries and keys that share a document, computed one at a
+    time, or None: the tile is computed whole and masked.
 ``"backward"``
     The backward's stage edits, ``edit(stage, x, **where) -> x`` (identity by default),
     called at these stages of `attnlib.core.backward.attention_backward`: ``"delta"``
@@ -61,6 +66,7 @@ STEPS = {
     "tile_scores": "one tile's scores in the contract's order (tiles.tile_scores)",
     "tile_visible": "the mask of a PARTIAL tile (MaskSpec.tile_visible, called with the spec first)",
     "absorb": "the key-tile loop of one query tile (tiles.absorb)",
+    "document_blocks": "a packed-documents tile's document blocks, or None: whole (tiles.document_blocks)",
     "backward": "the backward's stage edits, edit(stage, x, **where) -> x; identity by default",
 }
 

@@ -20,6 +20,8 @@ it was.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from . import hooks
@@ -148,6 +150,22 @@ class OnlineSoftmax:
             self.acc += np.matmul(p, v, out=pv)
         self.m = m_new
         return rescaled
+
+    def rows(self, r0: int, r1: int) -> "OnlineSoftmax":
+        """The state of rows ``[r0, r1)``: views on ``m``, ``l`` and ``acc``, in a shallow copy
+        of this object (so a subclass's own slots come along); `put_rows` writes it back."""
+        part = copy.copy(self)
+        part.m, part.l, part.acc = self.m[..., r0:r1], self.l[..., r0:r1], self.acc[..., r0:r1, :]
+        return part
+
+    def put_rows(self, r0: int, r1: int, part: "OnlineSoftmax") -> None:
+        """Write back the rows ``[r0, r1)`` of `rows` after its updates (``update`` rebinds
+        ``m``; a replaced step may rebind more), and its other slots."""
+        self.m[..., r0:r1], self.l[..., r0:r1], self.acc[..., r0:r1, :] = part.m, part.l, part.acc
+        for cls in type(self).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if name not in ("m", "l", "acc") and hasattr(part, name):
+                    setattr(self, name, getattr(part, name))
 
     def merge(self, other: "OnlineSoftmax") -> "OnlineSoftmax":
         """The state over the union of two disjoint key ranges (log-sum-exp combination).

@@ -55,7 +55,8 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
     ``maxes``, laid out as ``state.m``: raised in place to each row's largest visible score
     (``max_scores``; the running max is no substitute, being lazy and sink-initialised).
     The masks and scores are the steps ``"tile_visible"`` and ``"tile_scores"`` of
-    `attnlib.core.hooks`; callers reach this function as its step ``"absorb"``.
+    `attnlib.core.hooks`, and so is the split of a packed-documents tile into document
+    blocks, ``"document_blocks"``; callers reach this function as its step ``"absorb"``.
     """
     contiguous = rows is None  # a packed tile's rows repeat per head
     rows = np.arange(q0, q0 + q_i.shape[-2]) if rows is None else rows
@@ -65,6 +66,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
     low = prec is not None and not prec.is_float64
     # The declared steps (`attnlib.core.hooks`), looked up once per query tile.
     tile_visible, scores_of = hooks.get("tile_visible"), hooks.get("tile_scores")
+    split_documents = hooks.get("document_blocks")
     # One score and one p @ v buffer per tile shape, reused tile after tile, and the band
     # masks of the PARTIAL tiles (`MaskSpec.tile_visible`).
     buffers = {} if buffers is None else buffers
@@ -88,58 +90,57 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
             buffers[shape] = (np.empty(lead + tile, dtype=state.acc.dtype),
                               np.empty(pv, dtype=state.acc.dtype))  # (..., dv, bq) keys first
         s_buf, pv_buf = buffers[shape]
-        blocks = (document_blocks(spec, q0, q_i.shape[-2], k0, k1)
-                  if kinds[t] == PARTIAL and contiguous and mods is None else None)
-        if blocks is not None:  # packed documents: each document's block alone (see document_blocks)
+        # A PARTIAL tile of packed documents may be computed one document block at a time
+        # (`document_blocks`): each block's rows of the state absorb its keys under the other
+        # rules, and pairs of two documents are never formed; else the tile is its one block.
+        split = (split_documents(spec, q0, q_i.shape[-2], k0, k1)
+                 if kinds[t] == PARTIAL and contiguous and mods is None else None)
+        whole = split is None
+        if whole:
+            parts = [(spec, kinds[t], 0, q_i.shape[-2], 0, b - a)]
+        else:
+            sub = spec.without_documents
+            parts = [(sub, kind, r0, r1, c0, c1) for r0, r1, c0, c1 in split
+                     if (kind := sub.tile_kind(q0 + r0, q0 + r1, k0 + c0, k0 + c1)) != SKIP]
             rescaled = np.zeros(state.m.shape, dtype=bool) if count else None
-            for r0, r1, c0, c1 in blocks:
-                sub = spec.without_documents
-                kind = sub.tile_kind(q0 + r0, q0 + r1, k0 + c0, k0 + c1)
-                if kind == SKIP:
-                    continue
-                rows_b, cols_b = rows[r0:r1], np.arange(k0 + c0, k0 + c1)
-                vis = (tile_visible(sub, rows_b, k0 + c0, k0 + c1, keys_first, contiguous=True,
-                                    cache=band_masks) if kind == PARTIAL else None)
+        for part_spec, kind, r0, r1, c0, c1 in parts:
+            # A block keeps the tile's layout (keys_first), in which the state's acc is laid out.
+            st = state if whole else state.rows(r0, r1)
+            rows_b, j0, j1 = rows[r0:r1], k0 + c0, k0 + c1
+            vis = (tile_visible(part_spec, rows_b, j0, j1, keys_first, contiguous=contiguous, cache=band_masks)
+                   if kind == PARTIAL else None)  # laid out as s
+            if mods is not None and kind == PARTIAL:  # AND mask_mod: (..., tile), per head
+                vis = mods.visible(vis, rows_b, np.arange(j0, j1), keys_first)
+            if whole:
+                s_b, pv_b = s_buf, pv_buf
+            else:  # the block's views on the start of the tile's buffers
                 tile = (c1 - c0, r1 - r0) if keys_first else (r1 - r0, c1 - c0)
-                s_b = _prefix(s_buf, s_buf.shape[:-2] + tile)  # (..., bk', bq') keys first
+                s_b = _prefix(s_buf, s_buf.shape[:-2] + tile)
                 pv_b = _prefix(pv_buf, pv_buf.shape[:-2] + ((pv_buf.shape[-2], r1 - r0) if keys_first
                                                             else (r1 - r0, pv_buf.shape[-1])))
-                s, _ = scores_of(q_i[..., r0:r1, :], k_j[..., c0:c1, :], sub, rows_b, cols_b, kind, cap,
-                                 slopes, out=s_b, post_scale=scale if low else None, check=check,
-                                 keys_first=keys_first, vis=vis)
-                part = type(state)(state.m[..., r0:r1], state.l[..., r0:r1], state.acc[..., r0:r1, :])
-                if maxes is not None:
-                    mx = maxes[..., r0:r1]
-                    np.maximum(mx, s.max(axis=-2 if keys_first else -1), out=mx)
-                moved = part.update(s, v_j[..., c0:c1, :], threshold=threshold, overwrite_s=True, pv=pv_b,
-                                    round_p=prec.round_p if low else None, keys_first=keys_first, visible=vis)
-                state.m[..., r0:r1] = part.m  # update rebinds m; l and acc change in place,
-                state.l[..., r0:r1] = part.l  # unless a replaced state step (`hooks`) rebinds them
-                state.acc[..., r0:r1, :] = part.acc
+            # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
+            s, _ = scores_of(q_i if whole else q_i[..., r0:r1, :], k_j if whole else k_j[..., c0:c1, :],
+                             part_spec, rows_b, np.arange(j0, j1), kind, cap, slopes, out=s_b,
+                             post_scale=scale if low else None, check=check, keys_first=keys_first,
+                             vis=vis, mods=mods)
+            if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
+                mx = maxes[..., r0:r1]
+                np.maximum(mx, s.max(axis=-2 if keys_first else -1), out=mx)
+            moved = st.update(s, v_j if whole else v_j[..., c0:c1, :], threshold=threshold, overwrite_s=True,
+                              pv=pv_b, round_p=prec.round_p if low else None,
+                              keys_first=keys_first, visible=vis)  # s now holds p
+            if whole:
+                rescaled = moved
+            else:
+                state.put_rows(r0, r1, st)
                 if count:
                     rescaled[..., r0:r1] = moved
-            if count:
-                events[..., t] = rescaled.sum(axis=-1)
-            continue
-        # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
-        vis = (tile_visible(spec, rows, k0, k1, keys_first, contiguous=contiguous, cache=band_masks)
-               if kinds[t] == PARTIAL else None)  # laid out as s
-        if mods is not None and kinds[t] == PARTIAL:  # AND mask_mod: (..., tile), per head
-            vis = mods.visible(vis, rows, np.arange(k0, k1), keys_first)
-        s, _ = scores_of(q_i, k_j, spec, rows, np.arange(k0, k1), kinds[t], cap, slopes, out=s_buf,
-                         post_scale=scale if low else None, check=check, keys_first=keys_first,
-                         vis=vis, mods=mods)
-        if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
-            np.maximum(maxes, s.max(axis=-2 if keys_first else -1), out=maxes)
-        rescaled = state.update(s, v_j, threshold=threshold, overwrite_s=True, pv=pv_buf,
-                                round_p=prec.round_p if low else None,
-                                keys_first=keys_first, visible=vis)  # s now holds p
         if count:  # per head: a packed tile's rows are row_groups heads' rows
             events[..., t] = rescaled.reshape(rescaled.shape[:-1] + groups + (-1,)).sum(axis=-1)
     return events
 
 
-#: A PARTIAL tile of packed documents is computed block by block when that forms at least
+#: A PARTIAL tile of packed documents is computed block by block when that forms more than
 #: this many fewer score pairs per block than the whole tile (else whole, masked): a block
 #: costs about 230 us of numpy calls beside its pairs' (measured at 256 x 256, D = 64, 2 workers:
 #: causal documents of 32 keys 0.033 s whole, 0.062 s by blocks; 16 random documents at
@@ -243,3 +244,4 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
 # The steps this module defines, replaceable through `hooks` (see there).
 hooks.declare("tile_scores", tile_scores)
 hooks.declare("absorb", absorb)
+hooks.declare("document_blocks", document_blocks)

@@ -2,8 +2,8 @@
 
 A verdict is only as good as the smallest real bug it catches.  Each `Defect` replaces one
 or more of the kernels' declared steps (`attnlib.core.hooks`: the online-softmax state, a
-tile's scores, a PARTIAL tile's mask, a query tile's key-tile loop, the backward's stage
-edits) with a subtly wrong copy while it is active, never the dense reference (which uses
+tile's scores, a PARTIAL tile's mask, a query tile's key-tile loop, a packed-documents
+tile's document blocks, the backward's stage edits) with a subtly wrong copy while it is active, never the dense reference (which uses
 none of them)::
 
     with DEFECTS["exp_1e-11x"].active():
@@ -46,6 +46,7 @@ STEP_PATHS = {
     "tile_scores": PATHS,
     "tile_visible": PATHS,
     "absorb": ("forward", "stream", "paged", "varlen"),
+    "document_blocks": ("forward", "stream", "paged", "varlen"),
     "backward": ("backward",),
 }
 
@@ -117,6 +118,21 @@ def _off_by_one_mask():
     def tile_visible(self, rows, k0, k1, *args, **kwargs):
         return real(self, rows, k0 - 1, k1 - 1, *args, **kwargs)
     return tile_visible
+
+
+def _documents_off_by_one():
+    """`tiles.document_blocks` with the key index shifted by one, as `_off_by_one_mask` does
+    to the masks: a key belongs to the block of the document of the key before it."""
+    real = hooks.get("document_blocks")
+
+    def document_blocks(spec, q0, rows, k0, k1):
+        return real(spec, q0, rows, k0 - 1, k1 - 1)  # blocks relative to the tile, so j is j - 1's
+    return document_blocks
+
+
+def _whole_tiles():
+    """`tiles.document_blocks` that never splits: every PARTIAL tile is formed whole and masked."""
+    return lambda spec, q0, rows, k0, k1: None
 
 
 def _window_edge():
@@ -301,7 +317,7 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
     _update("no_acc_rescale", "the accumulator acc is never rescaled by alpha", alpha_acc=0.0),
     _update("p_float32", "the weights p are rounded to float32 (a precision leak)", round_p=_f32),
     Defect("off_by_one_mask", "PARTIAL tiles mask with key index j - 1: one key too many",
-           {"tile_visible": _off_by_one_mask}, PATHS),
+           {"tile_visible": _off_by_one_mask, "document_blocks": _documents_off_by_one}, PATHS),
     # Not "paged": its key tiles are its chunks, so each absorb sees a single key tile.
     Defect("drop_last_tile", "each query tile skips its last visible key tile",
            {"absorb": _drop_last_tile}, ("forward", "stream", "varlen")),
@@ -312,9 +328,11 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
     Defect("alibi_signed", "ALiBi uses the signed i + o - j instead of |i + o - j|",
            {"tile_scores": _alibi_signed}, PATHS),
     # The backward, which keeps no state, sees the capped scores (which lose the softcap's
-    # derivative, and the -inf only matters for an exp the backward does not take).
+    # derivative, and the -inf only matters for an exp the backward does not take).  The bug
+    # lives in a kernel that forms a tile's masked pairs: its tiles of documents are whole.
     Defect("softcap_after_mask", "the softcap is applied after masking (-inf becomes -cap)",
-           {"tile_scores": _softcap_after_mask, "state": _ignore_visible}, PATHS),
+           {"tile_scores": _softcap_after_mask, "state": _ignore_visible, "document_blocks": _whole_tiles},
+           PATHS),
     Defect("sink_weight_dropped", "the sink sets the running max but adds no weight to l",
            {"state": _sink_weight_dropped}, _STATE_PATHS),
     Defect("sink_first_tile_unscaled", "the sink's weight is not rescaled when the first tile raises the max",

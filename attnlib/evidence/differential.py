@@ -13,6 +13,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .defects import DEFECTS
+from ..core import hooks
 from .gate import Gate, GradientGate
 from .inputs import FAMILIES, adversarial_qkv
 from .metrics import Errors, _gradient_figures, _visible_keys_per_row, gradient_errors
@@ -52,8 +53,9 @@ def run_case(case, defects=()) -> dict:
     """One `~attnlib.evidence.inputs.Case` through the tiled kernel, judged by the gate.
 
     Returns a flat dict: the case's fields, the `~attnlib.evidence.metrics.Errors` fields, the
-    gate's ``lse_error``, ``out_ratio``, ``lse_ratio`` and ``passed``, the rescale total
-    and the fraction of rows crossing two key tiles; with ``defects`` (names in
+    gate's ``lse_error``, ``out_ratio``, ``lse_ratio`` and ``passed``, the rescale total,
+    the tiles computed document block by document block (``document_block_tiles``, see
+    `attnlib.core.tiles.document_blocks`) and the fraction of rows crossing two key tiles; with ``defects`` (names in
     `~attnlib.evidence.defects.DEFECTS`), ``"defects": {name: judged}`` against the same reference.
     """
     q, k, v = case.qkv()
@@ -67,10 +69,19 @@ def run_case(case, defects=()) -> dict:
         return attention(q, k, v, **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
                          return_stats=stats)
 
-    out, lse, stats = call(stats=True)
+    split = []  # per PARTIAL tile asked: whether it was computed by document blocks
+    real = hooks.get("document_blocks")
+
+    def document_blocks(*args):
+        blocks = real(*args)
+        split.append(blocks is not None)
+        return blocks
+
+    with hooks.replaced(document_blocks=document_blocks):  # counted, unchanged
+        out, lse, stats = call(stats=True)
     row = {**asdict(case), "mask": case.mask_name, "features": case.features,
            **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse), **_tolerances(gate),
-           "total_rescales": stats.total_rescales,
+           "total_rescales": stats.total_rescales, "document_block_tiles": sum(split),
            "crossing_fraction": crossing_fraction(case.sq, case.sk, case.block_k, case.causal,
                                                   case.causal_align)}
     if defects:

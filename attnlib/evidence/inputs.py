@@ -235,6 +235,7 @@ class Case:
     kv_lengths: tuple | None = None
     q_lengths: tuple | None = None
     documents: int = 0  # > 0: q and k packed with this many documents (segment ids)
+    shared_documents: bool = False  # q and k one packed sequence (Sq = Sk): the same boundaries
     kv_splits: int = 1
     rescale_threshold: float = 0.0
     sinks: tuple | None = None  # attention-sink logits, one per query head
@@ -285,14 +286,15 @@ class Case:
 
     def segment_ids(self):
         """``(q_ids (*batch, sq), kv_ids (*batch, sk))``: ``documents`` sorted documents each,
-        with seeded random boundaries."""
+        with seeded random boundaries (the same for q and k with ``shared_documents``)."""
         rng = np.random.default_rng(self.seed + 7)
 
         def ids(s):
             cuts = np.sort(rng.integers(0, s + 1, (*self.batch, self.documents - 1)), axis=-1)
             return (np.arange(s) >= cuts[..., None]).sum(axis=-2)
 
-        return ids(self.sq), ids(self.sk)
+        q_ids = ids(self.sq)
+        return (q_ids, q_ids.copy()) if self.shared_documents else (q_ids, ids(self.sk))
 
     def tile_kwargs(self) -> dict:
         return dict(block_q=self.block_q, block_k=self.block_k)
@@ -502,6 +504,58 @@ def sink_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Case]
     cases = [c if c.sinks is not None else replace(c, sinks=tuple(float(x) for x in 2.0 * rng.standard_normal(c.heads)))
              for c in feature_cases(n, seed=seed, max_len=max_len)]
     return [replace(c, qv=False) for c in cases]
+
+
+#: Query and key tile sizes of `document_cases`: a tile holds several documents, so that its
+#: PARTIAL tiles are computed document block by document block (`attnlib.core.tiles.document_blocks`:
+#: b blocks of a 256 x 256 tile never save 16384 pairs each, of a 256 x 512 one for 2 to 6).
+DOCUMENT_TILES = ((256, 512), (512, 1024))
+#: The options `document_cases` adds: problem ``c >= 2`` sets ``DOCUMENT_OPTIONS[(c - 2) % 6]``
+#: and each other one with probability 1/3 (not padding: a packed sequence's rows see no key
+#: of another, and bottom-right causal rows on fewer keys would see none of their own).
+DOCUMENT_OPTIONS = ("window", "softcap", "alibi", "sinks", "kv_splits", "lazy")
+
+
+def document_cases(n: int = 8, *, seed: int = 0, max_len: int = 4096) -> list[Case]:
+    """``n`` seeded problems of packed documents in tiles large enough to be computed document
+    block by document block (`attnlib.core.tiles.document_blocks`), as the feature run's
+    small tiles of 2 to 4 documents never are.
+
+    One packed sequence per batch entry (``Sq = Sk`` log-uniform in ``max_len / 2 .. max_len``,
+    q and k sharing their documents), documents of 48 to 256 tokens on average (random
+    boundaries: from empty to several times that), tiles from `DOCUMENT_TILES`, a batch of 1
+    or 2, 1 or 2 query heads over 1 kv head, head dim 64 or 128; causal (problems 0, 2, ...)
+    or not, and the `DOCUMENT_OPTIONS` (a sliding window with sink tokens, softcap, ALiBi,
+    attention sinks, split-KV, lazy rescaling) as that constant says.  Problems 0 and 1 are
+    the documents alone, causal and not.
+    """
+    n = validate.positive_int(n, "n")
+    max_len = validate.positive_int(max_len, "max_len")
+    rng = np.random.default_rng((seed, 4096))
+    cases = []
+    for c in range(n):
+        s = int(np.exp(rng.uniform(np.log(max(1, max_len // 2)), np.log(max_len))).round())
+        heads = int(rng.choice((1, 2)))
+        batch = (int(rng.integers(1, 3)),)
+        causal = c % 2 == 0
+        on = ({f for f in DOCUMENT_OPTIONS if rng.random() < 1 / 3} | {DOCUMENT_OPTIONS[(c - 2) % len(DOCUMENT_OPTIONS)]}
+              if c > 1 else set())
+        w = int(rng.integers(16, max(17, s // 4)))
+        cases.append(Case(
+            sq=s, sk=s, d=int(rng.choice((64, 128))), dv=0, heads=heads, kv_heads=1, causal=causal,
+            causal_align="bottom_right", block_q=int(rng.choice(DOCUMENT_TILES[0])),
+            block_k=int(rng.choice(DOCUMENT_TILES[1])), batch=batch, seed=seed * 1000 + 500 + c,
+            documents=max(2, s // int(rng.integers(48, 257))), shared_documents=True,
+            window=(w, None if causal else int(rng.integers(0, w + 1))) if "window" in on else None,
+            sink_token_length=int(rng.integers(1, 9)) if "window" in on else 0,
+            softcap=float(rng.choice((5.0, 30.0))) if "softcap" in on else None,
+            alibi_slopes=tuple(2.0 ** (-8 * (np.arange(heads) + 1) / heads)) if "alibi" in on else None,
+            sinks=tuple(float(x) for x in 2.0 * rng.standard_normal(heads)) if "sinks" in on else None,
+            kv_splits=int(rng.integers(2, 5)) if "kv_splits" in on else 1,
+            rescale_threshold=float(rng.choice((2.0, 8.0))) if "lazy" in on else 0.0,
+        ))
+        cases[-1] = replace(cases[-1], dv=cases[-1].d)
+    return cases
 
 
 #: The option sets `varlen_cases` and `paged_cases` cycle through (ALiBi and sinks per head).

@@ -130,6 +130,10 @@ def _equivalence_costs(p):
         yield Cost((name, "feature_max_len"), f"the {name.split('_')[0]} run (up to 8 heads of "
                    "feature_max_len x feature_max_len)", _arrays(8, n, n, dmax) + _dense(16, n, n),
                    p[name] * runs * _pass(8, n, n, dmax, b, b))
+    n = p["document_max_len"]  # up to 2 x 2 heads, head dim up to 128; the visible pairs are few
+    yield Cost(("document_cases", "document_max_len"), "the packed-documents run (up to 4 heads of "
+               "document_max_len x document_max_len)", _arrays(4, n, n, 128) + _dense(8, n, n),
+               p["document_cases"] * runs * _pass(4, n, n, 128, 256, 256))
     n = p["sink_n"]  # 4 heads; their scores kept for the recount, the gate's reference per sink
     yield Cost(("sink_n",), "the sink sweep (13 sinks on 4 heads of sink_n x sink_n)",
                _arrays(4, n, n, 64) + 8 * 4 * n * n + _dense(16, n, n), 13 * 4 * _pass(4, n, n, 64, 128, 128))

@@ -197,15 +197,17 @@ NOTEBOOKS = {
         {"n_cases": positive, "seed": non_negative, "max_len": positive, "d": positive,
          "broad_cases": positive, "broad_max_len": positive, "feature_cases": positive,
          "feature_max_len": positive, "sink_cases": positive, "sink_n": positive,
-         "layout_cases": positive, "layout_max_len": positive, "paged_pages": sizes,
+         "document_cases": positive, "document_max_len": positive, "layout_cases": positive, "layout_max_len": positive, "paged_pages": sizes,
          "adversarial_n": positive, "adversarial_d": positive,
          "block_q": positive, "block_k": positive, "oracle_max_n": non_negative, "results_json": text},
         {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "feature_cases": 9,
-         "feature_max_len": 256, "sink_cases": 3, "sink_n": 256, "layout_cases": 6,
+         "feature_max_len": 256, "sink_cases": 3, "sink_n": 256, "document_cases": 2,
+         "document_max_len": 2048, "layout_cases": 6,
          "layout_max_len": 128, "paged_pages": [256, 2560], "adversarial_n": 256, "oracle_max_n": 256},
         # The reference holds [v, |v|] outputs and the gate a (Sq, Sk) size matrix besides.
         # The sink sweep: 4 heads of scores, and the gate's reference and sizes for them.
-        (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("sink_n", 16), ("adversarial_n", 2)),
+        (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("sink_n", 16),
+         ("document_max_len", 8), ("adversarial_n", 2)),
         costs=_equivalence_costs),
     "rescales": Notebook(
         "Rescales: where the online softmax's running max grows",
