@@ -452,8 +452,9 @@ def test_a_document_block_edge_off_by_one_is_caught(monkeypatch):
 
 def test_the_defects_reach_a_tile_computed_by_document_blocks():
     # Power on the block path: a documents-only mask (every block FULL, no PARTIAL tile's mask
-    # formed) still fails the off-by-one mask and the softcap after the mask, and a subclass
-    # state's own slot (the sink's first-tile defect) survives a block's row slice (review).
+    # formed) still fails the off-by-one mask (the blocks' edges shifted), causal blocks the
+    # softcap after the mask, and a subclass state's own slot (the sink's first-tile defect)
+    # survives a block's row slice (review).
     from attnlib.core import hooks
     from attnlib.evidence.defects import DEFECTS
     from attnlib.evidence.gate import Gate
@@ -468,7 +469,8 @@ def test_the_defects_reach_a_tile_computed_by_document_blocks():
         split.append(blocks is not None)
         return blocks
 
-    for opts, names in ((dict(softcap=5.0), ("off_by_one_mask", "softcap_after_mask")),
+    for opts, names in ((dict(softcap=5.0), ("off_by_one_mask",)),
+                        (dict(causal=True, softcap=5.0), ("off_by_one_mask", "softcap_after_mask")),
                         (dict(causal=True, sinks=[0.5, -1.0]), ("sink_first_tile_unscaled", "sink_weight_dropped"))):
         opts.update(q_segment_ids=ids, kv_segment_ids=ids, block_q=512, block_k=512)
         gate = Gate(q, k, v, **{n: x for n, x in opts.items() if n != "block_q"})
@@ -497,3 +499,31 @@ def test_the_packed_documents_cases_take_the_block_path():
     for case in cases[:3]:
         row = run_case(case)
         assert row["passed"] and row["document_block_tiles"] > 0, case
+
+
+def test_a_state_step_keeps_its_own_attributes_over_document_blocks(monkeypatch):
+    # A replaced state class (slotted or not) sees its own attributes come back after each
+    # block (`OnlineSoftmax.put_rows`), as on whole tiles (review: a __dict__ counter was lost).
+    from attnlib.core import hooks, tiles
+    from attnlib.core.online import OnlineSoftmax
+
+    class Counted(OnlineSoftmax):  # no __slots__: its attributes live in __dict__
+        def update(self, s, v, **kwargs):
+            self.updates = getattr(self, "updates", 0) + 1
+            return super().update(s, v, **kwargs)
+
+        def finalize(self):
+            seen.append(self.updates)
+            return super().finalize()
+
+    rng = np.random.default_rng(0)
+    ids = _packed_ids(rng, 300, 5)[None]
+    q, k, v = random_qkv(300, 300, 8, batch=(1,), heads=1, seed=0)
+    counts = {}
+    for least in (0, math.inf):
+        monkeypatch.setattr(tiles, "DOCUMENT_BLOCK_PAIRS", least)
+        seen = []
+        with hooks.replaced(state=Counted):
+            attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, block_q=128, block_k=128)
+        counts[least] = seen
+    assert all(c > 0 for c in counts[0]) and len(counts[0]) == len(counts[math.inf])

@@ -23,7 +23,10 @@ The steps (`STEPS`) and who calls them:
     ``finalize_parts``).  Created by the forward (and so varlen) and the stream (and so the
     paged cache), once per query tile.  A replacement is a subclass of
     `attnlib.core.online.OnlineSoftmax` (a class, since a state is created, updated and
-    finalized: one object carries all three).
+    finalized: one object carries all three).  A tile computed by document blocks updates
+    each block's rows through `OnlineSoftmax.rows` (a shallow copy whose ``m``, ``l``,
+    ``acc`` are views of those rows) and `OnlineSoftmax.put_rows`: a replacement's own
+    attributes are the state's, not per row, and come back after each block.
 ``"tile_scores"``
     `attnlib.core.tiles.tile_scores`, one tile's scores in the contract's order; called by
     `absorb` (forward, stream, paged, varlen) and by the backward, which recomputes them.
@@ -38,7 +41,8 @@ The steps (`STEPS`) and who calls them:
     `attnlib.core.tiles.document_blocks`, called by `absorb` as ``(spec, q0, rows, k0, k1)``
     for each PARTIAL tile of contiguous rows without mods: the blocks ``(r0, r1, c0, c1)``
     (relative to the tile) of its queries and keys that share a document, computed one at a
-    time, or None: the tile is computed whole and masked.
+    time, or None: the tile is computed whole and masked.  (The torch kernel, which runs no
+    step of this registry, calls the default.)
 ``"backward"``
     The backward's stage edits, ``edit(stage, x, **where) -> x`` (identity by default),
     called at these stages of `attnlib.core.backward.attention_backward`: ``"delta"``

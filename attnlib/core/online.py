@@ -160,12 +160,16 @@ class OnlineSoftmax:
 
     def put_rows(self, r0: int, r1: int, part: "OnlineSoftmax") -> None:
         """Write back the rows ``[r0, r1)`` of `rows` after its updates (``update`` rebinds
-        ``m``; a replaced step may rebind more), and its other slots."""
+        ``m``; a replaced step may rebind more), and its other attributes (the state's own,
+        not per row)."""
         self.m[..., r0:r1], self.l[..., r0:r1], self.acc[..., r0:r1, :] = part.m, part.l, part.acc
         for cls in type(self).__mro__:
-            for name in getattr(cls, "__slots__", ()):
-                if name not in ("m", "l", "acc") and hasattr(part, name):
+            slots = getattr(cls, "__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("m", "l", "acc", "__dict__", "__weakref__") and hasattr(part, name):
                     setattr(self, name, getattr(part, name))
+        if hasattr(part, "__dict__"):  # a subclass without __slots__: its attributes too
+            self.__dict__.update(part.__dict__)
 
     def merge(self, other: "OnlineSoftmax") -> "OnlineSoftmax":
         """The state over the union of two disjoint key ranges (log-sum-exp combination).

@@ -130,11 +130,6 @@ def _documents_off_by_one():
     return document_blocks
 
 
-def _whole_tiles():
-    """`tiles.document_blocks` that never splits: every PARTIAL tile is formed whole and masked."""
-    return lambda spec, q0, rows, k0, k1: None
-
-
 def _window_edge():
     """`MaskSpec.tile_visible` whose sliding window reaches one key further left."""
     real = hooks.get("tile_visible")
@@ -328,11 +323,11 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
     Defect("alibi_signed", "ALiBi uses the signed i + o - j instead of |i + o - j|",
            {"tile_scores": _alibi_signed}, PATHS),
     # The backward, which keeps no state, sees the capped scores (which lose the softcap's
-    # derivative, and the -inf only matters for an exp the backward does not take).  The bug
-    # lives in a kernel that forms a tile's masked pairs: its tiles of documents are whole.
+    # derivative, and the -inf only matters for an exp the backward does not take).  A tile
+    # computed by document blocks never forms two documents' pairs: only the pairs masked
+    # inside a block (causal, window) can get -cap there.
     Defect("softcap_after_mask", "the softcap is applied after masking (-inf becomes -cap)",
-           {"tile_scores": _softcap_after_mask, "state": _ignore_visible, "document_blocks": _whole_tiles},
-           PATHS),
+           {"tile_scores": _softcap_after_mask, "state": _ignore_visible}, PATHS),
     Defect("sink_weight_dropped", "the sink sets the running max but adds no weight to l",
            {"state": _sink_weight_dropped}, _STATE_PATHS),
     Defect("sink_first_tile_unscaled", "the sink's weight is not rescaled when the first tile raises the max",
