@@ -111,22 +111,20 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
                    if kind == PARTIAL else None)  # laid out as s
             if mods is not None and kind == PARTIAL:  # AND mask_mod: (..., tile), per head
                 vis = mods.visible(vis, rows_b, np.arange(j0, j1), keys_first)
-            if whole:
-                s_b, pv_b = s_buf, pv_buf
-            else:  # the block's views on the start of the tile's buffers
-                tile = (c1 - c0, r1 - r0) if keys_first else (r1 - r0, c1 - c0)
-                s_b = _prefix(s_buf, s_buf.shape[:-2] + tile)
-                pv_b = _prefix(pv_buf, pv_buf.shape[:-2] + ((pv_buf.shape[-2], r1 - r0) if keys_first
-                                                            else (r1 - r0, pv_buf.shape[-1])))
+            # The block's views on the start of the tile's buffers (a whole tile's: the buffers).
+            tile = (c1 - c0, r1 - r0) if keys_first else (r1 - r0, c1 - c0)
+            s_b = _prefix(s_buf, s_buf.shape[:-2] + tile)
+            pv_b = _prefix(pv_buf, pv_buf.shape[:-2] + ((pv_buf.shape[-2], r1 - r0) if keys_first
+                                                        else (r1 - r0, pv_buf.shape[-1])))
             # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
-            s, _ = scores_of(q_i if whole else q_i[..., r0:r1, :], k_j if whole else k_j[..., c0:c1, :],
+            s, _ = scores_of(q_i[..., r0:r1, :], k_j[..., c0:c1, :],
                              part_spec, rows_b, np.arange(j0, j1), kind, cap, slopes, out=s_b,
                              post_scale=scale if low else None, check=check, keys_first=keys_first,
                              vis=vis, mods=mods)
             if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
                 mx = maxes[..., r0:r1]
                 np.maximum(mx, s.max(axis=-2 if keys_first else -1), out=mx)
-            moved = st.update(s, v_j if whole else v_j[..., c0:c1, :], threshold=threshold, overwrite_s=True,
+            moved = st.update(s, v_j[..., c0:c1, :], threshold=threshold, overwrite_s=True,
                               pv=pv_b, round_p=prec.round_p if low else None,
                               keys_first=keys_first, visible=vis)  # s now holds p
             if whole:

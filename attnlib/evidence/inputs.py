@@ -541,8 +541,9 @@ def document_cases(n: int = 8, *, seed: int = 0, max_len: int = 4096) -> list[Ca
         on = ({f for f in DOCUMENT_OPTIONS if rng.random() < 1 / 3} | {DOCUMENT_OPTIONS[(c - 2) % len(DOCUMENT_OPTIONS)]}
               if c > 1 else set())
         w = int(rng.integers(16, max(17, s // 4)))
+        d = int(rng.choice((64, 128)))
         cases.append(Case(
-            sq=s, sk=s, d=int(rng.choice((64, 128))), dv=0, heads=heads, kv_heads=1, causal=causal,
+            sq=s, sk=s, d=d, dv=d, heads=heads, kv_heads=1, causal=causal,
             causal_align="bottom_right", block_q=int(rng.choice(DOCUMENT_TILES[0])),
             block_k=int(rng.choice(DOCUMENT_TILES[1])), batch=batch, seed=seed * 1000 + 500 + c,
             documents=max(2, s // int(rng.integers(48, 257))), shared_documents=True,
@@ -554,7 +555,6 @@ def document_cases(n: int = 8, *, seed: int = 0, max_len: int = 4096) -> list[Ca
             kv_splits=int(rng.integers(2, 5)) if "kv_splits" in on else 1,
             rescale_threshold=float(rng.choice((2.0, 8.0))) if "lazy" in on else 0.0,
         ))
-        cases[-1] = replace(cases[-1], dv=cases[-1].d)
     return cases
 
 
