@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # Extra arguments for the report runner, e.g. make report ARGS="--only memory -p n=8192"
 ARGS   ?=
 
-.PHONY: test report lab venv clean
+.PHONY: test test-fast report report-full lab venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,24 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 venv: $(VENV)/.installed
 
+# The whole suite, on every core (pytest-xdist; a test file stays on one worker, so a
+# module's cluster or quick reports start once), then the few tests that measure the
+# machine's own load, alone.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -m serial -q
 
+# The inner loop: everything not marked slow (the notebooks, clusters, long sizes).
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest -n auto --dist loadfile -m "not slow and not serial" -q
+
+# The evidence in minutes: every notebook at its defaults, into reports/.
 report: $(VENV)/.installed
 	$(BIN)/python -m attnlib report $(ARGS)
+
+# The measurements expensive by nature (long scans, the long cluster run): reports/full/.
+report-full: $(VENV)/.installed
+	$(BIN)/python -m attnlib report --full $(ARGS)
 
 $(VENV)/.lab-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[test,report,lab]'

@@ -20,3 +20,29 @@ def strict():
     """The contract's strict floating-point mode."""
     with np.errstate(divide="raise", over="raise", invalid="raise"):
         yield
+
+
+@pytest.fixture(scope="session")
+def dask_client():
+    """One LocalCluster of two worker processes for the whole pytest run (per xdist worker),
+    shared by every module that computes on a cluster: a cluster start costs seconds."""
+    import distributed  # the [distributed] extra; make test installs it
+
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+#: Modules slow as a whole (clusters, fresh processes, every notebook run): `make test-fast`
+#: leaves them out.  Single slow tests carry ``@pytest.mark.slow`` where they are defined
+#: (those over 1 s on a loaded 2-core machine, measured with --durations=0).
+SLOW_MODULES = {"test_distributed", "test_edges_distributed", "test_cli_cluster", "test_scaleout",
+                "test_memory", "test_fresh", "test_notebooks", "test_notebooks_measured",
+                "test_report_framework"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)  # doctests have none
+        if module is not None and module.__name__.rpartition(".")[2] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -18,6 +18,7 @@ def differential():
     return [attnlib.run_case(c) for c in CASES]
 
 
+@pytest.mark.slow
 def test_differential_50_random_shapes(differential):
     worst = max(differential, key=lambda r: r["rel_error"])
     assert worst["rel_error"] < BOUND, worst
@@ -38,6 +39,7 @@ def test_differential_50_random_shapes(differential):
     assert edges[top] <= np.log10(worst["rel_error"]) < edges[top + 1], (edges[top], worst)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_adversarial_families_at_4096_in_strict_mode(family, strict):
     q, k, v = adversarial_qkv(family, 4096, d=64, block_k=64, seed=0)
@@ -207,6 +209,7 @@ def test_gqa_decode_packs_heads_into_rows_exactly(sq, kw):
     np.testing.assert_array_equal(stats.rescales, reference_rescales(s, 256, 64))
 
 
+@pytest.mark.slow
 def test_default_tiles_follow_the_head_dimension():
     # D >= 128 takes 512 x 512 tiles by default (measured faster); stats say which were used.
     for d, tiles in ((64, attnlib.DEFAULT_TILES), (128, attnlib.LARGE_HEAD_TILES), (256, attnlib.LARGE_HEAD_TILES)):

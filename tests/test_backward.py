@@ -74,6 +74,7 @@ def run_backward(q, k, v, dout, block_q=32, block_k=48, **kw):
     return grads, errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("align", ["bottom_right", "top_left"])
 @pytest.mark.parametrize("sq, sk", [(130, 130), (70, 200), (200, 70)])
 def test_tiled_gradients_match_dense(align, sq, sk):
@@ -89,6 +90,7 @@ def test_tiled_gradients_match_dense(align, sq, sk):
         run_backward(q, k, v, dout, causal_align=align, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", attnlib.random_cases(12, seed=5, max_len=1024), ids=str)
 def test_tiled_gradients_random_shapes(case):
     q, k, v = case.qkv()
@@ -117,6 +119,7 @@ def test_rows_and_entries_without_keys_have_zero_gradients(strict):
     assert np.all(ref[1][1] == 0) and np.all(ref[2][1] == 0)
 
 
+@pytest.mark.slow
 def test_adversarial_gradients(strict):
     for family in attnlib.FAMILIES:
         q, k, v = attnlib.adversarial_qkv(family, 2048, d=64, block_k=64, seed=0)
@@ -167,6 +170,7 @@ def test_backward_validation():
         reference_attention_backward(q, k, v, np.ones((5, 4)))
 
 
+@pytest.mark.slow
 def test_backward_memory_under_the_cap_that_dense_exceeds():
     tiled = peak_memory("tiled_backward", 4096, d=64, causal=True)
     dense = peak_memory("dense_backward", 4096, d=64, causal=True)

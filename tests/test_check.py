@@ -61,6 +61,7 @@ def run(tmp_path, capsys, tensors, *args):
     return code, out.out + out.err
 
 
+@pytest.mark.slow
 def test_float32_kernel_passes(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, causal=True)), "--causal")
@@ -69,6 +70,7 @@ def test_float32_kernel_passes(tmp_path, capsys, qkv):
     assert "within the allowance at every position" in text
 
 
+@pytest.mark.slow
 def test_bfloat16_kernel_passes_in_every_file_form(tmp_path, capsys, qkv):
     qb, kb, vb = (x.astype(ml_dtypes.bfloat16) for x in qkv)
     out = kernel(*(x.astype(np.float32) for x in (qb, kb, vb)), causal=True, compute_dtype="bfloat16")
@@ -88,6 +90,7 @@ def test_bfloat16_kernel_passes_in_every_file_form(tmp_path, capsys, qkv):
     assert code == 0 and "kernel precision bfloat16" in text, text
 
 
+@pytest.mark.slow
 def test_off_by_one_causal_mask_fails_with_diagnosis(tmp_path, capsys, qkv):
     q, k, v = qkv
     wrong = kernel(q, k, v, window=(None, 1))  # sees one future key
@@ -97,6 +100,7 @@ def test_off_by_one_causal_mask_fails_with_diagnosis(tmp_path, capsys, qkv):
     assert "shrinks with the query position" in text
 
 
+@pytest.mark.slow
 def test_forgotten_rescale_fails_with_diagnosis(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=no_rescale_kernel(q, k, v)), "--causal")
@@ -107,6 +111,7 @@ def test_forgotten_rescale_fails_with_diagnosis(tmp_path, capsys, qkv):
     assert "grows with the query position" in text
 
 
+@pytest.mark.slow
 def test_wrong_scale_fails_with_diagnosis(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, causal=True, scale=1 / D)),
@@ -116,6 +121,7 @@ def test_wrong_scale_fails_with_diagnosis(tmp_path, capsys, qkv):
     assert code == 1 and "scale 1 (the softmax scale is never applied)" in text
 
 
+@pytest.mark.slow
 def test_window_and_alignment(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, window=(16, 0))),
@@ -133,6 +139,7 @@ def test_window_and_alignment(tmp_path, capsys, qkv):
     assert code == 1 and "causal alignment top_left instead of bottom_right" in text
 
 
+@pytest.mark.slow
 def test_swapped_layout(tmp_path, capsys, qkv):
     q, k, v = qkv
     out = kernel(q, k, v, causal=True)
@@ -154,6 +161,7 @@ def test_swapped_layout(tmp_path, capsys, qkv):
     assert code == 1 and "seqlen and heads axes swapped" in text
 
 
+@pytest.mark.slow
 def test_one_bad_head_is_named(tmp_path, capsys, qkv):
     q, k, v = qkv
     out = kernel(q, k, v, causal=True)
@@ -162,6 +170,7 @@ def test_one_bad_head_is_named(tmp_path, capsys, qkv):
     assert code == 1 and "only heads [2] fail" in text
 
 
+@pytest.mark.slow
 def test_nonfinite_output_is_a_failure_with_positions(tmp_path, capsys, qkv):
     q, k, v = qkv
     out = kernel(q, k, v, kv_lengths=[S, 0])  # batch 1 sees no key: out = 0 there
@@ -190,6 +199,7 @@ def test_lse_verdict(tmp_path, capsys, qkv):
     assert code == 2 and "lse must have shape (2, 4, 128)" in text
 
 
+@pytest.mark.slow
 def test_gradient_verdicts(tmp_path, capsys, qkv):
     q, k, v = qkv
     qh, kh, vh = (bhsd(x).astype(np.float64) for x in qkv)
@@ -210,6 +220,7 @@ def test_gradient_verdicts(tmp_path, capsys, qkv):
     assert code == 2 and "without dout" in text
 
 
+@pytest.mark.slow
 def test_unusable_inputs(tmp_path, capsys, qkv):
     q, k, v = qkv
     out = kernel(q, k, v)
@@ -259,6 +270,7 @@ def test_npz_and_named_tensors(tmp_path, capsys, qkv):
     assert "no tensor named 'x'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_html_report_renders(tmp_path, capsys, qkv):
     q, k, v = (x[:1, :64, :2] for x in qkv)
     out = kernel(q, k, v, window=(None, 1))  # a failing kernel: the report shows why

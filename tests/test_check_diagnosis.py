@@ -28,6 +28,7 @@ def notes(result):
     return [n for v in verdicts if v.passed is False for n in v.notes]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prec", ["float32", "bfloat16"])
 def test_wrong_gradients_and_lse_are_named(prec):
     q, k, v, dout, causal = power.problem(SHAPE, prec, 1e-3)
@@ -65,6 +66,7 @@ DOC = np.repeat(np.arange(4), 32)
     (lambda b, h, i, j: DOC[i] == DOC[j], lambda b, h, i, j: DOC[i] == DOC[np.clip(j - 1, 0, 127)],
      "mask_mod at kv_idx - 1"),
 ], ids=["off by one", "window one key narrow", "document ids shifted"])
+@pytest.mark.slow
 def test_mask_mod_bugs_are_named_by_their_neighbour(right, wrong, want):
     q, k, v = (x.astype(np.float32).astype(np.float64)
                for x in attnlib.random_qkv(128, d=32, batch=(1,), heads=2, seed=0))
@@ -73,6 +75,7 @@ def test_mask_mod_bugs_are_named_by_their_neighbour(right, wrong, want):
     assert not r.passed and want in r.diagnosis[0], r.diagnosis
 
 
+@pytest.mark.slow
 def test_a_softcap_after_masking_is_named_not_a_lower_precision():
     from attnlib.check.diagnosis import _softcap_after_mask
     from attnlib.core.options import Options

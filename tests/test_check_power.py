@@ -23,6 +23,7 @@ SMALL = (1, 4, 2, 128, 128, 32, True)  # batch, Hq, Hk, Sq, Sk, D, causal
 
 @pytest.mark.parametrize("prec, magnitude", [("bfloat16", 1e-6), ("bfloat16", 1e2), ("float16", 1e-4),
                                              ("float32", 1e-4), ("float32", 1e4)])
+@pytest.mark.slow
 def test_wrong_kernels_fail_and_correct_ones_pass(prec, magnitude):
     rows = power.measure(precisions=(prec,), magnitudes=(magnitude,), shapes=(SMALL,))
     wrong = [r for r in rows if r["kind"] == "wrong"]
@@ -33,6 +34,7 @@ def test_wrong_kernels_fail_and_correct_ones_pass(prec, magnitude):
     assert not missed and not alarms, (missed, alarms)
 
 
+@pytest.mark.slow
 def test_decode_wrong_kernels_fail_in_bfloat16_at_small_values():
     rows = power.measure(precisions=("bfloat16",), magnitudes=(1e-4,), shapes=((2, 4, 4, 1, 512, 64, False),))
     missed = [r["kernel"] for r in rows if r["kind"] == "wrong" and r["passed"]]
@@ -40,6 +42,7 @@ def test_decode_wrong_kernels_fail_in_bfloat16_at_small_values():
     assert not missed and not alarms, (missed, alarms)
 
 
+@pytest.mark.slow
 def test_zero_output_of_small_values_fails_as_it_did_not_before():
     """The issue's case: bfloat16, v scaled by 1e-4, (1, 4, 384, 64) causal."""
     q, k, v, _, _ = power.problem((1, 4, 4, 384, 384, 64, True), "bfloat16", 1e-4)
@@ -50,6 +53,7 @@ def test_zero_output_of_small_values_fails_as_it_did_not_before():
     assert not r.passed and r.out.ratio > 10, check.format_text(r)
 
 
+@pytest.mark.slow
 def test_float32_gradients_off_by_1e_4_fail_at_long_rows():
     """A worst-case ``8 N u`` bound let 1e-3 through at n = 1024; in ulps of each entry's own
     size the rule catches 1e-4 at n = 2048 (the report runs 8192), while the correct
@@ -128,6 +132,7 @@ def test_naive_backward_formulations_are_the_gradient_in_the_type(formulation):
         assert np.abs(g - e).max() <= 1e-4 * np.abs(e).max()
 
 
+@pytest.mark.slow
 def test_gradients_beyond_float16s_range_are_reported_not_judged():
     q, k, v, dout, _ = power.problem(SMALL, "float16", 1e4)
     out = attnlib.attention(q, k, v, causal=True)
@@ -137,6 +142,7 @@ def test_gradients_beyond_float16s_range_are_reported_not_judged():
     assert r.grads["dv"].passed is False  # dv fits: judged, and the zeros fail
 
 
+@pytest.mark.slow
 def test_half_precision_eager_attention_with_a_small_dout_passes():
     """Hugging Face's eager attention: scores (q k^T) * scale in float16, the softmax upcast to
     float32; its autograd rounds scale * ds in float16, which in the subnormal range (dout

@@ -17,11 +17,10 @@ import distributed  # the [distributed] extra; make test installs it
 import zarr
 
 
-@pytest.fixture(scope="module")
-def client():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as c:
-        yield c
+@pytest.fixture
+def client(dask_client):
+    """The pytest run's one LocalCluster (conftest.py's `dask_client`)."""
+    return dask_client
 
 
 def _ids(n, docs, seed):

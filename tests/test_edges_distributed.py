@@ -18,11 +18,10 @@ from attnlib.distributed.plan import count_tasks, make_plan
 from attnlib.core.masks import mask_specs
 
 
-@pytest.fixture(scope="module")
-def client():
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                  dashboard_address=":0") as cluster, distributed.Client(cluster) as c:
-        yield c
+@pytest.fixture
+def client(dask_client):
+    """The pytest run's one LocalCluster (conftest.py's `dask_client`)."""
+    return dask_client
 
 
 @pytest.fixture

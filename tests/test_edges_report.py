@@ -69,6 +69,7 @@ def size_parameters():
 
 # -- the defaults and every documented run still pass -----------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quick", [False, True])
 def test_defaults_and_quick_values_pass_the_bounds(defaults, quick):
     for name, notebook in report.NOTEBOOKS.items():
@@ -217,6 +218,7 @@ sys.exit(main(sys.argv[1:]))
     (["--help"], 0, "stdout", "usage: attnlib"),
     (["check", "--help"], 0, "stdout", "usage: python -m attnlib check"),
 ])
+@pytest.mark.slow
 def test_missing_extra_in_a_fresh_process(tmp_path, argv, code, stream, text):
     proc = subprocess.run([sys.executable, "-c", BLOCKED, *argv], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)

@@ -183,6 +183,7 @@ ALIGNS = ["bottom_right", "top_left"]
 SHAPES = [(150, 150), (97, 230), (230, 97)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("align", ALIGNS)
 @pytest.mark.parametrize("sq, sk", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
@@ -210,6 +211,7 @@ def test_padded_batches(align, sq, sk):
               window=(20, None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sq, sk", SHAPES)
 def test_packed_documents(sq, sk):
     rng = np.random.default_rng(sk)
@@ -221,6 +223,7 @@ def test_packed_documents(sq, sk):
     check(q, k, v, q_segment_ids=rng.integers(0, 3, (2, sq)), kv_segment_ids=rng.integers(0, 3, (2, sk)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("align", ALIGNS)
 @pytest.mark.parametrize("sq, sk", SHAPES)
 @pytest.mark.parametrize("cap", [30.0, 50.0])
@@ -364,6 +367,7 @@ def _same_up_to_rounding(got, whole):
     np.testing.assert_allclose(out, out_w, rtol=0, atol=1e-13 * np.abs(out_w).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(10))
 def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monkeypatch):
     # The blocks (`MaskSpec.document_blocks`) give what the whole masked tile gives (the same
@@ -388,6 +392,7 @@ def test_a_packed_documents_tile_computes_each_documents_block_alone(case, monke
     assert attention_errors(out, q, k, v, **masks).rel_error < BOUND
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(8))
 def test_torch_cpu_computes_a_packed_documents_tile_by_blocks_too(case, monkeypatch):
     # The torch kernel on the CPU takes the same blocks: what its whole tiles give, and the
@@ -450,6 +455,7 @@ def test_a_document_block_edge_off_by_one_is_caught(monkeypatch):
     assert attention_errors(attention(q, k, v, **opts), q, k, v, **opts).rel_error > 1e3 * BOUND
 
 
+@pytest.mark.slow
 def test_the_defects_reach_a_tile_computed_by_document_blocks():
     # Power on the block path: a documents-only mask (every block FULL, no PARTIAL tile's mask
     # formed) still fails the off-by-one mask (the blocks' edges shifted), causal blocks the
@@ -483,6 +489,7 @@ def test_the_defects_reach_a_tile_computed_by_document_blocks():
                 assert not gate.judge(*attention(q, k, v, return_lse=True, **opts))["passed"], name
 
 
+@pytest.mark.slow
 def test_the_packed_documents_cases_take_the_block_path():
     # The equivalence report's packed-documents problems are computed by document blocks.
     from attnlib.evidence.differential import run_case

@@ -64,6 +64,7 @@ GALLERY = {"prefix_lm": (prefix_lm, None), "dilated_window": (dilated_window, No
            "t5_bias": (prefix_lm, t5_bias)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(GALLERY))
 def test_gallery_equals_flex_attention_eager_float64(name):
     mask_mod, score_mod = GALLERY[name]
@@ -87,6 +88,7 @@ def numpy_window(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx) & (kv_idx >= q_idx - 50)
 
 
+@pytest.mark.slow
 def test_built_in_equivalents_give_the_same_result_and_tile_map():
     q, k, v = qkv(1)
     ids = np.stack([np.repeat([0, 1, 2], [100, 200, 84]), np.repeat([0, 1], [300, 84])])
@@ -129,6 +131,7 @@ def test_only_visible_tiles_are_touched_and_counted():
     assert stats.processed_tiles == B * H * visible_tiles.sum()
 
 
+@pytest.mark.slow
 def test_memory_is_flat_in_n_with_a_dilated_window():
     """tracemalloc in this process: the kernel's traced peak with a precomputed block mask
     at n = 8192 and 32768 (1 head, D = 16): the same but for the output and lse."""
@@ -152,6 +155,7 @@ def test_memory_is_flat_in_n_with_a_dilated_window():
     assert peaks[32768] < 8 * 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_score_mod", [False, True])
 def test_gradients_equal_the_dense_gradient(with_score_mod):
     q, k, v = qkv(4, s=200, kv_heads=2)
@@ -211,6 +215,7 @@ def test_bad_mods():
                                  mask_mod=numpy_window)
 
 
+@pytest.mark.slow
 def test_the_check_takes_mask_mod_and_score_mod():
     """A float32 kernel with a programmable mask passes the check with the same mask_mod and
     fails it without; its gradients are judged with score_mod_grad."""

@@ -54,6 +54,7 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, dtype=np.float64) - b).max() / np.abs(b).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal, kv_lengths", [(False, None), (True, None), (True, [SK, 31])])
 def test_the_dequantised_attention_equals_flash_attentions_reference(causal, kv_lengths):
     torch = pytest.importorskip("torch")
@@ -118,6 +119,7 @@ def test_the_fp8_baseline_rounds_p_to_fp8():
     assert np.abs(ref8 - emulated).max() < 0.25 * np.abs(emulated - exact).max()
 
 
+@pytest.mark.slow
 def test_the_fp8_check_fails_wrong_outputs_at_long_rows():
     """The weights are rounded as kernels hold them (<= 1), not normalised first: FlashAttention's
     test reference rounds p ~ 1/Sk among fp8's subnormals, an error near the output's own size
@@ -168,6 +170,7 @@ WRONG = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong", list(WRONG))
 def test_the_check_passes_an_fp8_kernel_and_names_mishandled_descales(wrong):
     q, k, v, ds = _problem()
@@ -180,6 +183,7 @@ def test_the_check_passes_an_fp8_kernel_and_names_mishandled_descales(wrong):
     assert r.passed is False and any(words in d for d in r.diagnosis), r.diagnosis
 
 
+@pytest.mark.slow
 def test_a_small_bug_in_an_fp8_kernel_still_fails():
     q, k, v, ds = _problem()
     told = dict(q_descale=ds["q"], k_descale=ds["k"], v_descale=ds["v"])
@@ -191,6 +195,7 @@ def test_a_small_bug_in_an_fp8_kernel_still_fails():
         check.check_kernel(*args, off_by_one, causal=True, dout=off_by_one, dq=args[0], **told)
 
 
+@pytest.mark.slow
 def test_the_cli_reads_fp8_safetensors_and_descales(tmp_path, capsys):
     q, k, v, ds = _problem()
     told = dict(q_descale=ds["q"], k_descale=ds["k"], v_descale=ds["v"])

@@ -31,6 +31,7 @@ OPTIONS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o))
 def test_real_kernel_passes_far_below_the_gate(options):
     q, k, v = attnlib.random_qkv(200, 300, 64, batch=(2,), heads=2, kv_heads=1, seed=5)
@@ -41,6 +42,7 @@ def test_real_kernel_passes_far_below_the_gate(options):
     assert judged["out_ratio"] < 0.05 and judged["lse_ratio"] < 0.05, judged
 
 
+@pytest.mark.slow
 def test_tolerance_is_tight_enough_to_fail_a_1e12_defect():
     # The contract: a real defect of size 1e-12 must fail the gate.  On standard normal
     # inputs at d = 64 the per-row tolerance stays under 1e-12 up to n = 4096.
@@ -71,6 +73,7 @@ def test_judge_checks_shapes():
         gate.judge(out[:-1], lse)
 
 
+@pytest.mark.slow
 def test_both_implementations_within_their_share_against_the_oracle():
     # The analysis bounds each implementation's own error: checked against long double.
     for q, k, v in (attnlib.random_qkv(512, d=64, seed=2),
@@ -104,6 +107,7 @@ NEEDS = {"window_edge": dict(causal=True, window=(50, None)),
          "sink_first_tile_unscaled": dict(causal=True, sinks=[-3.0, 1.0])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(DEFECTS))
 def test_every_defect_fails_the_gate(name, causal_problem):
     if name == "skip_far_tiles":  # shows only where tiles sit far below an attention sink
@@ -159,6 +163,7 @@ def test_run_case_and_power_table():
     assert (grouped["a"], grouped["b"], grouped["caught"]) == ("1/1", "2/2", 3)
 
 
+@pytest.mark.slow
 def test_feature_cases_exercise_every_option_and_pass():
     cases = attnlib.evidence.inputs.feature_cases(16, seed=2, max_len=256)
     labels = {"documents": "documents=", "kv_splits": "kv_splits=", "lazy": "lazy tau="}
@@ -212,6 +217,7 @@ def _key_by_key(q, k, v, scale):
     return (acc / l)[None], np.array([m + np.log(l)])
 
 
+@pytest.mark.slow
 def test_sequential_sums_on_structured_data_pass():
     # All weights but one just under u: a key-by-key sum stagnates and loses n * u of mass,
     # all with one sign.  The gate counts sequential steps at their worst case (review F1).

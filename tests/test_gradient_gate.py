@@ -33,6 +33,7 @@ def tiled(q, k, v, dout, **options):
     return attention_backward(q, k, v, out, lse, dout, block_q=32, block_k=48, **options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 def test_the_tiled_backward_passes_far_inside(options, strict):
     q, k, v, dout = problem()
@@ -47,6 +48,7 @@ DEFECT_CASES = [(name, options) for name in BACKWARD_DEFECTS for options in OPTI
                 if name != "dsinks_sign" or "sinks" in options]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, options", DEFECT_CASES, ids=[f"{n}-{','.join(o)}" for n, o in DEFECT_CASES])
 def test_every_backward_defect_fails(name, options, strict):
     q, k, v, dout = problem(seed=3)

@@ -260,6 +260,7 @@ def test_every_defect_names_its_paths():
     assert all(d.paths == ("backward",) for d in BACKWARD_DEFECTS.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, path", ON, ids=[f"{n}-{p}" for n, p in ON])
 def test_every_defect_fails_the_gate_on_each_of_its_paths(name, path):
     key = NEEDS.get(name, "causal")

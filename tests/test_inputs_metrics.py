@@ -87,6 +87,7 @@ def test_metrics_by_hand():
     assert rel_error(out2, ref, ref_abs) == pytest.approx(3e-8)  # absolute where P|V| = 0
 
 
+@pytest.mark.slow
 def test_rel_error_is_the_gate_naive_is_not():
     # Cancellation: values of both signs average to nearly 0, where any rounding looks large.
     q, k, v = random_qkv(2048, 2048, 64, seed=4)
@@ -137,6 +138,7 @@ def test_expected_rescales_theory():
     assert attnlib.expected_rescales(1, 20, 1, 16)[0, 1] == pytest.approx(4 / 20)
 
 
+@pytest.mark.slow
 def test_expected_rescales_match_a_seeded_average():
     # Averaged over seeds, measured counts approach the i.i.d. expectation.
     totals = []

@@ -94,6 +94,7 @@ def graph():
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
+@pytest.mark.slow
 def test_the_import_graph_has_no_cycle(graph):
     state = {}  # 1: on the current path, 2: done
 

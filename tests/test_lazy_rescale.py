@@ -10,6 +10,7 @@ from attnlib import (BOUND, FAMILIES, OnlineSoftmax, adversarial_qkv, attention,
 EPS = np.finfo(np.float64).eps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tau", [0.0, 1.0, 8.0, 20.0])
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=(100, None), softcap=30.0)])
 def test_lazy_equals_eager(tau, kw, strict):
@@ -30,6 +31,7 @@ def test_lazy_equals_eager(tau, kw, strict):
     np.testing.assert_array_equal(stats.rescales, reference_rescales(s, 64, 32, threshold=tau))
 
 
+@pytest.mark.slow
 def test_lazy_rescales_less_on_random_inputs():
     q, k, v = random_qkv(2048, d=64, seed=0)
     counts = {tau: attention(q, k, v, causal=True, block_q=64, block_k=64, rescale_threshold=tau,
@@ -38,6 +40,7 @@ def test_lazy_rescales_less_on_random_inputs():
     assert counts[8.0] == 0  # scaled normal logits never grow by e^8 after the first tile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("tau", [8.0, 20.0, 100.0])
 def test_lazy_rescaling_is_safe_on_adversarial_families(family, tau, strict):

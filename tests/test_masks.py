@@ -69,6 +69,7 @@ def masked_tiles(draw):
     return specs, bq, bk
 
 
+@pytest.mark.slow
 @given(masked_tiles(), st.booleans())
 def test_tile_visible_equals_visible(case, keys_first):
     specs, bq, bk = case
@@ -101,6 +102,7 @@ def test_tile_visible_cache_is_shared_by_a_diagonal_and_bounded():
     assert not any(a.flags.writeable for a in cache.values())
 
 
+@pytest.mark.slow
 @given(masked_tiles(), st.data())
 def test_a_piece_sees_what_the_whole_sees(case, data):
     """MaskSpec.piece: the rule of a (query range, key range) piece in its own positions."""
@@ -121,6 +123,7 @@ def test_a_piece_sees_what_the_whole_sees(case, data):
         assert got == kind or (got == PARTIAL and kind == SKIP and inexact)
 
 
+@pytest.mark.slow
 @given(masked_tiles(), st.data())
 def test_any_visible_is_exact(case, data):
     for spec in case[0]:

@@ -71,6 +71,7 @@ def test_kv_splits_equal_unsplit(splits, kw, strict):
     (dict(window=(100, 20)), True), (dict(window=(50, None), causal_align="top_left"), False),
     (dict(causal=True, softcap=10.0, alibi_slopes=[0.05, 0.1, 0.2, 0.4]), True),
 ])
+@pytest.mark.slow
 @pytest.mark.parametrize("sq", [1, 37, 128])
 def test_stream_equals_attention(kw, total, sq, strict):
     q, k, v = random_qkv(sq, 1000, 16, 8, heads=4, kv_heads=2, seed=sq)
@@ -121,6 +122,7 @@ def test_stream_validation():
         attention_stream(q, [(k, v), (k, v[:, :3])])
 
 
+@pytest.mark.slow
 def test_decode_against_a_memmapped_cache_in_bounded_memory():
     # 2**18 keys of dimension 64: 256 MiB of float64 k and v on disk, 64 decode queries.
     r = peak_memory("stream", 64, 2**18, 64, block_k=512, chunk=65536)

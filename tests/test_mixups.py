@@ -9,6 +9,7 @@ from attnlib.check import check_kernel, mixups
 pytest.importorskip("ml_dtypes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prec", ["float32", "float8_e4m3fn"])
 def test_every_mixup_fails_and_is_named(prec):
     rows = mixups.measure(precisions=(prec,), magnitudes=(1e-2, 1e2), seeds=(0,))
@@ -16,6 +17,7 @@ def test_every_mixup_fails_and_is_named(prec):
     assert all(t["hit_rate"] == 1.0 for t in mixups.hit_rates(rows))
 
 
+@pytest.mark.slow
 def test_the_right_answer_to_each_mixups_problem_passes():
     """The problems as told, answered right: no mix-up, no failure."""
     from attnlib import attention

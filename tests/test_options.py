@@ -89,6 +89,7 @@ _windows = st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 50
 @given(causal=st.booleans(), align=st.sampled_from(["bottom_right", "top_left"]), window=_windows,
        softcap=st.one_of(st.none(), st.just(0.0), st.floats(0.1, 100.0)),
        scale=st.one_of(st.none(), st.floats(-10.0, 10.0)))
+@pytest.mark.slow
 def test_given_round_trips(causal, align, window, softcap, scale):
     opts = Options.parse(causal=causal, causal_align=align, window=window, softcap=softcap, scale=scale)
     again = Options.parse(**opts.given())

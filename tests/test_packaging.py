@@ -7,9 +7,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_wheel_has_the_notebook_the_templates_and_the_command(tmp_path):
     src = tmp_path / "src"  # a copy: the build writes build/ and egg-info where it runs
     src.mkdir()

@@ -84,6 +84,7 @@ def test_memmapped_cache_and_only_used_pages_are_read(tmp_path):
         attnlib.attention(q, kc, vc, block_table=table, cache_seqlens=lens)
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_cache():
     """tracemalloc in a fresh process: the same sequence (4096 keys on 16-key pages) in caches
     of 256, 2,560 and 25,600 pages (2 MiB to 200 MiB of keys and values): the call's traced

@@ -9,6 +9,7 @@ from attnlib.core.problem import precision
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, window=(40, None), softcap=20.0)])
 @pytest.mark.parametrize("n, logit_scale", [(200, 1.0), (600, 3.0)])

@@ -57,6 +57,7 @@ def options(p):
     return kw
 
 
+@pytest.mark.slow
 @given(problems)
 def test_agrees_with_reference_in_strict_mode(p):
     q, k, v = make(p)

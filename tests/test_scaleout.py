@@ -170,6 +170,7 @@ def _spinner(seconds):
     return int(out.split()[-1])
 
 
+@pytest.mark.serial  # it measures the machine's other load: pytest-xdist's other worker is that
 def test_load_watch_sees_another_process_keep_a_cpu_busy():
     with scaleout.load_watch([os.getpid()]) as quiet:
         time.sleep(0.5)

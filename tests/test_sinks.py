@@ -231,6 +231,7 @@ def test_rescale_counts_start_from_the_sink():
     assert np.array_equal(attnlib.reference_rescales(scores, 16, 16), plain.rescales)
 
 
+@pytest.mark.slow
 def test_adversarial_logits_and_huge_sinks_stay_clean():
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, 300, 8)) * 60
@@ -277,6 +278,7 @@ def test_bad_sinks_are_refused_and_inputs_untouched():
 @given(sq=st.integers(0, 40), sk=st.integers(0, 40), hk=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]),
        causal=st.booleans(), left=st.one_of(st.none(), st.integers(0, 8)), bq=st.integers(1, 17),
        bk=st.integers(1, 17), seed=st.integers(0, 2**16))
+@pytest.mark.slow
 def test_tiled_equals_reference_for_any_shape(sq, sk, hk, g, causal, left, bq, bk, seed):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((hk * g, sq, 8))

@@ -97,6 +97,7 @@ def test_hand_built_lists():
     assert tiled_lse[2] == -np.inf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("causal,kv_lengths", [(False, None), (True, [90, 41])])
 def test_equals_flashattention_reference_forward_lse_and_gradients(per_head, causal, kv_lengths):
@@ -145,6 +146,7 @@ def _both_paths(monkeypatch, q, k, v, **kw):
        variant=st.sampled_from(["none", "causal", "window+sinks", "chunk", "leftpad", "scores", "segments",
                                 "top_left"]),
        block=st.sampled_from([(8, 16), (16, 32), (64, 64)]))
+@pytest.mark.slow
 def test_gathered_equals_dense_tiles_and_reference(seed, topk, per_head, variant, block):
     mp = pytest.MonkeyPatch()
     try:
@@ -174,6 +176,7 @@ def test_gathered_equals_dense_tiles_and_reference(seed, topk, per_head, variant
         mp.undo()
 
 
+@pytest.mark.slow
 def test_tile_classes_skip_unlisted_tiles_and_work_follows_the_listed_keys(monkeypatch):
     rng = np.random.default_rng(0)
     sq, sk, topk = 256, 4096, 16
@@ -197,6 +200,7 @@ def test_tile_classes_skip_unlisted_tiles_and_work_follows_the_listed_keys(monke
     assert np.abs(out - reference_attention(q, k, v, gather_kv_indices=idx)).max() < BOUND
 
 
+@pytest.mark.slow
 def test_working_memory_is_flat_in_n():
     """tracemalloc, after a warm-up: the peak less the output and the lists' sorted copy (as
     large as the input lists, O(n topk)) does not grow from n = 2048 to 8192 at topk = 64
@@ -270,6 +274,7 @@ def _kernel(q, k, v, idx, *, wrap=False, ignore=False):
     return out
 
 
+@pytest.mark.slow
 def test_check_passes_a_correct_kernel_and_names_lists_ignored_or_wrapped(tmp_path):
     rng = np.random.default_rng(2)
     q = rng.standard_normal((2, 24, 4, 16)).astype(np.float32)

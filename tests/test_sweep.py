@@ -41,6 +41,7 @@ class Flaky:
         return out, lse
 
 
+@pytest.mark.slow
 def test_a_correct_kernel_passes_every_setting_and_is_deterministic():
     sweep = assert_invariant(good, Q, K, V, knobs={"num_splits": [1, 2, 3], "block_k": [16, 48]}, repeats=2,
                              deterministic=True, **CHECK)

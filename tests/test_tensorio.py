@@ -194,6 +194,7 @@ def test_cli_exits_2_with_one_line(tmp_path, capsys, case):
     assert err.count("\n") == 1 and f"--q {hostile}: " in err, err
 
 
+@pytest.mark.slow
 def test_cli_subprocess_exit_2_one_line(tmp_path):
     hostile = write(tmp_path, "q.npy", HOSTILE["npy_1PiB_shape"][1])
     ok = []
@@ -314,6 +315,7 @@ def mutate(blob, ops):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(base=st.sampled_from(BASES), ops=st.lists(mutation, max_size=4),
        dtype=st.sampled_from([None, "bfloat16", "float16"]), key=st.sampled_from([None, "x", "b", "q"]))
+@pytest.mark.slow
 def test_fuzz_mutated_files(tmp_path, base, ops, dtype, key):
     name, blob = base
     blob = mutate(blob, ops)

@@ -25,6 +25,7 @@ def qkv(dtype, seed=0, shape=(B, H, S, D), kv_heads=H):
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sdpa_outputs_pass_as_torch_tensors(dtype):
     q, k, v = qkv(dtype)
@@ -39,6 +40,7 @@ def test_sdpa_outputs_pass_as_torch_tensors(dtype):
     assert_attention_close(out, q, k, v, layout="bhsd", scale=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_an_off_by_one_causal_kernel_raises_with_the_diagnosis(dtype):
     q, k, v = qkv(dtype, seed=2)
@@ -108,6 +110,7 @@ def sink_kernel(q, k, v, sinks, *, scale_the_sink=False):
     return p @ v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_a_sink_kernel_passes_and_a_scaled_sink_fails(dtype):
     q, k, v = qkv(dtype, seed=3)
@@ -157,6 +160,7 @@ def _save(tmp_path, **arrays):
     return argv
 
 
+@pytest.mark.slow
 def test_varlen_kernels_are_judged_per_sequence(tmp_path, capsys):
     rng = np.random.default_rng(4)
     lens_q, lens_k = [37, 0, 64, 1], [37, 70, 64, 90]

@@ -20,6 +20,7 @@ from attnlib.core.tiles import keys_first_for
 SMALL = ("exp_1e-12x", "pv_matmul_1e-12", "lse_1e-12", "rescale_l_1e-12", "qk_matmul_3e-12")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_default_path_is_within_the_gate_and_1e_12_defects_fail_it(d, strict):
     q, k, v = attnlib.random_qkv(1500, d=d, batch=(1,), heads=2, seed=d)

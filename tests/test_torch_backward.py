@@ -427,6 +427,7 @@ def test_the_reference_reads_tensors_on_the_host():
     assert all(isinstance(g, np.ndarray) and np.array_equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.slow
 def test_numpy_inputs_never_import_torch():
     code = ("import sys, numpy as np, attnlib; q, k, v = attnlib.random_qkv(20, 30, 8, seed=0); "
             "out, lse = attnlib.attention(q, k, v, return_lse=True, causal=True); "

@@ -26,6 +26,7 @@ def _host(*xs):
     return [as_numpy(x, "x") for x in xs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("v_scale", [1.0, 1e-150, 1e150], ids=["unit", "tiny", "huge"])
 def test_a_correct_kernel_passes_and_a_defect_fails_on_the_device(dtype, v_scale):
@@ -51,6 +52,7 @@ def test_a_correct_kernel_passes_and_a_defect_fails_on_the_device(dtype, v_scale
     assert not check_kernel(q, k, v, wrong, **kw).passed
 
 
+@pytest.mark.slow
 def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
     """The numpy kernel and the host score pass made unusable: torch tensors still pass."""
     q, k, v = _qkv(torch.float64)
@@ -75,6 +77,7 @@ def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
         assert_attention_close(bad, q, k, v, layout="bhsd", causal=True, causal_align="top_left")
 
 
+@pytest.mark.slow
 def test_options_and_layouts_on_the_device():
     q, k, v = _qkv(torch.float32, seed=3)
     lengths = np.array([150, 60])
@@ -126,6 +129,7 @@ LONG = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(LONG))
 def test_long_gradients_are_judged_with_the_device_backward(monkeypatch, case):
     """Where the dense gradients do not fit, the errors are reported (not judged) against the

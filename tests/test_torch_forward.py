@@ -90,6 +90,7 @@ def test_bits_do_not_depend_on_the_thread_count():
 @given(sq=st.integers(0, 70), sk=st.integers(0, 90), heads=st.sampled_from([(1, 1), (4, 2), (3, 1)]),
        causal=st.booleans(), left=st.one_of(st.none(), st.integers(0, 40)), bq=st.integers(1, 40),
        bk=st.integers(1, 50), seed=st.integers(0, 99))
+@pytest.mark.slow
 def test_random_problems_equal_the_numpy_kernel(sq, sk, heads, causal, left, bq, bk, seed):
     q, k, v = attnlib.random_qkv(sq, sk, 8, heads=heads[0], kv_heads=heads[1], seed=seed)
     _compare(q, k, v, causal=causal, window=(left, None), block_q=bq, block_k=bk)
@@ -230,6 +231,7 @@ def test_bad_tensors_get_the_host_paths_errors():
         attnlib.attention(huge.numpy(), k.numpy() * 1e10, v.numpy())
 
 
+@pytest.mark.slow
 def test_numpy_calls_never_import_torch():
     code = ("import numpy as np, sys, attnlib\n"
             "q, k, v = attnlib.random_qkv(64, 64, 8, heads=2, seed=0)\n"
@@ -326,6 +328,7 @@ def test_flex_mods_on_the_device_equal_the_numpy_kernel(kw):
     np.testing.assert_array_equal(t_stats.rescales, stats.rescales)
 
 
+@pytest.mark.slow
 def test_block_masks_on_the_device():
     q, k, v = attnlib.random_qkv(100, 100, 16, heads=2, seed=13)
     bm = attnlib.create_block_mask(_causal, None, None, 100, 100, 32, 32)

@@ -207,6 +207,7 @@ def _float32_problem():
     return q, k, v
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MIXUPS))
 def test_the_check_names_a_dropped_variant(name):
     from attnlib import check
@@ -224,6 +225,7 @@ def test_the_check_names_a_dropped_variant(name):
     assert r.passed is False and any(want in d for d in r.diagnosis), r.diagnosis
 
 
+@pytest.mark.slow
 def test_the_cli_takes_the_variants(tmp_path, capsys):
     from attnlib import check
 
@@ -244,6 +246,7 @@ def test_the_cli_takes_the_variants(tmp_path, capsys):
                                   dict(attention_chunk=64, window=(40, 10), sink_token_length=3,
                                        causal_align="top_left")],
                          ids=["chunk", "sinks", "both top_left"])
+@pytest.mark.slow
 def test_the_stream_takes_chunks_and_sink_tokens(opts):
     q, k, v = attnlib.random_qkv(150, 700, 16, batch=(2,), heads=2, seed=9)
     chunks = [(k[..., i:i + 230, :], v[..., i:i + 230, :]) for i in range(0, 700, 230)]
@@ -299,6 +302,7 @@ def chunked_working_bytes(n: int) -> int:
     return peak - out.nbytes
 
 
+@pytest.mark.slow
 def test_chunked_attention_keeps_memory_flat_in_n():
     from attnlib.evidence.fresh import run_fresh
 

@@ -120,6 +120,7 @@ def test_backward_equals_the_padded_batch(lens, opt):
 @settings(max_examples=30)
 @given(lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=5),
        causal=st.booleans(), seed=st.integers(0, 2**16), bk=st.integers(1, 20))
+@pytest.mark.slow
 def test_any_packing(lens, causal, seed, bk):
     q, k, v, cu_q, cu_k = packed_problem([a for a, _ in lens], [b for _, b in lens], hq=2, hk=1, d=8, dv=8, seed=seed)
     out, lse = attnlib.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, return_lse=True, block_k=bk)

@@ -62,6 +62,11 @@ def _sync(dev):
 
 def _interleaved(fns: dict, dev, repeats: int) -> dict:
     """Median seconds of each callable, one warm-up each, then in turn ``repeats`` times."""
+    return {name: statistics.median(t) for name, t in _interleaved_times(fns, dev, repeats).items()}
+
+
+def _interleaved_times(fns: dict, dev, repeats: int) -> dict:
+    """Every repeat's seconds of each callable, one warm-up each, then in turn ``repeats`` times."""
     for fn in fns.values():
         fn()
     _sync(dev)
@@ -73,7 +78,7 @@ def _interleaved(fns: dict, dev, repeats: int) -> dict:
             fn()
             _sync(dev)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def gemm_rates(dev, d: int = 128, repeats: int = 5) -> dict:
@@ -87,9 +92,13 @@ def gemm_rates(dev, d: int = 128, repeats: int = 5) -> dict:
     b = torch.randn(8, d, tiles.block_k, dtype=torch.float64, device=dev)
     side = 8192 if dev.type == "cuda" else 1024
     x = torch.randn(side, side, dtype=torch.float64, device=dev)
-    t = _interleaved({"tile": lambda: a @ b, "square": lambda: x @ x}, dev, repeats)
-    return {"tile_tflops": 2 * a.numel() * tiles.block_k / t["tile"] / 1e12,
-            "square_tflops": 2 * side ** 3 / t["square"] / 1e12,
+    times = _interleaved_times({"tile": lambda: a @ b, "square": lambda: x @ x}, dev, repeats)
+    t = {name: statistics.median(s) for name, s in times.items()}
+    flop = {"tile": 2 * a.numel() * tiles.block_k, "square": 2 * side ** 3}
+    return {"tile_tflops": flop["tile"] / t["tile"] / 1e12,
+            "square_tflops": flop["square"] / t["square"] / 1e12,
+            # every repeat's TFLOP/s, lowest to highest
+            "tflops_repeats": {name: sorted(flop[name] / x / 1e12 for x in s) for name, s in times.items()},
             "tile": f"(8, {tiles.block_q}, {d}) @ (8, {d}, {tiles.block_k})", "square": side}
 
 
@@ -105,36 +114,40 @@ def _sdpa_fits(dev, heads: int, n: int) -> bool:
     return dense_fits(n, heads=heads)
 
 
-def forward_rows(dev, shapes=SHAPES, repeats: int = 5, log=None) -> list[dict]:
-    """attnlib on ``dev`` against SDPA float64 there and, on the CPU, the numpy kernel."""
+def forward_rows(dev, shapes=SHAPES, repeats: int = 5, log=None, cases=None) -> list[dict]:
+    """attnlib on ``dev`` against SDPA float64 there and, on the CPU, the numpy kernel: on
+    ``cases`` (``(b, h, n, d, causal)`` each) or, without them, each of ``shapes`` causal
+    and not."""
     torch = _torch()
     F = torch.nn.functional
     rows = []
-    for causal in (True, False):
-        for b, h, n, d in shapes:
-            case = BenchCase(b, h, n, d, causal)
-            q, k, v = random_qkv(n, d=d, batch=(b,), heads=h, seed=0)
-            tq, tk, tv = (torch.from_numpy(x).to(dev) for x in (q, k, v))
-            fns = {"attnlib (torch)": lambda: attention(tq, tk, tv, causal=causal)}
-            if dev.type == "cpu":
-                fns["attnlib (numpy)"] = lambda: attention(q, k, v, causal=causal)
-            if _sdpa_fits(dev, b * h, n):
-                fns["torch SDPA float64"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-            t = _interleaved(fns, dev, repeats)
-            row = {"case": case.name, **{name: s for name, s in t.items()},
-                   "tflops": case.flops / t["attnlib (torch)"] / 1e12}
-            out = attention(tq, tk, tv, causal=causal)
-            if "attnlib (numpy)" in t:
-                row["torch / numpy"] = t["attnlib (torch)"] / t["attnlib (numpy)"]
-                ref = attention(q, k, v, causal=causal)
-                row["max |torch - numpy|"] = float(np.abs(out.cpu().numpy() - ref).max())
-            if "torch SDPA float64" in t:
-                row["attnlib / SDPA"] = t["attnlib (torch)"] / t["torch SDPA float64"]
-            rows.append(row)
-            if log:
-                log(f"  {case.name}: " + ", ".join(f"{name} {s:.3f} s" for name, s in t.items())
-                    + (f", torch/numpy {row['torch / numpy']:.2f}x" if "torch / numpy" in row else "")
-                    + f", {row['tflops']:.3f} TFLOP/s")
+    if cases is None:
+        cases = [(b, h, n, d, causal) for causal in (True, False) for b, h, n, d in shapes]
+    for b, h, n, d, causal in cases:
+        case = BenchCase(b, h, n, d, causal)
+        q, k, v = random_qkv(n, d=d, batch=(b,), heads=h, seed=0)
+        tq, tk, tv = (torch.from_numpy(x).to(dev) for x in (q, k, v))
+        fns = {"attnlib (torch)": lambda: attention(tq, tk, tv, causal=causal)}
+        if dev.type == "cpu":
+            fns["attnlib (numpy)"] = lambda: attention(q, k, v, causal=causal)
+        if _sdpa_fits(dev, b * h, n):
+            fns["torch SDPA float64"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        times = _interleaved_times(fns, dev, repeats)
+        t = {name: statistics.median(s) for name, s in times.items()}
+        row = {"case": case.name, **{name: s for name, s in t.items()},
+               "tflops": case.flops / t["attnlib (torch)"] / 1e12, "times": times}
+        out = attention(tq, tk, tv, causal=causal)
+        if "attnlib (numpy)" in t:
+            row["torch / numpy"] = t["attnlib (torch)"] / t["attnlib (numpy)"]
+            ref = attention(q, k, v, causal=causal)
+            row["max |torch - numpy|"] = float(np.abs(out.cpu().numpy() - ref).max())
+        if "torch SDPA float64" in t:
+            row["attnlib / SDPA"] = t["attnlib (torch)"] / t["torch SDPA float64"]
+        rows.append(row)
+        if log:
+            log(f"  {case.name}: " + ", ".join(f"{name} {s:.3f} s" for name, s in t.items())
+                + (f", torch/numpy {row['torch / numpy']:.2f}x" if "torch / numpy" in row else "")
+                + f", {row['tflops']:.3f} TFLOP/s")
     return rows
 
 
@@ -152,8 +165,9 @@ def mask_rows(dev, n: int = 16384, repeats: int = 3, log=None) -> list[dict]:
         if _sdpa_fits(dev, case.b * case.hq, n):
             mask = torch.from_numpy(case.visible()).to(dev)
             fns["torch SDPA float64 + mask"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask)
-        t = _interleaved(fns, dev, repeats)
-        row = {"case": case.name, "shape": case.shape, **t}
+        times = _interleaved_times(fns, dev, repeats)
+        t = {name: statistics.median(s) for name, s in times.items()}
+        row = {"case": case.name, "shape": case.shape, **t, "times": times}
         if len(t) == 2:
             row["SDPA / attnlib"] = t["torch SDPA float64 + mask"] / t["attnlib (torch)"]
         rows.append(row)
@@ -189,7 +203,9 @@ def cpu_extra_bytes(n: int, heads: int = 1, d: int = 64, causal: bool = True) ->
     from memory_profiler import memory_usage
 
     torch = _torch()
-    small = [torch.randn(1, heads, 512, d, dtype=torch.float64) for _ in range(3)]
+    # The warm-up gives every worker thread its full 512 x 512 tiles (4 query tiles): with one
+    # tile of 512 the first long call grew a second thread's buffers and the RSS with them.
+    small = [torch.randn(1, heads, 2048, d, dtype=torch.float64) for _ in range(3)]
     attention(*small, causal=causal)
     q, k, v = (torch.randn(1, heads, n, d, dtype=torch.float64) for _ in range(3))
     base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
@@ -233,9 +249,11 @@ def long_case(dev, log=None) -> dict:
 
 
 def device_section(device: str = "cuda", *, repeats: int = 5, shapes=SHAPES, mask_n: int = 16384,
-                   memory_ns=MEMORY_NS, log=None) -> dict:
+                   memory_ns=MEMORY_NS, log=None, cases=None, cpu_masks=True) -> dict:
     """Everything above on ``device``; a machine without CUDA asked for it runs the CPU part
-    and says so in ``"note"``."""
+    and says so in ``"note"``.  ``cases``: the forward's cases (`forward_rows`);
+    ``cpu_masks=False`` leaves the mask rows out on the CPU (``"masks"`` is then empty), for a
+    caller that times attnlib on torch tensors beside SDPA in its own mask section."""
     torch = _torch()
     note = None
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -251,11 +269,14 @@ def device_section(device: str = "cuda", *, repeats: int = 5, shapes=SHAPES, mas
     say(f"float64 GEMM: {result['gemm']['tile_tflops']:.3f} TFLOP/s at the tile {result['gemm']['tile']}, "
         f"{result['gemm']['square_tflops']:.3f} at {result['gemm']['square']}^2")
     say("forward, default arguments:")
-    result["forward"] = forward_rows(dev, shapes, repeats, say)
+    result["forward"] = forward_rows(dev, shapes, repeats, say, cases=cases)
     for row in result["forward"]:  # the kernel's rate as a share of the device's float64 GEMM rate
         row["of GEMM"] = row["tflops"] / result["gemm"]["square_tflops"]
-    say(f"masks at n = {mask_n}:")
-    result["masks"] = mask_rows(dev, mask_n, max(1, repeats // 2), say)
+    if dev.type != "cpu" or cpu_masks:
+        say(f"masks at n = {mask_n}:")
+        result["masks"] = mask_rows(dev, mask_n, repeats, say)
+    else:
+        result["masks"] = []
     say("extra memory of one call (1 head, D = 64, causal):")
     result["memory"] = memory_rows(dev, memory_ns, say)
     if dev.type == "cuda":

@@ -5,7 +5,7 @@ Each entry is written once, with operations numpy arrays and torch tensors share
 ``%``, ``//``, ``&``, comparisons, indexing; `_tanh` and `_clip` pick the library), so the
 same function is attnlib's ``mask_mod``/``score_mod`` and FlexAttention's.  Where attnlib has
 a built-in equivalent (window, documents, softcap, ALiBi, causal) the entry names it, and the
-report checks the two agree, tile map included.  Timings are interleaved medians in one
+report checks the two agree, tile map included.  Timings are interleaved runs (min, median, max) in one
 process; peak memory is RSS growth (``memory_profiler``) in a fresh process per
 implementation after a warm-up (torch's allocations are invisible to tracemalloc), and the
 long-context runs are attnlib's exact traced peak (tracemalloc) in a fresh process.
@@ -118,22 +118,30 @@ def gallery(n: int, heads: int) -> list[Entry]:
     ]
 
 
-def run_entry(entry: Entry, n: int, heads: int, d: int, block: int, seed: int = 0) -> dict:
+def run_entry(entry: Entry, n: int, heads: int, d: int, block: int, seed: int = 0, gates: dict | None = None) -> dict:
     """Equality figures of one entry at ``n``: attnlib against the dense reference (the gate)
     and against its built-in equivalent (values and tile map), its processed tiles against
-    an independent dense count, and the backward against the dense gradient."""
-    from ..core.backward import attention_backward, reference_attention_backward
+    an independent dense count, and the backward against the dense gradient (judged by the
+    gradient gate, `~attnlib.evidence.gate.GradientGate`: ``grad_gate_ratio`` <= 1 passes).
+
+    With ``gates`` (a dict), the entry's `~attnlib.evidence.gate.Gate` is kept there under its
+    name, so `versus_flex` judges FlexAttention against the same dense reference (same inputs)
+    instead of computing it again."""
+    from ..core.backward import attention_backward
     from ..core.flex import create_block_mask
-    from ..evidence.gate import Gate
+    from ..evidence.metrics import _gradient_figures
+    from ..evidence.gate import Gate, GradientGate
     from ..core.masks import SKIP
-    from ..evidence.metrics import gradient_errors
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
     mods = dict(mask_mod=entry.mask_mod, score_mod=entry.score_mod)
     bm = None if entry.mask_mod is None else create_block_mask(entry.mask_mod, None, heads, n, n, block, block)
     out, lse, stats = attention(q, k, v, score_mod=entry.score_mod, block_mask=bm, block_q=block, block_k=block,
                                 return_lse=True, return_stats=True)
-    judged = Gate(q, k, v, block_k=block, **mods).judge(out, lse)
+    gate = Gate(q, k, v, block_k=block, **mods)
+    judged = gate.judge(out, lse)
+    if gates is not None:
+        gates[entry.name] = gate
     row = {"entry": entry.name, "n": n, "rel_error": judged["rel_error"], "gate_ratio":
            max(judged["out_ratio"], judged["lse_ratio"]), "passed": judged["passed"],
            "tiles": int(stats.tile_kind.size), "processed": int(np.count_nonzero(stats.tile_kind != SKIP)),
@@ -162,10 +170,14 @@ def run_entry(entry: Entry, n: int, heads: int, d: int, block: int, seed: int = 
     dout = np.random.default_rng(seed + 1).standard_normal(o.shape)
     grads = attention_backward(qs, ks, vs, o, l, dout, block_q=64, block_k=64,
                                score_mod_grad=entry.score_mod_grad, **mods)
-    errors = gradient_errors(grads, qs, ks, vs, dout, score_mod_grad=entry.score_mod_grad, **mods)
-    dense_grads = reference_attention_backward(qs, ks, vs, dout, score_mod_grad=entry.score_mod_grad, **mods)
+    # One dense backward (with the componentwise sizes) for the metric and the gate.
+    grad_gate = GradientGate(qs, ks, vs, dout, sizes=True, score_mod_grad=entry.score_mod_grad, **mods)
+    errors = _gradient_figures(grads, grad_gate.ref, grad_gate.sizes)
+    verdict = grad_gate.judge(grads)
     row["grad_error"] = max(errors[g] for g in ("dq", "dk", "dv"))
-    row["grad_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(grads, dense_grads))
+    row["grad_max_diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(grads, grad_gate.ref))
+    row["grad_gate_ratio"] = max(verdict[f"{g}_ratio"] for g in grad_gate.names)
+    row["grad_gate_e"] = grad_gate.e
     return row
 
 
@@ -205,12 +217,15 @@ def _attnlib(entry, heads, block, workers=None):
     return prepare, run
 
 
-def versus_flex(entries, n, heads, d, block, repeats=3) -> list[dict]:
+def versus_flex(entries, n, heads, d, block, repeats=5, gates: dict | None = None) -> list[dict]:
     """Per entry: the largest difference from FlexAttention eager in float64 (``P @ |V|``
-    relative, as the contract's ``rel_error``) and the median seconds of both (block masks
-    made before timing, interleaved)."""
+    relative, as the contract's ``rel_error``), FlexAttention's output against the verdict
+    gate's out tolerance of the dense reference (``flex_gate_ratio``, <= 1 passes), and the
+    min, median and max seconds of both over ``repeats`` interleaved runs (block masks made
+    before timing).  ``gates``: `run_entry`'s, by entry name (the same inputs); an entry
+    without one gets its `~attnlib.evidence.gate.Gate` built here."""
+    from ..evidence.gate import Gate, _ratio
     from ..evidence.metrics import rel_error
-    from ..core.reference import reference_attention
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=0)
     rows = []
@@ -223,15 +238,20 @@ def versus_flex(entries, n, heads, d, block, repeats=3) -> list[dict]:
         results = {name: np.asarray(run(args[name]), dtype=np.float64) for name, (_, run) in impls.items()}
         row = {"entry": entry.name, "n": n}
         if flex is not None:
-            size = reference_attention(q, k, np.abs(v), mask_mod=entry.mask_mod, score_mod=entry.score_mod)
-            row["vs_flex"] = rel_error(results["attnlib"], results["FlexAttention eager"], size)
+            gate = (gates or {}).get(entry.name) or Gate(q, k, v, block_k=block, mask_mod=entry.mask_mod,
+                                                         score_mod=entry.score_mod)
+            flex_out = results["FlexAttention eager"]
+            row["vs_flex"] = rel_error(results["attnlib"], flex_out, gate.ref_abs)
+            row["flex_gate_ratio"] = _ratio(np.abs(flex_out - gate.ref), gate.tol.allowed(gate.ref_abs))
         times = {name: [] for name in impls}
         for _ in range(repeats):
             for name, (_, run) in impls.items():
                 start = time.perf_counter()
                 run(args[name])
                 times[name].append(time.perf_counter() - start)
-        row.update({f"{name} (s)": statistics.median(t) for name, t in times.items()})
+        for name, t in times.items():
+            row.update({f"{name} min (s)": min(t), f"{name} median (s)": statistics.median(t),
+                        f"{name} max (s)": max(t)})
         rows.append(row)
     return rows
 

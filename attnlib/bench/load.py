@@ -47,4 +47,4 @@ def under_load(case, repeats: int = 5, settle: float = 0.3) -> dict:
             hog.wait()
     q_med, l_med = statistics.median(quiet), statistics.median(loaded)
     return {"case": case.name, "quiet": q_med, "loaded": l_med, "slowdown": l_med / q_med,
-            "repeats": repeats}
+            "repeats": repeats, "quiet_times": quiet, "loaded_times": loaded}

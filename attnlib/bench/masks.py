@@ -96,14 +96,23 @@ def _inputs(case: MaskCase):
     return q, k, v
 
 
-def implementations(case: MaskCase, include_torch=True) -> dict:
+#: attnlib given torch tensors (its torch kernel, on the CPU here): `time_masks`'s optional row.
+TORCH_TENSORS = "attnlib (torch tensors)"
+
+
+def implementations(case: MaskCase, include_torch=True, include_flex=True, include_torch_tensors=False) -> dict:
     """``{name: (prepare, run)}`` for ``case``: attnlib with its masks, torch SDPA with the
-    explicit boolean mask, FlexAttention (eager) with a ``mask_mod`` over the same mask."""
+    explicit boolean mask, FlexAttention (eager) with a ``mask_mod`` over the same mask
+    (``include_flex``) and, with ``include_torch_tensors``, attnlib given torch tensors."""
     impls = {DEFAULT: (lambda q, k, v: (q, k, v), lambda a: attention(*a, **case.options))}
     torch = torch_or_none() if include_torch else None
     if torch is None:
         return impls
     import torch.nn.functional as F
+
+    if include_torch_tensors:
+        impls[TORCH_TENSORS] = (lambda q, k, v: tuple(torch.from_numpy(x) for x in (q, k, v)),
+                                lambda a: attention(*a, **case.options))
 
     gqa = case.hq != case.hk
 
@@ -112,6 +121,8 @@ def implementations(case: MaskCase, include_torch=True) -> dict:
 
     impls[f"torch {torch.__version__} SDPA + mask"] = (
         sdpa_prepare, lambda a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], enable_gqa=gqa))
+    if not include_flex:
+        return impls
     try:
         import warnings
 
@@ -137,7 +148,8 @@ def implementations(case: MaskCase, include_torch=True) -> dict:
     return impls
 
 
-def time_masks(cases, repeats=3, include_torch=True, log=None) -> list[dict]:
+def time_masks(cases, repeats=3, include_torch=True, log=None, include_flex=True,
+               include_torch_tensors=False) -> list[dict]:
     """Median seconds of every implementation on every case (interleaved), the largest
     difference of each from attnlib over rows that see a key (torch gives NaN elsewhere),
     and the case's ``"dense / visible pairs"``: the pairs SDPA forms over those any pair
@@ -145,7 +157,7 @@ def time_masks(cases, repeats=3, include_torch=True, log=None) -> list[dict]:
     rows = []
     for case in cases:
         q, k, v = _inputs(case)
-        impls = implementations(case, include_torch)
+        impls = implementations(case, include_torch, include_flex, include_torch_tensors)
         vis = case.visible()
         # The most that computing only the visible pairs can gain, at SDPA's rate per pair.
         row = {"case": case.name, "shape": case.shape,
@@ -172,6 +184,7 @@ def time_masks(cases, repeats=3, include_torch=True, log=None) -> list[dict]:
                 impls[name][1](args[name])
                 times[name].append(time.perf_counter() - start)
         row.update({name: statistics.median(t) for name, t in times.items()})
+        row["times"] = times  # every repeat's seconds
         rows.append(row)
         if log:
             log(f"{case.name} {case.shape}: " + ", ".join(
@@ -187,6 +200,43 @@ def peak_rss(case_index: int, n: int, impl: str, timeout: float = 600.0) -> dict
     return run_fresh_or_error(_measure, spec, timeout=timeout)
 
 
+def peak_rss_all(case_index: int, n: int, impls, timeout: float = 600.0) -> dict:
+    """`peak_rss` of each of ``impls`` (names) on one case, in one fresh process per case:
+    every implementation warmed up at a small size first, then each measured in the order
+    given (attnlib first: nothing freed by an earlier call can flatter it), its RSS growth
+    above what was resident just before it.  ``{name: {"rss_bytes", "seconds"} or {"error"}}``."""
+    spec = {"case": case_index, "n": n, "impls": list(impls)}
+    result = run_fresh_or_error(_measure_all, spec, timeout=timeout)
+    return result if "error" not in result else {name: result for name in impls}
+
+
+def _measure_all(spec: dict) -> dict:
+    from memory_profiler import memory_usage
+
+    from ..core.problem import STRICT
+
+    np.seterr(**STRICT)
+    warm = mask_cases(256)[spec["case"]]
+    impls = implementations(warm, include_torch_tensors=True)
+    for name in spec["impls"]:  # warm-up: imports, code paths, BLAS buffers
+        prep, run = impls[name]
+        run(prep(*_inputs(warm)))
+    case = mask_cases(spec["n"])[spec["case"]]
+    impls = implementations(case, include_torch_tensors=True)
+    inputs = _inputs(case)
+    out = {}
+    for name in spec["impls"]:
+        prep, run = impls[name]
+        args = prep(*inputs)  # inputs (and torch's explicit mask) exist before the call
+        base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
+        start = time.perf_counter()
+        usage = memory_usage((run, (args,), {}), interval=0.005)
+        out[name] = {"rss_bytes": int(max(0.0, max(usage) - base) * 2**20),
+                     "seconds": time.perf_counter() - start}
+        del args
+    return out
+
+
 def _measure(spec: dict) -> dict:
     from memory_profiler import memory_usage
 
@@ -194,10 +244,10 @@ def _measure(spec: dict) -> dict:
 
     np.seterr(**STRICT)
     warm = mask_cases(256)[spec["case"]]
-    prep, run = implementations(warm)[spec["impl"]]
+    prep, run = implementations(warm, include_torch_tensors=True)[spec["impl"]]
     run(prep(*_inputs(warm)))  # warm-up: imports, code paths, BLAS buffers
     case = mask_cases(spec["n"])[spec["case"]]
-    prep, run = implementations(case)[spec["impl"]]
+    prep, run = implementations(case, include_torch_tensors=True)[spec["impl"]]
     args = prep(*_inputs(case))  # inputs (and torch's explicit mask) exist before the call
     base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
     start = time.perf_counter()

@@ -140,4 +140,5 @@ def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, work
     phases.append({"phase": "rest (Python, setup, cache)", "seconds": rest, "share": rest / serial})
     return {"case": case.name, "phases": phases, "measured_serial": serial, "measured": measured,
             "workers": threads, "tiles": counts, "rest": rest,
+            "serial_times": times[1], "times": times[threads],
             "parallel_efficiency": serial / (threads * measured)}

@@ -10,7 +10,6 @@ to the measured runs that projects contexts no one machine can finish.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
 import statistics
 import time
@@ -18,7 +17,10 @@ import time
 import numpy as np
 
 from ..evidence.inputs import random_qkv
-from ..core.masks import mask_specs
+# The cost model and the plan's statistics live in .costmodel; the report reads them here.
+from .costmodel import (  # noqa: F401
+    MODEL_TERMS, _design, bootstrap_models, fit_cost_model, heldout_error_range, kernel_slowdown,
+    model_errors, percentile_range, plan_stats, predict, project, project_range)
 
 
 def save_case(folder, b: int, h: int, n: int, d: int, seed: int = 0) -> tuple:
@@ -30,24 +32,6 @@ def save_case(folder, b: int, h: int, n: int, d: int, seed: int = 0) -> tuple:
         np.save(path, x)
         paths.append(path)
     return tuple(paths)
-
-
-def plan_stats(b, h, n, d, block, causal=True, heads_per_task=1) -> dict:
-    """Task counts of the plan, the bytes each piece reads (q block, k and v ranges), the
-    visible pairs and their flops, and the flops of the plan's largest piece (its whole
-    ``block_q x kv_block`` rectangle)."""
-    from ..distributed import count_tasks, make_plan
-
-    specs = mask_specs((b,), n, n, causal=causal)
-    blocks = make_plan((b,), h, n, n, specs, block, block, heads_per_task)
-    counts = count_tasks(blocks)
-    piece_bytes = [8 * heads_per_task * ((p.q1 - p.q0) * d + 2 * (p.k1 - p.k0) * d)
-                   for blk in blocks for p in blk.pieces]
-    piece_flops = 4 * d * heads_per_task * max((p.q1 - p.q0) * (p.k1 - p.k0)
-                                               for blk in blocks for p in blk.pieces)
-    visible = b * h * (n * (n + 1) // 2 if causal else n * n)
-    return {**counts, "bytes_per_piece": int(max(piece_bytes)), "bytes_read": int(sum(piece_bytes)),
-            "visible_pairs": visible, "flops": 4 * d * visible, "piece_flops": int(piece_flops)}
 
 
 #: Dask's own diagnostics, off in the clusters measured here: the workers' statistical
@@ -212,7 +196,7 @@ def spread(samples) -> float:
     return (max(samples) - min(samples)) / (2 * m) if m > 0 else 0.0
 
 
-def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal=True) -> dict:
+def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal=True, clients=None) -> dict:
     """The single-process kernel (`attnlib.attention` with its default threads, inputs in
     memory) and `attnlib.distributed.attention` on clusters of ``worker_counts`` (inputs as
     ``.npy`` files), started once each, timed in turn repeat after repeat in the same
@@ -222,14 +206,21 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
     cluster of ``w`` workers is ``single x cores / (cluster x w)``, ``cores`` the single
     process's threads: the median over the repeats of each repeat's own ratio (its runs
     seconds apart, where the medians of the two may be minutes apart), its noise half the
-    range of those ratios; ``efficiency_of_medians`` is the same of the medians."""
+    range of those ratios; ``efficiency_of_medians`` is the same of the medians.
+
+    ``clients`` (``{workers: client}``, warm or not): clusters started once by the caller and
+    kept for its other measurements; without it the clusters are started here and closed
+    after.  ``kernel_by_run``: each cluster run's kernel seconds (`phases`), for a resampled
+    `kernel_slowdown` (`bootstrap_models`)."""
     import attnlib
 
     from ..core.validate import available_cpus
 
     cores = available_cpus()
     q, k, v = (np.load(p) for p in paths)
-    with clusters(worker_counts) as clients:
+    given = clients
+    with (contextlib.nullcontext(given) if given is not None else clusters(worker_counts)) as clients:
+        clients = {w: clients[w] for w in worker_counts}
         pids = [os.getpid()] + [p for c in clients.values() for p in worker_pids(c)]
         runs = {"single": lambda: attnlib.attention(q, k, v, causal=causal)}
         runs.update({w: (lambda c=c: timed_run(c, paths, block, causal)) for w, c in clients.items()})
@@ -258,6 +249,8 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
     paired = {w: [a * cores / (b * w) for a, b in zip(samples["single"], samples[w])] for w in clients}
     return {
         "cores": cores, "samples": samples, "median": median, "noise": noise,
+        "min": {name: min(s) for name, s in samples.items()}, "max": {name: max(s) for name, s in samples.items()},
+        "kernel_by_run": {w: [r["kernel"] for r in rs] for w, rs in phase_runs.items()},
         "efficiency": {w: statistics.median(e) for w, e in paired.items()},
         "efficiency_noise": {w: (max(e) - min(e)) / 2 for w, e in paired.items()},
         "efficiency_by_repeat": paired,
@@ -279,6 +272,14 @@ def _trace_start():
     if not tracemalloc.is_tracing():
         tracemalloc.start()
     tracemalloc.reset_peak()
+
+
+def trace_stop():
+    """Stop tracemalloc in this process (run on the workers, `client.run`, once the memory
+    measurements are done: the calls timed after them run untraced)."""
+    import tracemalloc
+
+    tracemalloc.stop()
 
 
 def _trace_now():
@@ -318,133 +319,6 @@ def growth_bound(n_before: int, n_after: int, d: int) -> int:
     return 8 * (n_after - n_before) * d
 
 
-#: The cost model's terms: a run's wall seconds on ``w`` workers, ``w_m`` of them on each
-#: machine of ``c`` cores, with ``tasks`` pieces and merges, are
-#: ``flops / w (t_flop + t_shared (w_m - 1) / (c - 1)) + tasks t_task / w + tasks t_serial
-#: + latency + piece_flops (w - 1) / w t_tail``: a worker's time per flop alone on its
-#: machine, what the other busy workers of its machine add to it (shared caches, memory
-#: bandwidth, hyperthreads), a cost per task spread over the workers, a cost per task that
-#: no worker count divides (the client submitting the tasks one by one, the scheduler), a
-#: fixed latency per call, and the call's tail: its last pieces, run while the other
-#: workers have nothing left (about one piece's seconds of ``w - 1`` of the ``w``
-#: workers; none on one worker).
-MODEL_TERMS = ("seconds_per_flop", "shared_seconds_per_flop", "seconds_per_task",
-               "serial_seconds_per_task", "latency_seconds", "tail_seconds_per_flop")
-
-
-def _shared(row) -> float:
-    """``(w_m - 1) / (c - 1)``: the share of a machine's other cores busy beside a worker."""
-    c = row["machine_cores"]
-    return (row["workers_per_machine"] - 1) / (c - 1) if c > 1 else 0.0
-
-
-def _design(row) -> list:
-    w, tasks = row["workers"], row["pieces"] + row["merges"]
-    return [row["flops"] / w, row["flops"] / w * _shared(row), tasks / w, tasks, 1.0,
-            row["piece_flops"] * (w - 1) / w]
-
-
-def _nnls(a, y, keep=0):
-    """Least squares with every coefficient >= 0 (a negative cost is noise), exactly: the
-    best of the fits on every subset of the terms that holds ``keep`` (the work's) and gives
-    no negative coefficient (a handful of terms: 2^5 subsets)."""
-    n = a.shape[1]
-    best, best_res = None, np.inf
-    others = [i for i in range(n) if i != keep]
-    for mask in range(1 << len(others)):
-        active = [keep] + [i for j, i in enumerate(others) if mask >> j & 1]
-        coef = np.zeros(n)
-        coef[active] = np.linalg.lstsq(a[:, active], y, rcond=None)[0]
-        if coef.min() < 0 or coef[keep] <= 0:
-            continue
-        res = float(np.sum((a @ coef - y) ** 2))
-        if res < best_res:
-            best, best_res = coef, res
-    return best
-
-
-def fit_cost_model(rows, shared_slowdown=None) -> dict:
-    """The model (`MODEL_TERMS`) fitted to measured runs (``rows``: dicts with ``flops``,
-    ``piece_flops``, ``pieces``, ``merges``, ``workers``, ``workers_per_machine``,
-    ``machine_cores`` and ``wall``) by least squares of the relative error (each run weighs
-    the same, whatever its length), every term >= 0 (`_nnls`); with the rates per worker it
-    implies, alone and on a full machine.
-
-    ``shared_slowdown``: what a machine's other busy cores add to a worker's seconds per
-    flop, as a fraction, measured apart (`kernel_slowdown`); the fit then holds
-    ``t_shared = shared_slowdown x t_flop`` and fits the other terms.  Fitted from the walls
-    instead, it takes on the per-call costs of short runs on many workers (which time
-    does not divide by the workers) and is too slow on long ones.
-
-    Refused where the runs cannot tell the terms apart: no more runs than terms, or runs
-    whose design is rank-deficient (one cluster size only, one problem size only)."""
-    a = np.array([_design(r) for r in rows], dtype=float)
-    y = np.array([r["wall"] for r in rows], dtype=float)
-    free = list(range(len(MODEL_TERMS)))
-    if shared_slowdown is not None:
-        if isinstance(shared_slowdown, bool) or not isinstance(shared_slowdown, numbers.Real):
-            raise TypeError(f"shared_slowdown must be a real number, got {shared_slowdown!r}")
-        shared_slowdown = float(shared_slowdown)
-        if not 0 <= shared_slowdown < np.inf:
-            raise ValueError(f"shared_slowdown must be a finite fraction >= 0, got {shared_slowdown!r}")
-        a[:, 0] += shared_slowdown * a[:, 1]  # t_shared = shared_slowdown x t_flop
-        free.remove(1)
-    a = a[:, free]
-    if len(rows) <= len(free) or np.linalg.matrix_rank(a / y[:, None]) < len(free):
-        raise ValueError(f"{len(rows)} runs do not determine the model's {len(free)} fitted terms: give "
-                         "more runs than terms, on at least two cluster sizes, of several sizes and blocks")
-    if not (a[:, 0] > 0).all():
-        raise ValueError("every run must have work (flops > 0) to determine a rate")
-    fitted = _nnls(a / y[:, None], np.ones(len(rows)))
-    if fitted is None:
-        raise ValueError("the runs do not determine a positive rate: their times do not grow with the work")
-    coef = np.zeros(len(MODEL_TERMS))
-    coef[free] = fitted
-    if shared_slowdown is not None:
-        coef[1] = shared_slowdown * coef[0]
-    model = dict(zip(MODEL_TERMS, map(float, coef)))
-    model["shared_slowdown"] = shared_slowdown
-    model["rate_alone"] = 1 / model["seconds_per_flop"]
-    model["rate_full_machine"] = 1 / (model["seconds_per_flop"] + model["shared_seconds_per_flop"])
-    return model
-
-
-def kernel_slowdown(phases, cores) -> float:
-    """What the machine's other busy cores add to a worker's seconds per flop, as a fraction
-    per unit of `_shared`'s share: from the kernel seconds (Dask's metrics, `phases`) of the
-    same problem on the smallest and the largest cluster of ``phases`` (``{workers:
-    phases}``), timed in turn (`time_single_vs_cluster`); never below 0 (a faster kernel on
-    a busier machine is noise)."""
-    phases = {int(w): p for w, p in phases.items()}  # keys as read back from a report's JSON too
-    if len(phases) < 2:
-        raise ValueError("kernel_slowdown needs the phases of at least two cluster sizes")
-    lo, hi = min(phases), max(phases)
-    if not (phases[lo]["kernel"] > 0 and phases[hi]["kernel"] > 0):
-        raise ValueError(f"kernel_slowdown needs kernel seconds > 0 on both clusters (Dask's fine metrics), got "
-                         f"{phases[lo]['kernel']!r} and {phases[hi]['kernel']!r}")
-
-    def share(w):
-        return _shared({"workers_per_machine": w, "machine_cores": cores})
-
-    if share(hi) == share(lo):
-        raise ValueError(f"clusters of {lo} and {hi} workers on {cores} cores share the machine alike")
-    # seconds per flop t (1 + slowdown x share): the ratio of the two solved for the slowdown
-    ratio = phases[hi]["kernel"] / phases[lo]["kernel"]
-    if share(hi) - ratio * share(lo) <= 0:
-        raise ValueError(f"the kernel's seconds on {lo} and {hi} workers ({ratio:.2f}x) fit no slowdown")
-    return max(0.0, (ratio - 1) / (share(hi) - ratio * share(lo)))
-
-
-def predict(model, row) -> float:
-    """Wall seconds the model gives for ``row`` (as `fit_cost_model`'s, without ``wall``)."""
-    return float(np.dot([model[t] for t in MODEL_TERMS], _design(row)))
-
-
-def model_errors(model, rows) -> list:
-    """``predicted / measured - 1`` for each run."""
-    return [predict(model, r) / r["wall"] - 1 for r in rows]
-
-
 def model_runs(clients, cases, folder, repeats=4, seed=1, middle=None) -> list:
     """The model's measurements: each case ``(heads, n, d, block)`` (one batch entry,
     causal) in ``.npy`` files, run on every cluster of ``clients`` (``{workers: client}``,
@@ -479,7 +353,7 @@ def model_runs(clients, cases, folder, repeats=4, seed=1, middle=None) -> list:
         h, n, d, block = cases[i]
         rows.append({**plan_stats(1, h, n, d, block), "n": n, "heads": h, "d": d, "block": block,
                      "workers": w, "workers_per_machine": w, "machine_cores": available_cpus(),
-                     "wall": statistics.median(ws), "noise": spread(ws)})
+                     "wall": statistics.median(ws), "noise": spread(ws), "walls": list(ws)})
     return rows
 
 
@@ -487,42 +361,25 @@ def _noop(i):
     return i
 
 
-def scheduler_rate(client, tasks=2000) -> float:
-    """Tasks per second the cluster's scheduler completes when each does nothing: the
-    ceiling of a task graph's throughput, whatever the workers' speed (measured, median of
-    three batches of ``tasks``)."""
+def scheduler_rates(client, tasks=500, batches=5) -> list:
+    """Tasks per second the cluster's scheduler completes when each does nothing, one rate
+    per batch of ``tasks``: the ceiling of a task graph's throughput, whatever the workers'
+    speed (measured)."""
     from distributed import wait
 
     rates = []
-    for _ in range(3):
+    for _ in range(batches):
         start = time.perf_counter()
         futures = client.map(_noop, range(tasks), pure=False)
         wait(futures)
         rates.append(tasks / (time.perf_counter() - start))
         del futures
-    return statistics.median(rates)
+    return rates
 
 
-def project(model, n, heads, d, machines, cores, block, scheduler_tps, causal=True) -> dict:
-    """The model's wall time for ``(1, heads, n, d)`` on ``machines`` x ``cores`` workers,
-    never below either floor: the flops at the fitted rate of a worker on a full machine on
-    every worker, and the task count at the measured scheduler throughput
-    (``scheduler_tps``)."""
-    stats = plan_stats(1, heads, n, d, block, causal)
-    workers = machines * cores
-    row = {**stats, "workers": workers, "workers_per_machine": cores, "machine_cores": cores}
-    model_s = predict(model, row)
-    per_flop = model["seconds_per_flop"] + model["shared_seconds_per_flop"] * _shared(row)
-    compute_floor = stats["flops"] * per_flop / workers
-    scheduler_floor = (stats["pieces"] + stats["merges"]) / scheduler_tps
-    seconds = max(model_s, compute_floor, scheduler_floor)
-    bound = ("scheduler" if seconds == scheduler_floor and scheduler_floor > model_s
-             else "compute floor" if seconds == compute_floor and compute_floor > model_s else "model")
-    return {"n": n, "heads": heads, "d": d, "machines": machines, "workers": workers,
-            "pieces": stats["pieces"], "merges": stats["merges"], "flops": stats["flops"],
-            "bytes_per_piece": stats["bytes_per_piece"], "model_hours": model_s / 3600,
-            "compute_floor_hours": compute_floor / 3600, "scheduler_floor_hours": scheduler_floor / 3600,
-            "hours": seconds / 3600, "bound": bound}
+def scheduler_rate(client, tasks=2000) -> float:
+    """The median of three `scheduler_rates` batches of ``tasks``."""
+    return statistics.median(scheduler_rates(client, tasks, 3))
 
 
 def rss_of_call(client, paths, block, out=None) -> dict:
@@ -534,20 +391,37 @@ def rss_of_call(client, paths, block, out=None) -> dict:
     return {**run, "rss_peak": rss_peak(client, since)}
 
 
-def long_run(client, paths, block, out, samples=3) -> dict:
+def long_run(client, paths, block, out, samples=3, repeats=1) -> dict:
     """One causal call on inputs too long for the rest of the report, written block by
     block to ``out``: its wall seconds, each worker's peak RSS over it (Dask's system
     monitor), and the result checked against `attnlib.attention` on ``samples`` query blocks
     (first, evenly spaced, last; each block's rows against the keys up to its last row,
     with bottom-right causal alignment: the same absolute-position mask), the contract's
-    `rel_error` of each (`check_blocks`)."""
+    `rel_error` of each (`check_blocks`).
+
+    ``repeats`` calls in a row: ``wall`` is their median, ``walls`` each, ``noise`` their
+    `spread`; ``rss_peak`` each worker's largest over all of them; ``same_bits`` whether
+    every call wrote the same output file, byte for byte (None for one call: nothing
+    compared); the checks are of the last call's output."""
+    import hashlib
+
     pids = [os.getpid()] + worker_pids(client)
-    with load_watch(pids) as rec:
-        run = rss_of_call(client, paths, block, out)
+    walls, others, steal, peaks, digests = [], [], [], {}, []
+    for _ in range(repeats):
+        with load_watch(pids) as rec:
+            run = rss_of_call(client, paths, block, out)
+        # The call's own wall (`timed_run`); the load record also spans the RSS monitor's wait.
+        walls.append(run["wall"])
+        others.append(rec["others"])
+        steal.append(rec["steal"])
+        for w, v in run["rss_peak"].items():
+            peaks[w] = max(peaks.get(w, 0), v)
+        with open(out, "rb") as f:
+            digests.append(hashlib.sha256(f.read()).hexdigest())
     errors = check_blocks(run["result"], paths, block, samples)
-    # The call's own wall (`timed_run`); the load record also spans the RSS monitor's wait.
-    return {"wall": run["wall"], "others": rec["others"], "steal": rec["steal"],
-            "rss_peak": run["rss_peak"], "checks": errors}
+    return {"wall": statistics.median(walls), "walls": walls, "noise": spread(walls),
+            "others": statistics.median(others), "steal": max(steal), "rss_peak": peaks, "checks": errors,
+            "same_bits": None if repeats < 2 else len(set(digests)) == 1}
 
 
 def check_blocks(result, paths, block, samples) -> list:
@@ -573,3 +447,32 @@ def check_blocks(result, paths, block, samples) -> list:
         ref_abs = attnlib.attention(np.asarray(q[rows]), np.asarray(k[keys]), np.abs(v[keys]), causal=True)
         errors.append({"rows": f"{q0}..{q1 - 1}", "rel_error": rel_error(np.asarray(result[rows]), ref, ref_abs)})
     return errors
+
+
+def memory_steps(ns, working, d) -> dict:
+    """The memory rule applied to every step of a sweep: between each two consecutive ``n``
+    the working memory (``working``, bytes, one per ``n``) grows by less than
+    `growth_bound`.  ``steps``: ``[{"from", "to", "growth", "bound", "under"}, ...]``;
+    ``bounded_from``: the smallest ``n`` from which every later step is under its bound
+    (None when the last step is not)."""
+    steps = [{"from": a, "to": b, "growth": wb - wa, "bound": growth_bound(a, b, d), "under": wb - wa < growth_bound(a, b, d)}
+             for a, b, wa, wb in zip(ns, ns[1:], working, working[1:])]
+    bounded_from = None
+    for i in range(len(steps) - 1, -1, -1):
+        if not steps[i]["under"]:
+            break
+        bounded_from = steps[i]["from"]
+    return {"steps": steps, "bounded_from": bounded_from}
+
+
+def timing_rows(timing, heads, n, d, block) -> list:
+    """The timing case's cluster runs (`time_single_vs_cluster`) as runs of the cost model
+    (`model_runs`'s rows): a case the model is not fitted on, timed interleaved."""
+    from ..core.validate import available_cpus
+
+    stats = plan_stats(1, heads, n, d, block)
+    return [{**stats, "n": n, "heads": heads, "d": d, "block": block, "workers": w, "workers_per_machine": w,
+             "machine_cores": available_cpus(), "wall": timing["median"][w], "noise": timing["noise"][w],
+             "walls": list(timing["samples"][w])}
+            for w in timing["samples"] if w != "single"]
+

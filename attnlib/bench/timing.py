@@ -52,6 +52,18 @@ BACKWARD_CASES = tuple(BenchCase(b, h, n, d) for b, h, n, d in SHAPES)
 QUICK_BACKWARD_CASES = (BenchCase(1, 1, 1024),)
 
 
+def spread(times) -> dict:
+    """``{"min", "median", "max", "n"}`` of a list of seconds (or of ratios)."""
+    times = [float(t) for t in times]
+    return {"min": min(times), "median": statistics.median(times), "max": max(times), "n": len(times)}
+
+
+def ratio_spread(numerators, denominators) -> dict:
+    """`spread` of the ratios of paired repeats: ``a[i] / b[i]``, repeat by repeat (both timed
+    in the same interleaved round, so the ratio of a round cancels what loaded that round)."""
+    return spread([a / b for a, b in zip(numerators, denominators)])
+
+
 def seconds(fn, repeats=5) -> float:
     """Median wall time of ``fn()`` over ``repeats`` calls."""
     times = []
@@ -63,7 +75,8 @@ def seconds(fn, repeats=5) -> float:
 
 
 def time_cases(cases, impls, repeats=5, log=None) -> list[dict]:
-    """Median seconds of every implementation on every case, interleaved over repeats.
+    """Median seconds of every implementation on every case, interleaved over repeats;
+    ``row["times"][name]`` holds every repeat's seconds (for `spread` and `ratio_spread`).
 
     ``impls`` maps a name to ``(prepare, run)``: ``prepare(q, k, v, causal)`` turns numpy
     inputs into the callee's arguments (untimed), ``run(args)`` is timed.  "dense numpy"
@@ -85,6 +98,7 @@ def time_cases(cases, impls, repeats=5, log=None) -> list[dict]:
                 times[name].append(time.perf_counter() - start)
         row = {"case": case.name, **asdict(case)}
         row.update({name: statistics.median(t) for name, t in times.items()})
+        row["times"] = times
         rows.append(row)
         if log:
             log(case.name + ": " + ", ".join(f"{n} {row[n]:.3f} s" for n in runnable))

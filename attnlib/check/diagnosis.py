@@ -176,7 +176,8 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
     if todo.any() and mixups:
         found += _input_mixups(kernel, mixups, prec, dense, workers, device)
     if todo.any():
-        found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device)
+        found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device,
+                               prec=prec, dense=dense)
         if not marginal:
             found += _tile_boundary(todo, qh, kh, opts, device)
     # The other layout, and axes swapped inside the output.
@@ -253,12 +254,17 @@ def _rows_hold_mean_v(kernel, vh, rows, prec) -> bool:
     return bool((np.abs(kernel - mean).max(axis=-1) <= tol)[rows].all())
 
 
-def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, workers, device=None) -> list:
+def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, workers, device=None,
+                  prec=None, dense=True) -> list:
     """Other problems the failing rows match: scales, masks, alignment, padding.
 
     Each alternative's float64 reference is computed on the failing batch entries, and a
     row matches it when its error against it is within the row's own allowance (rows
-    without a visible key here take their head's largest allowance).
+    without a visible key here take their head's largest allowance).  Another scale changes
+    the size of every logit and so the rounding a correct kernel of that problem makes: with
+    ``prec`` given, a scale alternative is judged by its own problem's allowance (`expect`),
+    not the given one's (scale 1 at D = 32 has logits ~5.7x larger; judged by the given
+    allowance, whether it matched depended on the CPU's BLAS kernels).
     """
     # The failing batch entries (at most MAX_ENTRIES), whole: causal alignment needs full rows.
     entries = None
@@ -320,11 +326,18 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     n_fail = int(failing.sum())
     scored = []
     for change, words in alternatives:
+        own = prec is not None and set(change) == {"scale"}
         try:  # the change checked as the user's options are (a scale x log2(e) beyond the range)
-            alt = forward_on(q, k, v, opts.replace(**change), workers=workers, device=device)
+            if own:
+                judged = expect(q, k, v, opts.replace(**change), prec, workers, dense, device=device)
+                alt = judged.ref
+                alt_allow = np.broadcast_to(judged.allowance, kern.shape)
+                alt_allow = np.where(alt_allow > 0, alt_allow, per_head_max(alt_allow))
+            else:
+                alt, alt_allow = forward_on(q, k, v, opts.replace(**change), workers=workers, device=device), allow
         except DROPPED:  # e.g. a mask_mod that indexes past its ids at q_idx + 1
             continue
-        row_ok = ratios(kern, alt, allow)[1].max(axis=-1, initial=0.0) <= 1
+        row_ok = ratios(kern, alt, alt_allow)[1].max(axis=-1, initial=0.0) <= 1
         hits = int((failing & row_ok).sum())
         if row_ok.all():
             scored.append((2.0, f"the output matches attention with {words}{scope}"))

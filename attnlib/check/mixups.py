@@ -24,6 +24,7 @@ import numpy as np
 from ..core.lse_conventions import LN2
 from ..core.problem import precision
 from ..core.tiled import attention
+from . import memo
 from .power import _changed
 from .verdict import check_kernel
 
@@ -139,21 +140,29 @@ def measure(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitudes=(1e-
     for prec_name in precisions:
         for magnitude in magnitudes:
             for seed in seeds:
-                for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
-                    stat = next((n for n in ("lse", "max_scores") if n in tensors), None)  # the judged statistic
-                    if stat is None and not _changed(tensors, dict(out=_right(prec_name, q, k, v, told)),
-                                                     "out", prec_name):
-                        continue  # the mix-up vanishes in the type
-                    stored = (_fp8(x) for x in (q, k, v)) if prec_name == "float8_e4m3fn" else (q, k, v)
-                    r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"),
-                                     max_scores=tensors.get("max_scores"), layout="bhsd", dtype=prec_name,
-                                     workers=1, **told)
-                    judged = r.out if stat is None else getattr(r, stat)
-                    # The diagnosis only: a statistic's other notes state facts a miss would state too.
-                    notes = r.diagnosis if stat is None else [n for n in judged.notes if n.startswith("diagnosis: ")]
-                    rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, kernel=name,
-                                     failed=judged.passed is False, named=any(words in n for n in notes),
-                                     ratio=float(judged.ratio), note=notes[0] if notes else ""))
+                with memo.shared():  # the neighbouring problems the diagnoses try, computed once
+                    rows += _measure_cases(prec_name, magnitude, seed)
+    return rows
+
+
+def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
+    """`measure`'s rows for one precision, magnitude and seed."""
+    rows = []
+    for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
+        stat = next((n for n in ("lse", "max_scores") if n in tensors), None)  # the judged statistic
+        if stat is None and not _changed(tensors, dict(out=_right(prec_name, q, k, v, told)),
+                                         "out", prec_name):
+            continue  # the mix-up vanishes in the type
+        stored = (_fp8(x) for x in (q, k, v)) if prec_name == "float8_e4m3fn" else (q, k, v)
+        r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"),
+                         max_scores=tensors.get("max_scores"), layout="bhsd", dtype=prec_name,
+                         workers=1, **told)
+        judged = r.out if stat is None else getattr(r, stat)
+        # The diagnosis only: a statistic's other notes state facts a miss would state too.
+        notes = r.diagnosis if stat is None else [n for n in judged.notes if n.startswith("diagnosis: ")]
+        rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, kernel=name,
+                         failed=judged.passed is False, named=any(words in n for n in notes),
+                         ratio=float(judged.ratio), note=notes[0] if notes else ""))
     return rows
 
 

@@ -23,6 +23,7 @@ of error to allowance.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..core.problem import precision
 from ..core.backward import tiled_backward
 from ..core.options import Options
 from ..core.tiled import attention, forward as tiled_forward
+from . import memo
 from .calibration import _torch_dtype
 from .rule import FINAL_ROUNDINGS, unit
 from .verdict import check_kernel
@@ -243,31 +245,39 @@ def measure(precisions=("float32", "bfloat16", "float16"), magnitudes=MAGNITUDES
         for shape in map(tuple, shapes):
             for magnitude in magnitudes:
                 for seed in seeds:
-                    q, k, v, dout, causal = problem(shape, prec_name, magnitude, seed)
-                    cases = []
-                    if correct:
-                        cases += [(name, "correct", "all", fn) for name, fn in correct_kernels(shape, prec_name).items()]
-                    if wrong:
-                        cases += [(name, "wrong", judged, fn) for name, (judged, fn) in wrong_kernels(shape, prec_name).items()]
-                    right = correct_kernels(shape, prec_name)["float64 answer rounded once"](q, k, v, dout, causal)
-                    for name, kind, judged, fn in cases:
-                        tensors = fn(q, k, v, dout, causal)
-                        names = None
-                        if kind == "wrong":
-                            names = _changed(tensors, right, judged, prec_name)
-                            if not names:
-                                continue  # the defect vanishes in the type
-                        result = _judge(q, k, v, dout, causal, prec_name, tensors)
-                        judged_rows = _rows(result, names)
-                        if not judged_rows:
-                            continue
-                        rows.append(dict(
-                            precision=prec_name, shape=str(shape[:-1]), causal=shape[-1], magnitude=magnitude,
-                            seed=seed, kernel=name, kind=kind,
-                            tensors=[r[0] for r in judged_rows],
-                            passed=all(r[1] for r in judged_rows),
-                            failed_tensors=[r[0] for r in judged_rows if not r[1]],
-                            ratio=max(r[2] for r in judged_rows)))
+                    with memo.shared((sys.modules[__name__], "_exact")):  # one reference per problem
+                        rows += _measure_problem(prec_name, shape, magnitude, seed, correct, wrong)
+    return rows
+
+
+def _measure_problem(prec_name, shape, magnitude, seed, correct, wrong) -> list[dict]:
+    """`measure`'s rows for one problem: every kernel judged against its one reference."""
+    rows = []
+    q, k, v, dout, causal = problem(shape, prec_name, magnitude, seed)
+    cases = []
+    if correct:
+        cases += [(name, "correct", "all", fn) for name, fn in correct_kernels(shape, prec_name).items()]
+    if wrong:
+        cases += [(name, "wrong", judged, fn) for name, (judged, fn) in wrong_kernels(shape, prec_name).items()]
+    right = correct_kernels(shape, prec_name)["float64 answer rounded once"](q, k, v, dout, causal)
+    for name, kind, judged, fn in cases:
+        tensors = fn(q, k, v, dout, causal)
+        names = None
+        if kind == "wrong":
+            names = _changed(tensors, right, judged, prec_name)
+            if not names:
+                continue  # the defect vanishes in the type
+        result = _judge(q, k, v, dout, causal, prec_name, tensors)
+        judged_rows = _rows(result, names)
+        if not judged_rows:
+            continue
+        rows.append(dict(
+            precision=prec_name, shape=str(shape[:-1]), causal=shape[-1], magnitude=magnitude,
+            seed=seed, kernel=name, kind=kind,
+            tensors=[r[0] for r in judged_rows],
+            passed=all(r[1] for r in judged_rows),
+            failed_tensors=[r[0] for r in judged_rows if not r[1]],
+            ratio=max(r[2] for r in judged_rows)))
     return rows
 
 

@@ -218,7 +218,9 @@ def as_float_array(x, name: str) -> np.ndarray:
         raise TypeError(
             f"{name} must have a real floating dtype (float16/32/64, bfloat16), got {kind}"
         )
-    return arr
+    # The kernels see C-contiguous arrays only (a view is copied once, here): BLAS sums in
+    # another order on strided operands (4.4e-16 apart on AMD EPYC), so bits never depend on strides.
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def check_finite(x: np.ndarray, name: str) -> float:

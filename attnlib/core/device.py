@@ -96,7 +96,9 @@ def as_tensor(x, name: str, dev):
                 t = torch.from_numpy(arr)
             except (TypeError, ValueError, RuntimeError):  # negative strides, a non-native byte order
                 t = torch.from_numpy(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
-    return t if t.device == dev else t.to(dev)
+    t = t if t.device == dev else t.to(dev)
+    # Contiguous, as on the host (`as_float_array`): the bits never depend on the strides.
+    return t.contiguous()
 
 
 def index_tensor(x, dev, dtype=None):

@@ -16,6 +16,8 @@ from ..core.reference import reference_attention
 from ..core.tiled import attention
 
 EPS64 = float(np.finfo(np.float64).eps)
+#: The unit roundoff FlashAttention's rule adds per compute type: ``tiled <= 2 naive + eps``.
+LOW_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def _max_err(x, oracle) -> float:
@@ -70,18 +72,37 @@ def precision_vs_oracle(ns, blocks, logit_scales, dtypes, *, d=64, causal=True, 
 
 
 def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0) -> list[dict]:
-    """Applied rescales and error against the oracle as the lazy threshold ``tau`` varies."""
+    """Applied rescales and error against the oracle as the lazy threshold ``tau`` varies.
+
+    Each row is judged as an eager kernel of its precision would be: float64 by the verdict
+    gate against the oracle (`~attnlib.evidence.gate.Gate` with ``oracle=True``: ``gate_ratio``,
+    <= 1 passes), a lower precision by FlashAttention's rule against a naive computation in
+    that precision (``naive_error``; ``rule_ratio = error / (2 naive_error + eps)``, <= 1
+    passes).  The gate's oracle is the reference for both, computed once per input.
+    """
     inputs = {"random": random_qkv(n, d=d, seed=seed)}
     inputs.update({f: adversarial_qkv(f, n, d=d, block_k=block, seed=seed) for f in families})
     rows = []
     for name, (q, k, v) in inputs.items():
-        oracle = oracle_attention(q, k, v, causal=True)
+        gate = Gate(q, k, v, causal=True, block_k=block, oracle=True)
+        oracle = gate.ref
+        naive = {dt: _max_err(reference_attention(q, k, v, causal=True, compute_dtype=dt), oracle)
+                 for dt in dtypes if dt != "float64"}
         for dt in dtypes:
             for tau in taus:
-                out, stats = attention(q, k, v, causal=True, block_q=block, block_k=block,
-                                       rescale_threshold=tau, compute_dtype=dt, return_stats=True)
-                rows.append({"inputs": name, "dtype": dt, "tau": tau,
-                             "rescales": stats.total_rescales, "error": _max_err(out, oracle)})
+                out, lse, stats = attention(q, k, v, causal=True, block_q=block, block_k=block,
+                                            rescale_threshold=tau, compute_dtype=dt, return_lse=True,
+                                            return_stats=True)
+                row = {"inputs": name, "dtype": dt, "tau": tau, "rescales": stats.total_rescales,
+                       "error": _max_err(out, oracle), "gate_ratio": None, "naive_error": None,
+                       "rule_ratio": None}  # None: the other precision's rule
+                if dt == "float64":
+                    judged = gate.judge(out, lse)
+                    row["gate_ratio"] = max(judged["out_ratio"], judged["lse_ratio"])
+                else:
+                    row["naive_error"] = naive[dt]
+                    row["rule_ratio"] = row["error"] / (2 * naive[dt] + LOW_EPS[dt])
+                rows.append(row)
     return rows
 
 

@@ -26,13 +26,24 @@ def _figure(*args, **kwargs):
     return fig, ax
 
 
-class Table:
-    """Rows of dicts shown as an HTML table (``_repr_html_``) or Markdown (``str``)."""
+#: A table with more rows shows `SHOWN` of them (the worst first, where it says how) and
+#: keeps all of them in a collapsed section under it.
+SHOWN = 15
 
-    def __init__(self, rows, columns, formats=None, title=None):
+
+class Table:
+    """Rows of dicts shown as an HTML table (``_repr_html_``) or Markdown (``str``).
+
+    Longer than `SHOWN` rows, the HTML shows a summary line and `SHOWN` rows, the first or,
+    with ``worst`` (a column, or a key function of a row), the largest by it, and holds every
+    row in a collapsed ``<details>`` section.
+    """
+
+    def __init__(self, rows, columns, formats=None, title=None, worst=None):
         self.rows, self.columns = list(rows), list(columns)
         self.formats = formats or {}
         self.title = title
+        self.worst = worst
 
     def _cell(self, row, col):
         value = row.get(col, "")
@@ -50,14 +61,36 @@ class Table:
             align = "right" if isinstance(value, (int, float, np.number)) else "left"
             return f'<td style="text-align: {align}">{html.escape(self._cell(row, col))}</td>'
 
-        body = "".join("<tr>" + "".join(td(r, c) for c in self.columns) + "</tr>" for r in self.rows)
-        caption = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
-        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        def table(rows, caption=""):
+            body = "".join("<tr>" + "".join(td(r, c) for c in self.columns) + "</tr>" for r in rows)
+            caption = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+            return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        if len(self.rows) <= SHOWN:
+            return table(self.rows, self.title or "")
+        if self.worst is None:
+            shown, which = self.rows[:SHOWN], f"the first {SHOWN}"
+        else:
+            key = self.worst if callable(self.worst) else (lambda r, c=self.worst: _sort_value(r.get(c)))
+            shown = sorted(self.rows, key=key, reverse=True)[:SHOWN]
+            which = (f"the {SHOWN} largest by {self.worst}" if not callable(self.worst)
+                     else f"the {SHOWN} worst")
+        title = f"{self.title}: " if self.title else ""
+        summary = f"{title}{len(self.rows):,} rows; {which} shown, every row in the section below"
+        return (table(shown, summary) + f"<details><summary>all {len(self.rows):,} rows"
+                f"{' of ' + html.escape(self.title) if self.title else ''}</summary>{table(self.rows)}</details>")
 
     def __str__(self):
         lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         lines += ["| " + " | ".join(self._cell(r, c) for c in self.columns) + " |" for r in self.rows]
         return "\n".join(lines)
+
+
+def _sort_value(x):
+    """A table cell as a sort key: numbers by value (None, text and NaN first)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.number)) or x != x:
+        return -math.inf
+    return float(x)
 
 
 FORWARD_ERRORS = {
@@ -144,7 +177,7 @@ def tile_map_grid(maps: dict, columns=5):
     from matplotlib.colors import ListedColormap
 
     rows = -(-len(maps) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 3.3 * rows), squeeze=False)
     plt.close(fig)
     cmap = ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"])
     for ax, (title, kinds) in zip(axes.flat, maps.items()):
@@ -153,6 +186,8 @@ def tile_map_grid(maps: dict, columns=5):
         ax.set_title(f"{title}\n{skipped:.0%} SKIP", fontsize=9)
         ax.set_xticks([])
         ax.set_yticks([])
+        ax.set_xlabel(f"key tile (0..{kinds.shape[-1] - 1})", fontsize=8)
+        ax.set_ylabel(f"query tile (0..{kinds.shape[0] - 1})", fontsize=8)
     for ax in list(axes.flat)[len(maps):]:
         ax.axis("off")
     fig.suptitle("Tile classes (grey SKIP, orange PARTIAL, green FULL); rows: query tiles, columns: key tiles",
@@ -219,7 +254,7 @@ def memory_timelines(traces: dict, cap_bytes, output_bytes):
     ``traces[(path, tool)]`` are `attnlib.evidence.memory.memory_timeline` results.  The cap is
     drawn over the output (inputs are not counted in either panel).
     """
-    fig, axes = _figure(1, 2, figsize=(12, 4.4))
+    fig, axes = _figure(1, 2, figsize=(12, 5.8))
     colors = {"tiled": "#2a9d8f", "dense": "#e76f51"}
     for ax, tool, label in ((axes[0], "tracemalloc", "numpy-allocated bytes (tracemalloc)"),
                             (axes[1], "rss", "process RSS over the pre-call RSS (memory_profiler)")):
@@ -233,10 +268,11 @@ def memory_timelines(traces: dict, cap_bytes, output_bytes):
                    label=f"cap: {cap_bytes / MIB:.0f} MiB over inputs and output")
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("seconds since the call started")
-        ax.set_ylabel("MiB")
+        ax.set_xlabel("time since the call started (s)")
+        ax.set_ylabel("memory over the inputs (MiB, symlog)" if tool == "tracemalloc"
+                      else "RSS over the pre-call level (MiB, symlog)")
         ax.set_title(label, fontsize=10)
-        ax.legend(fontsize=8, loc="center right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)  # below the axes
     fig.tight_layout()
     return fig
 
@@ -265,8 +301,8 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
         ax.axhline(machine_bytes / MIB, color="black", ls=":", label=f"this machine's memory, {machine_bytes / 2**30:.0f} GiB")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("n = Sq = Sk")
-    ax.set_ylabel("peak MiB over inputs")
+    ax.set_xlabel("n = Sq = Sk (tokens, log2 scale)")
+    ax.set_ylabel("traced memory over the inputs (MiB, log scale)")
     ax.set_title(title)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -282,7 +318,7 @@ def decode_memory(traced, rss, cap_bytes):
     ``/proc`` gives the split).  Right: per run, the traced working memory, the anonymous
     and the file-backed RSS growth against the cache size and the cap.
     """
-    fig, axes = _figure(1, 2, figsize=(12, 4.4))
+    fig, axes = _figure(1, 2, figsize=(12, 5.8))
     ax = axes[0]
     last = rss[-1]
     ax.plot(last["t"], np.asarray(last["bytes"]) / MIB, "-", color="grey", lw=5, alpha=0.45,
@@ -300,10 +336,10 @@ def decode_memory(traced, rss, cap_bytes):
     ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label=f"cap, {cap_bytes / MIB:.0f} MiB")
     ax.set_yscale("symlog", linthresh=0.1)
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("seconds since the call started")
-    ax.set_ylabel("MiB over the pre-call level")
+    ax.set_xlabel("time since the call started (s)")
+    ax.set_ylabel("RSS over the pre-call level (MiB, symlog)")
     ax.set_title(f"RSS during the decode of {last['sq']} queries over {last['sk']:,} keys", fontsize=10)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below the axes
 
     ax = axes[1]
     x = np.arange(len(traced))
@@ -320,9 +356,9 @@ def decode_memory(traced, rss, cap_bytes):
     ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label="cap")
     ax.axhline(traced[0]["cache_bytes"] / 100 / MIB, color="grey", ls="-.", label="1% of the cache")
     ax.set_xticks(x, [str(r["sq"]) for r in traced])
-    ax.set_xlabel("decode queries")
+    ax.set_xlabel("decode queries per call (count)")
     ax.set_yscale("log")
-    ax.set_ylabel("MiB")
+    ax.set_ylabel("memory (MiB, log scale)")
     ax.set_title("Per run: traced working vs RSS growth by kind", fontsize=10)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -330,49 +366,67 @@ def decode_memory(traced, rss, cap_bytes):
 
 
 def time_vs_n(rows, names, title="Forward time vs sequence length"):
-    """Median seconds vs ``n`` per implementation (log-log), with an ``n^2`` guide."""
-    fig, ax = _figure(figsize=(9, 4.5))
+    """Median seconds vs ``n`` per implementation (log-log), bars from the fastest to the
+    slowest repeat (``row["times"][name]``, where the rows carry them), with an ``n²`` guide
+    through the first implementation's curve; the legend sits beside the axes, off the data."""
+    fig, ax = _figure(figsize=(10, 4.5))
     for name in names:
-        pts = [(r["n"], r[name]) for r in rows if r.get(name) is not None]
+        pts = [(r["n"], r[name], r.get("times", {}).get(name)) for r in rows if r.get(name) is not None]
         if pts:
-            ax.plot(*zip(*pts), "o-", label=name)
+            ns, med = [p[0] for p in pts], [p[1] for p in pts]
+            lo = [m - (min(t) if t else m) for _, m, t in pts]
+            hi = [(max(t) if t else m) - m for _, m, t in pts]
+            reps = min((len(t) for _, _, t in pts if t), default=1)
+            ax.errorbar(ns, med, yerr=[lo, hi], fmt="o-", capsize=3,
+                        label=f"{name} (median, bars min–max of {reps})")
     ref = [(r["n"], r[names[0]]) for r in rows if r.get(names[0]) is not None]
     if ref:
         n0, t0 = ref[len(ref) // 2]
         ns = np.array([p[0] for p in ref], dtype=float)
-        ax.plot(ns, t0 * (ns / n0) ** 2, ":", color="grey", label="n^2 through the tiled curve")
+        ax.plot(ns, t0 * (ns / n0) ** 2, ":", color="grey", label=f"n² through {names[0]} at n = {n0}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("n = Sq = Sk")
-    ax.set_ylabel("median seconds")
+    ax.set_xlabel("sequence length n = Sq = Sk (tokens, log scale)")
+    ax.set_ylabel("seconds per call (log scale)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    fig.tight_layout()
     return fig
 
 
-def tile_sweep_heatmap(sweep):
-    """Seconds of the tiled forward per ``(block_q, block_k)`` (a `attnlib.bench.tile_sweep`)."""
+def tile_sweep_heatmap(sweep, default=None):
+    """Median seconds of the tiled forward per ``(block_q, block_k)`` (a `attnlib.bench.tile_sweep`),
+    each cell with its min–max over the repeats; ``default`` (``(block_q, block_k)``) is outlined."""
     sizes, secs = sweep["sizes"], np.asarray(sweep["seconds"])
-    fig, ax = _figure(figsize=(5.5, 4.5))
+    lo, hi = np.asarray(sweep.get("min", secs)), np.asarray(sweep.get("max", secs))
+    fig, ax = _figure(figsize=(6.5, 5))
     im = ax.imshow(secs, cmap="viridis_r", interpolation="nearest")
     for i in range(len(sizes)):
         for j in range(len(sizes)):
-            ax.text(j, i, f"{secs[i, j]:.3f}", ha="center", va="center", fontsize=8,
-                    color="white" if secs[i, j] > secs.mean() else "black")
+            ax.text(j, i, f"{secs[i, j]:.3f}\n({lo[i, j]:.3f}–{hi[i, j]:.3f})", ha="center", va="center",
+                    fontsize=8, color="white" if secs[i, j] > secs.mean() else "black")
+    drawn = default is not None and default[0] in sizes and default[1] in sizes
+    if drawn:
+        i, j = sizes.index(default[0]), sizes.index(default[1])
+        ax.add_patch(__import__("matplotlib.patches", fromlist=["Rectangle"]).Rectangle(
+            (j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="crimson", linewidth=2.5))
     ax.set_xticks(range(len(sizes)), sizes)
     ax.set_yticks(range(len(sizes)), sizes)
-    ax.set_xlabel("block_k")
-    ax.set_ylabel("block_q")
-    ax.set_title(f"Tile-size sweep, {sweep['case']}, workers={sweep['workers']}\n(best of repeats, seconds)",
-                 fontsize=10)
-    fig.colorbar(im, ax=ax, label="seconds")
+    ax.set_xlabel("block_k (keys per tile)")
+    ax.set_ylabel("block_q (queries per tile)")
+    ax.set_title(f"Tile-size sweep, {sweep['case']}, workers={sweep['workers']}\n"
+                 f"median (min–max) seconds of {sweep.get('repeats', 'the')} repeats"
+                 + (f"; outlined: the default {default[0]}×{default[1]}" if drawn else
+                    f"; the default {default[0]}×{default[1]} not swept" if default is not None else ""), fontsize=10)
+    fig.colorbar(im, ax=ax, label="median seconds per call")
     return fig
 
 
 def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None, title=None,
           hline=None):
-    """One line per value of ``group``: ``y`` against ``x`` over the ``rows`` dicts."""
-    fig, ax = _figure(figsize=(8, 4.2))
+    """One line per value of ``group``: ``y`` against ``x`` over the ``rows`` dicts (the legend
+    to the right of the axes, off the lines)."""
+    fig, ax = _figure(figsize=(10, 4.2))
     for key in dict.fromkeys(r[group] for r in rows):
         pts = sorted((r[x], r[y]) for r in rows if r[group] == key)
         ax.plot(*zip(*pts), "o-", label=f"{group} = {key}")
@@ -385,7 +439,8 @@ def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None,
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel or y)
     ax.set_title(title or f"{y} vs {x}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
     return fig
 
 
@@ -489,21 +544,22 @@ def check_rule_ratios(rows):
     kernels must sit below 1, defective ones above it."""
     precs = list(dict.fromkeys(r["precision"] for r in rows))
     fig, ax = _figure(figsize=(9, 1.5 + 0.6 * len(precs)))
-    for kind, style in (("correct", dict(marker="o", color="tab:green")),
-                        ("defective", dict(marker="x", color="crimson"))):
+    for kind, style, offset, label in (
+            ("correct", dict(marker="o", color="tab:green"), -0.2, "correct kernels"),
+            ("baseline", dict(marker="s", color="tab:gray"), 0.0, "the rule's own baseline (not counted)"),
+            ("defective", dict(marker="x", color="crimson"), 0.2, "defective kernels")):
         pts = [(max(r["worst_out_ratio"], r["worst_lse_ratio"] or 0.0), precs.index(r["precision"]))
                for r in rows if r["kind"] == kind]
         if pts:
             x, y = zip(*pts)
-            offset = -0.12 if kind == "correct" else 0.12
-            ax.scatter(np.maximum(x, 1e-6), np.array(y) + offset, s=22, alpha=0.7, label=f"{kind} kernels",
-                       **style)
+            ax.scatter(np.maximum(x, 1e-6), np.array(y) + offset, s=22, alpha=0.7, label=label, **style)
     ax.axvline(1.0, color="black", lw=1.5, ls="--", label="allowance (ratio 1)")
     ax.set_xscale("log")
     ax.set_yticks(range(len(precs)), precs)
     ax.set_xlabel("worst |kernel - ref| / allowance over the seeds (one point per shape and kernel)")
     ax.set_title("The check rule: correct kernels below 1, defects above")
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the data
+    fig.tight_layout()
     return fig
 
 
@@ -529,9 +585,9 @@ def power_by_magnitude(rows):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(prec)
-        ax.set_xlabel("magnitude of v and dout")
+        ax.set_xlabel("magnitude of v and dout (standard deviation)")
     axes[0][0].set_ylabel("worst |kernel - ref| / allowance")
-    axes[0][0].legend(fontsize=8, loc="upper left")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3)  # off the data
     fig.suptitle("The check at every magnitude: correct kernels below 1, wrong kernels above")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig

@@ -13,7 +13,9 @@ runner (which checks before it starts anything).
 
 Runs never pass for what they are not:
 
-* ``reports/`` holds the committed full runs at the notebooks' defaults.  A run with
+* ``reports/`` holds the committed runs at the notebooks' defaults (``make report``, minutes)
+  and ``reports/full/`` those at their ``full`` values (``make report-full``: the
+  measurements expensive by nature; each `Notebook` names its own).  A run with
   ``--quick``, any ``-p`` or other notebooks (``--notebooks``) writes to the git-ignored
   ``reports-local/`` unless ``--out`` says otherwise; ``--out reports`` is refused for
   such a run unless ``--allow-nondefault-reports`` is given too.  Every report whose
@@ -46,10 +48,12 @@ Everything a notebook, a test or another module uses is importable from here.
 """
 
 from .notebook import (
+    HEADLINE_WORDS,
     PROGRESS_ENV,
     ROOT,
     STRICT,
     STRICT_TEXT,
+    Claim,
     Verdict,
     environment,
     is_strict,
@@ -98,6 +102,7 @@ from .params import (
 from .render import TEMPLATES, render_html, write_index
 from .runner import (
     INSTALL_REPORT,
+    FULL_REPORTS,
     LOCAL_REPORTS,
     REPORT_MODULES,
     REPORTS,
@@ -113,7 +118,7 @@ from .runner import (
 from .cli import main
 
 __all__ = [
-    "BACKWARD", "FALLBACK_MEMORY", "GALLERY_ENTRIES", "INSTALL_REPORT", "LOCAL_REPORTS", "LONG_DOUBLE",
+    "BACKWARD", "Claim", "FALLBACK_MEMORY", "HEADLINE_WORDS", "FULL_REPORTS", "GALLERY_ENTRIES", "INSTALL_REPORT", "LOCAL_REPORTS", "LONG_DOUBLE",
     "NOTEBOOKS", "PAIR_WORK", "PIECE_BYTES", "PIECE_WORK", "PROCESS_BYTES", "PROGRESS_ENV", "REPORTS",
     "REPORT_MODULES", "ROOT", "STRICT", "STRICT_TEXT", "TASK_WORK", "TEMPLATES", "THREAD_BYTES",
     "TILE_WORK", "WORK_LIMIT", "Cost", "Notebook", "NotebookError", "ReportError", "Verdict",

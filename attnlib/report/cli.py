@@ -12,7 +12,7 @@ DESCRIPTION = "The report runner: notebook parameters, provenance, papermill run
 
 _EPILOG = """\
 output: a run of the notebooks at their defaults writes to reports/ (the committed
-reports); --quick, -p or --notebooks write to reports-local/ (git-ignored) unless --out
+reports), a --full run (make report-full) to reports/full/; --quick, -p or --notebooks write to reports-local/ (git-ignored) unless --out
 says otherwise, and into reports/ only with --allow-nondefault-reports.  Reports made at
 non-default parameters are marked NON-DEFAULT PARAMETERS in their header and the index.
 A failed notebook keeps its previous report; the index shows ERROR with the notebook and
@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
                         help="override a parameter (KEY or NOTEBOOK.KEY); values are Python literals")
     parser.add_argument("--quick", action="store_true", help="tiny parameters, for a smoke run")
+    parser.add_argument("--full", action="store_true",
+                        help="the full runs (make report-full): the notebooks' full values, into reports/full/")
     parser.add_argument("--out", default=None,
                         help="output folder (default: reports/ at the defaults, reports-local/ otherwise)")
     parser.add_argument("--allow-nondefault-reports", action="store_true",
@@ -45,5 +47,5 @@ def main(argv=None) -> int:
     return run(args.only, args.param, args.quick, args.out, args.notebooks,
                log=lambda m: print(m, flush=True),
                error=lambda m: print(m, file=sys.stderr, flush=True),
-               allow_nondefault_reports=args.allow_nondefault_reports)
+               allow_nondefault_reports=args.allow_nondefault_reports, full=args.full)
 

@@ -212,47 +212,47 @@ def _gradients_costs(p):
 
 
 def _performance_costs(p):
-    from ..bench import BACKWARD_CASES, CASES, QUICK_BACKWARD_CASES, QUICK_CASES, BenchCase
+    from ..bench import BenchCase
 
     torch = _torch_installed()
     workers, reps = p["workers"], p["repeats"]
     yield Cost(("workers",), "the kernel's threads (each with its own tile buffers and stack)",
                workers[-1] * THREAD_BYTES)
-    cases = CASES if p["full_cases"] else QUICK_CASES
+    cases = [BenchCase(*c) for c in p["cases"]]
     impls = 2 + len(workers) + torch  # the default, each thread count, dense numpy, torch SDPA
     forward = sum(_pass(c.b * c.h, c.n, c.n, c.d) for c in cases)
-    backward = sum(_pass(c.b * c.h, c.n, c.n, c.d)
-                   for c in (BACKWARD_CASES if p["full_cases"] else QUICK_BACKWARD_CASES))
+    backward = sum(_pass(c.b * c.h, c.n, c.n, c.d) for c in (BenchCase(*c) for c in p["backward_cases"]))
     first = _pass(cases[0].b * cases[0].h, cases[0].n, cases[0].n, cases[0].d)
-    yield Cost(("repeats", "workers", "full_cases"), "the forward and backward cases, phases and the run "
-               "under load", work=(reps + 1) * (impls * forward + BACKWARD * impls * backward + 4 * first))
+    yield Cost(("repeats", "workers", "cases", "dense_cases", "backward_cases"), "the forward and backward "
+               "cases, phases and the run under load",
+               work=(reps + 1) * (impls * forward + BACKWARD * impls * backward + 4 * first))
     n = p["mask_n"]
     # Per (query, key) pair: the boolean masks given to torch (SDPA's, FlexAttention's) and,
     # with torch, FlexAttention eager's three float64 (Sq, Sk) arrays (6.4 GB measured at
     # 16384); the GQA decode case's 64 kv heads of n keys, which FlexAttention expands 4x.
     measured = 4 * p["mask_memory"] * min(4, p.get("mask_memory_cases", 4))  # of the 4 cases
-    yield Cost(("mask_n", "repeats", "mask_memory", "mask_memory_cases"),
+    yield Cost(("mask_n", "repeats", "flex", "mask_memory", "mask_memory_cases"),
                "the mask cases (dense masks of mask_n x mask_n)",
                max(n * n * (2 + 24 * torch), _arrays(64, 1, n, 64) * (1 + 4 * torch)),
-               (4 * (2 + max(1, reps // 2)) + measured) * (1 + 2 * torch) * _pass(1, n, n, 64))
+               (4 * (2 + reps) + measured) * (1 + 3 * torch) * _pass(1, n, n, 64))
     ns = p["n_values"]
     yield Cost(("n_values", "repeats", "dense_max_n", "torch_max_n"), "time vs n",
                _arrays(1, ns[-1], ns[-1], 64),
-               sum(((reps if m <= 16384 else 1) + 1) * _pass(1, m, m, 64)
+               sum((reps + 1) * _pass(1, m, m, 64)  # every n at `repeats`: each point has its spread
                    * (1 + (m <= p["dense_max_n"]) + (torch and m <= p["torch_max_n"])) for m in ns))
     if torch:  # the device section (its CPU part here): torch, numpy and SDPA on each shape, masks, memory
-        shapes = [(c.b, c.h, c.n, c.d) for c in cases] if p["full_cases"] else [(1, 2, 256, 16)]
+        shapes = [tuple(c[:4]) for c in p["device_cases"]]
         dm = p["device_memory_ns"]
-        yield Cost(("repeats", "full_cases", "mask_n", "device_memory_ns"), "the device section",
+        yield Cost(("repeats", "device_cases", "mask_n", "device_memory_ns"), "the device section",
                    # SDPA's float64 scores and weights of a case (where they fit), the mask case's
                    # explicit mask and scores, the memory rows' inputs (in their own processes)
                    max(max(16 * b * h * m * m for b, h, m, d in shapes), n * n * (1 + 16),
                        _arrays(1, dm[-1], dm[-1], 64)),
                    (reps + 1) * 3 * sum(_pass(b * h, n, n, d) for b, h, n, d in shapes)
-                   + 2 * (max(1, reps // 2) + 1) * _pass(1, n, n, 64) + sum(_pass(1, m, m, 64) for m in dm))
-    case = cases[1] if p["full_cases"] else BenchCase(1, 1, 1024)
+                   + 2 * (reps + 1) * _pass(1, n, n, 64) + sum(_pass(1, m, m, 64) for m in dm))
+    case = cases[1] if len(cases) > 1 else cases[0]
     sizes = p["sweep_sizes"]
-    yield Cost(("sweep_sizes", "repeats", "full_cases"), "the tile-size sweep",
+    yield Cost(("sweep_sizes", "repeats", "cases"), "the tile-size sweep",
                work=reps * sum(_pass(case.b * case.h, case.n, case.n, case.d, bq, bk)
                                for bq in sizes for bk in sizes))
 
@@ -309,9 +309,10 @@ def _scaleout_costs(p):
     lb = min(p["long_block"], ln)
     # The cluster's run, then each sampled query block against its keys in this process
     # (its k, v slices, |v| and the two outputs; the tiled kernel's tiles).
-    yield Cost(("long_n", "long_block", "long_samples", "d"), "the long run (q, k, v and the output as .npy files "
-               "in the temporary folder)", 6 * 8 * ln * d + 8 * 4 * lb * d + PIECE_BYTES * 2 * _plan_pieces(1, ln, lb),
-               _pass(1, ln, ln, d) + TASK_WORK * 2 * _plan_pieces(1, ln, lb)
+    yield Cost(("long_n", "long_block", "long_repeats", "long_samples", "d"), "the long run (q, k, v and the output "
+               "as .npy files in the temporary folder)",
+               6 * 8 * ln * d + 8 * 4 * lb * d + PIECE_BYTES * 2 * _plan_pieces(1, ln, lb),
+               p["long_repeats"] * (_pass(1, ln, ln, d) + TASK_WORK * 2 * _plan_pieces(1, ln, lb))
                + 2 * p["long_samples"] * _pass(1, lb, ln, d), disk=4 * 8 * ln * d)
     pieces = _plan_pieces(p["project_heads"], p["project_n"], p["project_block"])  # planned, never run
     yield Cost(("project_n", "project_heads", "project_block", "project_machines"), "the projection's plan (its pieces made "

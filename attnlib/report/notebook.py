@@ -147,17 +147,57 @@ class Verdict:
         return f"**{self.label}**: {self.line}{mode}"
 
 
-def save_results(results_json: str, notebook: str, params: dict, passed, line: str,
-                 figures: dict) -> Verdict:
-    """Write a notebook's figures and verdict as JSON (when ``results_json`` is set).
+#: The most words a verdict line may have: it is read first, under the report's title.
+HEADLINE_WORDS = 40
 
-    ``strict`` records whether numpy's error handling is `STRICT` now, as `strict` sets it.
+
+@dataclass(frozen=True)
+class Claim:
+    """One row of a report's claims table, shown under its verdict.
+
+    ``measured`` and ``bound`` are what the reader compares (text, already formatted from
+    the data); ``met`` is True or False for a gated claim and None for one only shown.
     """
+
+    claim: str
+    measured: str
+    bound: str = ""
+    met: bool | None = None
+
+    def row(self) -> dict:
+        met = {True: "yes", False: "NO", None: "shown, not gated"}[self.met]
+        return {"claim": self.claim, "measured": self.measured, "bound": self.bound or "-", "met": met}
+
+
+def words(text: str) -> int:
+    """The words of ``text`` as `HEADLINE_WORDS` counts them (runs of non-blanks)."""
+    return len(str(text).split())
+
+
+def save_results(results_json: str, notebook: str, params: dict, passed, line: str,
+                 figures: dict, claims=()) -> Verdict:
+    """Write a notebook's figures, verdict and claims as JSON (when ``results_json`` is set).
+
+    ``line`` is the verdict in at most `HEADLINE_WORDS` words (a longer PASS line is a
+    ValueError; a longer FAIL or INFO line is cut there, saying so, so that it is reported);
+    ``claims`` are `Claim` s, the table under it.  A gated claim that is not met cannot sit
+    under a PASS (ValueError).  ``strict`` records whether numpy's error handling is
+    `STRICT` now, as `strict` sets it.
+    """
+    if words(line) > HEADLINE_WORDS:
+        if passed:  # a notebook's own bug: its PASS line must be written short
+            raise ValueError(f"the verdict line has {words(line)} words, more than {HEADLINE_WORDS}: {line!r}")
+        # A FAIL (or INFO) must still be reported: cut, and say where the rest is.
+        line = " ".join(str(line).split()[:HEADLINE_WORDS - 7]) + " ... (the claims table has the rest)"
+    claims = list(claims)
+    if passed and any(c.met is False for c in claims):
+        raise ValueError("a PASS verdict with a gated claim not met: "
+                         + "; ".join(c.claim for c in claims if c.met is False))
     verdict = Verdict(None if passed is None else bool(passed), line, is_strict())
     if results_json:
         data = {"notebook": notebook, "passed": verdict.passed, "verdict": line,
-                "strict": verdict.strict, "params": params, "environment": environment(),
-                "figures": figures}
+                "strict": verdict.strict, "claims": [c.row() for c in claims], "params": params,
+                "environment": environment(), "figures": figures}
         Path(results_json).write_text(json.dumps(data, indent=1, default=_jsonable))
     return verdict
 

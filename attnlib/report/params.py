@@ -129,6 +129,16 @@ def model_cases(name, x):
     return cases
 
 
+def case_count(name, x):
+    """A non-negative count of cases, clipped by its notebook to the cases there are."""
+    return non_negative(name, x)
+
+
+def bench_cases(name, x):
+    """A non-empty list of ``[batch, heads, seqlen, headdim, causal]``: timing cases."""
+    return _shape_list(name, x, ("batch", "heads", "seqlen", "headdim", "causal"))
+
+
 def check_shapes(name, x):
     """A non-empty list of ``[batch, heads, seqlen_q, seqlen_k, headdim, causal]``."""
     return _shape_list(name, x, ("batch", "heads", "seqlen_q", "seqlen_k", "headdim", "causal"))
@@ -181,7 +191,9 @@ class Notebook:
     ``--quick`` runs and the test suite; ``dense_runs`` lists ``(parameter, heads)`` pairs
     whose value is an ``n`` the dense path runs at, with that many ``(n, n)`` heads;
     ``costs`` maps the checked parameters to the notebook's stages (`Cost`), which bound
-    every size-like parameter by the memory, disk and work it asks for.
+    every size-like parameter by the memory, disk and work it asks for; ``full`` holds the
+    values of ``make report-full`` (``--full``: the measurements expensive by nature, into
+    ``reports/full/``), empty where the defaults already are the full run.
     """
 
     title: str
@@ -189,7 +201,15 @@ class Notebook:
     quick: dict
     dense_runs: tuple = ()
     costs: object = None
+    full: dict = None
 
+    @property
+    def has_full(self) -> bool:
+        return bool(self.full)
+
+
+#: The performance issue's shapes, ``(B, H, S, D)`` (`attnlib.bench.SHAPES`).
+_ISSUE_SHAPES = ((1, 1, 4096, 64), (1, 8, 4096, 64), (1, 4, 8192, 128), (2, 16, 2048, 128))
 
 NOTEBOOKS = {
     "equivalence": Notebook(
@@ -209,7 +229,9 @@ NOTEBOOKS = {
         # The sink sweep: 4 heads of scores, and the gate's reference and sizes for them.
         (("max_len", 8), ("broad_max_len", 8), ("feature_max_len", 16), ("sink_n", 16),
          ("document_max_len", 8), ("adversarial_n", 2)),
-        costs=_equivalence_costs),
+        costs=_equivalence_costs,
+        # make report-full: the values the committed full run was made at
+        full={'n_cases': 50, 'seed': 0, 'max_len': 4096, 'd': 64, 'broad_cases': 50, 'broad_max_len': 4096, 'feature_cases': 50, 'feature_max_len': 2048, 'sink_cases': 12, 'sink_n': 1024, 'document_cases': 12, 'document_max_len': 4096, 'layout_cases': 12, 'layout_max_len': 1024, 'paged_pages': [256, 2560, 25600], 'adversarial_n': 4096, 'adversarial_d': 64, 'block_q': 64, 'block_k': 64, 'oracle_max_n': 4096}),
     "rescales": Notebook(
         "Rescales: where the online softmax's running max grows",
         {"n": positive, "d": positive, "block_q": positive, "block_k": positive,
@@ -224,7 +246,9 @@ NOTEBOOKS = {
          "decode_queries": sizes, "results_json": text},
         {"n": 2048, "sweep": [512, 1024, 2048], "dense_max_n": 2048,
          "decode_keys": 262144, "decode_queries": [1, 16]},
-        (("n", 1), ("dense_max_n", 1)), costs=_memory_costs),
+        (("n", 1), ("dense_max_n", 1)), costs=_memory_costs,
+        # make report-full: the values the committed full run was made at
+        full={'n': 4096, 'd': 64, 'causal': True, 'sweep': [1024, 2048, 4096, 8192, 16384, 32768, 65536], 'dense_max_n': 8192, 'interval_s': 0.002, 'decode_keys': 1048576, 'decode_queries': [1, 8, 128]}),
     "gradients": Notebook(
         "Gradients: the tiled backward pass equals the dense float64 gradient",
         {"n_cases": positive, "seed": non_negative, "max_len": positive, "sink_cases": positive,
@@ -240,12 +264,25 @@ NOTEBOOKS = {
     "performance": Notebook(
         "Performance: attnlib against dense numpy and PyTorch SDPA",
         {"workers": sizes, "repeats": positive, "n_values": sizes, "dense_max_n": positive,
-         "torch_max_n": positive, "full_cases": flag, "mask_n": positive, "mask_memory": flag,
-         "mask_memory_cases": non_negative, "sweep_sizes": sizes, "device": text, "device_memory_ns": sizes, "results_json": text},
-        {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512,
-         "torch_max_n": 512, "full_cases": False, "mask_n": 512, "mask_memory_cases": 1, "sweep_sizes": [64, 128],
-         "device_memory_ns": [256, 1024]},
-        (("dense_max_n", 1),), costs=_performance_costs),
+         "torch_max_n": positive, "cases": bench_cases, "dense_cases": case_count,
+         "backward_cases": bench_cases, "mask_n": positive, "flex": flag, "mask_memory": flag,
+         "mask_memory_cases": non_negative, "sweep_sizes": sizes, "device": text,
+         "device_cases": bench_cases, "device_memory_ns": sizes, "results_json": text},
+        {"repeats": 1, "n_values": [256, 512, 1024], "dense_max_n": 512, "torch_max_n": 512,
+         "cases": [[1, 1, 1024, 64, True], [1, 2, 1024, 64, True], [1, 1, 1024, 64, False]],
+         "dense_cases": 3, "backward_cases": [[1, 1, 1024, 64, True]], "mask_n": 512, "flex": True,
+         "mask_memory_cases": 1, "sweep_sizes": [64, 128],
+         "device_cases": [[1, 1, 256, 16, True], [1, 2, 256, 16, True], [1, 1, 256, 16, False],
+                          [1, 2, 256, 16, False]], "device_memory_ns": [256, 1024]},
+        (("dense_max_n", 1),), costs=_performance_costs,
+        # make report-full: the values the committed full run was made at
+        # (full_cases=True then: the issue's 8 cases, its 4 backward cases, SHAPES on the device)
+        full={'workers': [1], 'repeats': 5, 'n_values': [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], 'dense_max_n': 8192, 'torch_max_n': 16384,
+              'cases': [[b, h, n, d, c] for c in (True, False) for b, h, n, d in _ISSUE_SHAPES], 'dense_cases': 8,
+              'backward_cases': [[b, h, n, d, True] for b, h, n, d in _ISSUE_SHAPES], 'mask_n': 16384, 'flex': True,
+              'mask_memory': True, 'mask_memory_cases': 4, 'sweep_sizes': [128, 256, 512], 'device': 'cuda',
+              'device_cases': [[b, h, n, d, c] for c in (True, False) for b, h, n, d in _ISSUE_SHAPES],
+              'device_memory_ns': [2048, 8192, 32768]}),
     "numerics": Notebook(
         "Numerics: float64 and low precisions against an extended-precision oracle; lazy rescaling",
         {"ns": sizes, "ds": sizes, "logit_stds": sizes, "precision_n": positive, "blocks": sizes,
@@ -254,22 +291,28 @@ NOTEBOOKS = {
         {"ns": [128, 256], "ds": [32], "logit_stds": [1, 10], "precision_n": 256,
          "precision_ns": [64, 128], "blocks": [32, 64], "taus": [0, 8], "lazy_n": 256},
         # its dense runs are bounded by the oracle's sizes (check_params)
-        costs=_numerics_costs),
+        costs=_numerics_costs,
+        # make report-full: the values the committed full run was made at
+        full={'ns': [256, 512, 1024, 2048], 'ds': [32, 64, 128], 'logit_stds': [1, 10, 100], 'precision_n': 1024, 'precision_ns': [256, 1024, 4096], 'blocks': [32, 64, 128, 256], 'taus': [0, 1, 2, 4, 8, 16], 'lazy_n': 1024, 'seed': 0}),
     "scaleout": Notebook(
         "Scale-out: the exact float64 oracle on a Dask cluster",
         {"n": positive, "heads": positive, "d": positive, "block": positive, "workers": sizes,
          "repeats": positive, "sweep": sizes, "model_fit": model_cases, "model_heldout": model_cases,
-         "model_repeats": positive, "long_n": positive, "long_block": positive, "long_samples": positive,
-         "project_n": positive, "project_heads": positive, "project_d": positive,
+         "model_repeats": positive, "long_n": positive, "long_block": positive, "long_repeats": positive,
+         "long_samples": positive, "project_n": positive, "project_heads": positive, "project_d": positive,
          "project_machines": sizes, "project_cores": positive, "project_block": positive,
          "results_json": text},
         {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096],
          "model_fit": [[1, 2048, 256], [1, 4096, 512], [1, 4096, 256], [1, 2048, 512]],
          "model_heldout": [[2, 2048, 512]],
          # long_n: a worker's RSS steps up ~8 MiB once between n = 8192 and 16384 at block 2048, then
-         # stays flat (+2 MiB to 65536; measured, 2 workers): at 16384 that step met the 6 MiB bound.
-         "model_repeats": 1, "long_n": 65536, "long_block": 2048, "long_samples": 2, "project_n": 262144},
-        costs=_scaleout_costs),
+         # stays flat (+2 MiB to 65536; measured, 2 workers): at 16384 that step met the 6 MiB bound;
+         # 32768 bounds it by 14.7 MiB, in a quarter of 65536's 87 s.
+         "model_repeats": 1, "long_n": 32768, "long_block": 2048, "long_repeats": 1, "long_samples": 2,
+         "project_n": 262144},
+        costs=_scaleout_costs,
+        # make report-full: the values the committed full run was made at
+        full={'n': 16384, 'heads': 4, 'd': 64, 'block': 4096, 'workers': [1, 2], 'repeats': 7, 'sweep': [8192, 16384, 32768, 65536], 'model_fit': [[1, 8192, 1024], [1, 8192, 2048], [1, 8192, 4096], [2, 8192, 2048], [1, 16384, 1024], [1, 16384, 2048], [1, 16384, 4096]], 'model_heldout': [[1, 32768, 4096], [2, 16384, 2048], [4, 16384, 4096]], 'model_repeats': 4, 'long_n': 262144, 'long_block': 4096, 'long_repeats': 1, 'long_samples': 3, 'project_n': 1048576, 'project_heads': 32, 'project_d': 128, 'project_machines': [1, 8, 64, 512], 'project_cores': 32, 'project_block': 8192}),
     "flex_gallery": Notebook(
         "Programmable attention: a gallery of FlexAttention masks and scores, exact",
         {"n": positive, "heads": positive, "d": positive, "block": positive, "repeats": positive,
@@ -278,7 +321,9 @@ NOTEBOOKS = {
          "long_ns": [1024, 4096]},
         # The dense reference, P @ |V| and the gate's sizes for every head, and the dense
         # mask count; FlexAttention eager holds n x n scores per head as well.
-        (("n", 16),), costs=_flex_gallery_costs),
+        (("n", 16),), costs=_flex_gallery_costs,
+        # make report-full: the values the committed full run was made at
+        full={'n': 2048, 'heads': 4, 'd': 64, 'block': 128, 'repeats': 3, 'memory_entries': 10, 'long_ns': [8192, 32768]}),
     "check_rule": Notebook(
         "Check rule: correct kernels pass, buggy kernels fail",
         {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes,
@@ -289,7 +334,9 @@ NOTEBOOKS = {
          "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]],
          "power_magnitudes": [1e-4, 1.0], "power_shapes": [[1, 4, 2, 64, 64, 32, True]], "power_seeds": 1,
          "long_gradient_n": 512, "mixup_magnitudes": [1.0], "mixup_seeds": 1},
-        costs=_check_rule_costs),
+        costs=_check_rule_costs,
+        # make report-full: the values the committed full run was made at
+        full={'n_seeds': 5, 'precisions': ['float64', 'float32', 'bfloat16', 'float16'], 'shapes': [[1, 1, 128, 128, 64, True], [2, 4, 512, 512, 64, True], [1, 4, 512, 512, 128, False], [4, 8, 1, 4096, 128, False], [8, 16, 1, 1024, 128, True]], 'power_magnitudes': [1e-06, 0.0001, 0.01, 1.0, 100.0, 10000.0], 'power_shapes': [[1, 4, 2, 384, 384, 64, True], [2, 4, 4, 1, 1024, 64, False]], 'power_seeds': 1, 'long_gradient_n': 8192, 'mixup_magnitudes': [0.01, 1.0, 100.0], 'mixup_seeds': 2}),
 }
 
 

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .notebook import Verdict, _jsonable
+from .notebook import STRICT_TEXT, Verdict, _jsonable
 from .params import NOTEBOOKS
 
 #: The nbconvert templates shipped in the package (``attnlib/templates``): ``offline``
@@ -31,19 +31,49 @@ def _banner(overrides: dict) -> str:
             "defaults, which <code>reports/</code> holds.</div>")
 
 
-def render_html(executed: Path, target: Path, banner: str = "") -> None:
+_BADGE = {"PASS": "#2a9d8f", "FAIL": "#c0392b", "INFO": "#6c757d"}
+
+
+def verdict_block(data: dict, notebook: str = "") -> str:
+    """The HTML put under a report's title: its verdict line and claims table (from its
+    results JSON), and where its code is (the rendered report shows outputs only)."""
+    verdict = Verdict(data["passed"], data["verdict"], bool(data.get("strict")))
+    color = _BADGE[verdict.label]
+    parts = [f'<p style="font-size: 1.15em"><b style="background: {color}; color: white; padding: 0 .4em; '
+             f'border-radius: 3px">{verdict.label}</b> {html.escape(verdict.line)}</p>']
+    claims = data.get("claims") or []
+    if claims:
+        head = "".join(f"<th>{c}</th>" for c in ("claim", "measured", "bound", "met"))
+        rows = "".join(
+            "<tr>" + "".join(f'<td style="text-align: left">{html.escape(str(c[k]))}</td>'
+                             for k in ("claim", "measured", "bound", "met")) + "</tr>"
+            for c in claims)
+        parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+    mode = ("every kernel call ran under " + STRICT_TEXT if verdict.strict
+            else "NOT run in strict floating-point mode")
+    where = f"<code>notebooks/{html.escape(notebook)}.ipynb</code>" if notebook else "its notebook"
+    parts.append(f"<p><small>{html.escape(mode)}. The code is hidden here: it is {where}; every "
+                 "figure is also in the report's JSON beside this page.</small></p>")
+    return "\n".join(parts)
+
+
+def render_html(executed: Path, target: Path, banner: str = "", data: dict | None = None) -> None:
     """Executed notebook -> self-contained HTML, written atomically (tmp file + rename).
 
-    ``banner`` (HTML) is shown under the notebook's first cell, its title.
+    ``banner`` (HTML) is shown under the notebook's first cell, its title, and then, from
+    ``data`` (its results JSON), the verdict and claims table (`verdict_block`).  Code cells
+    show their outputs only: the code is the notebook's.
     """
     import nbformat
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(template_name="offline",
-                            extra_template_basedirs=[str(TEMPLATES)])
+    exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)],
+                            exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     nb = nbformat.read(str(executed), as_version=4)
-    if banner:
-        nb.cells.insert(1, nbformat.v4.new_markdown_cell(banner, metadata={"tags": ["attnlib-banner"]}))
+    reported = data is not None and {"passed", "verdict"} <= set(data)  # a report's results JSON
+    top = ([banner] if banner else []) + ([verdict_block(data, target.stem)] if reported else [])
+    for i, text in enumerate(top, 1):
+        nb.cells.insert(i, nbformat.v4.new_markdown_cell(text, metadata={"tags": ["attnlib-banner"]}))
     body, _ = exporter.from_notebook_node(nb)
     _write_atomic(target, body)
 
@@ -64,11 +94,21 @@ def _write_atomic(target: Path, text: str) -> None:
 def _write_json(target: Path, data: dict) -> None:
     _write_atomic(target, json.dumps(data, indent=1, default=_jsonable))
 
-def _index_item(name: str, title: str, out_dir: Path) -> str:
+def _load(out_dir: Path, name: str):
     results, page = out_dir / f"{name}.json", out_dir / f"{name}.html"
     status_file = out_dir / f"{name}.status.json"
     data = json.loads(results.read_text()) if results.exists() and page.exists() else None
     status = json.loads(status_file.read_text()) if status_file.exists() else None
+    return data, status
+
+
+def _badge(label: str, text: str | None = None) -> str:
+    return f'<span class="{label.lower()}">{text or label}</span>'
+
+
+def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = None) -> str:
+    """One line: badge, title (linked), the verdict line, the time; an error above it."""
+    data, status = _load(out_dir, name)
     lines = []
     if status is not None:
         where = f"{status['notebook']}, {status['cell']}" if status.get("cell") else status["notebook"]
@@ -77,49 +117,56 @@ def _index_item(name: str, title: str, out_dir: Path) -> str:
                     if data is not None else "there is no earlier report")
         kept = (f" (the executed notebook is kept locally as failed/{html.escape(name)}.ipynb)"
                 if status.get("executed") else "")
-        lines.append(f'<span class="error">ERROR</span> in {html.escape(where)}: '
+        lines.append(f'{_badge("ERROR")} in {html.escape(where)}: '
                      f'{html.escape(status["error"])} ({html.escape(status.get("date (UTC)", "?"))} UTC) — '
                      f"{previous}{kept}")
     if data is None:
-        if status is None:
-            return f"<li><b>{html.escape(title)}</b>: not run yet</li>"
-        return f"<li><b>{html.escape(title)}</b><br>{lines[0]}</li>"
-    env = data.get("environment", {})
-    verdict = Verdict(data["passed"], data["verdict"], bool(data.get("strict")))
-    badge = verdict.label.lower()
-    mode = f" — {html.escape(verdict.mode)}" if verdict.strict else ""
-    lines.append(f'<span class="{badge}">{badge.upper()}</span> '
-                 f'<a href="{name}.html">{html.escape(title)}</a>')
-    if data.get("overrides"):
-        lines.append(f'<span class="nondefault">NON-DEFAULT PARAMETERS</span> '
-                     f'{html.escape(_describe(data["overrides"]))}')
-    lines.append(f'{html.escape(data["verdict"])}{mode}')
-    lines.append(f'<small>{data.get("seconds", "?")} s, {html.escape(env.get("date (UTC)", "?"))} UTC, '
-                 f'commit {html.escape(env.get("git commit", "?"))}, attnlib {html.escape(env.get("attnlib", "?"))}, '
-                 f'numpy {html.escape(env.get("numpy", "?"))}</small>')
+        item = f"<b>{html.escape(name)}</b>: " + (lines.pop() if lines else "not run yet")
+    else:
+        verdict = Verdict(data["passed"], data["verdict"], bool(data.get("strict")))
+        env = data.get("environment", {})
+        item = (f'{_badge(verdict.label)} <a href="{name}.html" title="{html.escape(title)}">{html.escape(name)}</a>: '
+                f'{html.escape(data["verdict"])} <small>({data.get("seconds", "?")} s, '
+                f'{html.escape(str(env.get("git commit", "?")))}{"" if verdict.strict else ", NOT strict"})</small>')
+        if data.get("overrides"):
+            item = (f'{_badge("NONDEFAULT", "NON-DEFAULT PARAMETERS")} '
+                    f'{html.escape(_describe(data["overrides"]))}<br>' + item)
+    if full_dir is not None:
+        full, full_status = _load(full_dir, name)
+        if full is not None:
+            fv = Verdict(full["passed"], full["verdict"], bool(full.get("strict")))
+            item += (f' · full run: {_badge(fv.label)} <a href="{full_dir.name}/{name}.html">{name}</a> '
+                     f'<small>({full.get("seconds", "?")} s, '
+                     f'{html.escape(str(full.get("environment", {}).get("git commit", "?")))})</small>')
+        if full_status is not None:
+            item += f' · full run: {_badge("ERROR")} {html.escape(full_status["error"])}'
+    lines.append(item)
     return "<li>" + "<br>".join(lines) + "</li>"
 
 
 def write_index(out_dir: Path) -> Path:
-    """``index.html`` linking every report in ``out_dir`` with its verdict line.
+    """``index.html`` linking every report in ``out_dir`` with its verdict line (and, where
+    ``out_dir/full`` holds one, its full run's).
 
     A notebook whose last run failed shows ERROR with the notebook, the cell and the error,
     above its previous report (if any); reports made at non-default parameters are marked.
     """
-    items = [_index_item(name, nb.title, out_dir) for name, nb in NOTEBOOKS.items()]
+    full_dir = out_dir / "full"
+    full_dir = full_dir if full_dir.is_dir() else None
+    items = [_index_item(name, nb.title, out_dir, full_dir) for name, nb in NOTEBOOKS.items()]
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>attnlib reports</title>
 <style>
-body {{ font-family: system-ui, sans-serif; max-width: 52em; margin: 2em auto; line-height: 1.5; }}
-li {{ margin-bottom: 1em; }}
+body {{ font-family: system-ui, sans-serif; max-width: 60em; margin: 2em auto; line-height: 1.5; }}
+li {{ margin-bottom: .6em; }}
 .pass, .fail, .info, .error, .nondefault {{ font-weight: bold; padding: 0 .4em; border-radius: 3px; color: white; }}
 .pass {{ background: #2a9d8f; }} .fail, .error {{ background: #c0392b; }} .info {{ background: #6c757d; }}
 .nondefault {{ background: #d35400; }} small {{ color: #555; }}
 </style></head><body>
 <h1>attnlib: the evidence</h1>
-<p>Exact, memory-tiled attention in numpy, checked against a dense float64 reference.
-Each report below was produced by running its notebook with papermill
-(<code>make report</code>); its parameters and environment are stated at its top.</p>
+<p>Each line: a notebook run by papermill (<code>make report</code>; the full runs:
+<code>make report-full</code>), its verdict, its time and commit. Every kernel call ran under
+<code>{html.escape(STRICT_TEXT)}</code> unless the line says NOT strict.</p>
 <ul>
 {chr(10).join(items)}
 </ul></body></html>
@@ -127,4 +174,3 @@ Each report below was produced by running its notebook with papermill
     index = out_dir / "index.html"
     _write_atomic(index, page)
     return index
-

@@ -25,7 +25,8 @@ from .notebook import PROGRESS_ENV, ROOT, Verdict, _now
 from .params import NOTEBOOKS, check_params
 from .render import _banner, _write_json, render_html, write_index
 
-REPORTS = ROOT / "reports"  # the committed full runs, at the notebooks' defaults
+REPORTS = ROOT / "reports"  # the committed runs at the notebooks' defaults (`make report`)
+FULL_REPORTS = REPORTS / "full"  # the committed --full runs (`make report-full`)
 LOCAL_REPORTS = ROOT / "reports-local"  # git-ignored: --quick and -p runs
 
 
@@ -96,22 +97,27 @@ def _notebook_defaults(path: Path) -> dict:
     return {name: ast.literal_eval(p["default"]) for name, p in declared.items()}
 
 
-def plan(names=None, overrides=(), quick=False, nb_dir=None) -> list[tuple[str, Path, dict]]:
+def plan(names=None, overrides=(), quick=False, nb_dir=None, full=False) -> list[tuple[str, Path, dict]]:
     """Check everything before running: ``[(name, notebook path, parameters), ...]``.
 
     ``overrides`` are ``"key=value"`` (every selected notebook that declares ``key``) or
     ``"notebook.key=value"`` strings; a key no selected notebook declares is refused.
+    ``full``: the notebooks' ``full`` values (`Notebook.full`), only those that have them
+    unless ``names`` asks for others.
     """
-    return [(name, path, params) for name, path, params, _ in _plan(names, overrides, quick, nb_dir)]
+    return [(name, path, params) for name, path, params, _ in _plan(names, overrides, quick, nb_dir, full)]
 
 
-def _plan(names, overrides, quick, nb_dir) -> list[tuple[str, Path, dict, dict]]:
-    """`plan`, with each notebook's declared defaults as a fourth item."""
+def _plan(names, overrides, quick, nb_dir, full=False) -> list[tuple[str, Path, dict, dict]]:
+    """`plan`, with each notebook's reference values (its declared defaults, with its ``full``
+    values over them in a full run) as a fourth item."""
     missing = missing_report_modules()
     if missing:  # nothing can run: one line naming the extra, not a traceback
         raise _needs_report_extra(missing)
+    if quick and full:
+        raise ReportError("--quick and --full exclude each other")
     nb_dir = Path(nb_dir) if nb_dir else ROOT / "notebooks"
-    names = list(NOTEBOOKS) if not names else list(names)
+    names = ([n for n, nb in NOTEBOOKS.items() if nb.has_full or not full] if not names else list(names))
     for name in names:
         if name not in NOTEBOOKS:
             raise ReportError(f"unknown notebook {name!r}; known: {', '.join(NOTEBOOKS)}")
@@ -140,6 +146,8 @@ def _plan(names, overrides, quick, nb_dir) -> list[tuple[str, Path, dict, dict]]
             raise ReportError(
                 f"{path.name}: its parameters cell declares {sorted(defaults)}, "
                 f"but attnlib checks {sorted(NOTEBOOKS[name].parameters)}")
+        if full:  # the full run's values are its reference: not marked non-default
+            defaults = {**defaults, **(NOTEBOOKS[name].full or {})}
         values = {**defaults, **(NOTEBOOKS[name].quick if quick else {})}
         values.update({k: v for t, k, v in parsed if t in ("", name) and k in NOTEBOOKS[name].parameters})
         try:
@@ -318,7 +326,7 @@ def execute(path: Path, params: dict, target: Path, *, banner: str = "", progres
                 failure.executed = keep_failed
             raise failure
         data = json.loads(results.read_text())
-        render_html(executed, target, banner)
+        render_html(executed, target, banner, data)
     return data
 
 def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict | None = None,
@@ -368,7 +376,7 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict |
     return True, f"{label}: {data['verdict']} ({elapsed:.1f} s){marker}"
 
 def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print, error=None,
-        allow_nondefault_reports=False) -> int:
+        allow_nondefault_reports=False, full=False) -> int:
     """Run the selected notebooks and write their reports; returns an exit status.
 
     0: every notebook ran and passed its checks (or, measuring only, reported INFO);
@@ -377,19 +385,20 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
 
     ``log`` receives progress lines, ``error`` (default: ``log``) the errors and the FAIL
     and ERROR lines.  ``out_dir`` defaults to `REPORTS` for a run of the default notebooks
-    at their defaults and to `LOCAL_REPORTS` for any other (``quick``, ``overrides`` or
-    ``nb_dir``); such a run into `REPORTS` needs ``allow_nondefault_reports``.
+    at their defaults, to `FULL_REPORTS` for a ``full`` one, and to `LOCAL_REPORTS` for any
+    other (``quick``, ``overrides`` or ``nb_dir``); such a run into `REPORTS` needs
+    ``allow_nondefault_reports``.
     """
     error = error or log
     try:
-        runs = _plan(names, overrides, quick, nb_dir)
+        runs = _plan(names, overrides, quick, nb_dir, full)
     except ReportError as e:
         error(f"error: {e}")
         return 2
     other_notebooks = nb_dir is not None and Path(nb_dir).resolve() != (ROOT / "notebooks").resolve()
     nondefault = bool(quick or overrides or other_notebooks)
     if out_dir is None:
-        out_dir = LOCAL_REPORTS if nondefault else REPORTS
+        out_dir = LOCAL_REPORTS if nondefault else REPORTS / "full" if full else REPORTS
     out_dir = Path(out_dir)
     inside_reports = out_dir.resolve() == REPORTS.resolve() or REPORTS.resolve() in out_dir.resolve().parents
     if nondefault and inside_reports and not allow_nondefault_reports:
@@ -418,6 +427,8 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
             else:
                 log(f"{prefix} {message}")
         index = write_index(out_dir)
+        if out_dir.resolve() == (REPORTS / "full").resolve():  # the main index links the full runs
+            write_index(REPORTS)
     log(f"index: {index}")
     return status
 
