@@ -70,6 +70,12 @@ def render_html(executed: Path, target: Path, banner: str = "", data: dict | Non
     exporter = HTMLExporter(template_name="offline", extra_template_basedirs=[str(TEMPLATES)],
                             exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     nb = nbformat.read(str(executed), as_version=4)
+    first = nb.cells[0] if nb.cells else None
+    if first is not None and first.cell_type == "markdown" and first.source.startswith("# "):
+        title, _, story = first.source.partition("\n")  # the verdict goes under the title itself
+        if story.strip():
+            first.source = title
+            nb.cells.insert(1, nbformat.v4.new_markdown_cell(story.strip("\n")))
     reported = data is not None and {"passed", "verdict"} <= set(data)  # a report's results JSON
     top = ([banner] if banner else []) + ([verdict_block(data, target.stem)] if reported else [])
     for i, text in enumerate(top, 1):
