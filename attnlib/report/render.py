@@ -14,6 +14,9 @@ from pathlib import Path
 from .notebook import STRICT_TEXT, Verdict, _jsonable
 from .params import NOTEBOOKS
 
+#: The subfolder of a reports folder that holds its full runs (`make report-full`).
+FULL = "full"
+
 #: The nbconvert templates shipped in the package (``attnlib/templates``): ``offline``
 #: embeds everything, no script or style from a CDN.
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -157,7 +160,7 @@ def write_index(out_dir: Path) -> Path:
     A notebook whose last run failed shows ERROR with the notebook, the cell and the error,
     above its previous report (if any); reports made at non-default parameters are marked.
     """
-    full_dir = out_dir / "full"
+    full_dir = out_dir / FULL
     full_dir = full_dir if full_dir.is_dir() else None
     items = [_index_item(name, nb.title, out_dir, full_dir) for name, nb in NOTEBOOKS.items()]
     page = f"""<!DOCTYPE html>

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from .notebook import PROGRESS_ENV, ROOT, Verdict, _now
 from .params import NOTEBOOKS, check_params
-from .render import _banner, _write_json, render_html, write_index
+from .render import FULL, _banner, _write_json, render_html, write_index
 
 REPORTS = ROOT / "reports"  # the committed runs at the notebooks' defaults (`make report`)
-FULL_REPORTS = REPORTS / "full"  # the committed --full runs (`make report-full`)
+FULL_REPORTS = REPORTS / FULL  # the committed --full runs (`make report-full`)
 LOCAL_REPORTS = ROOT / "reports-local"  # git-ignored: --quick and -p runs
 
 
@@ -398,7 +398,7 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
     other_notebooks = nb_dir is not None and Path(nb_dir).resolve() != (ROOT / "notebooks").resolve()
     nondefault = bool(quick or overrides or other_notebooks)
     if out_dir is None:
-        out_dir = LOCAL_REPORTS if nondefault else REPORTS / "full" if full else REPORTS
+        out_dir = LOCAL_REPORTS if nondefault else REPORTS / FULL if full else REPORTS
     out_dir = Path(out_dir)
     inside_reports = out_dir.resolve() == REPORTS.resolve() or REPORTS.resolve() in out_dir.resolve().parents
     if nondefault and inside_reports and not allow_nondefault_reports:
@@ -427,7 +427,7 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
             else:
                 log(f"{prefix} {message}")
         index = write_index(out_dir)
-        if out_dir.resolve() == (REPORTS / "full").resolve():  # the main index links the full runs
+        if out_dir.resolve() == (REPORTS / FULL).resolve():  # the main index links the full runs
             write_index(REPORTS)
     log(f"index: {index}")
     return status
