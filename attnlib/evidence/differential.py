@@ -242,16 +242,26 @@ def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
     gate = GradientGate(q, k, v, dout, sizes=True, **kwargs)  # one dense backward for both
     errors = _gradient_figures(grads, gate.ref, gate.sizes)
     row = {f"{name}_error": err for name, err in errors.items()}
+    row.update(_gate_figures(gate, grads, defects,
+                             lambda: attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)))
+    return row
+
+
+def _gate_figures(gate, grads, defects, backward) -> dict:
+    """The gradient gate's verdict on ``grads`` (``gate_e``, ``gate_ratio``, ``gate_passed``)
+    and, with ``defects``, whether it fails ``backward()`` run with each one active
+    (``defects_caught``; None where the defect moves no entry by more than twice the real
+    backward's own error there)."""
     verdict = gate.judge(grads)
-    row.update(gate_e=gate.e, gate_ratio=max(verdict[f"{n}_ratio"] for n in gate.names),
-               gate_passed=verdict["passed"])
+    row = {"gate_e": gate.e, "gate_ratio": max(verdict[f"{n}_ratio"] for n in gate.names),
+           "gate_passed": verdict["passed"]}
     caught = {}
     # The kernel's own rounding, entry by entry: a defect that moves no entry by more than
     # twice it is below what float64 resolves there (None: not counted).
     noise = [2 * np.abs(np.asarray(g, dtype=np.float64) - r) for g, r in zip(grads, gate.ref)]
     for defect in defects:  # each through the same gate
         with defect.active():
-            bad = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
+            bad = backward()
         changed = any(np.any(np.abs(np.asarray(b, dtype=np.float64) - g) > e)
                       for b, g, e in zip(bad, grads, noise))
         caught[defect.name] = (not gate.judge(bad)["passed"]) if changed else None
@@ -284,27 +294,42 @@ def run_family_gradients(family, n=2048, d=64, *, block_q=64, block_k=64, causal
     return {"family": family, "letter": FAMILIES[family].letter, "n": n, "d": d, **errors}
 
 
-def run_varlen_gradients(case, seed=0) -> dict:
+def run_varlen_gradients(case, seed=0, defects=()) -> dict:
     """`attention_varlen_backward` on a `~attnlib.evidence.inputs.Packed` problem against the dense
     gradient of the same problem padded into a batch (``q_lengths``, ``kv_lengths``), for a
-    standard normal ``dout``: the `gradient_errors` fields with an ``_error`` suffix."""
+    standard normal ``dout``: the `gradient_errors` fields with an ``_error`` suffix, the
+    gradient gate's verdict on the padded gradients (``gate_e``, ``gate_ratio``,
+    ``gate_passed``; the padded rows and keys are zeros on both sides) and, for each of
+    ``defects``, whether the gate fails the varlen backward with it injected
+    (``defects_caught``, as `run_case_gradients`)."""
     from .packing import unpack_varlen
     from ..core.varlen import attention_varlen, attention_varlen_backward
 
     q, k, v, cu_q, cu_k, options = case.arrays()
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
     dout = np.random.default_rng(seed).standard_normal(out.shape)
-    grads = attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, seqused_k=case.seqused_k, **options)
+
+    def backward():
+        return attention_varlen_backward(q, k, v, out, lse, dout, cu_q, cu_k, seqused_k=case.seqused_k, **options)
+
     names = {n: n for n in ("q", "k", "v", "dout", "dq", "dk", "dv")}
-    padded, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, dout=dout, dq=grads[0], dk=grads[1],
-                                                       dv=grads[2]), cu_q, cu_k, case.seqused_k, None, names)
-    bhsd = {n: np.swapaxes(x, 1, 2) for n, x in padded.items()}
-    errors = gradient_errors((bhsd["dq"], bhsd["dk"], bhsd["dv"]) + tuple(grads[3:]), bhsd["q"], bhsd["k"],
-                             bhsd["v"], bhsd["dout"], q_lengths=q_lengths, kv_lengths=kv_lengths, **options)
+
+    def padded(grads):  # the packed gradients in the padded batch's (b, h, s, d) layout
+        p, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, dout=dout, dq=grads[0], dk=grads[1],
+                                                      dv=grads[2]), cu_q, cu_k, case.seqused_k, None, names)
+        bhsd = {n: np.swapaxes(x, 1, 2) for n, x in p.items()}
+        return bhsd, (bhsd["dq"], bhsd["dk"], bhsd["dv"]) + tuple(grads[3:]), q_lengths, kv_lengths
+
+    bhsd, grads, q_lengths, kv_lengths = padded(backward())
+    errors = gradient_errors(grads, bhsd["q"], bhsd["k"], bhsd["v"], bhsd["dout"], q_lengths=q_lengths,
+                             kv_lengths=kv_lengths, **options)
+    gate = GradientGate(bhsd["q"], bhsd["k"], bhsd["v"], bhsd["dout"], q_lengths=q_lengths,
+                        kv_lengths=kv_lengths, **options)
     return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
             "seqused_k": case.seqused_k is not None, "heads": case.heads, "kv_heads": case.kv_heads,
             "options": case.options, "dsinks_error": None,  # None: the problem has no sinks
-            **{f"{name}_error": err for name, err in errors.items()}}
+            **{f"{name}_error": err for name, err in errors.items()},
+            **_gate_figures(gate, grads, defects, lambda: padded(backward())[1])}
 
 __all__ = ["run_case", "run_family", "power_table", "crossing_fraction", "sink_rescales", "run_varlen",
            "run_paged"]

@@ -36,14 +36,17 @@ class Table:
 
     Longer than `SHOWN` rows, the HTML shows a summary line and `SHOWN` rows, the first or,
     with ``worst`` (a column, or a key function of a row), the largest by it, and holds every
-    row in a collapsed ``<details>`` section.
+    row in a collapsed ``<details>`` section.  With ``summary`` (text) instead, a long table
+    shows that line only, and every row once, in the collapsed section: for a table with no
+    rows worth picking out, such as a run's parameters.
     """
 
-    def __init__(self, rows, columns, formats=None, title=None, worst=None):
+    def __init__(self, rows, columns, formats=None, title=None, worst=None, summary=None):
         self.rows, self.columns = list(rows), list(columns)
         self.formats = formats or {}
         self.title = title
         self.worst = worst
+        self.summary = summary
 
     def _cell(self, row, col):
         value = row.get(col, "")
@@ -68,6 +71,11 @@ class Table:
 
         if len(self.rows) <= SHOWN:
             return table(self.rows, self.title or "")
+        if self.summary is not None:  # the line, and every row once, collapsed
+            title = f"{self.title}: " if self.title else ""
+            return (f"<p><b>{html.escape(title + self.summary)}</b></p><details><summary>all "
+                    f"{len(self.rows):,} rows{' of ' + html.escape(self.title) if self.title else ''}</summary>"
+                    f"{table(self.rows)}</details>")
         if self.worst is None:
             shown, which = self.rows[:SHOWN], f"the first {SHOWN}"
         else:

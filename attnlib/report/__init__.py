@@ -37,7 +37,8 @@ Runs never pass for what they are not:
 Its modules, each importing only those above it:
 
 * `attnlib.report.notebook`: what the notebooks call while they run (`strict`, `stage`,
-  `provenance`, `save_results`);
+  `provenance`, `save_results` with its `Claim` s, and the one rule for every measured
+  spread: `against` a bound, `compare` for two times, `timing_claim`);
 * `attnlib.report.costs`: the per-notebook cost model bounding every size-like parameter;
 * `attnlib.report.params`: the parameter checks, `NOTEBOOKS` and `check_params`;
 * `attnlib.report.render`: the HTML reports and their index;
@@ -48,19 +49,31 @@ Everything a notebook, a test or another module uses is importable from here.
 """
 
 from .notebook import (
+    CLAIMS_SHOWN,
     HEADLINE_WORDS,
+    KEY_WORDS,
     PROGRESS_ENV,
     ROOT,
     STRICT,
     STRICT_TEXT,
+    UNRESOLVED,
     Claim,
     Verdict,
+    against,
+    combined,
+    compare,
     environment,
     is_strict,
+    on_page,
+    outcome,
     provenance,
+    ratio_range,
     save_results,
+    spread_text,
     stage,
     strict,
+    tally,
+    timing_claim,
 )
 from .costs import (
     BACKWARD,
@@ -118,7 +131,8 @@ from .runner import (
 from .cli import main
 
 __all__ = [
-    "BACKWARD", "Claim", "FALLBACK_MEMORY", "HEADLINE_WORDS", "FULL_REPORTS", "GALLERY_ENTRIES", "INSTALL_REPORT", "LOCAL_REPORTS", "LONG_DOUBLE",
+    "BACKWARD", "CLAIMS_SHOWN", "Claim", "FALLBACK_MEMORY", "HEADLINE_WORDS", "KEY_WORDS", "UNRESOLVED",
+    "against", "combined", "compare", "on_page", "outcome", "ratio_range", "spread_text", "tally", "timing_claim", "FULL_REPORTS", "GALLERY_ENTRIES", "INSTALL_REPORT", "LOCAL_REPORTS", "LONG_DOUBLE",
     "NOTEBOOKS", "PAIR_WORK", "PIECE_BYTES", "PIECE_WORK", "PROCESS_BYTES", "PROGRESS_ENV", "REPORTS",
     "REPORT_MODULES", "ROOT", "STRICT", "STRICT_TEXT", "TASK_WORK", "TEMPLATES", "THREAD_BYTES",
     "TILE_WORK", "WORK_LIMIT", "Cost", "Notebook", "NotebookError", "ReportError", "Verdict",

@@ -114,11 +114,17 @@ def environment() -> dict:
 
 
 def provenance(params: dict):
-    """A table of the run's parameters and `environment`, for the top of a report."""
+    """A table of the run's parameters and `environment`, for the top of a report.
+
+    Longer than `~attnlib.evidence.plots.SHOWN` rows it is shown once, collapsed under a
+    line that names its counts, the commit and the date (no first rows shown twice)."""
     shown = {k: v for k, v in params.items() if k != "results_json"}  # the runner's plumbing
+    env = environment()
     rows = [{"": "parameter", "name": k, "value": repr(v)} for k, v in shown.items()]
-    rows += [{"": "environment", "name": k, "value": v} for k, v in environment().items()]
-    return Table(rows, ["", "name", "value"], title="Parameters and environment of this run")
+    rows += [{"": "environment", "name": k, "value": v} for k, v in env.items()]
+    summary = (f"{len(shown)} parameters and {len(env)} entries of the environment (attnlib {env['attnlib']}, "
+               f"commit {env['git commit']}, {env['date (UTC)']} UTC), every row in the section below")
+    return Table(rows, ["", "name", "value"], title="Parameters and environment of this run", summary=summary)
 
 
 @dataclass(frozen=True)
@@ -150,23 +156,142 @@ class Verdict:
 #: The most words a verdict line may have: it is read first, under the report's title.
 HEADLINE_WORDS = 40
 
+#: The most words of a report's key figure, its line in the index (`save_results`'s ``key``).
+KEY_WORDS = 10
+
+#: The most claims the table under the verdict shows; the others (``Claim.detail``, or shown
+#: only) are in a collapsed section under it.
+CLAIMS_SHOWN = 15
+
+#: ``Claim.met`` of a gated claim whose measured spread crosses its bound (`against`).
+UNRESOLVED = "not resolved"
+
+_MET = {True: "yes", False: "NO", None: "shown, not gated", UNRESOLVED: UNRESOLVED}
+
 
 @dataclass(frozen=True)
 class Claim:
     """One row of a report's claims table, shown under its verdict.
 
     ``measured`` and ``bound`` are what the reader compares (text, already formatted from
-    the data); ``met`` is True or False for a gated claim and None for one only shown.
+    the data); ``met`` is True or False for a gated claim, `UNRESOLVED` for a gated claim
+    whose measured spread crosses its bound (`against`), and None for one only shown.
+    ``detail`` marks a claim that a claim on the page sums up (one case of several): it goes
+    to the collapsed section under the table, as do claims only shown once the table holds
+    `CLAIMS_SHOWN`.
     """
 
     claim: str
     measured: str
     bound: str = ""
-    met: bool | None = None
+    met: bool | str | None = None
+    detail: bool = False
 
-    def row(self) -> dict:
-        met = {True: "yes", False: "NO", None: "shown, not gated"}[self.met]
-        return {"claim": self.claim, "measured": self.measured, "bound": self.bound or "-", "met": met}
+    def __post_init__(self):
+        if self.met not in _MET:
+            raise ValueError(f"Claim.met must be True, False, None or {UNRESOLVED!r}, got {self.met!r}")
+
+    def row(self, page: bool = True) -> dict:
+        return {"claim": self.claim, "measured": self.measured, "bound": self.bound or "-",
+                "met": _MET[self.met], "page": bool(page), "detail": self.detail}
+
+
+def on_page(claims) -> list[bool]:
+    """Which ``claims`` the table under the verdict shows: every one but the details, and of
+    those, while more than `CLAIMS_SHOWN` remain, the claims only shown go (last first) to
+    the collapsed section; gated claims and misses always stay."""
+    page = [not c.detail for c in claims]
+    for i in reversed(range(len(claims))):
+        if sum(page) <= CLAIMS_SHOWN:
+            break
+        if page[i] and claims[i].met is None:
+            page[i] = False
+    return page
+
+
+def combined(mets) -> bool | str | None:
+    """The ``met`` of a claim that sums up gated claims: False when one is not met, else
+    `UNRESOLVED` when one is not resolved, else True (None when none is gated)."""
+    mets = [m for m in mets if m is not None]
+    if not mets:
+        return None
+    if any(m is False for m in mets):
+        return False
+    return UNRESOLVED if any(isinstance(m, str) for m in mets) else True
+
+
+# -- a measured spread against a bound, and two times compared: one rule for every timing -----
+
+def against(spread: dict, bound: float, at_most: bool = True) -> bool | str:
+    """A measured spread (``{"min", "median", "max"}``: repeats, or refits) against a bound:
+    True when the whole spread meets it (``max <= bound`` for ``at_most``, else
+    ``min >= bound``), False when the whole spread misses it, `UNRESOLVED` when it crosses
+    the bound. The median alone never decides."""
+    lo, hi = float(spread["min"]), float(spread["max"])
+    if at_most:
+        return True if hi <= bound else (False if lo > bound else UNRESOLVED)
+    return True if lo >= bound else (False if hi < bound else UNRESOLVED)
+
+
+def compare(ratio: dict) -> str:
+    """The word for a ratio of times ``a / b`` with its spread (paired repeats, `against`'s
+    dict): "slower" (a) only when the whole spread is above 1, "faster" only when it is all
+    below 1, else "within noise"."""
+    if float(ratio["min"]) > 1:
+        return "slower"
+    if float(ratio["max"]) < 1:
+        return "faster"
+    return "within noise"
+
+
+def ratio_range(a: dict, b: dict) -> dict:
+    """``a / b`` of two spreads that were not paired repeat by repeat: the median ratio and
+    the widest range the two spreads allow (``a.min / b.max .. a.max / b.min``)."""
+    return {"median": a["median"] / b["median"], "min": a["min"] / b["max"], "max": a["max"] / b["min"],
+            "n": min(a.get("n", 0), b.get("n", 0))}
+
+
+def spread_text(spread: dict, fmt: str = ".2f", unit: str = "×") -> str:
+    """``median (min–max)``, as every timing is shown."""
+    return f"{spread['median']:{fmt}}{unit} ({spread['min']:{fmt}}–{spread['max']:{fmt}}{unit})"
+
+
+def outcome(met) -> str:
+    """A claim's ``met`` in the words of a verdict line: "met", "NOT met", "not resolved"."""
+    return {True: "met", False: "NOT met", UNRESOLVED: "not resolved", None: "shown"}[met]
+
+
+def tally(mets) -> str:
+    """How a group of gated claims came out, in `outcome`'s words: ``"met 1/4, NOT met 2/4,
+    not resolved 1/4"`` (outcomes with no claim left out; None, shown, not counted)."""
+    mets = [m for m in mets if m is not None]
+    parts = []
+    for value in (True, False, UNRESOLVED):
+        count = sum((m == value) if isinstance(value, str) else (m is value or (not isinstance(m, str) and m == value))
+                    for m in mets)
+        if count:
+            parts.append(f"{outcome(value)} {count}/{len(mets)}")
+    return ", ".join(parts)
+
+
+def timing_claim(claim: str, spread: dict, bound: float | None = None, *, at_most: bool = True,
+                 fmt: str = ".2f", unit: str = "×", gated: bool = True, note: str = "",
+                 detail: bool = False) -> Claim:
+    """The claim of one measured spread (a time, a ratio, an efficiency) against ``bound``,
+    by `against`: measured ``median (min–max)`` (and ``note``), "the spread crosses the
+    bound" where it does; ``met`` `against`'s answer when ``gated``, else None (the bound
+    is a target shown beside it, the outcome in the measured column)."""
+    measured = spread_text(spread, fmt, unit) + (f", {note}" if note else "")
+    if bound is None:
+        return Claim(claim, measured, "", None, detail)
+    met = against(spread, bound, at_most)
+    bound_text = f"{'≤' if at_most else '≥'} " + (f"{bound:g}{unit}" if unit else f"{bound:{fmt}}")
+    if met == UNRESOLVED:
+        measured += "; the spread crosses the bound"
+    if not gated:
+        measured += f" (target {outcome(met)})"
+        bound_text += " (target, not gated)"
+    return Claim(claim, measured, bound_text, met if gated else None, detail)
 
 
 def words(text: str) -> int:
@@ -175,28 +300,38 @@ def words(text: str) -> int:
 
 
 def save_results(results_json: str, notebook: str, params: dict, passed, line: str,
-                 figures: dict, claims=()) -> Verdict:
+                 figures: dict, claims=(), key: str = "") -> Verdict:
     """Write a notebook's figures, verdict and claims as JSON (when ``results_json`` is set).
 
     ``line`` is the verdict in at most `HEADLINE_WORDS` words (a longer PASS line is a
     ValueError; a longer FAIL or INFO line is cut there, saying so, so that it is reported);
-    ``claims`` are `Claim` s, the table under it.  A gated claim that is not met cannot sit
-    under a PASS (ValueError).  ``strict`` records whether numpy's error handling is
-    `STRICT` now, as `strict` sets it.
+    ``claims`` are `Claim` s, the table under it (`on_page`: at most `CLAIMS_SHOWN` on the
+    page, the rest collapsed; a PASS whose gated claims do not fit is a ValueError);
+    ``key`` is the report's key figure, its line in the index, in at most `KEY_WORDS` words
+    (longer: a ValueError; empty: the verdict line's first words).  A gated claim that is not
+    met, or not resolved, cannot sit under a PASS (ValueError).  ``strict`` records whether
+    numpy's error handling is `STRICT` now, as `strict` sets it.
     """
     if words(line) > HEADLINE_WORDS:
         if passed:  # a notebook's own bug: its PASS line must be written short
             raise ValueError(f"the verdict line has {words(line)} words, more than {HEADLINE_WORDS}: {line!r}")
         # A FAIL (or INFO) must still be reported: cut, and say where the rest is.
         line = " ".join(str(line).split()[:HEADLINE_WORDS - 7]) + " ... (the claims table has the rest)"
+    if words(key) > KEY_WORDS:
+        raise ValueError(f"the key figure has {words(key)} words, more than {KEY_WORDS}: {key!r}")
     claims = list(claims)
-    if passed and any(c.met is False for c in claims):
-        raise ValueError("a PASS verdict with a gated claim not met: "
-                         + "; ".join(c.claim for c in claims if c.met is False))
+    missed = [c.claim for c in claims if c.met is False or isinstance(c.met, str)]
+    if passed and missed:
+        raise ValueError("a PASS verdict with a gated claim not met: " + "; ".join(missed))
+    page = on_page(claims)
+    if passed and sum(page) > CLAIMS_SHOWN:
+        raise ValueError(f"{sum(page)} claims on the page, more than {CLAIMS_SHOWN}: sum some up "
+                         "(Claim.detail for the claims a claim on the page covers)")
     verdict = Verdict(None if passed is None else bool(passed), line, is_strict())
     if results_json:
         data = {"notebook": notebook, "passed": verdict.passed, "verdict": line,
-                "strict": verdict.strict, "claims": [c.row() for c in claims], "params": params,
+                "key": " ".join(str(key).split()), "strict": verdict.strict,
+                "claims": [c.row(p) for c, p in zip(claims, page)], "params": params,
                 "environment": environment(), "figures": figures}
         Path(results_json).write_text(json.dumps(data, indent=1, default=_jsonable))
     return verdict

@@ -295,7 +295,7 @@ NOTEBOOKS = {
         # make report-full: the values the committed full run was made at
         full={'ns': [256, 512, 1024, 2048], 'ds': [32, 64, 128], 'logit_stds': [1, 10, 100], 'precision_n': 1024, 'precision_ns': [256, 1024, 4096], 'blocks': [32, 64, 128, 256], 'taus': [0, 1, 2, 4, 8, 16], 'lazy_n': 1024, 'seed': 0}),
     "scaleout": Notebook(
-        "Scale-out: the exact float64 oracle on a Dask cluster",
+        "Scale-out: the float64 oracle on a Dask cluster",
         {"n": positive, "heads": positive, "d": positive, "block": positive, "workers": sizes,
          "repeats": positive, "sweep": sizes, "model_fit": model_cases, "model_heldout": model_cases,
          "model_repeats": positive, "long_n": positive, "long_block": positive, "long_repeats": positive,
@@ -314,7 +314,7 @@ NOTEBOOKS = {
         # make report-full: the values the committed full run was made at
         full={'n': 16384, 'heads': 4, 'd': 64, 'block': 4096, 'workers': [1, 2], 'repeats': 7, 'sweep': [8192, 16384, 32768, 65536], 'model_fit': [[1, 8192, 1024], [1, 8192, 2048], [1, 8192, 4096], [2, 8192, 2048], [1, 16384, 1024], [1, 16384, 2048], [1, 16384, 4096]], 'model_heldout': [[1, 32768, 4096], [2, 16384, 2048], [4, 16384, 4096]], 'model_repeats': 4, 'long_n': 262144, 'long_block': 4096, 'long_repeats': 1, 'long_samples': 3, 'project_n': 1048576, 'project_heads': 32, 'project_d': 128, 'project_machines': [1, 8, 64, 512], 'project_cores': 32, 'project_block': 8192}),
     "flex_gallery": Notebook(
-        "Programmable attention: a gallery of FlexAttention masks and scores, exact",
+        "Programmable attention: a gallery of FlexAttention masks and scores against the float64 reference",
         {"n": positive, "heads": positive, "d": positive, "block": positive, "repeats": positive,
          "memory_entries": non_negative, "long_ns": sizes, "results_json": text},
         {"n": 256, "heads": 2, "d": 16, "block": 64, "repeats": 1, "memory_entries": 1,

@@ -47,11 +47,22 @@ def verdict_block(data: dict, notebook: str = "") -> str:
     claims = data.get("claims") or []
     if claims:
         head = "".join(f"<th>{c}</th>" for c in ("claim", "measured", "bound", "met"))
-        rows = "".join(
-            "<tr>" + "".join(f'<td style="text-align: left">{html.escape(str(c[k]))}</td>'
-                             for k in ("claim", "measured", "bound", "met")) + "</tr>"
-            for c in claims)
-        parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+
+        def table(rows):
+            body = "".join(
+                "<tr>" + "".join(f'<td style="text-align: left">{html.escape(str(c[k]))}</td>'
+                                 for k in ("claim", "measured", "bound", "met")) + "</tr>"
+                for c in rows)
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        shown = [c for c in claims if c.get("page", True)]  # reports written before "page": every claim
+        rest = [c for c in claims if not c.get("page", True)]
+        parts.append(table(shown))
+        if rest:
+            details = sum(bool(c.get("detail")) for c in rest)
+            what = "; ".join(([f"{details} summed up by the claims above, case by case"] if details else [])
+                             + ([f"{len(rest) - details} only shown, not gated"] if details < len(rest) else []))
+            parts.append(f"<details><summary>{len(rest)} more claims ({what})</summary>{table(rest)}</details>")
     mode = ("every kernel call ran under " + STRICT_TEXT if verdict.strict
             else "NOT run in strict floating-point mode")
     where = f"<code>notebooks/{html.escape(notebook)}.ipynb</code>" if notebook else "its notebook"
@@ -115,8 +126,22 @@ def _badge(label: str, text: str | None = None) -> str:
     return f'<span class="{label.lower()}">{text or label}</span>'
 
 
+#: The words of a key figure taken from a verdict line, for a report that names none.
+_KEY_FALLBACK = 8
+
+
+def key_figure(data: dict) -> str:
+    """A report's line in the index: its ``key`` figure, or its verdict line's first words."""
+    key = " ".join(str(data.get("key") or "").split())
+    if key:
+        return key
+    words = str(data.get("verdict", "")).split()
+    return " ".join(words[:_KEY_FALLBACK]) + (" ..." if len(words) > _KEY_FALLBACK else "")
+
+
 def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = None) -> str:
-    """One line: badge, title (linked), the verdict line, the time; an error above it."""
+    """One short line: badge, name (linked; its title, verdict line and time on hover), the
+    key figure, the commit; the full run's badge and link; an error above it."""
     data, status = _load(out_dir, name)
     lines = []
     if status is not None:
@@ -134,9 +159,10 @@ def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = No
     else:
         verdict = Verdict(data["passed"], data["verdict"], bool(data.get("strict")))
         env = data.get("environment", {})
-        item = (f'{_badge(verdict.label)} <a href="{name}.html" title="{html.escape(title)}">{html.escape(name)}</a>: '
-                f'{html.escape(data["verdict"])} <small>({data.get("seconds", "?")} s, '
-                f'{html.escape(str(env.get("git commit", "?")))}{"" if verdict.strict else ", NOT strict"})</small>')
+        hover = f'{title}. {data["verdict"]} ({data.get("seconds", "?")} s)'
+        item = (f'{_badge(verdict.label)} <a href="{name}.html" title="{html.escape(hover)}">{html.escape(name)}</a>: '
+                f'{html.escape(key_figure(data))} <small>({html.escape(str(env.get("git commit", "?")))}'
+                f'{"" if verdict.strict else ", NOT strict"})</small>')
         if data.get("overrides"):
             item = (f'{_badge("NONDEFAULT", "NON-DEFAULT PARAMETERS")} '
                     f'{html.escape(_describe(data["overrides"]))}<br>' + item)
@@ -144,9 +170,10 @@ def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = No
         full, full_status = _load(full_dir, name)
         if full is not None:
             fv = Verdict(full["passed"], full["verdict"], bool(full.get("strict")))
-            item += (f' · full run: {_badge(fv.label)} <a href="{full_dir.name}/{name}.html">{name}</a> '
-                     f'<small>({full.get("seconds", "?")} s, '
-                     f'{html.escape(str(full.get("environment", {}).get("git commit", "?")))})</small>')
+            hover = f'{full["verdict"]} ({full.get("seconds", "?")} s)'
+            item += (f' · <a href="{full_dir.name}/{name}.html" title="{html.escape(hover)}">full run</a>: '
+                     f'{_badge(fv.label)} <small>({html.escape(str(full.get("environment", {}).get("git commit", "?")))})'
+                     '</small>')
         if full_status is not None:
             item += f' · full run: {_badge("ERROR")} {html.escape(full_status["error"])}'
     lines.append(item)
@@ -174,7 +201,8 @@ li {{ margin-bottom: .6em; }}
 </style></head><body>
 <h1>attnlib: the evidence</h1>
 <p>Each line: a notebook run by papermill (<code>make report</code>; the full runs:
-<code>make report-full</code>), its verdict, its time and commit. Every kernel call ran under
+<code>make report-full</code>), its verdict, its key figure and the commit it ran at; its whole
+verdict line and its time are on the link (hover), and first on its page. Every kernel call ran under
 <code>{html.escape(STRICT_TEXT)}</code> unless the line says NOT strict.</p>
 <ul>
 {chr(10).join(items)}
