@@ -14,14 +14,16 @@ from .check import check_kernel, format_text
 from .check.sweep import Sweep, sweep_kernel
 
 
-def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None, dsinks=None,
+def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None,
                            layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
-                           window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None,
-                           sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
-                           cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None,
-                           score_mod_grad=None, key_leftpad=None, attention_chunk=None,
-                           sink_token_length=0, lse_base=None, lse_sink=None, lse_empty=None,
-                           workers=None, device=None):
+                           window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None, sinks=None,
+                           dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
+                           key_leftpad=None, attention_chunk=None, sink_token_length=0,
+                           cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, block_table=None,
+                           cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
+                           lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
+                           qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
+                           device=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
 
@@ -58,6 +60,22 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     lse_base, lse_sink, lse_empty : optional
         The kernel's LSE convention: base ``"e"`` or ``2``, the sink ``"included"`` or
         ``"excluded"``, empty rows ``"-inf"`` or ``"+inf"`` (default: either).
+    qv, dqv : array, optional
+        MLA's second query (FlashAttention 3/4's ``qv``, default scale ``1/sqrt(D + Dv)``) and
+        the kernel's gradient of it.
+    q_descale, k_descale, v_descale : array, optional
+        An fp8 kernel's descales ``(batch, nheads_k)``: the attention of the dequantised values.
+    gather_kv_indices : array of int, optional
+        Top-k sparse keys (DeepSeek sparse attention, FlashMLA's ``indices``).
+    max_scores : array, optional
+        FlexAttention's aux ``max_scores`` ``(batch, nheads, seqlen_q)``, judged with the
+        score's own allowance.
+    names, lse_dtype, scheduler : optional
+        How messages name each tensor, the type the kernel stored ``lse`` in, and a Dask
+        cluster for the float64 reference.
+
+    Every keyword argument is `attnlib.check.check_kernel`'s, passed on as given (the two
+    signatures are kept equal by a test).
 
     Raises
     ------
@@ -79,15 +97,10 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     to the float64 rounding bound of the verdict gate.  ``docs/semantics.md`` has the
     contract (masks, alignment, empty rows, sinks).
     """
-    result = check_kernel(q, k, v, out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, dsinks=dsinks, layout=layout,
-                          dtype=dtype, causal=causal, causal_align=causal_align, window=window,
-                          softcap=softcap, scale=scale, kv_lengths=kv_lengths, q_lengths=q_lengths, sinks=sinks,
-                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                          block_table=block_table, cache_seqlens=cache_seqlens, mask_mod=mask_mod,
-                          score_mod=score_mod, block_mask=block_mask, score_mod_grad=score_mod_grad,
-                          key_leftpad=key_leftpad, attention_chunk=attention_chunk,
-                          sink_token_length=sink_token_length, lse_base=lse_base, lse_sink=lse_sink,
-                          lse_empty=lse_empty, workers=workers, device=device)
+    options = dict(locals())  # the keyword arguments, every one check_kernel's
+    for name in ("out", "q", "k", "v"):
+        del options[name]
+    result = check_kernel(q, k, v, out, **options)
     if not result.passed:
         raise AssertionError("attention output not close to the float64 reference\n\n"
                              + format_text(result))

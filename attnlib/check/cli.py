@@ -101,7 +101,7 @@ def _parser():
         p.add_argument(f"--{name}", required=required, default="", metavar="FILE",
                        help=f"{name} tensor: .npy, .npz or .safetensors (path or path:name)"
                             + ("" if required else " (or --v-from-k)" if name == "v" else ", optional"))
-    p.add_argument("--v-from-k", type=int, default=0, metavar="DV",
+    p.add_argument("--v-from-k", type=_head_dim, default=None, metavar="DV",
                    help="no --v: v is the first DV dimensions of k's head dim (FlashMLA's shared latent, "
                         "576-dim keys whose first 512 are the values), read once")
     p.add_argument("--qv", default="", metavar="FILE",
@@ -121,7 +121,10 @@ def _parser():
     p.add_argument("--window", nargs=2, type=window_side, metavar=("L", "R"),
                    help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
     p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
-    p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
+    p.add_argument("--scale", type=float, default=None,
+                   help="softmax scale (default 1/sqrt(headdim); with --qv 1/sqrt(headdim + Dv), the joined "
+                        "head dims, Dv being v's head dim); give the kernel's exact value, e.g. "
+                        "0.08838834764831845 for 1/sqrt(128), not a rounded one")
     p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N",
                    help="valid keys per batch entry (padding)")
     p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N",
@@ -178,6 +181,21 @@ def _parser():
     return p
 
 
+def _head_dim(text: str) -> int:
+    """``--v-from-k DV``: an integer ``>= 1`` (argparse reports anything else as a usage error,
+    exit status 2); 0 is no head dim, not "no --v-from-k"."""
+    import argparse
+
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if x < 1:
+        raise argparse.ArgumentTypeError(f"{x}: v is the first DV >= 1 dimensions of k's head dim "
+                                         "(FlashMLA's shared latent: 512); without --v-from-k, give --v")
+    return x
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
@@ -196,10 +214,10 @@ def main(argv=None) -> int:
             raise UnusableInput("--device computes the reference here with torch: it does not take "
                                 "--scheduler, --distributed or --html")
         if args.html:
-            text, code = _run_notebook(files, args.dtype or "", {**options, "v_from_k": args.v_from_k}, args.html)
+            text, code = _run_notebook(files, args.dtype or "", {**options, "v_from_k": args.v_from_k or 0}, args.html)
         else:
             with _cluster(args) as scheduler:
-                check = load_and_check(**files, dtype=args.dtype or "", v_from_k=args.v_from_k,
+                check = load_and_check(**files, dtype=args.dtype or "", v_from_k=args.v_from_k or 0,
                                        scheduler=scheduler, **options)
             text, code = format_text(check), check.exit_code
     except (TensorFileError, UnusableInput) as e:

@@ -281,6 +281,16 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
         (dict(scale=s0 * log2e), "scale x log2(e) (an exp2-based softmax given a pre-multiplied scale)"),
         (dict(scale=s0 / log2e), "scale / log2(e) (an exp2-based softmax without the log2(e) factor)"),
     ]
+    default = 1.0 / math.sqrt(d)  # [q, qv]'s head dim with MLA: 1/sqrt(D + Dv)
+    if opts.scale is not None and opts.scale != default:
+        # The scale given (--scale: typed in decimals, 0.1768 for 1/sqrt(32)) is not the one
+        # the kernel used: its own default, or the given one applied twice.
+        alternatives += [
+            (dict(scale=default), f"the default scale 1/sqrt(D) = {default:.10g} (D + Dv with qv), not the "
+                                  f"scale given, {s0:.10g} (the kernel ignored the scale, or the scale given "
+                                  "is not the kernel's: pass its exact value, or none for the default)"),
+            (dict(scale=s0 * s0), f"the scale given applied twice, {s0:.4g}^2 = {s0 * s0:.4g}"),
+        ]
     if opts.causal:
         alternatives.append((dict(causal=False), "no causal mask"))
         left = opts.window[0]
@@ -397,7 +407,9 @@ def variant_alternatives(opts: Options, sk=None) -> list:
         alts.append((dict(key_leftpad=None), "key_leftpad ignored (the left padding attended, positions from key 0)"))
         if opts.attention_chunk is not None or opts.sink_token_length or opts.causal_align == "top_left":
             # (else the same problem: bottom_right's offset does not depend on where keys start)
-            alts.append((dict(key_leftpad=None, mask_mod=_hide_keys_before(opts)),
+            hide = (dict(gather_kv_indices=_lists_from_leftpad(opts)) if opts.gather_kv_indices is not None
+                    else dict(mask_mod=_hide_keys_before(opts)))  # top-k lists take no mask_mod: ANDed in
+            alts.append((dict(key_leftpad=None, **hide),
                          "key_leftpad masked but positions counted from key 0 (not from the first valid key)"))
     if opts.attention_chunk is not None:
         alts.append((dict(attention_chunk=None), "attention_chunk ignored (no chunks)"))
@@ -432,6 +444,16 @@ def _hide_keys_before(opts: Options):
         return keep if own is None else keep & own(b, h, q_idx, kv_idx)
 
     return mask_mod
+
+
+def _lists_from_leftpad(opts: Options) -> np.ndarray:
+    """The top-k lists ``gather_kv_indices`` without the keys before each entry's
+    ``key_leftpad`` (-1 in their place): `_hide_keys_before` for lists, which take no
+    ``mask_mod``.  The lists' leading axes are the batch axes of ``key_leftpad``."""
+    indices = np.asarray(opts.gather_kv_indices).astype(np.int64)
+    pad = np.asarray(opts.key_leftpad).astype(np.int64)
+    pad = pad.reshape(pad.shape + (1,) * (indices.ndim - pad.ndim))
+    return np.where(indices < pad, -1, indices)
 
 
 def _softcap_after_mask(opts: Options, shape) -> dict:

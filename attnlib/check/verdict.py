@@ -307,8 +307,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                              attention_chunk=attention_chunk, sink_token_length=sink_token_length,
                              gather_kv_indices=gather_kv_indices)
         expected = expect(qh, kh, vh, opts, prec, workers, dense, scheduler, dev)
-    except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape
-        raise UnusableInput(str(e)) from None
+    except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape, or a mod's own error
+        raise UnusableInput(str(e)) from e  # chained: a mask_mod's own exception is never replaced
     kernel = to_bhsd(given["out"], layout).astype(np.float64)
     verdict, err, ratio = judge_out(kernel, expected)
     row_ratio = row_ratios(err, ratio, expected.allowance)
@@ -352,7 +352,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                                 expected.ref_lse, douth, prec, opts, layout, shape, workers, context,
                                 mod_grad=score_mod_grad, device=dev, qv_dim=None if qvh is None else shape["d"])
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
-            raise UnusableInput(str(e)) from None
+            raise UnusableInput(str(e)) from e
         if qvh is None:  # the neighbouring problems' gradients are q, k and v's own
             _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
@@ -362,6 +362,13 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     row_err = err.max(axis=-1, initial=0.0)
     row_err = row_err.reshape((-1, row_err.shape[-1])).max(axis=0) if row_err.ndim > 1 else row_err
     shown = options_dict(opts, window=window, softcap=softcap, scale=scale)  # as the caller gave them
+    if gather_kv_indices is not None:  # (batch, [Hk,] Sq, topk), attnlib's order
+        shown["gather_kv_indices"] = gather_kv_indices
+    if qvh is not None:
+        shown["qv"] = tuple(given["qv"].shape)  # in the layout given
+    for n, x in zip(descale.NAMES, (q_descale, k_descale, v_descale)):
+        if x is not None:
+            shown[n] = np.asarray(as_numpy(x, names.get(n, n)))
     if lse is not None and not convention.is_default:
         shown["lse_convention"] = convention.words()
     if layout_note:
@@ -376,7 +383,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
 
 
 #: The keys `KernelCheck.options` always has; ``q_lengths``, the 2026 variants, ``mask_mod``
-#: and ``score_mod`` follow when given (and ``layout_note`` for a varlen or paged problem).
+#: and ``score_mod`` follow when given (and ``layout_note`` for a varlen or paged problem,
+#: ``gather_kv_indices``, ``qv``'s shape and the fp8 descales when judged with them).
 RESULT_OPTIONS = ("causal", "causal_align", "window", "softcap", "scale", "kv_lengths", "sinks")
 
 
@@ -425,7 +433,9 @@ def _mixups(stored, factors, opts: Options):
 
 
 def _problem_alternatives(opts: Options) -> list:
-    """``(words, options)``: the neighbouring problems a wrong kernel may have computed."""
+    """``(words, options)``: the neighbouring problems a wrong kernel may have computed; one
+    whose options are refused (a change that does not combine with the others) is left out,
+    as the diagnosis leaves out every alternative it cannot compute (`DROPPED`)."""
     alts = []
     if opts.causal:
         alts.append(("no causal mask", replace(opts, causal=False)))
@@ -435,7 +445,11 @@ def _problem_alternatives(opts: Options) -> list:
         alts.append(("kv_lengths ignored (padding keys attended)", replace(opts, kv_lengths=None)))
     if opts.sinks is not None:
         alts.append(("no sinks", replace(opts, sinks=None)))
-    alts += [(words, opts.replace(**change)) for change, words in variant_alternatives(opts)]
+    for change, words in variant_alternatives(opts):
+        try:
+            alts.append((words, opts.replace(**change)))
+        except DROPPED:
+            continue
     return alts
 
 

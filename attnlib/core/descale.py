@@ -62,7 +62,9 @@ def dequantize(q, k, v, q_descale=None, k_descale=None, v_descale=None, dev=None
     """``(q, k, v, qv)`` times their descales (``qv``, MLA's second query, takes ``q``'s), in
     float64: numpy arrays, or torch tensors on ``dev`` (the inputs are never written).  Inputs
     without a descale (or None) are returned as given."""
-    return scaled(q, k, v, qv, factors(qv if q is None else q, k, q_descale, k_descale, v_descale), dev)
+    # qv-only scores (q None) may come without k: the kv heads are v's, which k's must equal.
+    return scaled(q, k, v, qv, factors(qv if q is None else q, v if k is None else k, q_descale, k_descale,
+                                       v_descale), dev)
 
 
 def scaled(q, k, v, qv, f: dict, dev=None):

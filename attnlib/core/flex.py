@@ -104,8 +104,9 @@ def _torch_result(x) -> bool:
 def _call(fn, args, name):
     """``fn(*args)`` as numpy: a function written for FlexAttention with torch operations
     (one that raises on numpy arrays, or returns a tensor: numpy and torch operands mixed)
-    is called again with tensors, through `from_torch`, and remembered; an error both ways
-    names `from_torch`."""
+    is called again with tensors, through `from_torch`, and remembered.  One that raises both
+    ways raises its own exception, the one from the numpy call (never replaced: the tensor
+    call's error is its context, and a note names `from_torch` where Python takes notes)."""
     torch_fn = _TORCH_WRITTEN.get(fn) if _weakrefable(fn) else None
     if torch_fn is not None:
         return torch_fn(*args)
@@ -124,12 +125,14 @@ def _call(fn, args, name):
     torch_fn = from_torch(fn)
     try:
         out = torch_fn(*args)
-    except Exception as e:  # noqa: BLE001 - reported with the first cause
+    except Exception as e:  # noqa: BLE001 - the function's own exception goes on
         if failure is None:
             raise
-        raise TypeError(f"{name} raised {type(failure).__name__}: {failure} on numpy index arrays, and "
-                        f"{type(e).__name__}: {e} on torch tensors; attnlib calls it on numpy arrays "
-                        "(see attnlib.core.flex), or on tensors through attnlib.core.flex.from_torch") from failure
+        if hasattr(failure, "add_note"):  # Python 3.11+
+            failure.add_note(f"attnlib called {name} on numpy index arrays, where it raised this, and again "
+                             f"on torch tensors, where it raised {type(e).__name__}: {e} (see "
+                             "attnlib.core.flex; a function written with torch ops: attnlib.core.flex.from_torch)")
+        raise failure  # its context: the tensor call's error, ``e``
     if _weakrefable(fn):
         _TORCH_WRITTEN[fn] = torch_fn
     return out

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from . import problem
+
 #: ``lse_2 = lse / ln 2``: FlashInfer's and JAX Pallas's base-2 LSE times this is attnlib's.
 LN2 = math.log(2.0)
 SINK = ("included", "excluded")
@@ -96,18 +98,27 @@ def parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_score
     return conv
 
 
-def apply(conv, opts, run, return_lse: bool, return_max_scores: bool = False):
+def apply(conv, opts, run, return_lse: bool, return_max_scores: bool = False, *, check_sinks=None):
     """``run(options)``'s result ``(out, [lse], [max_scores], [stats])`` in the convention
     ``conv`` (`parse_for_output`; None: as it is): with the sink excluded, ``run`` attends
     without the sinks and ``out`` is weighted by them after (`without_sink`); ``lse`` and
-    ``max_scores`` in its base, ``lse``'s empty rows as it says."""
+    ``max_scores`` in its base, ``lse``'s empty rows as it says.
+
+    ``check_sinks(sinks)``: the checks the kernel makes of the sinks it is given
+    (`check_sinks_for`), returning them as given; called before ``run`` when the sinks are
+    taken out of it, so that they are checked, with the same errors, whatever the
+    convention."""
     if conv is None:
         return run(opts)
     excluded = return_lse and conv.sink == "excluded" and opts.sinks is not None
+    if excluded:
+        if check_sinks is None:
+            raise TypeError("lse_conventions.apply needs check_sinks to take the sinks out of the run")
+        sinks = check_sinks(opts.sinks)
     out, *rest = run(replace(opts, sinks=None) if excluded else opts)
     if return_lse:
         if excluded:  # the keys' own lse; out weighted by the sinks after
-            out = without_sink(out, rest[0], opts.sinks)
+            out = without_sink(out, rest[0], sinks)
         rest[0] = conv.from_natural(rest[0])
     if return_max_scores and conv.factor != 1.0:
         at = 1 if return_lse else 0
@@ -120,7 +131,10 @@ def without_sink(out, lse, sinks):
     merge of that partial with the sink's (a logit with no value), ``out e^{lse - lse'}``,
     ``lse' = log(e^lse + e^sink)``; rows without a key stay 0.  ``sinks``: ``(Hq,)`` or
     ``(..., Hq)``, as `attention` takes them.  The LSE returned is the keys' own."""
-    sink = np.asarray(sinks, dtype=np.float64)[..., None]  # (..., Hq, 1) against lse (..., Hq, Sq)
+    sink = np.asarray(sinks, dtype=np.float64)
+    if np.ndim(lse) == 1:  # 2-D inputs, one head: lse (Sq,), the sinks (1,)
+        sink = sink.reshape(())
+    sink = sink[..., None]  # (..., Hq, 1) against lse (..., Hq, Sq)
     if isinstance(lse, np.ndarray):
         weight = np.exp(lse - np.logaddexp(lse, sink))  # lse = -inf: exp(-inf) = 0, exactly
         return (out * weight[..., None]).astype(out.dtype, copy=False)  # a low precision's type kept
@@ -128,6 +142,25 @@ def without_sink(out, lse, sinks):
     sink = torch.as_tensor(sink, device=lse.device)
     weight = torch.exp(lse - torch.logaddexp(lse, sink))
     return (out * weight[..., None]).to(out.dtype)
+
+
+def check_sinks_for(q, k, v, *, paged: bool = False, compute_dtype=None):
+    """`apply`'s ``check_sinks`` for an entry point on ``q, k, v`` (as the kernel takes them:
+    dequantised, ``qv`` joined): the kernel's own checks of ``sinks``
+    (`problem.checked_sinks`; a paged cache's `problem.per_entry` first), against the
+    problem of their shapes, in the type ``compute_dtype`` keeps the scores in.  Returns
+    the sinks as given (a float numpy array)."""
+    def check(sinks):
+        dtype = problem.precision(compute_dtype).accumulate
+        if not paged:
+            return problem.checked_sinks(sinks, problem.of_shapes(q, k, v), dtype)
+        shape = tuple(q.shape) if hasattr(q, "shape") else np.shape(q)
+        if len(shape) != 4:  # refused by the paged kernel, with its own message
+            return np.asarray(problem.as_float_array(sinks, "sinks"))
+        batch, hq = int(shape[0]), int(shape[1])
+        problem.per_entry(sinks, "sinks", batch, hq)  # the paged kernel's shapes and message
+        return problem.checked_sinks(sinks, problem.Problem((batch,), hq, 1, 0, 0, 1, 1, 1.0, False), dtype)
+    return check
 
 
 def _torch_of(x):

@@ -122,13 +122,13 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
         q, k_cache, v_cache = (device.as_tensor(x, name, dev) for x, name in
                                ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     if q.ndim != 4:
-        raise ValueError(f"q must be (batch, Hq, Sq, D) with a paged cache, got shape {q.shape}")
+        raise ValueError(f"q must be (batch, Hq, Sq, D) with a paged cache, got shape {tuple(q.shape)}")
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         if x.ndim != 4:
-            raise ValueError(f"{name} must be (num_blocks, page_size, Hk, D), got shape {x.shape}")
+            raise ValueError(f"{name} must be (num_blocks, page_size, Hk, D), got shape {tuple(x.shape)}")
     if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache and v_cache must have the same pages and heads, got {k_cache.shape} "
-                         f"and {v_cache.shape}")
+        raise ValueError(f"k_cache and v_cache must have the same pages and heads, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
     if check_finite and dev is None:  # the pages are checked as they are read (only those read)
         arrays.check_finite(q, "q")
     elif check_finite and not bool(torch.isfinite(device._extremes(q)).all()):

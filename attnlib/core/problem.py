@@ -259,15 +259,15 @@ def group(q, k, v, *, scale, maxima=None):
     squeeze = q.ndim == 2
     if squeeze:  # one head: (S, D) -> (1, S, D)
         q, k, v = q[None], k[None], v[None]
-    batch = q.shape[:-3]
-    if k.shape[:-3] != batch or v.shape[:-3] != batch:
+    batch = tuple(int(n) for n in q.shape[:-3])  # a tuple for torch tensors too: messages print (2,)
+    if tuple(k.shape[:-3]) != batch or tuple(v.shape[:-3]) != batch:
         raise ValueError(
             "q, k and v must have equal batch (leading) axes, got shapes "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    hq, sq, d = q.shape[-3:]
-    hk, sk, dk = k.shape[-3:]
-    hv, skv, dv = v.shape[-3:]
+    hq, sq, d = (int(n) for n in q.shape[-3:])
+    hk, sk, dk = (int(n) for n in k.shape[-3:])
+    hv, skv, dv = (int(n) for n in v.shape[-3:])
     if d == 0 or dk == 0 or dv == 0:
         raise ValueError(
             f"head dims must be non-empty, got D={d} (q), D={dk} (k), Dv={dv} (v)"
@@ -399,13 +399,29 @@ def sinks(x, pb: "Problem", dtype=np.float64):
     """
     if x is None:
         return None
+    return _grouped(checked_sinks(x, pb, dtype), pb)
+
+
+def checked_sinks(x, pb: "Problem", dtype=np.float64) -> np.ndarray:
+    """`sinks`' checks (shape, finite, `SINK_LIMIT`), the sinks returned as given,
+    ``(Hq,)`` or ``(*batch, Hq)`` (float): what `sinks` groups, and what an entry point that
+    takes the sinks out of the kernel's run (``lse_sink="excluded"``) checks them with."""
     arr = _per_head(x, "sinks", pb)
     limit = SINK_LIMIT if np.dtype(dtype).itemsize < 8 else float(np.finfo(np.float64).max) / 4
     if abs_max(arr) > limit:
         raise ValueError(f"sinks must be within +-{limit:g} (a softmax logit"
                          f"{', kept in float32 by a low-precision kernel' if limit == SINK_LIMIT else ''}), "
                          f"got {abs_max(arr):.3g}")
-    return _grouped(arr, pb)
+    return arr
+
+
+def of_shapes(q, k, v) -> "Problem":
+    """The `Problem` of q, k and v's shapes alone, checked by `group` (its messages) without
+    reading a value: each input stands in as a zero-stride array of its shape."""
+    def stand_in(x):
+        shape = tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+        return np.broadcast_to(np.zeros((), dtype=np.float64), tuple(int(n) for n in shape))
+    return group(stand_in(q), stand_in(k), stand_in(v), scale=None)[3]
 
 
 def per_entry(x, name: str, batch: int, hq: int):

@@ -168,7 +168,8 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores)
     return lse_conventions.apply(
         conv, opts, lambda o: _dense_on(q, k, v, o, device, return_lse, check_finite, compute_dtype,
-                                        return_max_scores), return_lse, return_max_scores)
+                                        return_max_scores), return_lse, return_max_scores,
+        check_sinks=lse_conventions.check_sinks_for(q, k, v, compute_dtype=compute_dtype))
 
 
 def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_dtype, return_max_scores=False):

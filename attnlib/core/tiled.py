@@ -77,7 +77,8 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         ``[key_leftpad[b], kv_lengths[b])``, positions counted from the first of them.
     attention_chunk : int, optional
         Chunked attention (Llama 4): a query sees only the keys of its own chunk of this
-        many key positions (``floor(j' / C) == floor((i + o') / C)``); 0 or None: off.
+        many key positions (``floor(j' / C) == floor((i + o') / C)``); 0 or None: off; ``2**62``
+        and more: one chunk wider than any sequence (taken as ``2**62``).
     sink_token_length : int, optional
         The first this many valid keys are exempt from the window's left bound
         (StreamingLLM's sink tokens inside a sliding window).
@@ -230,7 +231,9 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale, check_finite)
     conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores)
     return lse_conventions.apply(conv, opts, lambda o: forward_on(q, k, v, o, device=device, **run),
-                                 return_lse, return_max_scores)
+                                 return_lse, return_max_scores,
+                                 check_sinks=lse_conventions.check_sinks_for(q, k, v, paged=opts.paged,
+                                                                             compute_dtype=compute_dtype))
 
 
 def forward_on(q, k, v, opts: Options, *, device=None, **run):

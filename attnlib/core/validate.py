@@ -38,14 +38,19 @@ def count(x, name: str) -> int:
 
 def chunk(x):
     """``attention_chunk``: a positive int, or None for no chunks (0 and None, as
-    FlashAttention's ``attention_chunk=0``)."""
+    FlashAttention's ``attention_chunk=0``).
+
+    A chunk ``>= 2**62`` is returned as ``2**62``: wider than any array numpy can hold, it is
+    one chunk from the first valid key for every position (as any such size is), and the
+    mask arithmetic (``floor((i + o - s) / C)`` in int64) stays far from wrapping around, as
+    for a window side that wide (`window`)."""
     if x is None:
         return None
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
         raise TypeError(f"attention_chunk must be a non-negative integer or None, got {x!r}")
     if x < 0:
         raise ValueError(f"attention_chunk must be a non-negative integer or None (0: no chunks), got {x!r}")
-    return int(x) or None
+    return min(int(x), _WINDOW_UNBOUNDED) or None
 
 
 def physical_memory() -> int | None:

@@ -284,7 +284,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     for x, name, shape in ((out, "out", q.shape[:2] + v.shape[2:]), (dout, "dout", q.shape[:2] + v.shape[2:]),
                            (lse, "lse", (hq, q.shape[0]))):
         if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     opts, options = _split(options, "attention_varlen_backward", _DENSE_BACKWARD if reference else _BACKWARD)
     mod_grad = _score_mod_grad(options.pop("score_mod_grad", None), opts)
     sinks = opts.sinks

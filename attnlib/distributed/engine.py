@@ -374,9 +374,18 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     return_lse = validate.flag(return_lse, "return_lse")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
-    inputs = [Input(x, name, layout == "bshd") for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    names, unread_k_descale = ("q", "k", "v"), None
+    if q is None:  # MLA's qv-only scores, scale qv . v_j (default 1/sqrt(Dv)), as `attnlib.attention`
+        if qv is None:
+            raise ValueError("q is None: give q, or qv for MLA's qv-only scores")
+        # The attention of q' = qv and k' = v (`mla.join` without q): qv takes q's descale and
+        # the keys, v, v's; k is not read.
+        q, k, qv, k_descale, unread_k_descale, names = qv, v, None, v_descale, k_descale, ("qv", "v", "v")
+    inputs = [Input(x, name, layout == "bshd") for x, name in zip((q, k, v), names)]
     # The contract's layout checks, on stand-ins of the right shapes (no data read).
     stand_ins = [np.broadcast_to(np.zeros(()), x.shape) for x in inputs]
+    if unread_k_descale is not None:  # checked as `attnlib.attention` checks it, though unused
+        descale.factors(*stand_ins[:2], k_descale=unread_k_descale)
     qv_input = None if qv is None else Input(qv, "qv", layout == "bshd")
     factors = descale.factors(*stand_ins[:2], q_descale, k_descale, v_descale)  # {} without descales
     if qv_input is not None:  # the joined problem's shapes, [q, qv] against [k, v] (nothing read)
@@ -465,8 +474,9 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         q_keys = sorted({(p.entry, p.h0, p.h1, p.q0, p.q1) for b in blocks for p in b.pieces})
         kv_keys = sorted({(p.entry, p.h0, p.h1, p.k0, p.k1) for b in blocks for p in b.pieces})
         q_parts = dict(zip(q_keys, inputs[0].parts(c, [q_index(*key) for key in q_keys])))
-        k_parts = dict(zip(kv_keys, inputs[1].parts(c, [kv_index(*key) for key in kv_keys])))
         v_parts = dict(zip(kv_keys, inputs[2].parts(c, [kv_index(*key) for key in kv_keys])))
+        k_parts = v_parts if k is v else dict(zip(kv_keys, inputs[1].parts(c, [kv_index(*key)
+                                                                                 for key in kv_keys])))
         qv_parts = {} if qv_input is None else dict(zip(q_keys, qv_input.parts(c, [q_index(*key) for key in q_keys])))
         flow = _Flow(c, blocks, out_arr if out_target is None else None,
                      lse_arr if out_target is None else None, out_index, lse_index, bshd)
