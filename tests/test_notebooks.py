@@ -508,7 +508,10 @@ def test_equivalence_report_fails_with_a_defect_in_the_kernel(tmp_path, monkeypa
         "ACTIVE.__enter__()\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
     lines = []
-    status = report.run(["equivalence"], quick=True, out_dir=tmp_path / "out", log=lines.append)
+    # Fewer problems than quick: each one must fail, so two of each run show it.
+    fewer = [f"{k}={v}" for k, v in dict(n_cases=2, broad_cases=2, feature_cases=2, sink_cases=1,
+                                         document_cases=1, layout_cases=2).items()]
+    status = report.run(["equivalence"], overrides=fewer, quick=True, out_dir=tmp_path / "out", log=lines.append)
     assert status == 1, lines
     data = results(tmp_path / "out", "equivalence")
     assert data["passed"] is False and any("equivalence: FAIL" in line for line in lines), lines
@@ -579,3 +582,80 @@ def test_flex_gallery_figures(quick_reports):
     assert (", flat (x" in data["verdict"]) == flat and ("not flat" in data["verdict"]) == (not flat)
     assert all(r["flex_gate_ratio"] <= 1 and r["attnlib min (s)"] <= r["attnlib max (s)"] for r in figs["versus_flex"])
     assert len(data["verdict"].split()) <= report.HEADLINE_WORDS and data["claims"]
+
+
+# The pages as a reader gets them, from the same quick run (one run per notebook per pytest run).
+def page_text(out, name) -> str:
+    import html as html_
+
+    page = (out / f"{name}.html").read_text()
+    body = page[page.index("<body"):]
+    body = re.sub(r"<(style|script)\b.*?</\1>", " ", body, flags=re.S)
+    return " ".join(html_.unescape(re.sub(r"<[^>]+>", " ", body)).split())
+
+
+def test_gradients_headline_counts_the_problems_the_gate_judged(quick_reports):
+    quick = results(quick_reports[1], "gradients")
+    figs = quick["figures"]
+    problems = len(figs["cases"]) + len(figs["sinks"]) + len(figs["varlen"]) + len(figs["adversarial"])
+    assert figs["problems"] == problems and figs["gated_problems"] == problems
+    assert all("gate_ratio" in r and r["gate_passed"] for r in figs["varlen"])
+    said = re.match(r"all (\d+) problems' gradients within 1e-09 and the gradient gate", quick["verdict"])
+    assert said and int(said.group(1)) == figs["gated_problems"], quick["verdict"]
+    gate = next(c for c in quick["claims"] if c["claim"].startswith("every problem within the gradient gate"))
+    assert gate["measured"].startswith(f"{problems}/{problems};") and gate["met"] == "yes"
+    assert quick["key"].startswith(f"{problems}/{problems} problems within the gradient gate")
+    # The claims table sums up the defects per family; every (defect, family) row is kept under it.
+    page = [c for c in quick["claims"] if c["page"]]
+    assert len(page) <= report.CLAIMS_SHOWN
+    families = [c for c in page if c["claim"].startswith("injected defects caught on the")]
+    assert len(families) == 4 and any("varlen" in c["claim"] for c in families)
+    details = [c for c in quick["claims"] if not c["page"]]
+    for p in figs["defect_power"]:
+        assert any(c["claim"] == f"{p['defect']} caught on the {p['problems']} it changes" for c in details)
+        row = next(c for c in families if c["claim"].startswith(f"injected defects caught on the {p['problems']}"))
+        assert f"{p['defect']} {p['caught']}/{p['of']}" in row["measured"]
+
+
+def test_memory_verdict_section_promises_what_the_page_shows(quick_reports):
+    data, text = results(quick_reports[1], "memory"), page_text(quick_reports[1], "memory")
+    section = text[text.rindex("Verdict"):]
+    # The ungated figures are said to be in the claims table, and they are; the line states only what is gated.
+    assert "stated in the verdict" not in section and "in the claims table" in section
+    shown = {c["claim"]: c for c in data["claims"] if c["met"] == "shown, not gated"}
+    assert any(c.startswith("tiled traced peak incl.") for c in shown)
+    assert any("file-backed RSS" in c for c in shown)
+    assert all(claim["page"] for claim in shown.values())
+    gated = [c for c in data["claims"] if c["met"] == "yes"]
+    assert len(gated) >= 5 and report.notebook.words(data["key"]) <= report.KEY_WORDS
+
+
+def test_rescales_families_are_counted_from_the_data(quick_reports):
+    data, text = results(quick_reports[1], "rescales"), page_text(quick_reports[1], "rescales")
+    families = data["figures"]["families"]
+    assert len(families) == 8
+    assert f"the {len(families)} adversarial families" in text
+    assert not re.search(r"\b(two|three|four|five|six|seven|eight) adversarial families", text)
+    for name, total in families.items():
+        assert f"{name} {total:,}" in text
+    assert data["key"] == f"counts equal the dense recount in all {(256 // 32) ** 2:,} tiles"
+    assert report.notebook.words(data["key"]) <= report.KEY_WORDS
+
+
+def test_flex_gallery_title_and_headline_say_what_was_measured(quick_reports):
+    """No "exact" the page does not support: the title names the reference the entries are
+    judged against, the headline's tile counts are "= dense count"; FlexAttention's times are
+    read by the rule of every timing (slower or faster only by the whole range)."""
+    title = nbformat.read(str(NOTEBOOKS / "flex_gallery.ipynb"), as_version=4).cells[0].source.splitlines()[0]
+    assert title == "# " + report.NOTEBOOKS["flex_gallery"].title and "exact" not in title
+    data = results(quick_reports[1], "flex_gallery")
+    assert "exact" not in data["verdict"] and "tile counts = dense count" in data["verdict"]
+    assert sum(c["page"] for c in data["claims"]) <= report.CLAIMS_SHOWN
+    if any("vs_flex" in r for r in data["figures"]["versus_flex"]):
+        said = [report.compare(report.ratio_range(
+            {k: r[f"FlexAttention eager {k} (s)"] for k in ("min", "median", "max")},
+            {k: r[f"attnlib {k} (s)"] for k in ("min", "median", "max")})) for r in data["figures"]["versus_flex"]]
+        times = next(c for c in data["claims"] if c["page"] and c["claim"].startswith("FlexAttention eager / attnlib"))
+        for word in ("slower", "faster", "within noise"):
+            if said.count(word):
+                assert f"{word} on {said.count(word)}" in times["measured"]

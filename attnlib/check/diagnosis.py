@@ -283,14 +283,10 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     ]
     default = 1.0 / math.sqrt(d)  # [q, qv]'s head dim with MLA: 1/sqrt(D + Dv)
     if opts.scale is not None and opts.scale != default:
-        # The scale given (--scale: typed in decimals, 0.1768 for 1/sqrt(32)) is not the one
-        # the kernel used: its own default, or the given one applied twice.
-        alternatives += [
-            (dict(scale=default), f"the default scale 1/sqrt(D) = {default:.10g} (D + Dv with qv), not the "
-                                  f"scale given, {s0:.10g} (the kernel ignored the scale, or the scale given "
-                                  "is not the kernel's: pass its exact value, or none for the default)"),
-            (dict(scale=s0 * s0), f"the scale given applied twice, {s0:.4g}^2 = {s0 * s0:.4g}"),
-        ]
+        # The scale given (--scale 0.1768 for 1/sqrt(32)) is not the kernel's: its default, or applied twice.
+        alternatives += [(dict(scale=default), f"the default scale 1/sqrt(D) = {default:.10g} (D + Dv with qv), "
+                          f"not the scale given, {s0:.10g} (pass the kernel's exact scale, or none)"),
+                         (dict(scale=s0 * s0), f"the scale given applied twice, {s0:.4g}^2 = {s0 * s0:.4g}")]
     if opts.causal:
         alternatives.append((dict(causal=False), "no causal mask"))
         left = opts.window[0]
