@@ -428,3 +428,21 @@ def test_cli_a_scale_that_is_not_the_kernels_is_diagnosed_as_one(tmp_path, capsy
     code, text = run_cli(tmp_path, capsys, dict(q=q, k=k, v=v, out=twice), "--layout", "bhsd", "--causal",
                          "--scale", "0.125")
     assert code == 1 and "the scale given applied twice" in text, text
+
+
+def test_the_printed_rule_the_help_and_the_docstring_describe_the_rule_in_force():
+    """The rule line, the CLI's --help and assert_attention_close's docstring say what
+    attnlib.check.rule computes (ulps of |ref| + rss, pooled per head, FINAL_ROUNDINGS more),
+    not FlashAttention's 0.3-anchored atol, which the contract rejects."""
+    import contextlib
+    import io
+
+    from attnlib.check import cli, rule, text
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        cli.main(["--help"])
+    for words in (text.rule_text("bfloat16"), help_text.getvalue(), assert_attention_close.__doc__):
+        flat = " ".join(words.split())
+        assert "+ atol" not in flat and "0.3 -" not in flat, flat
+        assert f"(2 r + {rule.FINAL_ROUNDINGS:g})" in flat and "sqrt(sum" in flat, flat

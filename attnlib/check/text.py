@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rule import TensorVerdict
+from .rule import FINAL_ROUNDINGS, TensorVerdict
 from .shapes import where
 from .verdict import KernelCheck
 
@@ -26,9 +26,9 @@ def rule_text(dtype: str) -> str:
     if dtype == "float64":
         return ("rule: |kernel - ref| <= the float64 rounding bound of two correct implementations, "
                 "per row (relative to P @ |V|; any tiling)")
-    return ("rule: |kernel - ref| <= 2 * max|naive - ref| + atol per head (the naive error in units "
-            "of each entry's P @ |V|), atol = FlashAttention's 2 * max|fl(ref + 0.3) - 0.3 - ref| in "
-            f"{dtype} (at least one ulp of max|ref|)")
+    return (f"rule: |kernel - ref| <= (2 r + {FINAL_ROUNDINGS:g}) u per entry, u = an ulp of {dtype} at the "
+            "entry's size |ref| + sqrt(sum p^2 v^2), r = max over the head of |naive - ref| / u "
+            f"(naive: plain attention in {dtype}); no 0.3-anchored atol")
 
 
 def format_text(check: KernelCheck) -> str:
