@@ -93,7 +93,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     -----
     The rule below float64 is FlashAttention's "twice the naive error" counted in ulps of
     each entry's own size: ``|kernel - ref| <= (2 r + 2) u``, ``u`` an ulp of the kernel's
-    type at ``|ref| + sqrt(sum_j p_j**2 v_j**2)``, ``r`` the largest ``|naive - ref| / u``
+    type at ``|ref| + sqrt(sum_j p_j**2 v_j**2) + w S sqrt(sum_j p_j**2 (v_j - ref)**2)``
+    (the scores' rounding: ``S`` the row's score size, ``w`` the state's epsilon over the
+    type's), ``r`` the largest ``|naive - ref| / u``
     over the head, ``naive`` plain attention in the kernel's precision and ``ref`` attnlib's
     float64 result; no absolute term anchored at 0.3 (`attnlib.check.rule` says why).  A
     float64 kernel is held to the float64 rounding bound of the verdict gate.  ``docs/semantics.md`` has the

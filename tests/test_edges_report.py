@@ -20,6 +20,7 @@ HUGE = 10**30  # past any machine's memory and any run's time, whatever the para
 # nothing: the tests below do not expect a huge value of these to be refused.
 NOT_BOUNDED = {
     "seed": "a seed, not a size",
+    "space_seed": "a seed, not a size",
     "logit_stds": "scales of the logits, not sizes",
     "oracle_max_n": "a threshold: the oracle runs at adversarial_n, bounded there",
     "torch_max_n": "a threshold: torch runs at the n_values, bounded there",

@@ -93,7 +93,7 @@ def _parser():
         prog="python -m attnlib check",
         description="Judge an attention kernel's saved output against attnlib's float64 reference. "
                     "Below float64: |kernel - ref| <= (2 r + 2) ulps of each entry's size |ref| + "
-                    "sqrt(sum p^2 v^2), r the naive error (plain attention in the kernel's type) in "
+                    "sqrt(sum p^2 v^2) + w S sqrt(sum p^2 (v - ref)^2) (the scores' rounding), r the naive error (plain attention in the kernel's type) in "
                     "those ulps, the largest over the head; no 0.3-anchored atol. float64 "
                     "kernels are judged by a float64 rounding bound per row. "
                     "Exit code 0: pass, 1: fail, 2: unusable input.")

@@ -259,8 +259,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     """Other problems the failing rows match: scales, masks, alignment, padding.
 
     Each alternative's float64 reference is computed on the failing batch entries, and a
-    row matches it when its error against it is within the row's own allowance (rows
-    without a visible key here take their head's largest allowance).  Another scale changes
+    row matches it when its error against it is within its head's largest allowance.  Another scale changes
     the size of every logit and so the rounding a correct kernel of that problem makes: with
     ``prec`` given, a scale alternative is judged by its own problem's allowance (`expect`),
     not the given one's (scale 1 at D = 32 has logits ~5.7x larger; judged by the given
@@ -305,9 +304,10 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     if opts.mask_mod is not None:
         alternatives += _mask_neighbours(opts.mask_mod, shape["sq"], shape["sk"])
 
-    allowance = np.broadcast_to(expected.allowance, kernel.shape)
-    # Rows with no visible key have allowance 0; under an alternative they may see keys.
-    allowance = np.where(allowance > 0, allowance, per_head_max(allowance))
+    # A row's allowance follows its own problem's spread of values (a row of one visible key
+    # has no score term, 0 with none); under an alternative it may see other keys: each row
+    # is matched within its head's largest allowance.
+    allowance = np.broadcast_to(per_head_max(expected.allowance), kernel.shape)
     scope = ""
     if entries is not None:
         if failing_entries.size > entries.size:
@@ -337,8 +337,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
             if own:
                 judged = expect(q, k, v, opts.replace(**change), prec, workers, dense, device=device)
                 alt = judged.ref
-                alt_allow = np.broadcast_to(judged.allowance, kern.shape)
-                alt_allow = np.where(alt_allow > 0, alt_allow, per_head_max(alt_allow))
+                alt_allow = np.broadcast_to(per_head_max(judged.allowance), kern.shape)
             else:
                 alt, alt_allow = forward_on(q, k, v, opts.replace(**change), workers=workers, device=device), allow
         except DROPPED:  # e.g. a mask_mod that indexes past its ids at q_idx + 1

@@ -9,6 +9,7 @@ naive baseline's error plus an absolute term", with every error counted in ulps 
 entry's own size rather than in absolute units::
 
     size      = |ref| + sqrt(sum_j p_ij**2 v_jc**2)         (the entry's own size)
+                + w S_i sqrt(sum_j p_ij**2 (v_jc - ref_ic)**2)
     unit      = eps size + tiny                             (an ulp of the type at that size)
     allowance = (2 max_h(|naive - ref| / unit) + 2) unit    (per head h)
 
@@ -17,7 +18,14 @@ and ``tiny`` are the kernel type's machine epsilon and smallest subnormal.  The 
 two parts because a correct kernel's errors do: relative errors of the whole (the final
 ``1 / l``, the output's rounding) scale with ``|ref|``, and independent errors of the
 terms (``p`` rounded, scores rounded, the sum's own roundings) with their root-sum-square
-(Higham & Mary 2019), which cancellation between values of both signs does not shrink.
+(Higham & Mary 2019), which cancellation between values of both signs does not shrink,
+and the scores' rounding: a score off by ``ds_j`` moves the entry by ``sum_j p_j ds_j (v_j -
+out)``, ``ds_j`` a few ulps of the row's score size ``S_i = sigma_i + |lse_i|`` (``sigma_i =
+max_j |scale| sum_c |q_ic k_jc|``, `row_stats`; ``|lse_i|`` holds what is added to the scores
+and the shift by the row max) in the state's type (``w``: its epsilon over the kernel type's,
+1 for float32, ``2**-16`` for bfloat16).  Without that part a decode head, one row of few
+entries, had too few naive errors to show it: 4 of 3,563 correct float32 runs failed (the
+check-rule report's random problems measure the rate now).
 The root-sum-square comes from the same tiled kernel, at doubled scores:
 ``softmax(2 s) = p**2 / sum p**2``.  ``FINAL_ROUNDINGS = 2`` ulps hold the kernel's own
 rounding of its result and of one partial result.
@@ -41,13 +49,9 @@ magnitude of ``v`` and ``dout``, from the subnormal range up.
 * the same, summed one key after another (the tiled kernel with one-key tiles; beyond
   a cost budget, `SEQUENTIAL_WORK`, tiles of a few keys).
 
-Which formulation errs most depends on the shape and the library: on this project's machine
-PyTorch SDPA's float32 ``p @ v`` over 4096 keys (decode) erred twice as much as numpy's
-blocked BLAS (a baseline in the first formulation alone failed it in 14 of 20 seeds), and
-its math path (pre-scaled ``q`` and ``k``) failed 1 seed in 30 at prefill (ratio 1.30)
-before the second was added.  The check report and ``python -m attnlib.check.calibration``
-measure the false alarms that remain, and `attnlib.check.power` the wrong kernels caught
-at every magnitude.
+Which formulation errs most depends on the shape and the library (``docs/semantics.md``
+has the measurements); `attnlib.check.space` measures the false alarms that remain over
+random problems, `attnlib.check.power` the wrong kernels caught at every magnitude.
 
 *float64* kernels make errors of the reference's own size, so "twice the naive error"
 would compare rounding noise with rounding noise (below one key tile the naive dense
@@ -58,9 +62,8 @@ the kernel's tiling taken at its worst case (``block_k = 1``: any order of summa
 capped by the contract's ``rel_error < 1e-9``.  It needs no naive baseline and is sound
 by derivation; the check report measures how far below it correct kernels sit.
 
-*lse*: the same two rules on the row's log-sum-exp (below float64 twice the naive
-error, pooled per head, plus an ulp of the head's largest ``|lse|`` in the state's type,
-float32 for 16-bit kernels), plus one ulp of ``|lse|`` in the type the kernel *stored* it
+*lse*: the same two rules on the row's log-sum-exp (below float64 the rule above, in ulps
+of the state's type (float32 for 16-bit kernels) at the row's size ``S_i``), plus one ulp of ``|lse|`` in the type the kernel *stored* it
 in (an LSE kept in bfloat16 is off by up to half an ulp of bfloat16 after an exact
 computation).  Rows with no visible key must be ``-inf`` (attnlib, PyTorch) or ``+inf``
 (FlashAttention).
@@ -71,7 +74,9 @@ autograd; the same with ``scale * ds`` rounded, as Hugging Face's eager attentio
 FlashAttention's, with ``D = dout . out`` from the stored output; and one summed key by
 key as a tiled kernel accumulates) and each entry's size ``|ref| + rss`` from the dense
 float64 gradient (`reference_attention_backward` with ``return_rss``; ``ds`` counts the
-rounding of ``D``'s terms, ``sum_j |p dp|``, which every entry of a row shares, and,
+rounding of ``D``'s terms, ``sum_j |p dp|``, which every entry of a row shares, the scores' rounding
+(each term's ``p`` moved by ``S_i`` ulps of the state's type, ``rss_scores``: without it
+PyTorch's float32 autograd failed at logits of standard deviation 5, ratio 1.8), and,
 weighted by the accumulator's epsilon over the type's, what ``dp`` and ``D`` sum
 componentwise: a float32 FlashAttention-2 backward failed at a row with one visible key,
 where ``dp - D`` cancels exactly and the reference ``dq`` is 0, before it was counted).  A
@@ -100,7 +105,7 @@ from ..core import problem
 from ..core.device import as_tensor
 from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
 from ..core.lse_conventions import NATURAL, LseConvention
-from ..core.options import MASKING, SPARSE, Options
+from ..core.options import Options
 from ..evidence.gate import C_EXP, LAMBDA, row_stats, tolerance
 from ..evidence.memory import dense_fits
 from ..evidence.metrics import BOUND, TINY
@@ -108,6 +113,7 @@ from ..core.reference import dense_attention
 from ..core.tilesizes import DEFAULT_TILES
 from ..core.tiled import forward, forward_on
 from .shapes import UnusableInput, positions, to_bhsd
+from .sizes import doubled_options, forward_rss, forward_sizes, row_masks, score_size  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -197,40 +203,6 @@ def naive_allowance(naive_err, size, dtype) -> np.ndarray:
     return (2 * per_head_max(naive_err / u) + FINAL_ROUNDINGS) * u
 
 
-def doubled_options(opts: Options, d) -> Options:
-    """``opts`` with every score doubled: ``softmax(2 s) = p**2 / sum p**2``, which gives
-    ``sum_j p_j**2 x_j`` as ``attention(q, k, x) * exp(lse(2 s) - 2 lse(s))``."""
-    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
-    doubled = dict(scale=float(2 * scale))
-    for key in ("sinks", "alibi_slopes"):
-        if getattr(opts, key) is not None:
-            doubled[key] = 2 * np.asarray(getattr(opts, key), dtype=np.float64)
-    if opts.softcap is not None:  # 2 c tanh(2 t / 2c) = 2 c tanh(t / c)
-        doubled["softcap"] = 2 * opts.softcap
-    mod = opts.score_mod
-    if mod is not None:
-        doubled["score_mod"] = lambda score, b, h, i, j: 2 * mod(score / 2, b, h, i, j)
-    return replace(opts, **doubled)
-
-
-def row_masks(opts: Options) -> Options:
-    """What `row_stats` is given for a row's score size and visible keys here: the built-in
-    masks (``kv_lengths``, documents, the 2026 variants), the top-k lists and the scale
-    (neither ``q_lengths`` nor the mods)."""
-    return replace(Options(), **{n: getattr(opts, n) for n in MASKING + SPARSE + ("scale",) if n != "q_lengths"})
-
-
-def forward_rss(run, qh, kh, vh, opts: Options, ref_lse) -> np.ndarray:
-    """``sqrt(sum_j p_ij**2 v_jc**2)`` per output entry: the root-sum-square size of what
-    it sums, the scale of its independent rounding errors.  ``run(q, k, v, opts)``
-    returns ``(out, lse)`` (the tiled kernel, or the cluster)."""
-    out2, lse2 = run(qh, kh, vh * vh, doubled_options(opts, qh.shape[-1]))
-    seen = np.isfinite(ref_lse)
-    with np.errstate(under="ignore"):  # lse(2 s) <= 2 lse(s): a factor in (0, 1]
-        ratio = np.exp(np.where(seen, lse2 - 2 * np.where(seen, ref_lse, 0.0), -np.inf))
-    return np.sqrt(np.maximum(out2, 0.0) * ratio[..., None])
-
-
 class OnDevice:
     """The check's arrays on a torch device: ``put`` gives ``qh``, ``kh``, ``vh`` there once
     (each later call the same tensor), any other array by a copy (not kept); ``run`` is the
@@ -290,14 +262,20 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
     # Each entry's own size: |ref| (errors relative to the whole, as in 1 / l) plus the
     # root-sum-square of its terms (independent errors of p and of the sum); pooled over a
     # head in ulps of it, so a batch entry or row with large values lends the others nothing.
-    size = np.abs(ref) + forward_rss(run, qh, kh, vh, opts, ref_lse)
+    # The scores' rounding moves each entry by sum_j p_j ds_j (v_j - out), ds_j up to a
+    # few ulps of the row's score size in the state's type (float32 for 16-bit kernels):
+    # its root-sum-square is the third part of the size (without it a head of one decode
+    # row lent its few naive errors a size they lacked: 4 float32 false alarms in 3,563).
+    scores = score_size(qh, kh, opts, ref_lse, None if on is None else on.device)
+    rss, dev = forward_sizes(run, qh, kh, vh, opts, ref, ref_lse)
+    state = float(arrays.finfo(prec.accumulate).eps) / float(arrays.finfo(prec.compute).eps)
+    size = np.abs(ref) + rss + state * scores[..., None] * dev
     allowance = naive_allowance(naive_err, size, prec.compute)
     allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0
-    # lse as (..., H, S, 1) for the per-head maxima: twice the naive error plus an ulp of
-    # the head's largest |lse| in the state's type.
-    r = np.abs(np.where(empty, 0.0, ref_lse))[..., None]
-    lse_allowance = (2 * per_head_max(naive_lse_err[..., None]) + unit(per_head_max(r), prec.accumulate))[..., 0]
-    lse_allowance = np.broadcast_to(lse_allowance, ref_lse.shape)
+    # lse: the same rule in ulps (of the state's type) of the row's own size |lse| + sigma
+    # (its score terms' rounding, sum_j p_j ds_j, is up to a few ulps of sigma).
+    lse_allowance = naive_allowance(naive_lse_err[..., None], scores[..., None], prec.accumulate)[..., 0]
+    lse_allowance = np.where(empty, 0.0, lse_allowance)
     return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline)
 
 
@@ -611,7 +589,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         # The naive backward in the kernel's precision, in ulps of each entry's own size.
         accumulate = float(np.finfo(prec.accumulate).eps) / prec.eps  # float32 sums of 16-bit values
         ref_grads, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True,
-                                        rss_accumulate=accumulate)
+                                        rss_accumulate=accumulate, rss_scores=accumulate)
         ref_grads, rss = dict(zip(names, ref_grads)), dict(zip(names, rss))
         naive_errs = _naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, names)
         top = float(arrays.finfo(prec.compute).max)

@@ -151,7 +151,7 @@ SEQUENTIAL_STEPS = 1024
 
 
 def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
-                                 return_rss=False, rss_accumulate=1.0, check_finite=True,
+                                 return_rss=False, rss_accumulate=1.0, rss_scores=0.0, check_finite=True,
                                  compute_dtype=None, formulation="math", qv=None, **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
 
@@ -182,6 +182,13 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         accumulator's epsilon over the stored type's (1 for float32 and float64; ``2**-16``
         for 16-bit values summed in float32).  ``return_rss="dot"``: that part alone (with
         ``rss_accumulate=1``), for a bound that weighs the dot products' rounding apart.
+    rss_scores : float
+        With ``return_rss``: how much the scores' rounding adds, in units of the stored
+        type's epsilon (the accumulator's epsilon over the stored type's, as
+        ``rss_accumulate``; 0: nothing).  A score off by ``ds_ij`` (a few ulps of the row's
+        score size ``S_i = sigma_i + |lse_i|``, ``sigma_i = max_j |scale| sum_c |q_ic k_jc|``)
+        moves ``p_ij`` by ``p_ij ds_ij``: each term of ``dv`` gets ``S_i p_ij dout_i`` more
+        size and each of ``ds`` ``S_i p_ij (|dp_ij| + D1_i)``.
     compute_dtype : {None, "float64", "float32", "float16", "bfloat16"}
         The naive same-precision baseline of FlashAttention's gradient tests: inputs rounded
         to it, every matmul accumulated in float32, the softmax in float32, and some
@@ -223,12 +230,13 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
             formulation=formulation, **options), _head_dim(q), q is not None)
     opts, mod_grad = _options(scale, options, "reference_attention_backward")
     return dense_backward(q, k, v, dout, opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
-                          rss_accumulate=rss_accumulate, check_finite=check_finite,
+                          rss_accumulate=rss_accumulate, rss_scores=rss_scores, check_finite=check_finite,
                           compute_dtype=compute_dtype, formulation=formulation)
 
 
 def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=False, return_rss=False,
-                   rss_accumulate=1.0, check_finite=True, compute_dtype=None, formulation="math"):
+                   rss_accumulate=1.0, rss_scores=0.0, check_finite=True, compute_dtype=None,
+                   formulation="math"):
     """`reference_attention_backward` with its options parsed into ``opts`` (and ``mod_grad``
     the ``score_mod_grad``)."""
     if formulation not in FORMULATIONS:
@@ -244,7 +252,8 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
         return _unscale_grads(dense_backward(
             q, k, v, _scaled_dout(dout, e), opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
-            rss_accumulate=rss_accumulate, check_finite=check_finite, compute_dtype=compute_dtype,
+            rss_accumulate=rss_accumulate, rss_scores=rss_scores, check_finite=check_finite,
+            compute_dtype=compute_dtype,
             formulation=formulation), e)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
@@ -345,6 +354,15 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         size = np.abs(factor) + (4 * 2.0 ** -53 if cap is not None else 0.0)
         a2 = (p * (dp + d1) * size) ** 2
         dv = np.swapaxes(p2, -1, -2) @ (dout5 * dout5)
+        if rss_scores:  # the scores' rounding, S_i = sigma_i + |lse_i| per row (weighted)
+            seen = np.isfinite(s)
+            with np.errstate(over="ignore", invalid="ignore"):
+                sigma = np.max(np.where(seen, abs(pb.scale) * (np.abs(q5) @ np.swapaxes(np.abs(k5), -1, -2)), 0.0),
+                               axis=-1, keepdims=True, initial=0.0)
+                lse = np.where(l > 0, np.where(np.isfinite(m), m, 0.0) + np.log(np.where(l > 0, l, 1.0)), 0.0)
+            w2 = (rss_scores * (sigma + np.abs(lse))) ** 2  # (..., hk, g, sq, 1)
+            a2 = a2 * (1.0 + w2)
+            dv = dv + np.swapaxes(p2 * w2, -1, -2) @ (dout5 * dout5)
         if return_rss == "dot":  # dv sums no dot product's result
             dv = 0.0 * dv
         dq = pb.scale ** 2 * (a2 @ (k5 * k5))

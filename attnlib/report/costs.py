@@ -358,6 +358,9 @@ def _check_rule_costs(p):
                    f"the power runs of power_shapes[{i}]", 8 * _arrays(b * h, sq, sk, d),
                    3 * len(p["power_magnitudes"]) * p["power_seeds"] * 20 * BACKWARD
                    * _pass(b * h, sq, sk, d))
+    # the random problems: about 3 kernels each, at most space.MAX_WORK (one in LONG_EVERY LONG_WORK)
+    yield Cost(("space_problems",), "the random problems over the input space (attnlib.check.space)",
+               8 * _arrays(1, 2048, 2048, 64), 3 * p["space_problems"] * 4 * _pass(1, 64, 64, 1024))
     n = p["long_gradient_n"]
     yield Cost(("long_gradient_n",), "the long float32 gradients (one causal head, head dim 64)",
                8 * _arrays(1, n, n, 64), 6 * BACKWARD * _pass(1, n, n, 64))

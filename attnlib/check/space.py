@@ -1,0 +1,358 @@
+"""False alarms over the space a user reaches: random problems, the correct kernels people run.
+
+A check that fails a correct kernel once in a thousand runs gets switched off.  `run` draws
+problems from the whole input space (decode and prefill, ``Sq`` 1 .. 4096, head dims 8 ..
+256 with ``Dv != D``, GQA and MQA, causal and windowed masks, padded keys, softcap, sinks,
+a given scale (ALiBi: `check_kernel` takes none yet); ``v`` and ``dout`` from 1e-6 to 1e4, logits up to ~10), runs on each
+every correct kernel that can express it, in float32, bfloat16 and float16:
+
+* attnlib's tiled kernel in the type (``compute_dtype``), at random tiles and key splits;
+* PyTorch SDPA, math backend and the default choice (its CPU flash kernel where eligible),
+  with the mask as a boolean ``attn_mask`` (no softcap or sinks: SDPA has neither);
+* FlexAttention, eager (on every ``FLEX_EVERY``-th problem), with the mask as a ``mask_mod`` and the softcap as a ``score_mod``,
+  and its LSE;
+
+and judges each with `check_kernel` (one reference per problem, `memo.shared`): out, LSE,
+and on every ``GRADIENT_EVERY``-th problem the autograd gradients of SDPA (FlexAttention
+has no backward on the CPU).  Each run is one row; `summary` counts false alarms per precision and
+kernel with the worst ratio of each tensor and an exact upper confidence bound on the rate.
+Problem ``i`` of a seed is drawn from its own generator, so a run can resume (``rows``
+written line by line to a JSON-lines file, problems already there skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.masks import mask_specs
+from ..core.problem import precision
+from ..core.tiled import attention
+from . import memo
+from .calibration import _torch_dtype
+from .shapes import UnusableInput
+from .verdict import check_kernel
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+HEAD_DIMS = (8, 16, 32, 64, 96, 128, 192, 256)
+#: ``batch * Hq * Sq * Sk * max(D, Dv)`` of the problems drawn: ordinary ones, and the
+#: few long ones (one in ``LONG_EVERY``) that reach Sq = Sk = 4096.
+MAX_WORK, LONG_WORK, LONG_EVERY = 1 << 22, 1 << 30, 200
+#: Every this-many-th problem also judges the autograd gradients.
+GRADIENT_EVERY = 4
+#: FlexAttention runs on every this-many-th problem: eager on the CPU it traces its mods
+#: anew for each problem (~0.35 s, ten times the check's own time).
+FLEX_EVERY = 4
+
+
+@dataclass
+class Problem:
+    q: np.ndarray  # (b, Hq, Sq, D), float64 values of the type
+    k: np.ndarray  # (b, Hk, Sk, D)
+    v: np.ndarray  # (b, Hk, Sk, Dv)
+    dout: np.ndarray  # (b, Hq, Sq, Dv)
+    options: dict  # attnlib's keywords: causal, window, kv_lengths, softcap, sinks, scale
+    regime: str  # decode, short, prefill or long
+    index: int  # its number in the run
+
+    @property
+    def shape(self) -> str:
+        b, hq, sq, d = self.q.shape
+        return f"({b}, {hq}/{self.k.shape[1]}, {sq}, {self.k.shape[2]}, {d}, {self.v.shape[-1]})"
+
+
+def _log_int(rng, lo, hi) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def draw(rng, prec_name: str, index: int) -> Problem:
+    """Problem ``index``: its shape, options and values, from ``rng`` alone."""
+    prec = precision(prec_name)
+    long = index % LONG_EVERY == LONG_EVERY - 1
+    regime = "long" if long else str(rng.choice(["decode", "short", "prefill"], p=[0.4, 0.3, 0.3]))
+    hk = int(rng.choice([1, 2, 4]))
+    group = int(rng.choice([1, 2, 4, 8]))  # hk 1 and group > 1: MQA
+    b = int(rng.choice([1, 2]))
+    d = int(rng.choice(HEAD_DIMS))
+    dv = d if rng.random() < 0.5 else int(rng.choice(HEAD_DIMS))
+    if regime == "decode":
+        sq, sk = int(rng.choice([1, 1, 1, 2, 4, 8])), _log_int(rng, 1, 4096)
+    elif regime == "short":
+        sq, sk = _log_int(rng, 2, 256), _log_int(rng, 1, 256)
+    elif regime == "prefill":
+        sq = _log_int(rng, 16, 1024)
+        sk = sq if rng.random() < 0.6 else _log_int(rng, sq, 4 * sq)
+    else:  # one head at long rows, head dims up to 64
+        sq = sk = int(rng.choice([2048, 4096]))
+        b, hk, group, d, dv = 1, 1, 1, min(d, 64), min(dv, 64)
+    budget = LONG_WORK if long else MAX_WORK
+    while b * hk * group * sq * sk * max(d, dv) > budget:  # fewer heads, then shorter rows
+        if group > 1:
+            group //= 2
+        elif hk > 1:
+            hk //= 2
+        elif b > 1:
+            b = 1
+        elif sk > sq and sk > 1:
+            sk //= 2
+        else:
+            sq, sk = max(1, sq // 2), max(1, sk // 2)
+    hq = hk * group
+    options = {}
+    if rng.random() < 0.4:
+        options["causal"] = True
+    if rng.random() < 0.15:
+        options["window"] = (_log_int(rng, 1, sk + 1) - 1, 0 if options.get("causal") else _log_int(rng, 1, 64) - 1)
+    if rng.random() < 0.15:
+        options["kv_lengths"] = rng.integers(0 if rng.random() < 0.2 else 1, sk + 1, size=b)
+    if rng.random() < 0.15:
+        options["softcap"] = float(rng.choice([5.0, 20.0, 50.0]))
+    if rng.random() < 0.1:
+        options["sinks"] = rng.standard_normal(hq)
+    if rng.random() < 0.1:
+        options["scale"] = float(rng.uniform(0.5, 2.0) / math.sqrt(d))
+    logits = 10.0 ** rng.uniform(-1, 1)  # the scores' standard deviation
+    magnitude, grad_magnitude = 10.0 ** rng.uniform(-6, 4, size=2)
+    if prec_name == "float16":  # dout . v and the sums of p v stay inside float16's range
+        magnitude, grad_magnitude = min(magnitude, 1e3), min(grad_magnitude, 1e3)
+    q = rng.standard_normal((b, hq, sq, d)) * logits
+    k = rng.standard_normal((b, hk, sk, d))
+    v = rng.standard_normal((b, hk, sk, dv)) * magnitude
+    dout = rng.standard_normal((b, hq, sq, dv)) * grad_magnitude
+    with np.errstate(over="ignore"):
+        q, k, v, dout = (prec.round(x).astype(np.float64) for x in (q, k, v, dout))
+    return Problem(q, k, v, dout, options, regime, index)
+
+
+def _visible(p: Problem) -> np.ndarray:
+    """``(b, 1, Sq, Sk)`` boolean: the problem's mask, pair by pair (attnlib's own specs)."""
+    b, _, sq, _ = p.q.shape
+    sk = p.k.shape[2]
+    masks = {n: p.options[n] for n in ("causal", "window", "kv_lengths") if n in p.options}
+    specs = mask_specs((b,), sq, sk, **masks)
+    rows, cols = np.arange(sq), np.arange(sk)
+    if () in specs:
+        return np.broadcast_to(specs[()].visible(rows, cols), (b, 1, sq, sk))
+    return np.stack([specs[(i,)].visible(rows, cols) for i in range(b)])[:, None]
+
+
+def kernels(prec_name: str) -> dict:
+    """``name -> fn(problem, rng, grads) -> dict of tensors, or None`` (the kernel cannot
+    express the problem): the correct kernels of the sweep (see the module docstring)."""
+    def tiled(p, rng, grads):
+        tiles = dict(block_q=int(rng.choice([16, 32, 64, 128])), block_k=int(rng.choice([1, 16, 32, 64, 128])))
+        if rng.random() < 0.25:
+            tiles["kv_splits"] = int(rng.choice([2, 3, 4]))
+        out, lse = attention(p.q, p.k, p.v, compute_dtype=prec_name, return_lse=True, **tiles, **p.options)
+        return dict(out=out.astype(np.float64), lse=lse.astype(np.float64))
+
+    found = {f"attnlib tiled in {prec_name}": tiled}
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return found
+    dtype = _torch_dtype(torch, prec_name)
+
+    def tensors(p, grad):
+        return [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(grad) for x in (p.q, p.k, p.v)]
+
+    def numpy(t):
+        return t.detach().to(torch.float64).numpy()
+
+    def backward(p, out, t):
+        out.backward(torch.from_numpy(p.dout).to(dtype))
+        return dict(dq=numpy(t[0].grad), dk=numpy(t[1].grad), dv=numpy(t[2].grad))
+
+    def sdpa(backends):
+        def run(p, rng, grads):
+            if any(n in p.options for n in ("softcap", "sinks")):
+                return None
+            vis = _visible(p)
+            if not vis.any(axis=-1).all():
+                return None  # a row with no visible key: SDPA returns NaN there, the contract 0
+            t = tensors(p, grads)
+            with sdpa_kernel(backends), torch.set_grad_enabled(grads), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # why the flash kernel was not used
+                out = F.scaled_dot_product_attention(*t, attn_mask=torch.from_numpy(np.array(vis)),
+                                                     scale=p.options.get("scale"), enable_gqa=True)
+            return dict(out=numpy(out)) | (backward(p, out, t) if grads else {})
+        return run
+
+    def flex(p, rng, grads):
+        if "sinks" in p.options or p.index % FLEX_EVERY != 1:
+            return None
+        vis = torch.from_numpy(np.array(_visible(p)[:, 0]))
+        cap = p.options.get("softcap")
+
+        def score_mod(score, b, h, i, j):
+            return cap * torch.tanh(score / cap)
+
+        def mask_mod(b, h, i, j):
+            return vis[b, i, j]
+
+        b, _, sq, _ = p.q.shape
+        mask = create_block_mask(mask_mod, b, None, sq, p.k.shape[2], device="cpu")
+        t = tensors(p, False)  # FlexAttention has no backward on the CPU
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager (unfused) on the CPU; return_lse's deprecation
+            out, lse = flex_attention(*t, score_mod=None if cap is None else score_mod,
+                                      block_mask=mask, scale=p.options.get("scale"), enable_gqa=True,
+                                      return_lse=True)
+        return dict(out=numpy(out), lse=numpy(lse))
+
+    version = torch.__version__
+    found[f"torch {version} SDPA, math backend"] = sdpa([SDPBackend.MATH])
+    found[f"torch {version} SDPA, default backend"] = sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    found[f"torch {version} FlexAttention, eager"] = flex
+    return found
+
+
+def _ratio(verdict):
+    return None if verdict is None or verdict.passed is None else float(verdict.ratio)
+
+
+def run_problem(prec_name: str, seed: int, index: int) -> list[dict]:
+    """Problem ``index`` of ``seed`` in ``prec_name``: one row per kernel that can express it."""
+    rng = np.random.default_rng([seed, index, PRECISIONS.index(prec_name) if prec_name in PRECISIONS else 9])
+    p = draw(rng, prec_name, index)
+    grads = index % GRADIENT_EVERY == 0
+    rows = []
+    with memo.shared():  # one reference per problem
+        for name, fn in kernels(prec_name).items():
+            with np.errstate(all="ignore"):
+                tensors = fn(p, rng, grads and "attnlib" not in name)
+            if tensors is None:
+                continue
+            row = dict(precision=prec_name, seed=seed, index=index, regime=p.regime, shape=p.shape,
+                       options=sorted(p.options), kernel=name)
+            try:
+                r = check_kernel(p.q, p.k, p.v, tensors["out"], lse=tensors.get("lse"),
+                                 dout=p.dout if "dq" in tensors else None, dq=tensors.get("dq"),
+                                 dk=tensors.get("dk"), dv=tensors.get("dv"), layout="bhsd",
+                                 dtype=prec_name, workers=1, **p.options)
+            except UnusableInput as e:  # e.g. float16 scores beyond its range: no baseline
+                rows.append(row | dict(judged=False, why=str(e)[:200]))
+                continue
+            ratios = {"out": _ratio(r.out), "lse": _ratio(r.lse)}
+            ratios |= {n: _ratio(g) for n, g in r.grads.items()}
+            rows.append(row | dict(judged=True, passed=bool(r.passed),
+                                   **{f"{n}_ratio": x for n, x in ratios.items() if x is not None}))
+    return rows
+
+
+def run(precisions=PRECISIONS, problems=100, seed=0, path=None, progress=None, code="") -> list[dict]:
+    """``problems`` problems per precision, every kernel on each: the rows.  ``path``: a
+    JSON-lines file the rows are appended to as they come, and read back first (problems
+    already there are not run again: a long run resumes); ``code`` (the git commit) is kept
+    in each row, and rows of other code are not read back.  ``progress(text)``: called per
+    hundred problems."""
+    done, rows = set(), []
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    row = json.loads(line) if line.strip() else {}
+                    if row.get("code") == code and row.get("precision") in precisions and row["index"] < problems:
+                        rows.append(row)
+                        done.add((row["precision"], row["seed"], row["index"]))
+        except FileNotFoundError:
+            pass
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    out = None if path is None else open(path, "a", encoding="utf-8")
+    try:
+        for prec_name in precisions:
+            for index in range(problems):
+                if (prec_name, seed, index) in done:
+                    continue
+                new = run_problem(prec_name, seed, index) or [dict(precision=prec_name, seed=seed, index=index,
+                                                                   kernel=None, judged=False)]
+                new = [dict(r, code=code) for r in new]
+                rows += new
+                if out is not None:
+                    out.write("".join(json.dumps(r) + "\n" for r in new))
+                    out.flush()
+                if progress is not None and index % 100 == 99:
+                    progress(f"{prec_name}: problem {index + 1} of {problems}")
+    finally:
+        if out is not None:
+            out.close()
+    return [r for r in rows if r.get("kernel")]
+
+
+def upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
+    """The exact (Clopper-Pearson) one-sided upper confidence bound on a rate seen as
+    ``failures`` in ``runs``: with none, ``1 - (1 - confidence) ** (1 / runs)`` (~3 / runs)."""
+    if runs == 0:
+        return 1.0
+    if failures >= runs:
+        return 1.0
+    alpha = 1.0 - confidence
+
+    def cdf(p):  # P(X <= failures) for X ~ Binomial(runs, p)
+        return sum(math.comb(runs, i) * p ** i * (1 - p) ** (runs - i) for i in range(failures + 1))
+
+    lo, hi = failures / runs, 1.0
+    for _ in range(100):  # cdf falls as p grows: the p where it meets alpha
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > alpha else (lo, mid)
+    return hi
+
+
+def summary(rows) -> dict:
+    """Per precision and kernel (and ``all``): runs judged, false alarms, their 95% upper
+    bound, the worst ratio of ``out``, of the LSE and of the gradients, and where."""
+    out = {}
+    for r in rows:
+        for key in (r["precision"], f"{r['precision']} | {r['kernel']}", "all"):
+            s = out.setdefault(key, dict(runs=0, unjudged=0, false_alarms=0, worst_out=0.0, worst_lse=None,
+                                         worst_grad=None, gradient_runs=0, worst_at=""))
+            if not r["judged"]:
+                s["unjudged"] += 1
+                continue
+            s["runs"] += 1
+            s["false_alarms"] += int(not r["passed"])
+            worst = max([r.get("out_ratio", 0.0), r.get("lse_ratio", 0.0)])
+            if worst > max(s["worst_out"], s["worst_lse"] or 0.0):
+                s["worst_at"] = f"{r['kernel']}, {r['regime']} {r['shape']} {'+'.join(r['options']) or 'no options'}"
+            s["worst_out"] = max(s["worst_out"], r.get("out_ratio", 0.0))
+            if "lse_ratio" in r:
+                s["worst_lse"] = max(s["worst_lse"] or 0.0, r["lse_ratio"])
+            g = [r[f"{n}_ratio"] for n in ("dq", "dk", "dv") if f"{n}_ratio" in r]
+            if g:
+                s["gradient_runs"] += 1
+                s["worst_grad"] = max([s["worst_grad"] or 0.0] + g)
+    for s in out.values():
+        s["upper_95"] = upper_bound(s["false_alarms"], s["runs"])
+    return out
+
+
+def main(argv=None) -> int:
+    """``python -m attnlib.check.space [--problems N] [--seed S] [--jsonl PATH]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m attnlib.check.space",
+                                description="Measure the check's false alarms over random problems and correct kernels.")
+    p.add_argument("--problems", type=int, default=100, help="problems per precision (default 100)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--jsonl", default=None, metavar="PATH", help="append the rows here; resume from it")
+    args = p.parse_args(argv)
+    rows = run(args.precisions, args.problems, args.seed, args.jsonl,
+               progress=lambda text: print(text, file=sys.stderr, flush=True))
+    print(json.dumps(summary(rows), indent=1))
+    return 0
+
+
+__all__ = ["draw", "kernels", "run", "run_problem", "summary", "upper_bound", "Problem", "PRECISIONS"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
