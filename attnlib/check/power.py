@@ -277,7 +277,7 @@ def _measure_problem(prec_name, shape, magnitude, seed, correct, wrong) -> list[
             tensors=[r[0] for r in judged_rows],
             passed=all(r[1] for r in judged_rows),
             failed_tensors=[r[0] for r in judged_rows if not r[1]],
-            ratio=max(r[2] for r in judged_rows)))
+            ratio=max(r[2] for r in judged_rows), ratios={r[0]: r[2] for r in judged_rows}))
     return rows
 
 
@@ -326,6 +326,28 @@ def by_kernel(rows) -> list[dict]:
     return list(table.values())
 
 
+def gradient_gap(rows, space_worst=None) -> dict:
+    """Per precision: the worst gradient ratio of a correct kernel (here, or ``space_worst``
+    ``{precision: ratio}`` from `attnlib.check.space`), the least ratio of a wrong gradient
+    kernel (the run nearest to passing), and their quotient, the gap the rule leaves."""
+    out = {}
+    for r in rows:
+        grads = {n: x for n, x in r.get("ratios", {}).items() if n in ("dq", "dk", "dv")}
+        if not grads:
+            continue
+        g = out.setdefault(r["precision"], dict(worst_correct=0.0, correct_at="", least_wrong=None, wrong_at=""))
+        if r["kind"] == "correct" and max(grads.values()) > g["worst_correct"]:
+            g["worst_correct"], g["correct_at"] = max(grads.values()), f"{r['kernel']} at {r['magnitude']:g}"
+        elif r["kind"] == "wrong" and set(r["tensors"]) <= {"dq", "dk", "dv"} and (
+                g["least_wrong"] is None or r["ratio"] < g["least_wrong"]):
+            g["least_wrong"], g["wrong_at"] = r["ratio"], f"{r['kernel']} at {r['magnitude']:g}"
+    for p, g in out.items():
+        if space_worst and (space_worst.get(p) or 0.0) > g["worst_correct"]:
+            g["worst_correct"], g["correct_at"] = space_worst[p], "a random problem (attnlib.check.space)"
+        g["gap"] = None if g["least_wrong"] is None or not g["worst_correct"] else g["least_wrong"] / g["worst_correct"]
+    return out
+
+
 def summary(rows) -> dict:
     """Per precision and kind: runs, and how many of them the check passed."""
     out = {}
@@ -336,4 +358,4 @@ def summary(rows) -> dict:
     return out
 
 
-__all__ = ["measure", "summary", "by_kernel", "long_gradients", "wrong_kernels", "correct_kernels", "problem", "MAGNITUDES", "SHAPES"]
+__all__ = ["measure", "summary", "gradient_gap", "by_kernel", "long_gradients", "wrong_kernels", "correct_kernels", "problem", "MAGNITUDES", "SHAPES"]

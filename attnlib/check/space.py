@@ -288,6 +288,26 @@ def run(precisions=PRECISIONS, problems=100, seed=0, path=None, progress=None, c
     return [r for r in rows if r.get("kernel")]
 
 
+def code_version() -> str:
+    """The git tree of ``attnlib/`` this run measures (rows of other code are not resumed);
+    with uncommitted changes there, or no git, a tag no later run shares."""
+    import os
+    import subprocess
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        tree = subprocess.run(["git", "rev-parse", "HEAD:attnlib"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "attnlib"], cwd=root, capture_output=True,
+                               text=True, timeout=10)
+        if tree.returncode == 0 and not dirty.stdout.strip():
+            return "attnlib tree " + tree.stdout.strip()[:12]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"uncommitted, {time.time():.0f}"
+
+
 def upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
     """The exact (Clopper-Pearson) one-sided upper confidence bound on a rate seen as
     ``failures`` in ``runs``: with none, ``1 - (1 - confidence) ** (1 / runs)`` (~3 / runs)."""
@@ -352,7 +372,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["draw", "kernels", "run", "run_problem", "summary", "upper_bound", "Problem", "PRECISIONS"]
+__all__ = ["code_version", "draw", "kernels", "run", "run_problem", "summary", "upper_bound", "Problem", "PRECISIONS"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
