@@ -106,3 +106,17 @@ def test_a_short_sweep_raises_no_false_alarm_and_resumes(tmp_path):
     s = space.summary(rows)
     assert s["all"]["runs"] == sum(r["judged"] for r in rows) and s["all"]["false_alarms"] == 0
     assert math.isclose(s["all"]["upper_95"], space.upper_bound(0, s["all"]["runs"]))
+
+
+def test_the_gradient_gap_is_the_least_wrong_over_the_worst_correct():
+    from attnlib.check import power
+
+    rows = [dict(precision="float16", kind="correct", kernel="a", magnitude=1.0, tensors=["out", "dq"],
+                 ratio=0.9, ratios={"out": 0.9, "dq": 0.3}),
+            dict(precision="float16", kind="wrong", kernel="scaled", magnitude=1e-4, tensors=["dq", "dk"],
+                 ratio=1.2, ratios={"dq": 1.2, "dk": 0.8}),
+            dict(precision="float16", kind="wrong", kernel="zero out", magnitude=1.0, tensors=["out"],
+                 ratio=1.1, ratios={"out": 1.1})]
+    gap = power.gradient_gap(rows)["float16"]
+    assert gap["worst_correct"] == 0.3 and gap["least_wrong"] == 1.2 and gap["gap"] == pytest.approx(4.0)
+    assert power.gradient_gap(rows, {"float16": 0.6})["float16"]["gap"] == pytest.approx(2.0)
