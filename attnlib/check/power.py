@@ -326,25 +326,31 @@ def by_kernel(rows) -> list[dict]:
     return list(table.values())
 
 
-def gradient_gap(rows, space_worst=None) -> dict:
-    """Per precision: the worst gradient ratio of a correct kernel (here, or ``space_worst``
-    ``{precision: ratio}`` from `attnlib.check.space`), the least ratio of a wrong gradient
-    kernel (the run nearest to passing), and their quotient, the gap the rule leaves."""
-    out = {}
+def gradient_gap(rows) -> dict:
+    """Per precision: the gap the gradients' rule leaves, ``min`` over the magnitudes of the
+    least ratio of a wrong gradient kernel (the run nearest to passing) over the worst
+    gradient ratio of a correct kernel at the same magnitude (where a wrong kernel's defect
+    is below the type's resolution, `RESOLVED_ULPS`, it is not judged there, and that
+    magnitude has no gap), with both ratios and where."""
+    cells = {}
     for r in rows:
         grads = {n: x for n, x in r.get("ratios", {}).items() if n in ("dq", "dk", "dv")}
         if not grads:
             continue
-        g = out.setdefault(r["precision"], dict(worst_correct=0.0, correct_at="", least_wrong=None, wrong_at=""))
-        if r["kind"] == "correct" and max(grads.values()) > g["worst_correct"]:
-            g["worst_correct"], g["correct_at"] = max(grads.values()), f"{r['kernel']} at {r['magnitude']:g}"
+        c = cells.setdefault((r["precision"], r["magnitude"]), dict(correct=0.0, correct_at="", wrong=None, wrong_at=""))
+        if r["kind"] == "correct" and max(grads.values()) >= c["correct"]:
+            c["correct"], c["correct_at"] = max(grads.values()), r["kernel"]
         elif r["kind"] == "wrong" and set(r["tensors"]) <= {"dq", "dk", "dv"} and (
-                g["least_wrong"] is None or r["ratio"] < g["least_wrong"]):
-            g["least_wrong"], g["wrong_at"] = r["ratio"], f"{r['kernel']} at {r['magnitude']:g}"
-    for p, g in out.items():
-        if space_worst and (space_worst.get(p) or 0.0) > g["worst_correct"]:
-            g["worst_correct"], g["correct_at"] = space_worst[p], "a random problem (attnlib.check.space)"
-        g["gap"] = None if g["least_wrong"] is None or not g["worst_correct"] else g["least_wrong"] / g["worst_correct"]
+                c["wrong"] is None or r["ratio"] < c["wrong"]):
+            c["wrong"], c["wrong_at"] = r["ratio"], r["kernel"]
+    out = {}
+    for (prec, magnitude), c in cells.items():
+        if c["wrong"] is None or not c["correct"]:
+            continue
+        gap = c["wrong"] / c["correct"]
+        if prec not in out or gap < out[prec]["gap"]:
+            out[prec] = dict(gap=gap, magnitude=magnitude, least_wrong=c["wrong"], wrong_at=c["wrong_at"],
+                             worst_correct=c["correct"], correct_at=c["correct_at"])
     return out
 
 

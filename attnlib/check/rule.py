@@ -76,7 +76,8 @@ key as a tiled kernel accumulates) and each entry's size ``|ref| + rss`` from th
 float64 gradient (`reference_attention_backward` with ``return_rss``; ``ds`` counts the
 rounding of ``D``'s terms, ``sum_j |p dp|``, which every entry of a row shares, the scores' rounding
 (each term's ``p`` moved by ``S_i`` ulps of the state's type, ``rss_scores``: without it
-PyTorch's float32 autograd failed at logits of standard deviation 5, ratio 1.8), and,
+PyTorch's float32 autograd failed at logits of standard deviation 5, ratio 1.8) and of
+``D = dout . out`` from the stored output, and,
 weighted by the accumulator's epsilon over the type's, what ``dp`` and ``D`` sum
 componentwise: a float32 FlashAttention-2 backward failed at a row with one visible key,
 where ``dp - D`` cancels exactly and the reference ``dq`` is 0, before it was counted).  A
