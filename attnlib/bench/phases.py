@@ -30,8 +30,9 @@ PHASES = ("q k^T matmul", "mask (PARTIAL tiles)", "row max", "shift s - m", "exp
           "row sum", "rescale l, acc", "p @ v matmul")
 
 
-def _per_call(fn, budget=0.05, repeats=5) -> float:
-    """Median seconds of one ``fn()``, each sample a loop of about ``budget`` seconds."""
+def _per_call(fn, budget=0.05, repeats=5) -> np.ndarray:
+    """``(median, min, max)`` seconds of one ``fn()`` over ``repeats`` samples, each a loop of
+    about ``budget`` seconds."""
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < budget / 5:
         fn()
@@ -43,7 +44,7 @@ def _per_call(fn, budget=0.05, repeats=5) -> float:
         for _ in range(loops):
             fn()
         samples.append((time.perf_counter() - t0) / loops)
-    return float(np.median(samples))
+    return np.array([np.median(samples), np.min(samples), np.max(samples)])
 
 
 def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
@@ -77,7 +78,7 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
     phases = {
         "q k^T matmul": _per_call(lambda: np.matmul(k_j, q_i.T, out=work)),
         "mask (PARTIAL tiles)": (_per_call(lambda: np.copyto(work, -np.inf, where=~spec.tile_visible(
-            rows, int(cols[0]), int(cols[-1]) + 1, True, contiguous=True, cache=cache))) if partial else 0.0),
+            rows, int(cols[0]), int(cols[-1]) + 1, True, contiguous=True, cache=cache))) if partial else np.zeros(3)),
         "row max": _per_call(lambda: scores.max(axis=-2)),
         "shift s - m": _per_call(lambda: np.subtract(scores, shift, out=work)),
         "exp": _per_call(exp),
@@ -94,8 +95,8 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
 def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, workers=None) -> dict:
     """Predicted seconds per phase for ``case`` against its measured time.
 
-    Returns ``phases`` (rows of phase, seconds over the whole case on one thread, share of
-    the measured serial time), ``measured_serial`` (``workers=1``), ``measured`` (with
+    Returns ``phases`` (rows of phase, seconds over the whole case on one thread, the median
+    of 5 replays with their ``min`` and ``max``, share of the measured serial time), ``measured_serial`` (``workers=1``), ``measured`` (with
     ``workers``; None: the default, every CPU), ``workers``, ``tiles`` (FULL and PARTIAL
     tile counts over all heads) and ``rest`` (measured serial minus the phases' sum).
     """
@@ -134,10 +135,14 @@ def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, work
             for w, fn in run.items():
                 times[w].append(seconds(fn, 1))
     serial, measured = float(np.median(times[1])), float(np.median(times[threads]))
-    total = {p: sum(per_kind[kind][p] * counts[kind] for kind in per_kind) for p in PHASES}
+    # (median, min, max) per phase: each replay's spread times the tile counts
+    spread = {p: sum(per_kind[kind][p] * counts[kind] for kind in per_kind) for p in PHASES}
+    total = {p: float(spread[p][0]) for p in PHASES}
     rest = serial - sum(total.values())
-    phases = [{"phase": p, "seconds": total[p], "share": total[p] / serial} for p in PHASES]
-    phases.append({"phase": "rest (Python, setup, cache)", "seconds": rest, "share": rest / serial})
+    phases = [{"phase": p, "seconds": total[p], "min": float(spread[p][1]), "max": float(spread[p][2]),
+               "share": total[p] / serial} for p in PHASES]
+    phases.append({"phase": "rest (Python, setup, cache)", "seconds": rest, "min": None, "max": None,
+                   "share": rest / serial})
     return {"case": case.name, "phases": phases, "measured_serial": serial, "measured": measured,
             "workers": threads, "tiles": counts, "rest": rest,
             "serial_times": times[1], "times": times[threads],

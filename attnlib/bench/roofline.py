@@ -36,8 +36,8 @@ def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, t
     the median of ``repeats`` gives the rate.  ``workers``: as the kernels take it (None:
     every available CPU, the kernels' default); ``tiles``: default, the forward's own
     (`tilesizes.default_tiles` of ``d``).  Returns ``qk_gflops`` and ``pv_gflops``
-    (GFLOP/s over all threads), ``exp_gps`` (G exponentials/s over all threads), and the
-    shapes measured.
+    (GFLOP/s over all threads), ``exp_gps`` (G exponentials/s over all threads), each the
+    median of the repeats with their ``_min`` and ``_max``, and the shapes measured.
     """
     from ..core.validate import workers as resolve
 
@@ -86,9 +86,12 @@ def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, t
             for _ in range(repeats):
                 elapsed = max(pool.map(run, range(workers)))  # all threads at once
                 samples.append(workers * loops * work[name] / elapsed)
-            rates[name] = statistics.median(samples)
-    return {"qk_gflops": rates["qk"] / 1e9, "pv_gflops": rates["pv"] / 1e9, "exp_gps": rates["exp"] / 1e9,
-            "workers": workers, "d": d, "dv": dv, "block_q": bq, "block_k": bk}
+            rates[name] = (statistics.median(samples), min(samples), max(samples))
+    out = {}
+    for name, key in (("qk", "qk_gflops"), ("pv", "pv_gflops"), ("exp", "exp_gps")):
+        out[key] = rates[name][0] / 1e9
+        out[key + "_min"], out[key + "_max"] = rates[name][1] / 1e9, rates[name][2] / 1e9  # the repeats' spread
+    return out | {"workers": workers, "d": d, "dv": dv, "block_q": bq, "block_k": bk}
 
 
 def roofline_seconds(case, rates: dict) -> float:

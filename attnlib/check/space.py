@@ -288,21 +288,27 @@ def run(precisions=PRECISIONS, problems=100, seed=0, path=None, progress=None, c
     return [r for r in rows if r.get("kernel")]
 
 
+#: What the sweep's verdicts depend on: the check, the kernels, the gate and the inputs.
+MEASURED = ("attnlib/check", "attnlib/core", "attnlib/evidence/gate.py", "attnlib/evidence/memory.py",
+            "attnlib/evidence/metrics.py", "attnlib/evidence/inputs.py", "attnlib/evidence/packing.py")
+
+
 def code_version() -> str:
-    """The git tree of ``attnlib/`` this run measures (rows of other code are not resumed);
-    with uncommitted changes there, or no git, a tag no later run shares."""
+    """The git objects of `MEASURED` this run judges with (rows of other code are not
+    resumed); with uncommitted changes there, or no git, a tag no later run shares."""
+    import hashlib
     import os
     import subprocess
     import time
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        tree = subprocess.run(["git", "rev-parse", "HEAD:attnlib"], cwd=root, capture_output=True, text=True,
+        tree = subprocess.run(["git", "ls-tree", "HEAD", *MEASURED], cwd=root, capture_output=True, text=True,
                               timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "attnlib"], cwd=root, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *MEASURED], cwd=root, capture_output=True,
                                text=True, timeout=10)
-        if tree.returncode == 0 and not dirty.stdout.strip():
-            return "attnlib tree " + tree.stdout.strip()[:12]
+        if tree.returncode == 0 and tree.stdout.strip() and not dirty.stdout.strip():
+            return "check code " + hashlib.sha256(tree.stdout.encode()).hexdigest()[:12]
     except (OSError, subprocess.SubprocessError):
         pass
     return f"uncommitted, {time.time():.0f}"
