@@ -164,7 +164,8 @@ def sink_rescales(sinks, n=1024, d=64, heads=4, *, block_q=128, block_k=128, see
 def run_varlen(case) -> dict:
     """One `~attnlib.evidence.inputs.Packed` problem through `attention_varlen`, judged by the gate
     on the same problem padded into a batch (``q_lengths``, ``kv_lengths``: an independent
-    route to attending each sequence alone)."""
+    route to attending each sequence alone), with the gate's largest tolerances (``tol_out``,
+    ``tol_lse``: both 0 on a problem with no visible key, which tests nothing)."""
     from .packing import unpack_varlen
     from ..core.varlen import attention_varlen
 
@@ -178,12 +179,13 @@ def run_varlen(case) -> dict:
     return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
             "longest": int(max(max(case.lens_q), max(case.lens_k))), "seqused_k": case.seqused_k is not None,
             "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d, "options": case.options,
-            **Errors.of(ob, gate.ref, gate.ref_abs).as_dict(), **gate.judge(ob, padded["lse"])}
+            **Errors.of(ob, gate.ref, gate.ref_abs).as_dict(), **gate.judge(ob, padded["lse"]), **_tolerances(gate)}
 
 
 def run_paged(case) -> dict:
     """One `~attnlib.evidence.inputs.Paged` problem through `attention` over its page table, judged
-    by the gate on the contiguous keys (``kv_lengths = cache_seqlens``)."""
+    by the gate on the contiguous keys (``kv_lengths = cache_seqlens``), with the gate's largest
+    tolerances (``tol_out``, ``tol_lse``: both 0 on a problem with no visible key)."""
     from ..core.paged import gather_pages
 
     q, k_cache, v_cache, table, lens, options = case.arrays()
@@ -196,7 +198,7 @@ def run_paged(case) -> dict:
     return {"entries": len(case.lens), "keys": list(case.lens), "page_size": case.page_size, "sq": case.sq,
             "pages": int(k_cache.shape[0]), "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d,
             "options": case.options, **Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
-            **gate.judge(out, lse)}
+            **gate.judge(out, lse), **_tolerances(gate)}
 
 
 def power_table(groups, defects=None) -> list[dict]:
@@ -248,13 +250,14 @@ def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
 
 
 def _gate_figures(gate, grads, defects, backward) -> dict:
-    """The gradient gate's verdict on ``grads`` (``gate_e``, ``gate_ratio``, ``gate_passed``)
-    and, with ``defects``, whether it fails ``backward()`` run with each one active
+    """The gradient gate's verdict on ``grads`` (``gate_e``, ``gate_ratio``, ``gate_passed``),
+    the problem's visible (query row, key) pairs (``visible_pairs``; 0: nothing to differentiate,
+    the problem tests nothing) and, with ``defects``, whether it fails ``backward()`` run with each one active
     (``defects_caught``; None where the defect moves no entry by more than twice the real
     backward's own error there)."""
     verdict = gate.judge(grads)
     row = {"gate_e": gate.e, "gate_ratio": max(verdict[f"{n}_ratio"] for n in gate.names),
-           "gate_passed": verdict["passed"]}
+           "gate_passed": verdict["passed"], "visible_pairs": gate.visible_pairs}
     caught = {}
     # The kernel's own rounding, entry by entry: a defect that moves no entry by more than
     # twice it is below what float64 resolves there (None: not counted).

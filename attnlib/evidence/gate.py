@@ -423,8 +423,11 @@ class GradientGate:
         q = arrays.as_float_array(q, "q")
         k = arrays.as_float_array(k, "k")
         v = arrays.as_float_array(v, "v")
-        delta = tolerance(q, k, v, None, block_k=1, options=self.options).delta
-        self.e = gradient_rounding(float(np.max(delta, initial=0.0)), max(q.shape[-2], k.shape[-2]),
+        rows = tolerance(q, k, v, None, block_k=1, options=self.options)
+        # The (query row, key) pairs visible over every head and batch entry: 0 leaves nothing to
+        # differentiate (every gradient exactly 0, whatever the kernel), a problem that tests nothing.
+        self.visible_pairs = int(np.sum(rows.visible_keys))
+        self.e = gradient_rounding(float(np.max(rows.delta, initial=0.0)), max(q.shape[-2], k.shape[-2]),
                                    v.shape[-1], self.options.softcap)
         e_dot = 2 * _g(v.shape[-1])  # dp's and D's sums of Dv terms, each implementation
         self.tol = tuple(2 * (self.e * np.maximum(np.abs(r) + s, TINY) + e_dot * t)

@@ -75,8 +75,9 @@ def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0)
     """Applied rescales and error against the oracle as the lazy threshold ``tau`` varies.
 
     Each row is judged as an eager kernel of its precision would be: float64 by the verdict
-    gate against the oracle (`~attnlib.evidence.gate.Gate` with ``oracle=True``: ``gate_ratio``,
-    <= 1 passes), a lower precision by FlashAttention's rule against a naive computation in
+    gate against the oracle (`~attnlib.evidence.gate.Gate` with ``oracle=True``: ``out_ratio`` on
+    ``out``, ``lse_ratio`` on ``lse``, whose error against the oracle is ``lse_error``, and
+    ``gate_ratio``, the larger of the two, <= 1 passes), a lower precision by FlashAttention's rule against a naive computation in
     that precision (``naive_error``; ``rule_ratio = error / (2 naive_error + eps)``, <= 1
     passes).  The gate's oracle is the reference for both, computed once per input.
     """
@@ -94,10 +95,12 @@ def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0)
                                             rescale_threshold=tau, compute_dtype=dt, return_lse=True,
                                             return_stats=True)
                 row = {"inputs": name, "dtype": dt, "tau": tau, "rescales": stats.total_rescales,
-                       "error": _max_err(out, oracle), "gate_ratio": None, "naive_error": None,
-                       "rule_ratio": None}  # None: the other precision's rule
+                       "error": _max_err(out, oracle), "lse_error": None, "out_ratio": None, "lse_ratio": None,
+                       "gate_ratio": None, "naive_error": None, "rule_ratio": None}  # None: the other precision's rule
                 if dt == "float64":
                     judged = gate.judge(out, lse)
+                    row.update(lse_error=judged["lse_error"], out_ratio=judged["out_ratio"],
+                               lse_ratio=judged["lse_ratio"])
                     row["gate_ratio"] = max(judged["out_ratio"], judged["lse_ratio"])
                 else:
                     row["naive_error"] = naive[dt]

@@ -117,10 +117,11 @@ def error_histogram(rows, bound=BOUND, series=None, lo=-18.0, hi=-6.0, title=Non
     """Histogram of per-case errors on a log10 axis, with the bound drawn.
 
     ``series`` maps a key of the ``rows`` dicts to its legend label (default
-    `FORWARD_ERRORS`: the gate ``rel_error`` filled, the others as outlines).
+    `FORWARD_ERRORS`: the gate ``rel_error`` filled, the others as outlines).  The legend sits
+    beside the axes, so that it covers neither the bars nor the bound's line.
     """
     series = FORWARD_ERRORS if series is None else series
-    fig, ax = _figure(figsize=(8, 4.2))
+    fig, ax = _figure(figsize=(11, 4.2))
     styles = [dict(alpha=0.75), dict(histtype="step", lw=2), dict(histtype="step", lw=2, ls="--")]
     for (key, label), style in zip(series.items(), styles):
         edges, counts = log10_histogram([r[key] for r in rows], lo, hi)
@@ -129,7 +130,8 @@ def error_histogram(rows, bound=BOUND, series=None, lo=-18.0, hi=-6.0, title=Non
     ax.set_xlabel("log10(error)   (exact 0 and values below 1e-18 are counted in the first bin)")
     ax.set_ylabel("cases")
     ax.set_title(title or f"Tiled vs dense float64 reference, {len(rows)} random shapes")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: off the bars and the bound
+    fig.tight_layout()
     return fig
 
 
