@@ -30,13 +30,14 @@ def _decode(seed):
 @pytest.mark.parametrize("seed", [88, 107, 139])
 def test_a_correct_decode_passes_with_the_scores_rounding_in_the_size(seed, monkeypatch):
     """Without the score term (the rule before) these correct runs failed (ratios 1.06, 1.92,
-    1.20); with it they sit far below the allowance."""
+    1.20); the naive error pooled over the tensor with the softmax-first formulation still
+    leaves them at 0.60, 1.16 and 0.99 without it; with it they sit at 0.16."""
     q, k, v, out = _decode(seed)
     r = check.check_kernel(q, k, v, out, layout="bhsd", dtype="float32")
     assert r.passed and r.out.ratio < 0.5, check.format_text(r)
     real = rule.score_size
     monkeypatch.setattr(rule, "score_size", lambda *a, **kw: 0 * real(*a, **kw))
-    assert not check.check_kernel(q, k, v, out, layout="bhsd", dtype="float32").passed
+    assert check.check_kernel(q, k, v, out, layout="bhsd", dtype="float32").out.ratio > 0.5
 
 
 def test_correct_autograd_gradients_at_large_logits_pass():
@@ -133,3 +134,42 @@ def test_flash_backward_gradients_at_large_logits_pass(prec, index):
     rows = space.run_problem(prec, 0, index)
     grads = [r for r in rows if "dq_ratio" in r]
     assert grads and all(r["passed"] for r in rows), rows
+
+
+@pytest.mark.parametrize("index", [672, 1207])
+def test_the_random_runs_that_sat_above_half_the_allowance_now_keep_the_margin(index):
+    """float32 problems 672 (causal, D = 8, logits of std 9) and 1207 (window + kv_lengths,
+    D = 64) of seed 0: PyTorch SDPA's float32 runs sat at 0.553 and 0.526 of a per-head
+    allowance with three naive formulations (its ``p @ v`` summed key after key, the softmax
+    first); pooled over the tensor with the softmax-first formulation they keep below 0.5."""
+    rows = [r for r in space.run_problem("float32", 0, index) if "SDPA" in r["kernel"]]
+    assert rows and all(r["passed"] for r in rows), rows
+    assert max(r["out_ratio"] for r in rows) < 0.5, rows
+
+
+def test_the_forward_allowance_pools_the_naive_error_over_the_tensor():
+    """Every out entry's allowance is the same number of its own ulps (one pooled ratio),
+    and the naive baselines include the softmax-first formulation where the dense one fits."""
+    import attnlib
+    from attnlib.core.options import Options
+    from attnlib.core.problem import precision
+
+    q, k, v = attnlib.random_qkv(9, 40, 8, batch=(2,), heads=3, seed=1)
+    q = q * 4
+    prec = precision("float32")
+    q, k, v = (prec.round(x).astype(np.float64) for x in (q, k, v))
+    captured = {}
+    real = rule.naive_allowance
+
+    def spy(naive_err, size, dtype, pool=rule.per_head_max):
+        captured.setdefault("units", []).append(rule.unit(size, dtype))
+        return real(naive_err, size, dtype, pool)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rule, "naive_allowance", spy)
+        e = rule.expect(q, k, v, Options.parse(causal=True), prec, 1, True)
+    in_ulps = e.allowance / captured["units"][0]
+    assert np.allclose(in_ulps, in_ulps.flat[0], rtol=1e-12), "one pooled ratio for the tensor"
+    lse_ulps = e.lse_allowance / captured["units"][1][..., 0]
+    assert np.allclose(lse_ulps, lse_ulps.flat[0], rtol=1e-12)
+    assert "softmax first" in e.baseline

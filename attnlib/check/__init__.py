@@ -4,9 +4,9 @@
 memory).  Each output entry gets an allowance, the largest error a correct kernel shows
 there, and the kernel passes when every ``|kernel - ref|`` is within it:
 
-* below float64, FlashAttention's test rule per head,
-  ``2 max |naive - ref| + atol``, with ``naive`` plain attention in the kernel's precision
-  and ``atol`` scaled with the output's size in the kernel's type;
+* below float64, FlashAttention's test rule, ``(2 r + 2)`` ulps of each entry's own size,
+  with ``r`` the largest error of plain attention in the kernel's precision (``naive``) in
+  those ulps, over the tensor (per head for gradients): no constant ``atol``;
 * for float64 kernels, the verdict gate's float64 rounding bound per row (`attnlib.evidence.gate`),
   since a float64 "naive" rounds as much as the kernel does.
 

@@ -187,7 +187,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
         # The mods as given: if the files are in the other layout, they were written for that
         # problem; one indexing a table by the declared heads fails here, and the reading with it.
         try:
-            alt = expect(q1, k1, v1, guard_mods(opts), prec, workers, dense, device=device)
+            alt = expect(q1, k1, v1, guard_mods(opts), prec, workers, dense, device=device, pool="head")
         except DROPPED:
             alt = None
         if alt is not None and _passes(kern1, alt.ref, alt.allowance):
@@ -225,7 +225,7 @@ def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense, de
             low = problem.precision(name)
             problem.check_representable(low, q=qh, k=kh, v=vh)  # values beyond it: not that kernel
             alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
-                         low.round(vh).astype(np.float64), opts, low, workers, dense, device=device)
+                         low.round(vh).astype(np.float64), opts, low, workers, dense, device=device, pool="head")
         except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range, a mod failing
             continue
         if _passes(kernel, alt.ref, alt.allowance):
@@ -335,7 +335,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
         own = prec is not None and set(change) == {"scale"}
         try:  # the change checked as the user's options are (a scale x log2(e) beyond the range)
             if own:
-                judged = expect(q, k, v, opts.replace(**change), prec, workers, dense, device=device)
+                judged = expect(q, k, v, opts.replace(**change), prec, workers, dense, device=device, pool="head")
                 alt = judged.ref
                 alt_allow = np.broadcast_to(per_head_max(judged.allowance), kern.shape)
             else:
@@ -385,7 +385,7 @@ def _input_mixups(kernel, candidates, prec, dense, workers, device=None) -> list
     values' sizes differ)."""
     for words, (q, k, v), opts in candidates:
         try:
-            alt = expect(q, k, v, guard_mods(opts), prec, workers, dense, device=device)
+            alt = expect(q, k, v, guard_mods(opts), prec, workers, dense, device=device, pool="head")
         except DROPPED:
             continue
         if _passes(kernel, alt.ref, alt.allowance):

@@ -90,9 +90,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  device=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
-    The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule per head,
-    ``|kernel - ref| <= 2 max|naive - ref| + atol`` with ``atol`` scaled with the output
-    in the kernel's type; for float64 kernels, the verdict gate's float64 rounding bound
+    The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule in ulps of
+    each entry's own size, ``|kernel - ref| <= (2 r + 2) unit`` with ``r`` the largest
+    ``|naive - ref| / unit`` over the tensor (per head for gradients), ``naive`` plain
+    attention in the kernel's precision; for float64 kernels, the verdict gate's float64 rounding bound
     per row (any tiling).  ``ref`` is attnlib's float64 tiled kernel: any length, bounded
     memory.
 

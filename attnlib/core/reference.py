@@ -184,7 +184,7 @@ def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_
 
 
 def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None,
-                    return_max_scores=False):
+                    return_max_scores=False, softmax_first=False):
     """`reference_attention` with its options parsed into ``opts``."""
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     prec = problem.precision(compute_dtype)
@@ -193,13 +193,13 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
         out, lse, maxes = _dense(q5, k5, v5, pb, np.float64, opts)
     else:
         out, lse, maxes = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
-                                 prec.accumulate.type, opts, prec.round, prec.round_p)
+                                 prec.accumulate.type, opts, prec.round, prec.round_p, softmax_first)
         out = out.astype(prec.compute)
     result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
     return result[0] if len(result) == 1 else result
 
 
-def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None):
+def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None, softmax_first=False):
     """``(out, lse, max_scores)`` in the caller's layout, computed densely in ``dtype``.
 
     ``round_lowp`` rounds the scores and ``round_p`` the weights to a low compute precision
@@ -225,8 +225,12 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None):
     v_max = pb.max_of("v", v5)
     e = problem.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
     v_scaled = v5.astype(dtype) if not e else np.ldexp(v5.astype(dtype), -e)
-    out = np.matmul(p if round_p is None else round_p(p), v_scaled)
-    out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
+    if softmax_first:  # the weights normalised, then rounded, then summed: softmax(s) @ v
+        p = np.divide(p, l, out=np.zeros_like(p), where=seen)
+        out = problem.unscale_values(np.matmul(p if round_p is None else round_p(p), v_scaled), e, v_max)
+    else:
+        out = np.matmul(p if round_p is None else round_p(p), v_scaled)
+        out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
     lse = np.full_like(m, -np.inf)
     np.log(l, out=lse, where=seen)
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1), pb.merge_heads(maxes, 1)

@@ -131,7 +131,7 @@ def _scores(torch, q5, k5, pb, opts, np_dtype, dev, visible_, distance):
     return s
 
 
-def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
+def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None, softmax_first=False):
     """`reference._dense`: ``(out, lse, max_scores)`` in the caller's layout.  ``low``: the torch
     compute type of the naive low-precision baseline (q5, k5, v5 already rounded to it and
     held in float32), or None for float64; ``p_low``: the type ``p`` is rounded to."""
@@ -158,8 +158,12 @@ def _dense(torch, q5, k5, v5, pb, opts, dev, low=None, p_low=None):
     v_max = pb.maxima[2]
     e = problem.value_exponent(v_max, pb.sk, np_dtype)  # values near the range: summed / 2**e
     v_scaled = v5.to(dtype) if not e else v5.to(dtype) * math.ldexp(1.0, -e)  # exact: a power of two
-    out = torch.matmul(p if low is None else round_to(p, p_low or low), v_scaled)
-    out = torch.where(seen, out / torch.where(seen, l, 1.0), 0.0)
+    if softmax_first:  # the weights normalised, then rounded, then summed: softmax(s) @ v
+        p = torch.where(seen, p / torch.where(seen, l, 1.0), 0.0)
+        out = torch.matmul(p if low is None else round_to(p, p_low or low), v_scaled)
+    else:
+        out = torch.matmul(p if low is None else round_to(p, p_low or low), v_scaled)
+        out = torch.where(seen, out / torch.where(seen, l, 1.0), 0.0)
     if e:  # `problem.unscale_values`
         bound = math.ldexp(v_max, -e)
         out = out.clamp(-bound, bound) * math.ldexp(1.0, e)
@@ -185,7 +189,7 @@ def _check_representable(torch, low, pb_inputs):
 
 
 def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, compute_dtype=None,
-                    return_max_scores=False):
+                    return_max_scores=False, softmax_first=False):
     """`reference.dense_attention` computed with torch on ``dev``: torch tensors out
     (float64, or ``out`` in the compute type and ``lse`` in float32 for a low one)."""
     torch = dev_mod._torch()
@@ -198,7 +202,7 @@ def dense_attention(q, k, v, opts, *, dev, return_lse=False, check_finite=True, 
         else:
             _check_representable(torch, low, (("q", q5), ("k", k5), ("v", v5)))
             out, lse, maxes = _dense(torch, round_to(q5, low), round_to(k5, low), round_to(v5, low), pb, opts,
-                                     dev, low, p_low)
+                                     dev, low, p_low, softmax_first)
             out = out.to(low)
     result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
     return result[0] if len(result) == 1 else result
