@@ -89,10 +89,20 @@ def test_equivalence_figures(quick_reports):
         assert named == (p["caught"] < p["affected"]), p["defect"]
     assert figs["partly_caught"] == {p["defect"]: [p["caught"], p["affected"]] for p in figs["power"]
                                      if p["caught"] < p["affected"]}
-    # Problems with no visible key are shown apart, not counted as the gate holding.
+    # Problems with no visible key, and single-tile ones (the reference's own arithmetic and
+    # bits), are shown apart, not counted as the gate holding.
     counted = sum(figs["counted"].values())
-    assert counted + figs["empty_problems"] == sum(len(figs["cases" if g == "differential" else g])
-                                                   for g in figs["counted"])
+    assert counted + figs["empty_problems"] + figs["single_tile_problems"] == sum(
+        len(figs["cases" if g == "differential" else g]) for g in figs["counted"])
+    from attnlib.evidence.differential import single_tile
+    for g, n in figs["single_tile_by_run"].items():
+        rs = [r for r in figs["cases" if g == "differential" else g] if single_tile(r)]
+        assert len(rs) == n
+        assert all(r["rel_error"] == r["lse_error"] == 0 and min(r["key_tiles"], r["visible_keys_max"]) <= 1
+                   for r in rs)
+    assert figs["single_tile_by_run"]["differential"] == 0  # every differential problem crosses two key tiles
+    if figs["single_tile_problems"]:
+        assert "single-tile" in data["verdict"]
     assert all(c["met"] in ("yes", "shown, not gated") for c in data["claims"])
     html = (quick_reports[1] / "equivalence.html").read_text()
     assert "Injected defects through the gate" in html  # the power table is on the page
@@ -150,6 +160,13 @@ def test_gradients_figures(quick_reports):
     errors = [r[f"{g}_error"] for r in figs["cases"] + figs["adversarial"] for g in ("dq", "dk", "dv")]
     assert max(errors) < BOUND
     assert figs["tiled_working_max"] < CAP_BYTES < figs["dense_working_largest"]
+    # The dense gradient beyond the runs is a projection, shown with its range (the n^2 model
+    # from each measured run), which holds the value in the table.
+    for row in figs["memory"]:
+        if row["dense"] != "measured":
+            assert row["dense"].startswith("projected")
+            lo, hi = figs["dense_projection_range_bytes"][str(row["n"])]
+            assert lo * (1 - 1e-12) <= row["dense working (MiB)"] * 2**20 <= hi * (1 + 1e-12)
     sinks = figs["sinks"]
     assert len(sinks) == report.NOTEBOOKS["gradients"].quick["sink_cases"]
     assert all("sinks" in r["features"] and max(r[f"{g}_error"] for g in ("dq", "dk", "dv", "dsinks")) < 1e-13

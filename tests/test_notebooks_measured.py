@@ -44,6 +44,15 @@ def test_performance_figures(quick_reports):
     assert all(r["attnlib MiB"] is not None for r in figs["mask_memory"])
     assert figs["phases"]["phases"][-1]["phase"].startswith("rest") and figs["load"]["slowdown"] > 0
     assert len(figs["sweep"]["seconds"]) == len(report.NOTEBOOKS["performance"].quick["sweep_sizes"])
+    # Every tile shape of the sweep is on the page with its spread, not only in the heatmap.
+    assert len(figs["sweep"]["rows"]) == len(report.NOTEBOOKS["performance"].quick["sweep_sizes"]) ** 2
+    page = (quick_reports[1] / "performance.html").read_text()
+    assert "every shape, seconds median (min–max)" in page and "costs what is visible" not in page
+    # A visible pair's cost against SDPA's per pair: computed, repeat by repeat, never assumed.
+    for r in figs["masks"]:
+        s = r["attnlib per visible pair / SDPA per pair"]
+        assert s is None or s["min"] <= s["median"] <= s["max"]
+    assert "single run" in page  # the torch kernel's one-call seconds are labelled as such
     device = figs["device"]  # the device section: CUDA asked for, its CPU part run without it
     assert device["gemm"]["tile_tflops"] > 0 and all(r["max |torch - numpy|"] < 1e-13 for r in device["forward"])
     assert [r["n"] for r in device["memory"]] == report.NOTEBOOKS["performance"].quick["device_memory_ns"]
@@ -80,6 +89,12 @@ def test_scaleout_figures(quick_reports):
     assert 0 <= lo <= hi
     assert len(figs["long"]["walls"]) == quick.get("long_repeats", 5)
     assert [s["to n"] for s in figs["memory_steps"]] == quick["sweep"][1:]
+    # Every gated step (from a full throttle) under its bound; the headline says which are gated,
+    # and names the cluster sizes in words, not as a fraction.
+    under, gated = figs["gated_steps_under"]
+    assert gated >= 1 and under == gated and "gated" in data["verdict"]
+    assert "same bits on 1 and 2 workers" in data["verdict"]
+    assert all(len(v) == quick["repeats"] for ph in figs["timing"]["phases_by_run"].values() for v in ph.values())
     assert all(p["low_hours"] <= p["hours"] <= p["high_hours"] for p in figs["projection"])
     assert {r["runs"] for r in figs["model_runs"]} == {"fit", "held out", "held out (timing case)"}
     assert figs["long"]["n"] == quick["long_n"] and len(figs["long"]["checks"]) == quick["long_samples"]

@@ -155,6 +155,9 @@ def test_the_claims_table_under_the_verdict_is_short(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert [c["page"] for c in data["claims"]] == page
     block = verdict_block(data, "rescales")
+    # One time on the page and in the JSON: when the run finished (save_results stamps it).
+    assert f"Run finished {data['environment'][report.notebook.FINISHED]} UTC" in block
+    assert "date (UTC)" not in data["environment"]
     on_page, collapsed = block.split("<details>")
     assert on_page.count("<tr>") == 1 + report.CLAIMS_SHOWN
     assert collapsed.count("<tr>") == 1 + len(claims) - report.CLAIMS_SHOWN
@@ -192,7 +195,8 @@ def test_the_index_line_is_short_and_the_parameters_shown_once(tmp_path):
     page = report.provenance(params)._repr_html_()
     assert page.count("<details>") == 1 and page.count(">p0<") == 1 and page.count(">p19<") == 1
     shown, hidden = page.split("<details>")
-    assert "20 parameters and 7 entries of the environment" in shown and "<tr>" not in shown
+    assert "20 parameters and 6 entries of the environment" in shown and "<tr>" not in shown
+    assert "date (UTC)" not in page and "finished is under the verdict" in shown  # the page's one time: the end
 
 
 def test_no_title_says_exact():

@@ -38,6 +38,20 @@ def test_memory_rule_is_applied_to_every_step():
     assert scaleout.memory_steps(ns, [1 * mib, 1.1 * mib, 1.2 * mib, 1.3 * mib], d)["bounded_from"] == 4096
     # Over on the last step: not bounded, whatever came before.
     assert scaleout.memory_steps(ns, [1 * mib, 1.1 * mib, 1.2 * mib, 20 * mib], d)["bounded_from"] is None
+    # Without the plan's pieces the last step alone is gated.
+    assert [s["gated"] for s in m["steps"]] == [False, False, True]
+    # With them: every step from an n whose plan fills the client's throttle is gated, the ramp
+    # below it (the partials in flight still growing with the plan) is not.
+    from attnlib.distributed.engine import unmerged_limit
+    limit = unmerged_limit(2)
+    assert limit == 8
+    pieces = [3, 10, 36, 136]
+    g = scaleout.memory_steps(ns, [5 * mib, 8.4 * mib, 10.4 * mib, 10.9 * mib], d, pieces=pieces, limit=limit)
+    assert [s["gated"] for s in g["steps"]] == [False, True, True]
+    assert [s["throttle_full"] for s in g["steps"]] == [False, True, True]
+    # No step from a full throttle: the last step is gated, and says so.
+    few = scaleout.memory_steps(ns, [5 * mib] * 4, d, pieces=[1, 2, 3, 4], limit=limit)
+    assert [s["gated"] for s in few["steps"]] == [False, False, True] and not few["steps"][-1]["throttle_full"]
 
 
 def test_refits_cover_the_true_model_and_give_ranges():

@@ -233,6 +233,9 @@ def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path, monke
             t["median"]["single"] * t["cores"] / (t["median"][w] * w))
         ph = t["phases"][w]
         assert ph["read"] > 0 and ph["kernel"] > ph["read"] and ph["merge"] > 0, ph
+        # Every phase run by run (its spread on the page), its median the one above.
+        assert set(t["phases_by_run"][w]) == set(ph) and t["phases_by_run"][w]["kernel"] == t["kernel_by_run"][w]
+        assert all(len(v) == 2 and ph[k] == pytest.approx(np.median(v)) for k, v in t["phases_by_run"][w].items())
         assert t["tasks"][w]["piece"] == scaleout.plan_stats(1, 2, 1024, 32, 256)["pieces"]
     assert t["others_max"] >= 0 and len(t["loadavg"]) == 3 * 2
     with scaleout.clusters((1, 2)) as clients:

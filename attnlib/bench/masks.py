@@ -1,7 +1,9 @@
 """Masks that let work be skipped: attnlib against PyTorch given the same mask explicitly.
 
 attnlib classifies every tile from the mask's closed form and never touches a SKIP tile,
-so a sliding window or a document mask costs what is visible.  PyTorch's SDPA with an
+so under a sliding window or a document mask it forms only the pairs of the tiles it
+processes (what each visible pair then costs against SDPA's per pair is measured by the
+performance report, not assumed).  PyTorch's SDPA with an
 explicit boolean mask does all ``Sq x Sk`` work and holds the mask; FlexAttention in eager
 mode (float64 runs there; compiled FlexAttention on CPU refuses float64) materialises the
 scores.  Each case is timed interleaved in one process (medians), and its peak memory is

@@ -211,7 +211,8 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
     ``clients`` (``{workers: client}``, warm or not): clusters started once by the caller and
     kept for its other measurements; without it the clusters are started here and closed
     after.  ``kernel_by_run``: each cluster run's kernel seconds (`phases`), for a resampled
-    `kernel_slowdown` (`bootstrap_models`)."""
+    `kernel_slowdown` (`bootstrap_models`); ``phases``: each phase's median over the runs,
+    ``phases_by_run``: its seconds run by run (their spread)."""
     import attnlib
 
     from ..core.validate import available_cpus
@@ -261,6 +262,8 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
         "loadavg": [r["loadavg"] for rs in load.values() for r in rs],
         "phases": {w: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "tasks"}
                    for w, rs in phase_runs.items()},
+        "phases_by_run": {w: {k: [r[k] for r in rs] for k in rs[0] if k != "tasks"}
+                          for w, rs in phase_runs.items()},
         "tasks": {w: rs[0]["tasks"] for w, rs in phase_runs.items()},
         "bitwise_identical": bool(all(np.array_equal(r, first) for r in results.values())),
     }
@@ -449,14 +452,27 @@ def check_blocks(result, paths, block, samples) -> list:
     return errors
 
 
-def memory_steps(ns, working, d) -> dict:
+def memory_steps(ns, working, d, pieces=None, limit=None) -> dict:
     """The memory rule applied to every step of a sweep: between each two consecutive ``n``
     the working memory (``working``, bytes, one per ``n``) grows by less than
-    `growth_bound`.  ``steps``: ``[{"from", "to", "growth", "bound", "under"}, ...]``;
+    `growth_bound`.  ``steps``: ``[{"from", "to", "growth", "bound", "under", "gated"}, ...]``;
     ``bounded_from``: the smallest ``n`` from which every later step is under its bound
-    (None when the last step is not)."""
+    (None when the last step is not).
+
+    ``pieces`` (the plan's piece tasks at each ``n``) and ``limit`` (the client's throttle,
+    `attnlib.distributed.engine.unmerged_limit`): a step is ``gated`` when its smaller ``n``
+    already has at least ``limit`` pieces, so that the unmerged partials a worker holds are
+    capped by the throttle at both ends of the step, and the rule asks only whether anything
+    else grew with ``n``.  Below it (the *ramp*) the partials in flight still grow with the
+    plan, by a block's partial results each, whatever the sequence.  Without ``pieces``, or
+    when no step starts from a full throttle, the last step alone is gated."""
     steps = [{"from": a, "to": b, "growth": wb - wa, "bound": growth_bound(a, b, d), "under": wb - wa < growth_bound(a, b, d)}
              for a, b, wa, wb in zip(ns, ns[1:], working, working[1:])]
+    for s, p in zip(steps, pieces if pieces is not None else [None] * len(steps)):
+        s["throttle_full"] = None if p is None or limit is None else p >= limit
+        s["gated"] = bool(s["throttle_full"])
+    if steps and not any(s["gated"] for s in steps):
+        steps[-1]["gated"] = True
     bounded_from = None
     for i in range(len(steps) - 1, -1, -1):
         if not steps[i]["under"]:

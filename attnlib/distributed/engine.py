@@ -538,6 +538,12 @@ def _is_piece(future) -> bool:
     return str(future.key).startswith("attnlib-piece")
 
 
+def unmerged_limit(threads: int) -> int:
+    """The most pieces a call keeps out unmerged (the client's throttle): a merge's worth
+    (`MERGE_FANIN`) plus two per worker thread, one running and one ready."""
+    return MERGE_FANIN + 2 * max(1, int(threads))
+
+
 class _Flow:
     """Submitted merges and block results, settled as they complete, with a bound on the
     pieces whose results no merge has consumed yet.
@@ -565,7 +571,7 @@ class _Flow:
         self.futures = {}  # key -> every future tracked and not settled, to cancel on failure
         self.pieces = self.freed = 0  # pieces submitted; pieces whose consumer completed
         threads = sum(client.nthreads().values())  # every worker (scheduler_info may list a few)
-        self.limit = MERGE_FANIN + 2 * max(1, threads)
+        self.limit = unmerged_limit(threads)
 
     def track(self, future, pieces, n):
         self.frees[future.key] = self.frees.get(future.key, 0) + pieces

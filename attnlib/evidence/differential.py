@@ -49,13 +49,41 @@ def crossing_fraction(sq, sk, block_k, causal, causal_align) -> float:
     return float(np.mean(_visible_keys_per_row(sq, sk, causal, causal_align) > block_k))
 
 
+def key_tiles(stats) -> int:
+    """The most key tiles the kernel combined into one query tile's rows: over every batch
+    entry and query tile of `~attnlib.core.stats.AttentionStats` (or a list of them, one per
+    sequence), the key tiles it did not skip.  At most 1: the kernel had nothing to combine
+    across key tiles (no rescale, no merge of partial sums), so it can only differ from the
+    dense reference inside one tile; 0: it processed no tile."""
+    from ..core.masks import SKIP
+
+    stats = stats if isinstance(stats, (list, tuple)) else [stats]
+    counts = [np.count_nonzero(np.asarray(s.tile_kind) != SKIP, axis=-1) for s in stats]
+    return int(max((c.max(initial=0) for c in counts), default=0))
+
+
+def single_tile(row) -> bool:
+    """A problem that tests nothing the dense reference does not do itself: every query tile's
+    rows saw at most one key tile (``key_tiles`` <= 1) or every row at most one key
+    (``visible_keys_max`` <= 1), and the result is the dense reference's own bits
+    (``rel_error`` and ``lse_error`` exactly 0): the same arithmetic.  Problems with no
+    visible key at all (the gate's tolerance 0 everywhere) are not these: the empty-row rule
+    is what they test.  Rows without ``key_tiles`` (written before it) are never single-tile."""
+    if "key_tiles" not in row or (row.get("tol_out") == 0 and row.get("tol_lse") == 0):
+        return False
+    one = row["key_tiles"] <= 1 or row.get("visible_keys_max", 2) <= 1
+    return bool(one and row["rel_error"] == 0 and row["lse_error"] == 0)
+
+
 def run_case(case, defects=()) -> dict:
     """One `~attnlib.evidence.inputs.Case` through the tiled kernel, judged by the gate.
 
     Returns a flat dict: the case's fields, the `~attnlib.evidence.metrics.Errors` fields, the
     gate's ``lse_error``, ``out_ratio``, ``lse_ratio`` and ``passed``, the rescale total,
     the tiles computed document block by document block (``document_block_tiles``, see
-    `attnlib.core.tiles.document_blocks`) and the fraction of rows crossing two key tiles; with ``defects`` (names in
+    `attnlib.core.tiles.document_blocks`), the fraction of rows crossing two key tiles, the most key
+    tiles a query tile combined (``key_tiles``, `key_tiles`) and the most keys a row sees
+    (``visible_keys_max``; with `single_tile` they tell a problem that tests nothing); with ``defects`` (names in
     `~attnlib.evidence.defects.DEFECTS`), ``"defects": {name: judged}`` against the same reference.
     """
     q, k, v = case.qkv()
@@ -83,10 +111,16 @@ def run_case(case, defects=()) -> dict:
            **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse), **_tolerances(gate),
            "total_rescales": stats.total_rescales, "document_block_tiles": sum(split),
            "crossing_fraction": crossing_fraction(case.sq, case.sk, case.block_k, case.causal,
-                                                  case.causal_align)}
+                                                  case.causal_align),
+           "key_tiles": key_tiles(stats), "visible_keys_max": _visible_keys_max(gate)}
     if defects:
         row["defects"] = _judge_defects(gate, defects, call)
     return row
+
+
+def _visible_keys_max(gate) -> int:
+    """The most keys any row of the gate's problem sees (the sink is no key)."""
+    return int(np.max(gate.tol.visible_keys, initial=0))
 
 
 def _tolerances(gate) -> dict:
@@ -165,12 +199,15 @@ def run_varlen(case) -> dict:
     """One `~attnlib.evidence.inputs.Packed` problem through `attention_varlen`, judged by the gate
     on the same problem padded into a batch (``q_lengths``, ``kv_lengths``: an independent
     route to attending each sequence alone), with the gate's largest tolerances (``tol_out``,
-    ``tol_lse``: both 0 on a problem with no visible key, which tests nothing)."""
+    ``tol_lse``: both 0 on a problem with no visible key, which tests nothing), the most key
+    tiles a query tile combined over the sequences (``key_tiles``) and the most keys a row sees
+    (``visible_keys_max``)."""
     from .packing import unpack_varlen
     from ..core.varlen import attention_varlen
 
     q, k, v, cu_q, cu_k, options = case.arrays()
-    out, lse = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True, **options)
+    out, lse, stats = attention_varlen(q, k, v, cu_q, cu_k, seqused_k=case.seqused_k, return_lse=True,
+                                       return_stats=True, **options)
     names = {n: n for n in ("q", "k", "v", "out", "lse")}
     padded, q_lengths, kv_lengths = unpack_varlen(dict(q=q, k=k, v=v, out=out, lse=lse), cu_q, cu_k,
                                                   case.seqused_k, options.get("sinks"), names)
@@ -179,14 +216,18 @@ def run_varlen(case) -> dict:
     return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
             "longest": int(max(max(case.lens_q), max(case.lens_k))), "seqused_k": case.seqused_k is not None,
             "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d, "options": case.options,
-            **Errors.of(ob, gate.ref, gate.ref_abs).as_dict(), **gate.judge(ob, padded["lse"]), **_tolerances(gate)}
+            **Errors.of(ob, gate.ref, gate.ref_abs).as_dict(), **gate.judge(ob, padded["lse"]), **_tolerances(gate),
+            "key_tiles": key_tiles(stats), "visible_keys_max": _visible_keys_max(gate)}
 
 
 def run_paged(case) -> dict:
     """One `~attnlib.evidence.inputs.Paged` problem through `attention` over its page table, judged
     by the gate on the contiguous keys (``kv_lengths = cache_seqlens``), with the gate's largest
-    tolerances (``tol_out``, ``tol_lse``: both 0 on a problem with no visible key)."""
-    from ..core.paged import gather_pages
+    tolerances (``tol_out``, ``tol_lse``: both 0 on a problem with no visible key), the most
+    key tiles an entry's rows combine (``key_tiles``: its chunks of whole pages, the paged path's
+    key tiles, ``ceil(keys / chunk)``; a mask may skip some) and the most keys a row sees
+    (``visible_keys_max``)."""
+    from ..core.paged import DEFAULT_CHUNK_KEYS, gather_pages
 
     q, k_cache, v_cache, table, lens, options = case.arrays()
     out, lse = attention(q, k_cache, v_cache, block_table=table, cache_seqlens=lens, return_lse=True,
@@ -195,10 +236,13 @@ def run_paged(case) -> dict:
     if k.shape[2] == 0:  # no entry has a key: one zero key, invisible to all
         k, v = (np.zeros(x.shape[:2] + (1,) + x.shape[3:]) for x in (k, v))
     gate = Gate(q, k, v, kv_lengths=lens, **options)
+    chunk = max(1, DEFAULT_CHUNK_KEYS // case.page_size) * case.page_size  # as `paged_forward` reads them
     return {"entries": len(case.lens), "keys": list(case.lens), "page_size": case.page_size, "sq": case.sq,
             "pages": int(k_cache.shape[0]), "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d,
             "options": case.options, **Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
-            **gate.judge(out, lse), **_tolerances(gate)}
+            **gate.judge(out, lse), **_tolerances(gate),
+            "key_tiles": max((-(-int(n) // chunk) for n in case.lens), default=0),
+            "visible_keys_max": _visible_keys_max(gate)}
 
 
 def power_table(groups, defects=None) -> list[dict]:
@@ -335,4 +379,4 @@ def run_varlen_gradients(case, seed=0, defects=()) -> dict:
             **_gate_figures(gate, grads, defects, lambda: padded(backward())[1])}
 
 __all__ = ["run_case", "run_family", "power_table", "crossing_fraction", "sink_rescales", "run_varlen",
-           "run_paged"]
+           "run_paged", "key_tiles", "single_tile"]

@@ -139,29 +139,40 @@ def gate_power(rows, defects):
     """Each case's ratio to the gate (error / tolerance, the larger of out and lse), for the
     real kernel and for each injected defect, on a log10 axis with the gate at 1.
 
-    ``rows``: `~attnlib.evidence.differential.run_case` rows with a ``"defects"`` entry; cases a
-    defect leaves unchanged (e.g. an off-by-one causal mask on an unmasked case) are drawn
-    hollow.  A ratio of 0 or inf is drawn at the axis edge.
+    ``rows``: `~attnlib.evidence.differential.run_case` rows with a ``"defects"`` entry.  A
+    defect is drawn only on the cases it changes (its error differs from the real kernel's):
+    on the others it is the real kernel, already drawn, and would show a "pass" it never
+    earned; each defect's label counts the cases it changes.  A ratio of 0 or inf is drawn at
+    the axis edge.
     """
+    from matplotlib.lines import Line2D
+
     lo, hi = -6.0, 16.0
-    labels = ["real kernel"] + list(defects)
+    labels, points = ["real kernel"], [[(r, r) for r in rows]]
+    for name in defects:
+        changed = [(r, j) for r in rows for j in [r["defects"][name]]
+                   if j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]]
+        labels.append(f"{name} ({len(changed)}/{len(rows)} changed)")
+        points.append(changed)
     fig, ax = _figure(figsize=(8, 0.42 * len(labels) + 1.4))
-    for y, label in enumerate(labels):
-        for r in rows:
-            j = r if label == "real kernel" else r["defects"][label]
+    for y, pairs in enumerate(points):
+        for _, j in pairs:
             ratio = max(j["out_ratio"], j["lse_ratio"])
-            same = label != "real kernel" and j["rel_error"] == r["rel_error"] and j["lse_error"] == r["lse_error"]
             with np.errstate(divide="ignore"):
                 x = float(np.clip(np.log10(ratio), lo, hi))
-            ax.plot(x, y, "o", ms=4, alpha=0.6, mfc="none" if same else None,
-                    color="tab:green" if ratio <= 1 else "crimson")
-    ax.axvline(0.0, color="black", lw=1.5, label="gate: error = tolerance")
+            ax.plot(x, y, "o", ms=4, alpha=0.6, color="tab:green" if ratio <= 1 else "crimson")
+    ax.axvline(0.0, color="black", lw=1.5)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(lo - 0.3, hi + 0.3)
-    ax.set_xlabel("log10(error / gate tolerance), per case   (green: passes, red: fails)")
-    ax.set_title(f"The gate's power: the real kernel and {len(defects)} injected defects, {len(rows)} cases")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_xlabel("log10(error / gate tolerance), per case")
+    ax.set_title(f"The gate's power: the real kernel and {len(defects)} injected defects, {len(rows)} cases\n"
+                 "(a defect on the cases it changes only)", fontsize=10)
+    handles = [Line2D([], [], color="black", lw=1.5, label="gate: error = tolerance"),
+               Line2D([], [], marker="o", ls="", color="tab:green", label="passes the gate"),
+               Line2D([], [], marker="o", ls="", color="crimson", label="fails the gate (caught)"),
+               Line2D([], [], ls="", label="cases a defect leaves unchanged: not drawn")]
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return fig
 
 
@@ -305,7 +316,7 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
         # Start the computed line at the largest measured point it extrapolates from.
         dense_model = [(dense[-1]["sq"], dense[-1]["working_bytes"])] + list(dense_model)
         ax.plot([n for n, _ in dense_model], [b / MIB for _, b in dense_model], "s--",
-                color="#e76f51", alpha=0.6, label="dense, computed (n^2 from the largest measured)")
+                color="#e76f51", alpha=0.6, label="dense, projected (n^2 from the largest measured)")
     ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label=f"cap on working memory, {cap_bytes / MIB:.0f} MiB")
     if machine_bytes:
         ax.axhline(machine_bytes / MIB, color="black", ls=":", label=f"this machine's memory, {machine_bytes / 2**30:.0f} GiB")

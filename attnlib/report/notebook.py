@@ -100,12 +100,16 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+#: The key of the one time a report states, on its page and in its JSON: when the notebook
+#: saved its results (`save_results`, its last step), so both carry the same timestamp.
+FINISHED = "run finished (UTC)"
+
+
 def environment() -> dict:
-    """Where and with what a report was made."""
+    """Where and with what a report was made (its time is `save_results`'s, `FINISHED`)."""
     return {
         "attnlib": __version__,
         "git commit": _git_commit(),
-        "date (UTC)": _now(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "BLAS": _blas(),
@@ -117,13 +121,16 @@ def provenance(params: dict):
     """A table of the run's parameters and `environment`, for the top of a report.
 
     Longer than `~attnlib.evidence.plots.SHOWN` rows it is shown once, collapsed under a
-    line that names its counts, the commit and the date (no first rows shown twice)."""
+    line that names its counts and the commit (no first rows shown twice).  It states no time:
+    this cell runs first, and the one time a report states is when the run finished
+    (`FINISHED`, written by `save_results` into the JSON and shown under the verdict)."""
     shown = {k: v for k, v in params.items() if k != "results_json"}  # the runner's plumbing
     env = environment()
     rows = [{"": "parameter", "name": k, "value": repr(v)} for k, v in shown.items()]
     rows += [{"": "environment", "name": k, "value": v} for k, v in env.items()]
     summary = (f"{len(shown)} parameters and {len(env)} entries of the environment (attnlib {env['attnlib']}, "
-               f"commit {env['git commit']}, {env['date (UTC)']} UTC), every row in the section below")
+               f"commit {env['git commit']}; the time the run finished is under the verdict), every row in the "
+               "section below")
     return Table(rows, ["", "name", "value"], title="Parameters and environment of this run", summary=summary)
 
 
@@ -332,7 +339,7 @@ def save_results(results_json: str, notebook: str, params: dict, passed, line: s
         data = {"notebook": notebook, "passed": verdict.passed, "verdict": line,
                 "key": " ".join(str(key).split()), "strict": verdict.strict,
                 "claims": [c.row(p) for c, p in zip(claims, page)], "params": params,
-                "environment": environment(), "figures": figures}
+                "environment": {**environment(), FINISHED: _now()}, "figures": figures}
         Path(results_json).write_text(json.dumps(data, indent=1, default=_jsonable))
     return verdict
 

@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .notebook import STRICT_TEXT, Verdict, _jsonable
+from .notebook import FINISHED, STRICT_TEXT, Verdict, _jsonable
 from .params import NOTEBOOKS
 
 #: The subfolder of a reports folder that holds its full runs (`make report-full`).
@@ -35,6 +35,13 @@ def _banner(overrides: dict) -> str:
 
 
 _BADGE = {"PASS": "#2a9d8f", "FAIL": "#c0392b", "INFO": "#6c757d"}
+
+
+def finished(data: dict) -> str:
+    """When the report's run finished (UTC), as its JSON records it (`FINISHED`; reports written
+    before it: their "date (UTC)", which `save_results` stamped at the same moment)."""
+    env = data.get("environment", {})
+    return str(env.get(FINISHED, env.get("date (UTC)", "?")))
 
 
 def verdict_block(data: dict, notebook: str = "") -> str:
@@ -66,7 +73,11 @@ def verdict_block(data: dict, notebook: str = "") -> str:
     mode = ("every kernel call ran under " + STRICT_TEXT if verdict.strict
             else "NOT run in strict floating-point mode")
     where = f"<code>notebooks/{html.escape(notebook)}.ipynb</code>" if notebook else "its notebook"
-    parts.append(f"<p><small>{html.escape(mode)}. The code is hidden here: it is {where}; every "
+    env = data.get("environment", {})
+    made = (f"Run finished {html.escape(finished(data))} UTC (attnlib {html.escape(str(env.get('attnlib', '?')))}, "
+            f"commit {html.escape(str(env.get('git commit', '?')))}), the time in the report's JSON. ")
+    mode = mode[:1].upper() + mode[1:]  # a sentence of its own, after the time
+    parts.append(f"<p><small>{made}{html.escape(mode)}. The code is hidden here: it is {where}; every "
                  "figure is also in the report's JSON beside this page.</small></p>")
     return "\n".join(parts)
 
@@ -147,7 +158,7 @@ def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = No
     if status is not None:
         where = f"{status['notebook']}, {status['cell']}" if status.get("cell") else status["notebook"]
         previous = (f"the report below is from the previous run that completed, of "
-                    f"{data.get('environment', {}).get('date (UTC)', '?')} UTC, and is not this run's"
+                    f"{finished(data)} UTC, and is not this run's"
                     if data is not None else "there is no earlier report")
         kept = (f" (the executed notebook is kept locally as failed/{html.escape(name)}.ipynb)"
                 if status.get("executed") else "")
