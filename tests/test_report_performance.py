@@ -98,6 +98,8 @@ def _verdict_cell_on(figures_json):
              "load": f["load"], "device_result": f["device"], "device_masks": f["device"]["mask_ratios"],
              "memory_rows": f["mask_memory"], "memory_names": [k[:-4] for k in f["mask_memory"][0] if k.endswith(" MiB")],
              "growth": growth, "sweep": f["sweep"], "best": f["sweep"]["best"], "sweep_line": f["sweep"]["line"],
+             "per_pair": [(r["case"], r["attnlib per visible pair / SDPA per pair"]) for r in masks
+                          if r.get("attnlib per visible pair / SDPA per pair")],
              "mask_n": 8192, "params": {}, "results_json": "", "rates_before": None, "rates_after": None,
              "rates": None, "phases": None, "n_rows": None, "torch_name": None}
     nb = nbformat.read(str(root / "notebooks" / "performance.ipynb"), as_version=4)
