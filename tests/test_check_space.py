@@ -173,3 +173,20 @@ def test_the_forward_allowance_pools_the_naive_error_over_the_tensor():
     lse_ulps = e.lse_allowance / captured["units"][1][..., 0]
     assert np.allclose(lse_ulps, lse_ulps.flat[0], rtol=1e-12)
     assert "softmax first" in e.baseline
+
+
+@pytest.mark.slow
+def test_flexattention_compiled_is_among_the_correct_kernels_and_passes():
+    """Inductor's fused CPU FlexAttention (problem 11 of every 20): compiled afresh with
+    fullgraph=True, so a graph break or dynamo's eager fallback cannot pass for it."""
+    import shutil
+
+    if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        pytest.skip("no C++ compiler for Inductor")
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    rows = [r for r in space.run_problem("float32", 0, 11) if "compiled" in r["kernel"]]
+    assert len(rows) == 1 and rows[0]["judged"] and rows[0]["passed"], rows
+    assert rows[0]["out_ratio"] < 0.5 and "lse_ratio" not in rows[0]
+    assert counters["stats"]["unique_graphs"] >= 1

@@ -11,6 +11,9 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
   with the mask as a boolean ``attn_mask`` (no softcap or sinks: SDPA has neither);
 * FlexAttention, eager (on every ``FLEX_EVERY``-th problem), with the mask as a ``mask_mod`` and the softcap as a ``score_mod``,
   and its LSE;
+* FlexAttention compiled by ``torch.compile`` (Inductor's fused CPU kernel; on every
+  ``FLEX_COMPILED_EVERY``-th problem, where a C++ compiler is present), the same mods, its
+  output only (Inductor's CPU kernel returns no LSE);
 
 and judges each with `check_kernel` (one reference per problem, `memo.shared`): out, LSE,
 and on every ``GRADIENT_EVERY``-th problem the autograd gradients of SDPA (FlexAttention
@@ -48,6 +51,9 @@ GRADIENT_EVERY = 4
 #: FlexAttention runs on every this-many-th problem: eager on the CPU it traces its mods
 #: anew for each problem (~0.35 s, ten times the check's own time).
 FLEX_EVERY = 4
+#: FlexAttention compiled runs on every this-many-th problem: Inductor compiles a kernel per
+#: shape (3.4-3.8 s measured per problem here, float32 and bfloat16; the first ~20 s).
+FLEX_COMPILED_EVERY = 20
 
 
 @dataclass
@@ -208,11 +214,44 @@ def kernels(prec_name: str) -> dict:
                                       return_lse=True)
         return dict(out=numpy(out), lse=numpy(lse))
 
+    def flex_compiled(p, rng, grads):
+        if "sinks" in p.options or p.index % FLEX_COMPILED_EVERY != 11:
+            return None
+        vis = torch.from_numpy(np.array(_visible(p)[:, 0]))
+        cap = p.options.get("softcap")
+
+        def score_mod(score, b, h, i, j):
+            return cap * torch.tanh(score / cap)
+
+        def mask_mod(b, h, i, j):
+            return vis[b, i, j]
+
+        b, _, sq, _ = p.q.shape
+        mask = create_block_mask(mask_mod, b, None, sq, p.k.shape[2], device="cpu")
+        # A fresh compile per problem: past dynamo's recompile limit a compiled function
+        # falls back to eager silently, and fullgraph=True turns a graph break into an error.
+        torch.compiler.reset()
+        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            out = compiled(*tensors(p, False), score_mod=None if cap is None else score_mod,
+                           block_mask=mask, scale=p.options.get("scale"), enable_gqa=True)
+        return dict(out=numpy(out))
+
     version = torch.__version__
     found[f"torch {version} SDPA, math backend"] = sdpa([SDPBackend.MATH])
     found[f"torch {version} SDPA, default backend"] = sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
     found[f"torch {version} FlexAttention, eager"] = flex
+    if _cxx_compiler():
+        found[f"torch {version} FlexAttention, compiled"] = flex_compiled
     return found
+
+
+def _cxx_compiler() -> bool:
+    """Whether Inductor's CPU backend finds a C++ compiler (``$CXX``, or its defaults)."""
+    import os
+    import shutil
+    return any(shutil.which(c) for c in filter(None, (os.environ.get("CXX"), "g++", "clang++", "c++")))
 
 
 def _ratio(verdict):
