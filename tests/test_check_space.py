@@ -190,3 +190,16 @@ def test_flexattention_compiled_is_among_the_correct_kernels_and_passes():
     assert len(rows) == 1 and rows[0]["judged"] and rows[0]["passed"], rows
     assert rows[0]["out_ratio"] < 0.5 and "lse_ratio" not in rows[0]
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_the_cli_tags_its_rows_with_the_code_so_the_report_resumes_them(tmp_path, monkeypatch, capsys):
+    """`python -m attnlib.check.space --jsonl` rows carry `code_version()`, the tag the
+    check_rule report reads back: untagged rows were never resumed (the report re-ran them)."""
+    path = tmp_path / "rows.jsonl"
+    monkeypatch.setattr(space, "code_version", lambda: "check code test")
+    assert space.main(["--problems", "1", "--precisions", "bfloat16", "--jsonl", str(path)]) == 0
+    import json
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows and all(r["code"] == "check code test" for r in rows)
+    again = space.run(["bfloat16"], problems=1, seed=0, path=str(path), code="check code test")
+    assert len(again) == len(rows) and len(path.read_text().splitlines()) == len(rows)

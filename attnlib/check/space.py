@@ -411,8 +411,9 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--jsonl", default=None, metavar="PATH", help="append the rows here; resume from it")
     args = p.parse_args(argv)
+    # Tagged with the code it judges with, as the report's run is: either resumes the other's rows.
     rows = run(args.precisions, args.problems, args.seed, args.jsonl,
-               progress=lambda text: print(text, file=sys.stderr, flush=True))
+               progress=lambda text: print(text, file=sys.stderr, flush=True), code=code_version())
     print(json.dumps(summary(rows), indent=1))
     return 0
 
