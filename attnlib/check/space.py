@@ -192,58 +192,42 @@ def kernels(prec_name: str) -> dict:
             return dict(out=numpy(out)) | (backward(p, out, t) if grads else {})
         return run
 
-    def flex(p, rng, grads):
-        if "sinks" in p.options or p.index % FLEX_EVERY != 1:
-            return None
-        vis = torch.from_numpy(np.array(_visible(p)[:, 0]))
-        cap = p.options.get("softcap")
+    def flex(compiled):
+        every, offset = (FLEX_COMPILED_EVERY, 11) if compiled else (FLEX_EVERY, 1)
 
-        def score_mod(score, b, h, i, j):
-            return cap * torch.tanh(score / cap)
+        def run(p, rng, grads):
+            if "sinks" in p.options or p.index % every != offset:
+                return None
+            vis = torch.from_numpy(np.array(_visible(p)[:, 0]))
+            cap = p.options.get("softcap")
 
-        def mask_mod(b, h, i, j):
-            return vis[b, i, j]
+            def score_mod(score, b, h, i, j):
+                return cap * torch.tanh(score / cap)
 
-        b, _, sq, _ = p.q.shape
-        mask = create_block_mask(mask_mod, b, None, sq, p.k.shape[2], device="cpu")
-        t = tensors(p, False)  # FlexAttention has no backward on the CPU
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # eager (unfused) on the CPU; return_lse's deprecation
-            out, lse = flex_attention(*t, score_mod=None if cap is None else score_mod,
-                                      block_mask=mask, scale=p.options.get("scale"), enable_gqa=True,
-                                      return_lse=True)
-        return dict(out=numpy(out), lse=numpy(lse))
+            def mask_mod(b, h, i, j):
+                return vis[b, i, j]
 
-    def flex_compiled(p, rng, grads):
-        if "sinks" in p.options or p.index % FLEX_COMPILED_EVERY != 11:
-            return None
-        vis = torch.from_numpy(np.array(_visible(p)[:, 0]))
-        cap = p.options.get("softcap")
-
-        def score_mod(score, b, h, i, j):
-            return cap * torch.tanh(score / cap)
-
-        def mask_mod(b, h, i, j):
-            return vis[b, i, j]
-
-        b, _, sq, _ = p.q.shape
-        mask = create_block_mask(mask_mod, b, None, sq, p.k.shape[2], device="cpu")
-        # A fresh compile per problem: past dynamo's recompile limit a compiled function
-        # falls back to eager silently, and fullgraph=True turns a graph break into an error.
-        torch.compiler.reset()
-        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            out = compiled(*tensors(p, False), score_mod=None if cap is None else score_mod,
-                           block_mask=mask, scale=p.options.get("scale"), enable_gqa=True)
-        return dict(out=numpy(out))
+            b, _, sq, _ = p.q.shape
+            mask = create_block_mask(mask_mod, b, None, sq, p.k.shape[2], device="cpu")
+            fn, aux = flex_attention, dict(return_lse=True)
+            if compiled:
+                # A fresh compile per problem: past dynamo's recompile limit a compiled function
+                # falls back to eager silently, and fullgraph=True turns a graph break into an error.
+                torch.compiler.reset()
+                fn, aux = torch.compile(flex_attention, fullgraph=True, dynamic=False), {}  # no LSE on the CPU
+            with warnings.catch_warnings(), torch.no_grad():  # FlexAttention has no backward on the CPU
+                warnings.simplefilter("ignore")  # eager (unfused) on the CPU; return_lse's deprecation
+                got = fn(*tensors(p, False), score_mod=None if cap is None else score_mod,
+                         block_mask=mask, scale=p.options.get("scale"), enable_gqa=True, **aux)
+            return dict(out=numpy(got)) if compiled else dict(out=numpy(got[0]), lse=numpy(got[1]))
+        return run
 
     version = torch.__version__
     found[f"torch {version} SDPA, math backend"] = sdpa([SDPBackend.MATH])
     found[f"torch {version} SDPA, default backend"] = sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
-    found[f"torch {version} FlexAttention, eager"] = flex
+    found[f"torch {version} FlexAttention, eager"] = flex(compiled=False)
     if _cxx_compiler():
-        found[f"torch {version} FlexAttention, compiled"] = flex_compiled
+        found[f"torch {version} FlexAttention, compiled"] = flex(compiled=True)
     return found
 
 
