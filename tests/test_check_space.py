@@ -179,9 +179,7 @@ def test_the_forward_allowance_pools_the_naive_error_over_the_tensor():
 def test_flexattention_compiled_is_among_the_correct_kernels_and_passes():
     """Inductor's fused CPU FlexAttention (problem 11 of every 20): compiled afresh with
     fullgraph=True, so a graph break or dynamo's eager fallback cannot pass for it."""
-    import shutil
-
-    if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+    if not space._cxx_compiler():
         pytest.skip("no C++ compiler for Inductor")
     from torch._dynamo.utils import counters
 
