@@ -46,7 +46,9 @@ def test_correct_autograd_gradients_at_large_logits_pass():
     rows = space.run_problem("float32", 5, 112)
     grads = [r for r in rows if "dq_ratio" in r]
     assert grads and all(r["passed"] for r in rows), rows
-    assert max(r[f"{n}_ratio"] for r in grads for n in ("dq", "dk", "dv")) < 0.6, grads
+    # Below 1 with margin on any CPU: SDPA's default backward's dv sits at 0.68 on an AMD EPYC
+    # (BLAS there rounds differently from the Intel Xeon this was first measured on).
+    assert max(r[f"{n}_ratio"] for r in grads for n in ("dq", "dk", "dv")) < 0.8, grads
 
 
 def test_score_size_is_sigma_plus_abs_lse():

@@ -131,6 +131,13 @@ def test_one_rule_for_every_measured_spread():
     c = report.timing_claim("efficiency", s(0.64, 0.70, 0.81), 0.80, at_most=False, gated=False, unit="")
     assert c.met is None and "target not resolved" in c.measured and "not gated" in c.bound
     assert report.timing_claim("t", s(1, 2, 3)).met is None
+    # The digits put each end on its side of the bound and, for a ratio, of 1 (1.003 is not "1.00").
+    assert report.spread_text(s(0.79, 0.94, 1.003)) == "0.940× (0.790–1.003×)"
+    assert report.spread_text(s(0.79, 0.94, 0.9999)) == "0.9400× (0.7900–0.9999×)"
+    assert report.timing_claim("t", s(2.3, 2.49, 2.4999), 2.5).measured.startswith("2.4900× (2.3000–2.4999×)")
+    assert report.spread_text(s(0.7979, 0.81, 0.9), ".2f", "", bound=0.80) == "0.810 (0.798–0.900)"
+    assert report.decided_format([0.7979, 0.81, 0.9], 0.80) == ".3f"
+    assert report.decided_format([0.2499, 0.1, 0.2], 0.25, percent=True) == ".2%"
     assert report.combined([True, None, True]) is True
     assert report.combined([True, report.UNRESOLVED]) == report.UNRESOLVED
     assert report.combined([report.UNRESOLVED, False]) is False and report.combined([None]) is None

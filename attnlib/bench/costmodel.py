@@ -228,7 +228,8 @@ def project_range(models, heldout_error, n, heads, d, machines, cores, block, ra
     ``e >= 1``); the compute floor over the refits' rates; the scheduler floor at the
     fastest and the slowest of the measured ``rates`` (tasks per second).  Each end is the
     largest of the three, as in `project`: ``{"low_hours", "high_hours", "model_low_hours",
-    "model_high_hours"}``."""
+    "model_high_hours", "low_floor_hours", "high_floor_hours"}`` (the last two: the larger
+    floor at each end; the low one can be under `project`'s, which is at the fitted rate)."""
     stats = plan_stats(1, heads, n, d, block)
     workers = machines * cores
     row = {**stats, "workers": workers, "workers_per_machine": cores, "machine_cores": cores}
@@ -240,4 +241,5 @@ def project_range(models, heldout_error, n, heads, d, machines, cores, block, ra
     tasks = stats["pieces"] + stats["merges"]
     lo_s, hi_s = tasks / max(rates), tasks / min(rates)
     return {"low_hours": max(lo_m, lo_c, lo_s) / 3600, "high_hours": max(hi_m, hi_c, hi_s) / 3600,
-            "model_low_hours": lo_m / 3600, "model_high_hours": hi_m / 3600}
+            "model_low_hours": lo_m / 3600, "model_high_hours": hi_m / 3600,
+            "low_floor_hours": max(lo_c, lo_s) / 3600, "high_floor_hours": max(hi_c, hi_s) / 3600}

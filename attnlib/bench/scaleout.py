@@ -291,26 +291,35 @@ def _trace_now():
     return tracemalloc.get_traced_memory()  # (current, peak)
 
 
-def worker_peaks(client, paths, block, out, causal=True, kv_block=None, calls=2) -> list:
-    """Per worker: the peak of traced memory (tracemalloc, in the worker process) over a
-    call that writes its output to ``out`` (the caller has warmed the cluster up with the
-    same call), what is still traced after it (what Dask keeps: task records, logs), and
-    their difference, the call's working memory.  ``[(peak, left, working), ...]`` in
-    bytes, by worker, from the one of ``calls`` calls with the smallest working memory:
-    what a call always needs, without a burst of Dask's own messages that one call may
-    catch and the next not (a few hundred KiB, seen at small ``n``).  ``kv_block``
-    (default ``block``) sets the pieces' key ranges."""
+def worker_calls(client, paths, block, out, causal=True, kv_block=None, calls=2) -> list:
+    """Per call of ``calls``, per worker: the peak of traced memory (tracemalloc, in the
+    worker process) over a call that writes its output to ``out`` (the caller has warmed the
+    cluster up with the same call), what is still traced after it (what Dask keeps: task
+    records, logs), and their difference, the call's working memory.  ``[[(peak, left,
+    working), ...by worker], ...by call]`` in bytes.  ``kv_block`` (default ``block``) sets
+    the pieces' key ranges."""
     from ..distributed import attention
 
-    best = None
+    result = []
     for _ in range(calls):
         client.run(_trace_start)
         attention(*paths, client=client, causal=causal, block_q=block,
                   kv_block=block if kv_block is None else kv_block, out=out, device=NUMPY)
-        now = [(peak, left, peak - left) for left, peak in
-               (client.run(_trace_now)[w] for w in sorted(client.scheduler_info()["workers"]))]
-        best = now if best is None else [min(a, b, key=lambda x: x[2]) for a, b in zip(best, now)]
-    return best
+        result.append([(peak, left, peak - left) for left, peak in
+                       (client.run(_trace_now)[w] for w in sorted(client.scheduler_info()["workers"]))])
+    return result
+
+
+def smallest_call(calls) -> list:
+    """Per worker, the `worker_calls` entry with the smallest working memory: what a call
+    always needs, without a burst of Dask's own messages that one call may catch and the
+    next not (a few hundred KiB, seen at small ``n``)."""
+    return [min(per_worker, key=lambda x: x[2]) for per_worker in zip(*calls)]
+
+
+def worker_peaks(client, paths, block, out, causal=True, kv_block=None, calls=2) -> list:
+    """`smallest_call` of `worker_calls`: ``[(peak, left, working), ...]`` by worker."""
+    return smallest_call(worker_calls(client, paths, block, out, causal, kv_block, calls))
 
 
 def growth_bound(n_before: int, n_after: int, d: int) -> int:

@@ -139,8 +139,9 @@ def gate_power(rows, defects):
     """Each case's ratio to the gate (error / tolerance, the larger of out and lse), for the
     real kernel and for each injected defect, on a log10 axis with the gate at 1.
 
-    ``rows``: `~attnlib.evidence.differential.run_case` rows with a ``"defects"`` entry.  A
-    defect is drawn only on the cases it changes (its error differs from the real kernel's):
+    ``rows``: `~attnlib.evidence.differential.run_case` (or `run_family`) rows with a
+    ``"defects"`` entry, of every run the defects ran on (a defect absent from a row's entry
+    did not run there and is not counted on it).  A defect is drawn only on the cases it changes (its error differs from the real kernel's):
     on the others it is the real kernel, already drawn, and would show a "pass" it never
     earned; each defect's label counts the cases it changes.  A ratio of 0 or inf is drawn at
     the axis edge.
@@ -150,9 +151,9 @@ def gate_power(rows, defects):
     lo, hi = -6.0, 16.0
     labels, points = ["real kernel"], [[(r, r) for r in rows]]
     for name in defects:
-        changed = [(r, j) for r in rows for j in [r["defects"][name]]
-                   if j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]]
-        labels.append(f"{name} ({len(changed)}/{len(rows)} changed)")
+        ran = [(r, r["defects"][name]) for r in rows if name in r.get("defects", {})]
+        changed = [(r, j) for r, j in ran if j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]]
+        labels.append(f"{name} ({len(changed)}/{len(ran)} changed)")
         points.append(changed)
     fig, ax = _figure(figsize=(8, 0.42 * len(labels) + 1.4))
     for y, pairs in enumerate(points):
@@ -248,8 +249,9 @@ def rescale_heatmaps(panels: dict, tile_kind=None, columns=2):
     return fig
 
 
-def rescales_vs_expected(measured, expected, maximum=None):
-    """Rescale events per key tile (summed over query tiles): measured vs i.i.d. theory."""
+def rescales_vs_expected(measured, expected, maximum=None, sigma=None):
+    """Rescale events per key tile (summed over query tiles): measured vs i.i.d. theory;
+    ``sigma`` (per key tile), the model's standard deviation of each count, drawn as a band."""
     fig, ax = _figure(figsize=(8, 4))
     x = np.arange(np.shape(measured)[1])
 
@@ -258,7 +260,12 @@ def rescales_vs_expected(measured, expected, maximum=None):
         return np.where(total > 0, total, np.nan)
 
     ax.plot(x, per_key_tile(measured), "o-", ms=3, label=f"measured, total {int(np.sum(measured)):,}")
-    ax.plot(x, per_key_tile(expected), "-", lw=2, label=f"expected for i.i.d. scores, total {np.sum(expected):,.0f}")
+    line, = ax.plot(x, per_key_tile(expected), "-", lw=2, label=f"expected for i.i.d. scores, total {np.sum(expected):,.0f}")
+    if sigma is not None:
+        mean = np.sum(expected, axis=0)
+        low = mean - np.asarray(sigma)
+        ax.fill_between(x, np.where(low > 0, low, np.nan), mean + np.asarray(sigma), color=line.get_color(), alpha=0.25,
+                        lw=0, label="expected ± 1 sigma per key tile (i.i.d. model)")
     if maximum is not None:
         ax.plot(x, per_key_tile(maximum), ":", color="grey", label=f"maximum possible, total {int(np.sum(maximum)):,}")
     ax.set_yscale("log")
@@ -298,12 +305,26 @@ def memory_timelines(traces: dict, cap_bytes, output_bytes):
     return fig
 
 
+def dense_projection(dense, ns) -> tuple[list, dict]:
+    """The dense working memory at each ``n`` of ``ns`` beyond the measured ``dense`` runs
+    (`~attnlib.evidence.memory.peak_memory` results), grown as ``n^2``: ``(model, ranges)``,
+    ``model`` the ``[(n, bytes)]`` projected from the largest measured run, ``ranges``
+    ``{n: [bytes, ...]}`` the same projection from each measured run (its spread: how far the
+    runs are from ``n^2``).  A projection, not a measurement."""
+    largest = max(dense, key=lambda r: r["sq"])
+    beyond = [m for m in ns if m > largest["sq"]]
+    model = [(m, largest["working_bytes"] * (m / largest["sq"]) ** 2) for m in beyond]
+    ranges = {m: [r["working_bytes"] * (m / r["sq"]) ** 2 for r in dense] for m in beyond}
+    return model, ranges
+
+
 def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
-                title="Working memory vs sequence length (tracemalloc, fresh process each)"):
+                title="Working memory vs sequence length (tracemalloc, fresh process each)", ranges=None):
     """Peak working memory vs n: tiled (measured), dense (measured, then computed).
 
     ``tiled``/``dense`` are `attnlib.evidence.memory.peak_memory` results; ``dense_model`` is a
-    list of ``(n, bytes)`` computed beyond the sizes dense was run at.
+    list of ``(n, bytes)`` computed beyond the sizes dense was run at, and ``ranges``
+    (`dense_projection`'s) each one's range, drawn as a bar.
     """
     fig, ax = _figure(figsize=(11, 4.5))
     ax.plot([r["sq"] for r in tiled], [r["working_bytes"] / MIB for r in tiled], "o-",
@@ -317,6 +338,13 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
         dense_model = [(dense[-1]["sq"], dense[-1]["working_bytes"])] + list(dense_model)
         ax.plot([n for n, _ in dense_model], [b / MIB for _, b in dense_model], "s--",
                 color="#e76f51", alpha=0.6, label="dense, projected (n^2 from the largest measured)")
+        if ranges:
+            ns = sorted(ranges)
+            mid = dict(dense_model)
+            lo = [mid[m] - min(ranges[m]) for m in ns]
+            hi = [max(ranges[m]) - mid[m] for m in ns]
+            ax.errorbar(ns, [mid[m] / MIB for m in ns], yerr=[np.asarray(lo) / MIB, np.asarray(hi) / MIB], fmt="none",
+                        ecolor="#e76f51", capsize=4, alpha=0.8, label="dense, projection's range (n^2 from each measured run)")
     ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label=f"cap on working memory, {cap_bytes / MIB:.0f} MiB")
     if machine_bytes:
         ax.axhline(machine_bytes / MIB, color="black", ls=":", label=f"this machine's memory, {machine_bytes / 2**30:.0f} GiB")

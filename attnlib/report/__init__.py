@@ -70,6 +70,7 @@ from .notebook import (
     ratio_range,
     save_results,
     spread_text,
+    decided_format,
     stage,
     strict,
     tally,
@@ -132,7 +133,7 @@ from .cli import main
 
 __all__ = [
     "BACKWARD", "CLAIMS_SHOWN", "Claim", "FALLBACK_MEMORY", "HEADLINE_WORDS", "KEY_WORDS", "UNRESOLVED",
-    "against", "combined", "compare", "on_page", "outcome", "ratio_range", "spread_text", "tally", "timing_claim", "FULL_REPORTS", "GALLERY_ENTRIES", "INSTALL_REPORT", "LOCAL_REPORTS", "LONG_DOUBLE",
+    "against", "combined", "compare", "decided_format", "on_page", "outcome", "ratio_range", "spread_text", "tally", "timing_claim", "FULL_REPORTS", "GALLERY_ENTRIES", "INSTALL_REPORT", "LOCAL_REPORTS", "LONG_DOUBLE",
     "NOTEBOOKS", "PAIR_WORK", "PIECE_BYTES", "PIECE_WORK", "PROCESS_BYTES", "PROGRESS_ENV", "REPORTS",
     "REPORT_MODULES", "ROOT", "STRICT", "STRICT_TEXT", "TASK_WORK", "TEMPLATES", "THREAD_BYTES",
     "TILE_WORK", "WORK_LIMIT", "Cost", "Notebook", "NotebookError", "ReportError", "Verdict",

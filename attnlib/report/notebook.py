@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
+import re
 import platform
 import subprocess
 from dataclasses import dataclass
@@ -258,8 +260,39 @@ def ratio_range(a: dict, b: dict) -> dict:
             "n": min(a.get("n", 0), b.get("n", 0))}
 
 
-def spread_text(spread: dict, fmt: str = ".2f", unit: str = "×") -> str:
-    """``median (min–max)``, as every timing is shown."""
+def _sided(fmt: str, values, bounds) -> str:
+    """``fmt`` (``.Nf`` or ``.N%``) with decimals added until no value of ``values`` prints on
+    the other side of a bound of ``bounds``, or on it (1.003 is not "1.00" against 1); other
+    formats as given."""
+    m = re.fullmatch(r"\.(\d+)([f%])", fmt)
+    if m is None:
+        return fmt
+    decimals, kind = int(m.group(1)), m.group(2)
+    scale = 100.0 if kind == "%" else 1.0
+    while decimals < 15:
+        fmt = f".{decimals}{kind}"
+        shown = [float(format(v, fmt).rstrip("%")) / scale for v in values]
+        if all((s > b) == (v > b) and (s < b) == (v < b) for b in bounds for s, v in zip(shown, values)):
+            return fmt
+        decimals += 1
+    return f".15{kind}"
+
+
+def decided_format(values, bound: float, percent: bool = False, digits: int = 3) -> str:
+    """The format of values read against ``bound``: ``digits`` significant digits on the
+    largest, and more where fewer would print one on the other side of the bound, or on it
+    (0.7979 is not "0.80" against a target of 0.80)."""
+    top = max(abs(v) * (100 if percent else 1) for v in values) or 1.0
+    decimals = max(0, digits - 1 - math.floor(math.log10(top)))
+    return _sided(f".{decimals}{'%' if percent else 'f'}", values, [bound])
+
+
+def spread_text(spread: dict, fmt: str = ".2f", unit: str = "×", bound: float | None = None) -> str:
+    """``median (min–max)``, as every timing is shown; the digits put each of the three on
+    its side of ``bound`` and, for a ratio (``unit`` "×"), of 1, the line between faster and
+    slower (`compare`)."""
+    values = [float(spread[x]) for x in ("median", "min", "max")]
+    fmt = _sided(fmt, values, [b for b in (bound, 1.0 if unit == "×" else None) if b is not None])
     return f"{spread['median']:{fmt}}{unit} ({spread['min']:{fmt}}–{spread['max']:{fmt}}{unit})"
 
 
@@ -288,7 +321,7 @@ def timing_claim(claim: str, spread: dict, bound: float | None = None, *, at_mos
     by `against`: measured ``median (min–max)`` (and ``note``), "the spread crosses the
     bound" where it does; ``met`` `against`'s answer when ``gated``, else None (the bound
     is a target shown beside it, the outcome in the measured column)."""
-    measured = spread_text(spread, fmt, unit) + (f", {note}" if note else "")
+    measured = spread_text(spread, fmt, unit, bound) + (f", {note}" if note else "")
     if bound is None:
         return Claim(claim, measured, "", None, detail)
     met = against(spread, bound, at_most)
