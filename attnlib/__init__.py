@@ -17,7 +17,10 @@ evidence, the check or the report.  The layout:
 - `attnlib.core`: the numerical core (online softmax, masks and tile classes, the tiled
   forward, stream, paged, varlen, flex, backward, the dense reference, the oracle, array
   conversion, the options); it imports nothing outside itself.
-- `attnlib.evidence`: what proves it (gate, metrics, differential runs, defects, memory,
+- `attnlib.judge`: what a verdict is made of, shared by the check and the evidence (the
+  verdict gate's rounding bounds, the error metrics, packed layouts as a batch, whether a
+  dense reference fits); it imports only the core.
+- `attnlib.evidence`: what proves attnlib right (differential runs, defects, memory runs,
   plots, numerics, inputs).
 - `attnlib.check` (a verdict on someone else's kernel), `attnlib.testing` (its pytest
   helper), `attnlib.bench`, `attnlib.distributed`, `attnlib.report`.
@@ -46,25 +49,25 @@ _PUBLIC = {
     'SKIP': 'core.masks',
     'MaskSpec': 'core.masks',
     'mask_specs': 'core.masks',
-    'BOUND': 'evidence.metrics',
-    'Errors': 'evidence.metrics',
-    'attention_errors': 'evidence.metrics',
-    'expected_rescales': 'evidence.metrics',
-    'gradient_errors': 'evidence.metrics',
-    'max_rescales': 'evidence.metrics',
-    'log10_histogram': 'evidence.metrics',
-    'max_abs_error': 'evidence.metrics',
-    'naive_rel_error': 'evidence.metrics',
-    'normwise_error': 'evidence.metrics',
-    'reference_with_abs': 'evidence.metrics',
-    'rel_error': 'evidence.metrics',
+    'BOUND': 'judge.metrics',
+    'Errors': 'judge.metrics',
+    'attention_errors': 'judge.metrics',
+    'expected_rescales': 'judge.metrics',
+    'gradient_errors': 'judge.metrics',
+    'max_rescales': 'judge.metrics',
+    'log10_histogram': 'judge.metrics',
+    'max_abs_error': 'judge.metrics',
+    'naive_rel_error': 'judge.metrics',
+    'normwise_error': 'judge.metrics',
+    'reference_with_abs': 'judge.metrics',
+    'rel_error': 'judge.metrics',
     'run_case_gradients': 'evidence.differential',
     'run_family_gradients': 'evidence.differential',
     'power_table': 'evidence.differential',
     'run_case': 'evidence.differential',
     'run_family': 'evidence.differential',
-    'Gate': 'evidence.gate',
-    'GradientGate': 'evidence.gate',
+    'Gate': 'judge.gate',
+    'GradientGate': 'judge.gate',
     'OnlineSoftmax': 'core.online',
     'merge_attention': 'core.online',
     'ORACLE_PRECISION': 'core.oracle',
@@ -86,13 +89,13 @@ _PUBLIC = {
     'create_block_mask': 'core.flex',
 }
 
-#: The subpackages, and the modules of the numerical core and the evidence by their short
-#: names (``attnlib.flex`` is ``attnlib.core.flex``, ``attnlib.gate`` ``attnlib.evidence.gate``), on first use.
-_MODULES = {name: name for name in ("core", "evidence", "check", "testing", "bench", "distributed", "report")}
+#: The subpackages, and the modules of the numerical core, the judge and the evidence by their short
+#: names (``attnlib.flex`` is ``attnlib.core.flex``, ``attnlib.gate`` ``attnlib.judge.gate``), on first use.
+_MODULES = {name: name for name in ("core", "judge", "evidence", "check", "testing", "bench", "distributed", "report")}
 _MODULES.update({m: "core." + m for m in ("online", "masks", "flex", "stream", "paged", "varlen",
                                          "backward", "reference", "oracle", "tensorio", "tiled")})
-_MODULES.update({m: "evidence." + m for m in ("gate", "metrics", "differential", "defects", "memory",
-                                             "plots", "numerics", "inputs")})
+_MODULES.update({m: "judge." + m for m in ("gate", "metrics", "packing", "sizing")})
+_MODULES.update({m: "evidence." + m for m in ("differential", "defects", "memory", "plots", "numerics", "inputs")})
 
 __all__ = list(_PUBLIC)
 

@@ -10,7 +10,7 @@ import pytest
 
 import attnlib
 from attnlib.core.masks import mask_specs
-from attnlib.evidence.metrics import rel_error
+from attnlib.judge.metrics import rel_error
 
 import attnlib.distributed as ad
 import distributed  # the [distributed] extra; make test installs it

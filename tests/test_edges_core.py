@@ -11,7 +11,7 @@ import attnlib
 from attnlib.core import problem
 from attnlib import create_block_mask
 from attnlib.core.backward import attention_backward, reference_attention_backward
-from attnlib.evidence.metrics import expected_rescales, max_rescales
+from attnlib.judge.metrics import expected_rescales, max_rescales
 from attnlib.core.reference import reference_rescales
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
@@ -147,7 +147,7 @@ def test_error_metrics_refuse_outputs_that_would_broadcast():
     for bad in (ref[:1], ref[None], ref[:, :1], ref.T):
         with pytest.raises(ValueError, match="out has shape"):
             attnlib.attention_errors(bad, q, k, v)
-    for fn in (attnlib.evidence.metrics.naive_rel_error, attnlib.evidence.metrics.max_abs_error, attnlib.evidence.metrics.normwise_error):
+    for fn in (attnlib.judge.metrics.naive_rel_error, attnlib.judge.metrics.max_abs_error, attnlib.judge.metrics.normwise_error):
         with pytest.raises(ValueError, match="out has shape"):
             fn(ref[:1], ref)
     dout = np.ones_like(ref)
@@ -368,7 +368,7 @@ def test_sinks_and_slopes_are_bounded_by_the_type_the_scores_are_kept_in():
 
 def test_metrics_gates_and_merge_read_tensors_or_name_the_argument():
     torch = pytest.importorskip("torch")
-    from attnlib.evidence.gate import Gate, GradientGate
+    from attnlib.judge.gate import Gate, GradientGate
 
     q, k, v = attnlib.random_qkv(6, 7, 4, seed=0)
     out, lse = attnlib.attention(q, k, v, return_lse=True)

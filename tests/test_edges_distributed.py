@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib.evidence.metrics import rel_error
+from attnlib.judge.metrics import rel_error
 
 import attnlib.distributed as ad
 import distributed  # the [distributed] extra; make test installs it

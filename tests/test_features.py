@@ -463,7 +463,7 @@ def test_the_defects_reach_a_tile_computed_by_document_blocks():
     # survives a block's row slice (review).
     from attnlib.core import hooks
     from attnlib.evidence.defects import DEFECTS
-    from attnlib.evidence.gate import Gate
+    from attnlib.judge.gate import Gate
 
     rng = np.random.default_rng(3)
     ids = _packed_ids(rng, 1024, 24)[None]

@@ -1,4 +1,4 @@
-"""The verdict gate (attnlib.evidence.gate), the injected defects and the differential run."""
+"""The verdict gate (attnlib.judge.gate), the injected defects and the differential run."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import pytest
 import attnlib
 from attnlib import FAMILIES, Gate, adversarial_qkv, attention, differential_cases, reference_scores
 from attnlib.evidence.defects import DEFECTS
-from attnlib.evidence.gate import U, tolerance
+from attnlib.judge.gate import U, tolerance
 from attnlib.evidence.inputs import DIFFERENTIAL_BLOCKS, longest_row
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
@@ -248,7 +248,7 @@ def test_subnormal_weights_are_judged_absolutely():
     v[256:, 0] = 0.0
     gate, out, lse = _judge(q, k, v, block_k=256)
     judged = gate.judge(out, lse)
-    assert 0 < np.abs(gate.ref[:, 0]).max() < attnlib.evidence.metrics.TINY  # subnormal outputs
+    assert 0 < np.abs(gate.ref[:, 0]).max() < attnlib.judge.metrics.TINY  # subnormal outputs
     assert judged["passed"] and judged["rel_error"] < attnlib.BOUND, judged
     bad = out.copy()
     bad[:, 1] *= 1 + 1e-8  # a normal column keeps its relative tolerance (~1e-11 at logits ~744)

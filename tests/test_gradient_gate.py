@@ -10,7 +10,7 @@ import pytest
 import attnlib
 from attnlib.core.backward import attention_backward
 from attnlib.evidence.defects import BACKWARD_DEFECTS
-from attnlib.evidence.gate import GradientGate
+from attnlib.judge.gate import GradientGate
 
 OPTIONS = [
     dict(),

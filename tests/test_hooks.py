@@ -16,7 +16,7 @@ from attnlib.core.masks import MaskSpec
 from attnlib.core.online import OnlineSoftmax
 from attnlib.core import tiles
 from attnlib.evidence.defects import BACKWARD_DEFECTS, DEFECTS, PATHS, STEP_PATHS, Defect
-from attnlib.evidence.gate import Gate, GradientGate
+from attnlib.judge.gate import Gate, GradientGate
 
 N, D = 320, 64  # the problem of tests/test_gate.py: every forward defect shows on it
 BQ = BK = 64  # 5 key tiles per row at the end: rescales, a last tile to drop

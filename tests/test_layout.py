@@ -46,7 +46,7 @@ PUBLIC = {
 
 
 #: The lazy root's names -> the module each comes from (``from attnlib import Gate`` imports
-#: attnlib.evidence.gate, ``from .. import metrics`` attnlib.evidence.metrics).
+#: attnlib.judge.gate, ``from .. import metrics`` attnlib.judge.metrics).
 ROOT_NAMES = {**attnlib._PUBLIC, **attnlib._MODULES}
 
 
@@ -140,6 +140,30 @@ def test_the_evidence_imports_nothing_built_on_it(graph):
         if name.startswith("attnlib.evidence"):
             bad = sorted(d for d in deps if d.startswith(ABOVE_EVIDENCE))
             assert not bad, f"{name} imports {bad}"
+
+
+def test_the_judge_imports_only_the_core(graph):
+    """`attnlib.judge` is what the check (the product) and the evidence (the lab) share."""
+    for name, deps in graph.items():
+        if name.startswith("attnlib.judge"):
+            bad = sorted(d for d in deps if not d.startswith(("attnlib.core", "attnlib.judge")))
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_the_check_judges_without_the_evidence(graph):
+    """The product apart from the lab: only the rule's own calibration (its random problems)
+    reaches into `attnlib.evidence`, only the CLI's ``--html`` into `attnlib.report`, and a
+    check of a kernel loads neither."""
+    allowed = {"attnlib.check.calibration": ("attnlib.evidence",), "attnlib.check.cli": ("attnlib.report",)}
+    for name, deps in graph.items():
+        if name.startswith("attnlib.check"):
+            bad = sorted(d for d in deps if d.startswith(("attnlib.evidence", "attnlib.report"))
+                         and not d.startswith(allowed.get(name, ("-",))))
+            assert not bad, f"{name} imports {bad}"
+    loaded = _loaded_after("import numpy as np; from attnlib.check import check_kernel; "
+                           "from attnlib.core.tiled import attention; q = np.ones((1, 2, 8, 4)); "
+                           "check_kernel(q, q, q, attention(q, q, q), layout='bhsd')")
+    assert not [m for m in loaded if m.startswith(("attnlib.evidence", "attnlib.report"))], loaded
 
 
 def test_no_source_file_exceeds_the_limit():

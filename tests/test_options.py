@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import attnlib
 from attnlib.core.options import MASKING, MODS, PAGING, SCORES, SPARSE, Options
-from attnlib.evidence.gate import row_stats, tolerance
+from attnlib.judge.gate import row_stats, tolerance
 
 Q, K, V = attnlib.random_qkv(6, 8, 4, heads=2, seed=0)
 DOUT = np.random.default_rng(1).standard_normal(Q.shape)

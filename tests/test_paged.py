@@ -6,7 +6,7 @@ import pytest
 
 import attnlib
 from attnlib.evidence import memory
-from attnlib.evidence.metrics import rel_error
+from attnlib.judge.metrics import rel_error
 from attnlib.core.paged import gather_pages
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")

@@ -244,7 +244,7 @@ def test_adversarial_logits_and_huge_sinks_stay_clean():
             grads = attnlib.attention_backward(q, k, v, out, lse, v, sinks=sinks, causal=True)
         # Scores of 1e4 carry absolute rounding of ~1e4 u each: judged by the verdict gate's
         # float64 bound (with the sink as one more term), not by a fixed 1e-13.
-        tol = attnlib.evidence.gate.tolerance(q, k, v, ref_lse, causal=True, sinks=sinks)
+        tol = attnlib.judge.gate.tolerance(q, k, v, ref_lse, causal=True, sinks=sinks)
         assert np.all(np.abs(out - ref) <= tol.allowed(p @ np.abs(vr)))
         assert np.all(np.abs(lse - ref_lse) <= tol.lse)
         assert np.all(np.isfinite(lse)) and all(np.all(np.isfinite(g)) for g in grads)

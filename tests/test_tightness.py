@@ -12,7 +12,7 @@ import pytest
 import attnlib
 from attnlib.core.backward import attention_backward
 from attnlib.evidence.defects import DEFECTS
-from attnlib.evidence.gate import Gate, GradientGate
+from attnlib.judge.gate import Gate, GradientGate
 from attnlib.core.tilesizes import DEFAULT_TILES, default_tiles
 from attnlib.core.tiles import keys_first_for
 

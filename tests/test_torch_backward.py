@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from attnlib import (attention, attention_backward, attention_vjp, create_block_mask, random_qkv,  # noqa: E402
                      reference_attention, reference_attention_backward)
 from attnlib.core import backward as backward_mod  # noqa: E402
-from attnlib.evidence.metrics import rel_error  # noqa: E402
+from attnlib.judge.metrics import rel_error  # noqa: E402
 
 #: The torch backward against the numpy one, both float64: rounding only.
 BOUND = 1e-13

@@ -62,7 +62,7 @@ def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
         raise AssertionError("computed with numpy")
 
     from attnlib.check import rule
-    from attnlib.evidence import gate
+    from attnlib.judge import gate
     monkeypatch.setattr(rule, "forward", refuse)
     monkeypatch.setattr(gate, "tile_scores", refuse)
     assert_attention_close(out, q, k, v, layout="bhsd", causal=True, causal_align="top_left")

@@ -17,7 +17,7 @@ import pytest
 
 import attnlib
 from attnlib.core import online, problem, reference, stream, torch_merge, torch_tiled, varlen
-from attnlib.evidence.metrics import rel_error, reference_with_abs
+from attnlib.judge.metrics import rel_error, reference_with_abs
 
 torch = pytest.importorskip("torch")
 

@@ -12,7 +12,7 @@ import pytest
 import attnlib
 from attnlib import attention, attention_backward, reference_attention, reference_attention_backward
 from attnlib.core.masks import mask_specs
-from attnlib.evidence.metrics import rel_error
+from attnlib.judge.metrics import rel_error
 
 torch = pytest.importorskip("torch")
 

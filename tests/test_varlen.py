@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnlib
-from attnlib.evidence.metrics import rel_error
+from attnlib.judge.metrics import rel_error
 
 STRICT = dict(divide="raise", over="raise", invalid="raise")
 

@@ -109,7 +109,7 @@ def _sdpa_fits(dev, heads: int, n: int) -> bool:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return need < free / 2
-    from ..evidence.memory import dense_fits
+    from ..judge.sizing import dense_fits
 
     return dense_fits(n, heads=heads)
 

@@ -122,15 +122,15 @@ def run_entry(entry: Entry, n: int, heads: int, d: int, block: int, seed: int = 
     """Equality figures of one entry at ``n``: attnlib against the dense reference (the gate)
     and against its built-in equivalent (values and tile map), its processed tiles against
     an independent dense count, and the backward against the dense gradient (judged by the
-    gradient gate, `~attnlib.evidence.gate.GradientGate`: ``grad_gate_ratio`` <= 1 passes).
+    gradient gate, `~attnlib.judge.gate.GradientGate`: ``grad_gate_ratio`` <= 1 passes).
 
-    With ``gates`` (a dict), the entry's `~attnlib.evidence.gate.Gate` is kept there under its
+    With ``gates`` (a dict), the entry's `~attnlib.judge.gate.Gate` is kept there under its
     name, so `versus_flex` judges FlexAttention against the same dense reference (same inputs)
     instead of computing it again."""
     from ..core.backward import attention_backward
     from ..core.flex import create_block_mask
-    from ..evidence.metrics import _gradient_figures
-    from ..evidence.gate import Gate, GradientGate
+    from ..judge.metrics import _gradient_figures
+    from ..judge.gate import Gate, GradientGate
     from ..core.masks import SKIP
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
@@ -223,9 +223,9 @@ def versus_flex(entries, n, heads, d, block, repeats=5, gates: dict | None = Non
     gate's out tolerance of the dense reference (``flex_gate_ratio``, <= 1 passes), and the
     min, median and max seconds of both over ``repeats`` interleaved runs (block masks made
     before timing).  ``gates``: `run_entry`'s, by entry name (the same inputs); an entry
-    without one gets its `~attnlib.evidence.gate.Gate` built here."""
-    from ..evidence.gate import Gate, _ratio
-    from ..evidence.metrics import rel_error
+    without one gets its `~attnlib.judge.gate.Gate` built here."""
+    from ..judge.gate import Gate, _ratio
+    from ..judge.metrics import rel_error
 
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=0)
     rows = []

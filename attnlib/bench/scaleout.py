@@ -444,7 +444,7 @@ def check_blocks(result, paths, block, samples) -> list:
     result wrong only in blocks between the samples passes."""
     import attnlib
 
-    from ..evidence.metrics import rel_error
+    from ..judge.metrics import rel_error
 
     q, k, v = (np.load(p, mmap_mode="r") for p in paths)
     n = q.shape[-2]

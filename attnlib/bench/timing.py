@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..evidence.inputs import random_qkv
-from ..evidence.memory import dense_fits
+from ..judge.sizing import dense_fits
 
 
 @dataclass(frozen=True)

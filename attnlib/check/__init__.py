@@ -7,7 +7,7 @@ there, and the kernel passes when every ``|kernel - ref|`` is within it:
 * below float64, FlashAttention's test rule, ``(2 r + 2)`` ulps of each entry's own size,
   with ``r`` the largest error of plain attention in the kernel's precision (``naive``) in
   those ulps, over the tensor (per head for gradients): no constant ``atol``;
-* for float64 kernels, the verdict gate's float64 rounding bound per row (`attnlib.evidence.gate`),
+* for float64 kernels, the verdict gate's float64 rounding bound per row (`attnlib.judge.gate`),
   since a float64 "naive" rounds as much as the kernel does.
 
 When the output fails, the check names the likely causes, row by row: NaN and inf, rows

@@ -18,7 +18,7 @@ import numpy as np
 from ..core import problem
 from ..core.options import Options
 from ..evidence.inputs import random_qkv
-from ..evidence.memory import dense_fits
+from ..judge.sizing import dense_fits
 from ..core.oracle import ORACLE_PRECISION, oracle_attention
 from ..core.reference import reference_attention
 from ..core.tiled import attention

@@ -26,7 +26,7 @@ from ..core import arrays
 from ..core import descale, problem
 from ..core.lse_conventions import LN2, NATURAL, LseConvention
 from ..core.options import Options
-from ..evidence.gate import row_stats
+from ..judge.gate import row_stats
 from ..core.tiled import forward_on
 from .rule import expect, per_head_max, ratios, row_masks
 from .shapes import AXES, other_layout, positions, shape_problem, to_bhsd, where

@@ -64,7 +64,7 @@ random problems, `attnlib.check.power` the wrong kernels caught at every magnitu
 *float64* kernels make errors of the reference's own size, so "twice the naive error"
 would compare rounding noise with rounding noise (below one key tile the naive dense
 result is bit-identical to attnlib's and the bound collapses to ``atol``).  There the
-allowance is the verdict gate's (`attnlib.evidence.gate`): a first-order float64 rounding bound on
+allowance is the verdict gate's (`attnlib.judge.gate`): a first-order float64 rounding bound on
 how far two correct implementations can differ, per row, relative to ``P @ |V|``, with
 the kernel's tiling taken at its worst case (``block_k = 1``: any order of summation),
 capped by the contract's ``rel_error < 1e-9``.  It needs no naive baseline and is sound
@@ -115,9 +115,9 @@ from ..core.device import as_tensor
 from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
 from ..core.lse_conventions import NATURAL, LseConvention
 from ..core.options import Options
-from ..evidence.gate import C_EXP, LAMBDA, row_stats, tolerance
-from ..evidence.memory import dense_fits
-from ..evidence.metrics import BOUND, TINY
+from ..judge.gate import C_EXP, LAMBDA, row_stats, tolerance
+from ..judge.sizing import dense_fits
+from ..judge.metrics import BOUND, TINY
 from ..core.reference import dense_attention
 from ..core.tilesizes import DEFAULT_TILES
 from ..core.tiled import forward, forward_on
@@ -518,7 +518,7 @@ def gradient_rounding(qh, kh, vh, opts: Options, prec) -> float:
     """``e_g``: a first-order bound on one implementation's gradient error, relative to the
     gradient's componentwise size (`reference_attention_backward` with ``return_abs``).
 
-    In the verdict gate's terms (`attnlib.evidence.gate`), with ``u`` the unit roundoff of the
+    In the verdict gate's terms (`attnlib.judge.gate`), with ``u`` the unit roundoff of the
     kernel's type, ``N = max(Sq, Sk)`` and ``delta`` the largest exponent error of any row:
     ``p`` is off by ``2 delta + C_EXP u + h`` relative (``h = g(N) + 2 N u``, the row sum,
     its sequential steps at the worst case), ``dp = dout . v`` by ``g(Dv)``, ``D`` by

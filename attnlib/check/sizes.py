@@ -15,7 +15,7 @@ import numpy as np
 
 from ..core import arrays
 from ..core.options import MASKING, SPARSE, Options
-from ..evidence.gate import row_stats
+from ..judge.gate import row_stats
 
 
 def doubled_options(opts: Options, d) -> Options:

@@ -312,8 +312,7 @@ def run(precisions=PRECISIONS, problems=100, seed=0, path=None, progress=None, c
 
 
 #: What the sweep's verdicts depend on: the check, the kernels, the gate and the inputs.
-MEASURED = ("attnlib/check", "attnlib/core", "attnlib/evidence/gate.py", "attnlib/evidence/memory.py",
-            "attnlib/evidence/metrics.py", "attnlib/evidence/inputs.py", "attnlib/evidence/packing.py")
+MEASURED = ("attnlib/check", "attnlib/core", "attnlib/judge", "attnlib/evidence/inputs.py")
 
 
 def code_version() -> str:

@@ -10,7 +10,7 @@ import numpy as np
 from ..core import arrays
 from ..core import problem
 from ..core import descale, flex, mla, sparse
-from ..evidence.memory import dense_fits
+from ..judge.sizing import dense_fits
 from ..core.arrays import as_numpy
 from ..core.backward import dense_backward
 from ..core.lse_conventions import LseConvention
@@ -19,7 +19,7 @@ from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
 from .diagnosis import (DROPPED, descale_variants, diagnose, diagnose_gradient, diagnose_lse,
                         diagnose_max_scores, guard_grad, guard_mods, row_ratios, trend, variant_alternatives)
-from ..evidence.packing import unpack_paged, unpack_varlen
+from ..judge.packing import unpack_paged, unpack_varlen
 from .rule import (Expected, TensorVerdict, expect, expect_max_scores, judge_grads, judge_lse,
                    judge_max_scores, judge_out, OnDevice)
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
@@ -168,7 +168,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         failing LSE that matches another convention is diagnosed by name.
     cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
         A varlen kernel's offsets ``(batch + 1,)`` and used keys ``(batch,)`` (layout
-        ``thd``): judged as its sequences padded into a batch (`attnlib.evidence.packing`), so
+        ``thd``): judged as its sequences padded into a batch (`attnlib.judge.packing`), so
         positions in the verdict are (sequence, position in it).
     block_table, cache_seqlens : array of int, optional
         A paged KV cache: ``k`` and ``v`` are the pages ``(num_blocks, page_size, nheads,

@@ -557,7 +557,7 @@ class _Kernel:
 
 
 def row_stats(q, k, opts: Options, *, dev, block_q, block_k):
-    """`attnlib.evidence.gate.row_stats` on the device: ``(sigma, n_vis)``, each
+    """`attnlib.judge.gate.row_stats` on the device: ``(sigma, n_vis)``, each
     ``(..., Hq, Sq)`` on ``dev``, tile by tile as the kernel visits the tiles.
 
     ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for none)

@@ -1,9 +1,8 @@
 """The evidence that attnlib's kernels are right: built on `attnlib.core`, never the reverse.
 
-- `gate` (the verdict gate and its tolerances), `metrics` (error metrics and the gradient
-  rows), `differential` (the kernel against the dense reference, with and without
-  defects), `defects` (injected bugs, attached through `attnlib.core.hooks`), `packing`
-  (varlen and paged layouts unpacked for judging), `inputs` (the case families),
+- `differential` (the kernel against the dense reference, with and without defects,
+  judged by `attnlib.judge`'s gate), `defects` (injected bugs, attached through
+  `attnlib.core.hooks`), `inputs` (the case families),
   `memory` (peak memory in a fresh process), `fresh` (running one call in a fresh
   process), `numerics` (the long-double study), `plots` (the reports' figures).
 """

@@ -14,9 +14,9 @@ import numpy as np
 
 from .defects import DEFECTS
 from ..core import hooks
-from .gate import Gate, GradientGate
+from ..judge.gate import Gate, GradientGate
 from .inputs import FAMILIES, adversarial_qkv
-from .metrics import Errors, _gradient_figures, _visible_keys_per_row, gradient_errors
+from ..judge.metrics import Errors, _gradient_figures, _visible_keys_per_row, gradient_errors
 from ..core.backward import attention_backward
 from ..core.reference import reference_attention, reference_scores
 from ..core.tiled import attention
@@ -78,7 +78,7 @@ def single_tile(row) -> bool:
 def run_case(case, defects=()) -> dict:
     """One `~attnlib.evidence.inputs.Case` through the tiled kernel, judged by the gate.
 
-    Returns a flat dict: the case's fields, the `~attnlib.evidence.metrics.Errors` fields, the
+    Returns a flat dict: the case's fields, the `~attnlib.judge.metrics.Errors` fields, the
     gate's ``lse_error``, ``out_ratio``, ``lse_ratio`` and ``passed``, the rescale total,
     the tiles computed document block by document block (``document_block_tiles``, see
     `attnlib.core.tiles.document_blocks`), the fraction of rows crossing two key tiles, the most key
@@ -134,7 +134,7 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     """One adversarial family (see `~attnlib.evidence.inputs.FAMILIES`) through the tiled kernel.
 
     Returns a flat dict: the family, its purpose, its logit span over visible pairs, the
-    `~attnlib.evidence.metrics.Errors` fields and the gate's figures against the dense reference,
+    `~attnlib.judge.metrics.Errors` fields and the gate's figures against the dense reference,
     the rescale total; with ``oracle``, ``oracle_tiled_ratio`` and ``oracle_dense_ratio``
     (and ``oracle_tiled_error``, ``oracle_dense_error``): each implementation against the
     extended-precision oracle, judged by one implementation's tolerance.
@@ -202,7 +202,7 @@ def run_varlen(case) -> dict:
     ``tol_lse``: both 0 on a problem with no visible key, which tests nothing), the most key
     tiles a query tile combined over the sequences (``key_tiles``) and the most keys a row sees
     (``visible_keys_max``)."""
-    from .packing import unpack_varlen
+    from ..judge.packing import unpack_varlen
     from ..core.varlen import attention_varlen
 
     q, k, v, cu_q, cu_k, options = case.arrays()
@@ -321,7 +321,7 @@ def run_case_gradients(case, defects=()) -> dict:
     """`run_case` for the backward pass: tiled vs dense ``dq, dk, dv`` for a standard normal
     upstream gradient; returns the case's fields, the `gradient_errors` fields with an
     ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...), the verdict of the
-    gradient gate (`attnlib.evidence.gate.GradientGate`: ``gate_ratio``, ``gate_passed``, ``gate_e``)
+    gradient gate (`attnlib.judge.gate.GradientGate`: ``gate_ratio``, ``gate_passed``, ``gate_e``)
     and, for each of ``defects`` (`attnlib.evidence.defects.BACKWARD_DEFECTS` values), whether the
     gate fails the backward with it injected (``defects_caught``; None where it moves no
     entry by more than twice the real backward's own error there: below float64's
@@ -349,7 +349,7 @@ def run_varlen_gradients(case, seed=0, defects=()) -> dict:
     ``gate_passed``; the padded rows and keys are zeros on both sides) and, for each of
     ``defects``, whether the gate fails the varlen backward with it injected
     (``defects_caught``, as `run_case_gradients`)."""
-    from .packing import unpack_varlen
+    from ..judge.packing import unpack_varlen
     from ..core.varlen import attention_varlen, attention_varlen_backward
 
     q, k, v, cu_q, cu_k, options = case.arrays()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gate import Gate
+from ..judge.gate import Gate
 from .inputs import adversarial_qkv, random_qkv
 from ..core.oracle import oracle_attention
 from ..core.problem import precision
@@ -40,7 +40,7 @@ def _scaled_qkv(n, d, logit_scale, seed, heads=1):
 
 def float64_vs_oracle(ns, ds, logit_scales, *, causal=True, seed=0) -> list[dict]:
     """Errors of dense and tiled float64 against the oracle, in float64 epsilons, and each
-    one's ratio to one implementation's share of the verdict gate (`~attnlib.evidence.gate.Gate`
+    one's ratio to one implementation's share of the verdict gate (`~attnlib.judge.gate.Gate`
     with ``oracle=True``: out and lse; <= 1 is within what float64 rounding allows)."""
     rows = []
     for n in ns:
@@ -84,7 +84,7 @@ def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0)
     """Applied rescales and error against the oracle as the lazy threshold ``tau`` varies.
 
     Each row is judged as an eager kernel of its precision would be: float64 by the verdict
-    gate against the oracle (`~attnlib.evidence.gate.Gate` with ``oracle=True``: ``out_ratio`` on
+    gate against the oracle (`~attnlib.judge.gate.Gate` with ``oracle=True``: ``out_ratio`` on
     ``out``, ``lse_ratio`` on ``lse``, whose error against the oracle is ``lse_error``, and
     ``gate_ratio``, the larger of the two, <= 1 passes), a lower precision by FlashAttention's rule against a naive computation in
     that precision (``naive_error``; ``rule_ratio = error / (2 naive_error + eps)``, <= 1

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from ..core.masks import FULL, PARTIAL, SKIP, TILE_KIND_NAMES
-from .metrics import BOUND, log10_histogram
+from ..judge.metrics import BOUND, log10_histogram
 
 MIB = 2**20
 

@@ -18,7 +18,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from ..evidence.memory import CAP_BYTES, dense_bytes, physical_memory
+from ..evidence.memory import CAP_BYTES
+from ..judge.sizing import dense_bytes, physical_memory
 
 #: Arithmetic one notebook may do: 1e16 floating-point operations, about 12 days at
 #: 10 GFLOP/s (one core's float64 rate), ~90x the largest default run's estimate
@@ -55,7 +56,7 @@ GALLERY_ENTRIES = 10
 
 def memory_limit() -> int:
     """Bytes one stage of a notebook may hold at once: half this machine's physical memory
-    (as `memory.dense_fits` allows the dense path), or of `FALLBACK_MEMORY` where unknown."""
+    (as `attnlib.judge.sizing.dense_fits` allows the dense path), or of `FALLBACK_MEMORY` where unknown."""
     return (physical_memory() or FALLBACK_MEMORY) // 2
 
 
@@ -92,7 +93,7 @@ def _arrays(heads, sq, sk, d, dv=None) -> int:
 
 
 def _dense(heads, sq, sk) -> int:
-    """The dense reference's ``(heads, Sq, Sk)`` float64 arrays (`memory.dense_bytes`)."""
+    """The dense reference's ``(heads, Sq, Sk)`` float64 arrays (`attnlib.judge.sizing.dense_bytes`)."""
     return dense_bytes(sq, sk, heads)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..core import problem, validate
 from ..core.oracle import ORACLE_PRECISION
-from ..evidence.memory import dense_fits
+from ..judge.sizing import dense_fits
 from .costs import (
     _check_rule_costs,
     _equivalence_costs,

@@ -1,6 +1,6 @@
 """The verdict gate: what float64 rounding allows between two correct attention codes.
 
-The contract's requirement is ``rel_error < 1e-9`` (`~attnlib.evidence.metrics.BOUND`).  Correct
+The contract's requirement is ``rel_error < 1e-9`` (`~attnlib.judge.metrics.BOUND`).  Correct
 float64 code does far better, so a gate at 1e-9 lets a real defect through: an ``exp``
 off by ``1e-11 * x`` gives ~1e-11.  This module derives, per query row, how far two
 correct float64 computations of the contract (the tiled kernel and the dense reference)
@@ -307,7 +307,7 @@ class Gate:
     Examples
     --------
     >>> import attnlib
-    >>> from attnlib.evidence.gate import Gate
+    >>> from attnlib.judge.gate import Gate
     >>> q, k, v = attnlib.random_qkv(300, 400, 64, seed=0)
     >>> gate = Gate(q, k, v, block_k=64, causal=True)
     >>> out, lse = attnlib.attention(q, k, v, causal=True, block_k=64, return_lse=True)
@@ -392,7 +392,7 @@ class GradientGate:
     Examples
     --------
     >>> import attnlib
-    >>> from attnlib.evidence.gate import GradientGate
+    >>> from attnlib.judge.gate import GradientGate
     >>> q, k, v = attnlib.random_qkv(200, 300, 32, seed=0)
     >>> dout = attnlib.random_qkv(200, 1, 32, seed=1)[0]
     >>> gate = GradientGate(q, k, v, dout, causal=True)
