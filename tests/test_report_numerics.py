@@ -13,10 +13,13 @@ def test_lazy_rescaling_is_judged_by_the_rule_of_its_precision():
         if r["dtype"] == "float64":  # the verdict gate against the oracle
             assert r["rule_ratio"] is None and 0 < r["gate_ratio"] <= 1
         else:  # FlashAttention's rule against naive float32
-            # Against the oracle of the rounded inputs: exact where the softmax is one-hot.
+            # Against the oracle of the rounded inputs: out exact where the softmax is one-hot, the lse judged.
+            eps = numerics.LOW_EPS["float32"]
             assert r["gate_ratio"] is None and (r["naive_error"] > 0) == (r["inputs"] == "random")
-            assert np.isclose(r["rule_ratio"], r["error"] / (2 * r["naive_error"] + numerics.LOW_EPS["float32"]))
-            assert r["rule_ratio"] <= 1
+            assert r["naive_lse_error"] > 0 and r["lse_ratio"] > 0
+            assert np.isclose(r["out_ratio"], r["error"] / (2 * r["naive_error"] + eps))
+            assert np.isclose(r["lse_ratio"], r["lse_error"] / (2 * r["naive_lse_error"] + eps))
+            assert r["rule_ratio"] == max(r["out_ratio"], r["lse_ratio"]) <= 1
     eager = {(r["inputs"], r["dtype"]): r["rescales"] for r in rows if r["tau"] == 0}
     assert all(r["rescales"] <= eager[(r["inputs"], r["dtype"])] for r in rows)
 

@@ -311,14 +311,15 @@ def worker_calls(client, paths, block, out, causal=True, kv_block=None, calls=2)
 
 
 def smallest_call(calls) -> list:
-    """Per worker, the `worker_calls` entry with the smallest working memory: what a call
-    always needs, without a burst of Dask's own messages that one call may catch and the
-    next not (a few hundred KiB, seen at small ``n``)."""
-    return [min(per_worker, key=lambda x: x[2]) for per_worker in zip(*calls)]
+    """The `worker_calls` call whose largest working memory over its workers is the
+    smallest: what a call always needs, without a burst of Dask's own messages that one call
+    may catch and the next not (a few hundred KiB, seen at small ``n``).  One call, all its
+    workers: never a mix of two calls' workers."""
+    return min(calls, key=lambda call: max(w for _, _, w in call))
 
 
 def worker_peaks(client, paths, block, out, causal=True, kv_block=None, calls=2) -> list:
-    """`smallest_call` of `worker_calls`: ``[(peak, left, working), ...]`` by worker."""
+    """`smallest_call` of `worker_calls`: ``[(peak, left, working), ...]`` by worker, of one call."""
     return smallest_call(worker_calls(client, paths, block, out, causal, kv_block, calls))
 
 

@@ -86,9 +86,10 @@ def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0)
     Each row is judged as an eager kernel of its precision would be: float64 by the verdict
     gate against the oracle (`~attnlib.judge.gate.Gate` with ``oracle=True``: ``out_ratio`` on
     ``out``, ``lse_ratio`` on ``lse``, whose error against the oracle is ``lse_error``, and
-    ``gate_ratio``, the larger of the two, <= 1 passes), a lower precision by FlashAttention's rule against a naive computation in
-    that precision (``naive_error``; ``rule_ratio = error / (2 naive_error + eps)``, <= 1
-    passes).  The oracle is the reference for both: of the inputs for float64, of the inputs
+    ``gate_ratio``, the larger of the two, <= 1 passes), a lower precision by FlashAttention's
+    rule against a naive computation in that precision, on ``out`` and on ``lse``
+    (``naive_error``, ``naive_lse_error``; ``out_ratio = error / (2 naive_error + eps)``,
+    ``lse_ratio`` likewise, ``rule_ratio`` the larger, <= 1 passes).  The oracle is the reference for both: of the inputs for float64, of the inputs
     rounded to the lower precision for it (so the rounding of the inputs, common to both
     kernels, is not counted as either one's error).
     """
@@ -100,24 +101,31 @@ def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0)
         for dt in dtypes:
             # A lower precision against the oracle of its rounded inputs, as in `precision_vs_oracle`.
             q, k, v = qkv if dt == "float64" else _rounded(dt, *qkv)
-            oracle = gate.ref if dt == "float64" else oracle_attention(q, k, v, causal=True)
-            naive = None if dt == "float64" else _max_err(
-                reference_attention(q, k, v, causal=True, compute_dtype=dt), oracle)
+            if dt == "float64":
+                oracle, naive, naive_lse = gate.ref, None, None
+            else:
+                oracle, oracle_lse = oracle_attention(q, k, v, causal=True, return_lse=True)
+                naive_out, naive_lse_out = reference_attention(q, k, v, causal=True, compute_dtype=dt,
+                                                               return_lse=True)
+                naive, naive_lse = _max_err(naive_out, oracle), _max_err(naive_lse_out, oracle_lse)
             for tau in taus:
                 out, lse, stats = attention(q, k, v, causal=True, block_q=block, block_k=block,
                                             rescale_threshold=tau, compute_dtype=dt, return_lse=True,
                                             return_stats=True)
                 row = {"inputs": name, "dtype": dt, "tau": tau, "rescales": stats.total_rescales,
                        "error": _max_err(out, oracle), "lse_error": None, "out_ratio": None, "lse_ratio": None,
-                       "gate_ratio": None, "naive_error": None, "rule_ratio": None}  # None: the other precision's rule
+                       "gate_ratio": None, "naive_error": None, "naive_lse_error": None,
+                       "rule_ratio": None}  # None: the other precision's rule
                 if dt == "float64":
                     judged = gate.judge(out, lse)
                     row.update(lse_error=judged["lse_error"], out_ratio=judged["out_ratio"],
                                lse_ratio=judged["lse_ratio"])
                     row["gate_ratio"] = max(judged["out_ratio"], judged["lse_ratio"])
                 else:
-                    row["naive_error"] = naive
-                    row["rule_ratio"] = row["error"] / (2 * naive + LOW_EPS[dt])
+                    row.update(naive_error=naive, naive_lse_error=naive_lse, lse_error=_max_err(lse, oracle_lse))
+                    row["out_ratio"] = row["error"] / (2 * naive + LOW_EPS[dt])
+                    row["lse_ratio"] = row["lse_error"] / (2 * naive_lse + LOW_EPS[dt])
+                    row["rule_ratio"] = max(row["out_ratio"], row["lse_ratio"])
                 rows.append(row)
     return rows
 

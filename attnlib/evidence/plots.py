@@ -107,7 +107,7 @@ FORWARD_ERRORS = {
     "naive_rel_error": "naive elementwise |out - ref| / |ref|",
 }
 GRADIENT_ERRORS = {
-    "dq_error": "dq: |dq - ref| / (what it sums), the gate",
+    "dq_error": "dq: |dq - ref| / (what it sums)",
     "dk_error": "dk: |dk - ref| / (what it sums)",
     "dv_error": "dv: |dv - ref| / (what it sums)",
 }
@@ -126,7 +126,7 @@ def error_histogram(rows, bound=BOUND, series=None, lo=-18.0, hi=-6.0, title=Non
     for (key, label), style in zip(series.items(), styles):
         edges, counts = log10_histogram([r[key] for r in rows], lo, hi)
         ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
-    ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"bound {bound:.0e}")
+    ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"the contract's bound, {bound:.0e}")
     ax.set_xlabel("log10(error)   (exact 0 and values below 1e-18 are counted in the first bin)")
     ax.set_ylabel("cases")
     ax.set_title(title or f"Tiled vs dense float64 reference, {len(rows)} random shapes")
@@ -172,7 +172,8 @@ def gate_power(rows, defects):
     handles = [Line2D([], [], color="black", lw=1.5, label="gate: error = tolerance"),
                Line2D([], [], marker="o", ls="", color="tab:green", label="passes the gate"),
                Line2D([], [], marker="o", ls="", color="crimson", label="fails the gate (caught)"),
-               Line2D([], [], ls="", label="cases a defect leaves unchanged: not drawn")]
+               Line2D([], [], ls="", label="cases a defect leaves unchanged: not drawn"),
+               Line2D([], [], ls="", label=f"ratio 0 drawn at 1e{lo:.0f}, above 1e{hi:.0f} (or inf) at 1e{hi:.0f}")]
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return fig
 
@@ -319,18 +320,20 @@ def dense_projection(dense, ns) -> tuple[list, dict]:
 
 
 def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
-                title="Working memory vs sequence length (tracemalloc, fresh process each)", ranges=None):
+                title="Working memory vs sequence length (tracemalloc, fresh process each)", ranges=None,
+                output="output"):
     """Peak working memory vs n: tiled (measured), dense (measured, then computed).
 
     ``tiled``/``dense`` are `attnlib.evidence.memory.peak_memory` results; ``dense_model`` is a
     list of ``(n, bytes)`` computed beyond the sizes dense was run at, and ``ranges``
-    (`dense_projection`'s) each one's range, drawn as a bar.
+    (`dense_projection`'s) each one's range, drawn as a bar; ``output`` names what the call
+    returns (the gradients, for a backward).
     """
     fig, ax = _figure(figsize=(11, 4.5))
     ax.plot([r["sq"] for r in tiled], [r["working_bytes"] / MIB for r in tiled], "o-",
-            color="#2a9d8f", lw=2, label="tiled, measured (working = peak - output)")
+            color="#2a9d8f", lw=2, label=f"tiled, measured (working = peak - {output})")
     ax.plot([r["sq"] for r in tiled], [r["peak_bytes"] / MIB for r in tiled], "o:",
-            color="#2a9d8f", alpha=0.6, label="tiled, measured peak incl. its output")
+            color="#2a9d8f", alpha=0.6, label=f"tiled, measured peak incl. its {output}")
     ax.plot([r["sq"] for r in dense], [r["working_bytes"] / MIB for r in dense], "s-",
             color="#e76f51", lw=2, label="dense, measured")
     if dense_model:
@@ -612,31 +615,33 @@ def check_rule_ratios(rows):
     return fig
 
 
-def power_by_magnitude(rows):
+def power_by_magnitude(rows, apart=None):
     """One panel per precision: ``|err| / allowance`` against the magnitude of ``v`` and
     ``dout`` (`attnlib.check.power`), correct kernels (circles) below 1, wrong ones (crosses)
-    above it."""
+    above it; the kernel named ``apart`` (the rule's own reference rounded, which cannot
+    fail) in grey, not among the correct kernels."""
     import matplotlib.pyplot as plt
 
     precs = list(dict.fromkeys(r["precision"] for r in rows))
     fig, axes = plt.subplots(1, len(precs), figsize=(4.2 * len(precs), 3.6), sharey=True, squeeze=False)
     plt.close(fig)
     for ax, prec in zip(axes[0], precs):
-        for kind, style in (("correct", dict(marker="o", color="tab:green")),
-                            ("wrong", dict(marker="x", color="crimson"))):
-            pts = [(r["magnitude"], r["ratio"]) for r in rows if r["precision"] == prec and r["kind"] == kind]
+        for kind, style, shift, label in (
+                ("correct", dict(marker="o", color="tab:green"), 0.85, "correct kernels"),
+                ("wrong", dict(marker="x", color="crimson"), 1.15, "wrong kernels"),
+                ("apart", dict(marker=".", color="grey"), 1.0, f"{apart} (apart)")):  # side by side
+            pts = [(r["magnitude"], r["ratio"]) for r in rows if r["precision"] == prec
+                   and ((r["kernel"] == apart) if kind == "apart" else (r["kind"] == kind and r["kernel"] != apart))]
             if pts:
                 x, y = zip(*pts)
-                shift = 0.85 if kind == "correct" else 1.15  # side by side at each magnitude
-                ax.scatter(np.array(x) * shift, np.clip(y, 1e-3, 1e9), s=18, alpha=0.6, label=f"{kind} kernels",
-                           **style)
+                ax.scatter(np.array(x) * shift, np.clip(y, 1e-3, 1e9), s=18, alpha=0.6, label=label, **style)
         ax.axhline(1.0, color="black", lw=1.5, ls="--", label="allowance")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(prec)
         ax.set_xlabel("magnitude of v and dout (standard deviation)")
     axes[0][0].set_ylabel("worst |kernel - ref| / allowance")
-    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3)  # off the data
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=4)  # off the data
     fig.suptitle("The check at every magnitude: correct kernels below 1, wrong kernels above")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
