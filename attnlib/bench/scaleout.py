@@ -305,8 +305,10 @@ def worker_calls(client, paths, block, out, causal=True, kv_block=None, calls=2)
         client.run(_trace_start)
         attention(*paths, client=client, causal=causal, block_q=block,
                   kv_block=block if kv_block is None else kv_block, out=out, device=NUMPY)
-        result.append([(peak, left, peak - left) for left, peak in
-                       (client.run(_trace_now)[w] for w in sorted(client.scheduler_info()["workers"]))])
+        traced = client.run(_trace_now)  # by worker address: every worker, as it answers
+        if not traced:
+            raise RuntimeError("no worker answered the memory trace (the cluster lost its workers)")
+        result.append([(peak, left, peak - left) for left, peak in (traced[w] for w in sorted(traced))])
     return result
 
 
