@@ -281,7 +281,8 @@ def memory_timelines(traces: dict, cap_bytes, output_bytes):
     """Memory over time, tiled vs dense: traced numpy bytes (left) and RSS (right).
 
     ``traces[(path, tool)]`` are `attnlib.evidence.memory.memory_timeline` results.  The cap is
-    drawn over the output (inputs are not counted in either panel).
+    drawn over the output on the traced panel, the one it bounds (inputs are not counted in
+    either panel).
     """
     fig, axes = _figure(1, 2, figsize=(12, 5.8))
     colors = {"tiled": "#2a9d8f", "dense": "#e76f51"}
@@ -293,8 +294,10 @@ def memory_timelines(traces: dict, cap_bytes, output_bytes):
                 continue
             ax.plot(tr["t"], np.asarray(tr["bytes"]) / MIB, "-", color=colors[path], lw=2,
                     label=f"{path}: peak {tr['peak_bytes'] / MIB:,.1f} MiB")
-        ax.axhline((cap_bytes + output_bytes) / MIB, color="crimson", ls="--",
-                   label=f"cap: {cap_bytes / MIB:.0f} MiB over inputs and output")
+        if tool == "tracemalloc":  # the cap bounds traced working memory, not RSS
+            ax.axhline((cap_bytes + output_bytes) / MIB, color="crimson", ls="--",
+                       label=f"cap: {cap_bytes / MIB:.0f} MiB of working memory over the output "
+                             f"({output_bytes / MIB:.2f} MiB)")
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_ylim(bottom=0)
         ax.set_xlabel("time since the call started (s)")
