@@ -524,7 +524,7 @@ def test_a_torch_cpu_piece_equals_the_numpy_piece(case, monkeypatch):
     ``(out, (m, log l))`` to rounding, option by option, on a piece cut from inside a larger
     problem (its own offset, lengths and document ids); no cluster needed."""
     pytest.importorskip("torch")
-    from attnlib.core import masks, torch_tiled
+    from attnlib.core import masks, tilesizes
     from attnlib.distributed.engine import _piece
 
     o = _PIECE_CASES[case]
@@ -551,8 +551,8 @@ def test_a_torch_cpu_piece_equals_the_numpy_piece(case, monkeypatch):
     args = (q[0], k[0], v[0], spec, 0.3, o.get("softcap"), slopes, "p", sink, lists)
     want = _piece(*args)
     chosen = []  # the tiles the device piece takes
-    device_tiles = torch_tiled.device_tiles
-    monkeypatch.setattr(torch_tiled, "device_tiles", lambda *a, **kw: chosen.append(device_tiles(*a, **kw))
+    device_tiles = tilesizes.device_tiles
+    monkeypatch.setattr(tilesizes, "device_tiles", lambda *a, **kw: chosen.append(device_tiles(*a, **kw))
                         or chosen[-1])
     got = _piece(*args, device="cpu")
     scale = np.abs(want[0]).max()
@@ -563,7 +563,7 @@ def test_a_torch_cpu_piece_equals_the_numpy_piece(case, monkeypatch):
     if o.get("small_k"):
         assert not np.isfinite(want[1][..., 0]).all()  # some rows see no key: m = -inf there
     # Documents and narrow windows take the CPU's smaller tiles.
-    assert chosen == [torch_tiled.CPU_MASK_TILES if seg or o.get("window") else torch_tiled.CPU_TILES]
+    assert chosen == [tilesizes.CPU_MASK_TILES if seg or o.get("window") else tilesizes.CPU_TILES]
     if o.get("sink_token_length"):  # the sink tokens are in this piece: they change it
         plain = masks.mask_specs((1,), sq + 32, sk, **dict(keys, sink_token_length=0))[()].piece(32, 32 + sq, 0, sk)
         assert not np.allclose(_piece(q[0], k[0], v[0], plain, *args[4:])[0], want[0])

@@ -2,7 +2,9 @@
 
 Every kernel path calls its steps through the registry (a refactor that bypasses one fails
 here), and every injected defect (`attnlib.evidence.defects`) is caught by the verdict gate
-on each path it names and changes nothing, to the bit, on the others."""
+on each path it names and changes nothing, to the bit, on the others: on the numpy backend
+and on the torch CPU backend (issue 45: one kernel, so the defects reach both; the
+backward's torch twin is not the shared kernel yet, so its path runs on numpy only)."""
 
 import functools
 
@@ -23,6 +25,24 @@ BQ = BK = 64  # 5 key tiles per row at the end: rescales, a last tile to drop
 CHUNK = 128  # stream: 2 key tiles per chunk, 3 chunks (the last one short)
 PAGE = 16  # paged: 4 pages a chunk, and a chunk is a key tile
 SECOND = (130, 150)  # varlen: a second, shorter sequence after the problem
+#: The backends the forward paths run on: torch's when torch is installed.
+try:
+    import torch
+    BACKENDS = ("numpy", "torch")
+except ImportError:  # pragma: no cover - the test extra installs torch
+    torch = None
+    BACKENDS = ("numpy",)
+
+
+def _on(backend, *xs):
+    """Arrays as the backend takes them: torch CPU tensors, or as they are."""
+    if backend == "numpy":
+        return xs
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in xs)
+
+
+def _host(result):
+    return tuple(x.numpy() if torch is not None and isinstance(x, torch.Tensor) else x for x in result)
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,22 +156,28 @@ def _varlen(*problems):
     return packed, cu_q, cu_k
 
 
-def forward_of(path, key):
-    """The forward result of ``path`` on problem ``key`` with the steps now in force."""
+def forward_of(path, key, backend="numpy"):
+    """The forward result of ``path`` on problem ``key`` with the steps now in force, on the
+    ``backend``'s arrays (read back to numpy)."""
+    return _host(_forward_of(path, key, backend))
+
+
+def _forward_of(path, key, backend):
     q, k, v, _, options, second = case(key)
     tile = dict(block_q=BQ, block_k=BK, return_lse=True)
     if path == "forward":
-        return attnlib.attention(q, k, v, **tile, **options)
+        return attnlib.attention(*_on(backend, q, k, v), **tile, **options)
     if path == "stream":
-        chunks = [(k[..., i:i + CHUNK, :], v[..., i:i + CHUNK, :]) for i in range(0, N, CHUNK)]
-        return attnlib.attention_stream(q, chunks, total_keys=N, **tile, **options)
+        chunks = [_on(backend, k[..., i:i + CHUNK, :], v[..., i:i + CHUNK, :]) for i in range(0, N, CHUNK)]
+        return attnlib.attention_stream(*_on(backend, q), chunks, total_keys=N, **tile, **options)
     if path == "paged":
         kc, vc, table, lens = _pages(k, v)
-        out, lse = attnlib.attention(q[None], kc, vc, block_table=table, cache_seqlens=lens, **tile, **options)
+        out, lse = attnlib.attention(*_on(backend, q[None], kc, vc), block_table=table, cache_seqlens=lens,
+                                     **tile, **options)
         return out[0], lse[0]
     if path == "varlen":
         (qp, kp, vp), cu_q, cu_k = _varlen((q, k, v), second)
-        return attnlib.attention_varlen(qp, kp, vp, cu_q, cu_k, **tile, **options)
+        return attnlib.attention_varlen(*_on(backend, qp, kp, vp), cu_q, cu_k, **tile, **options)
     raise AssertionError(path)
 
 
@@ -161,20 +187,20 @@ def clean_forward(key):
     return attnlib.attention(*case(key)[:3], block_q=BQ, block_k=BK, return_lse=True, **case(key)[4])
 
 
-def result(path, key):
+def result(path, key, backend="numpy"):
     """What ``path`` returns on problem ``key`` with the steps now in force; the backward's
     ``out`` and ``lse`` come from the clean forward."""
     if path != "backward":
-        return forward_of(path, key)
+        return forward_of(path, key, backend)
     q, k, v, dout, options, _ = case(key)
     out, lse = clean_forward(key)
     return attention_backward(q, k, v, out, lse, dout, block_q=BQ, block_k=BK, **options)
 
 
 @functools.lru_cache(maxsize=None)
-def clean(path, key):
+def clean(path, key, backend="numpy"):
     assert hooks.replacements() == {}
-    return result(path, key)
+    return result(path, key, backend)
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,12 +256,16 @@ def _counting():
     return counts, dict({name: counted(name) for name in hooks.STEPS if name != "state"}, state=State)
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_every_step_is_called_on_every_path_that_runs_it(path):
-    expected = clean(path, "sinks")  # (and the backward's clean forward)
+#: Each path on each backend that runs the shared kernel.
+RUNS = [(path, backend) for path in PATHS for backend in BACKENDS if path != "backward" or backend == "numpy"]
+
+
+@pytest.mark.parametrize("path, backend", RUNS)
+def test_every_step_is_called_on_every_path_that_runs_it(path, backend):
+    expected = clean(path, "sinks", backend)  # (and the backward's clean forward)
     counts, steps = _counting()
     with hooks.replaced(**steps):
-        got = result(path, "sinks")  # causal: PARTIAL tiles, and so their masks, on every path
+        got = result(path, "sinks", backend)  # causal: PARTIAL tiles, and so their masks, on every path
     for name in hooks.STEPS:
         if path in STEP_PATHS[name]:
             assert counts[name] > 0, (name, path)
@@ -249,8 +279,9 @@ def test_every_step_is_called_on_every_path_that_runs_it(path):
 
 
 ALL = {**DEFECTS, **BACKWARD_DEFECTS}
-ON = [(name, path) for name, d in ALL.items() for path in d.paths]
-OFF = [(name, path) for name, d in ALL.items() for path in PATHS if path not in d.paths]
+ON = [(name, path, b) for name, d in ALL.items() for path in d.paths for b in BACKENDS if (path, b) in RUNS]
+OFF = [(name, path, b) for name, d in ALL.items() for path in PATHS if path not in d.paths
+       for b in BACKENDS if (path, b) in RUNS]
 
 
 def test_every_defect_names_its_paths():
@@ -261,24 +292,24 @@ def test_every_defect_names_its_paths():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, path", ON, ids=[f"{n}-{p}" for n, p in ON])
-def test_every_defect_fails_the_gate_on_each_of_its_paths(name, path):
+@pytest.mark.parametrize("name, path, backend", ON, ids=[f"{n}-{p}-{b}" for n, p, b in ON])
+def test_every_defect_fails_the_gate_on_each_of_its_paths(name, path, backend):
     key = NEEDS.get(name, "causal")
-    assert passes(path, key, clean(path, key))  # (and the backward's clean forward, before the defect)
+    assert passes(path, key, clean(path, key, backend))  # (and the backward's clean forward, before the defect)
     with ALL[name].active():
-        bad = result(path, key)
+        bad = result(path, key, backend)
     assert hooks.replacements() == {}
-    assert not same(bad, clean(path, key)), f"{name} changes nothing on {path}"
-    assert not passes(path, key, bad), f"{name} passes the gate on {path}"
+    assert not same(bad, clean(path, key, backend)), f"{name} changes nothing on {path} ({backend})"
+    assert not passes(path, key, bad), f"{name} passes the gate on {path} ({backend})"
 
 
-@pytest.mark.parametrize("name, path", OFF, ids=[f"{n}-{p}" for n, p in OFF])
-def test_a_defect_changes_nothing_on_the_paths_it_does_not_name(name, path):
+@pytest.mark.parametrize("name, path, backend", OFF, ids=[f"{n}-{p}-{b}" for n, p, b in OFF])
+def test_a_defect_changes_nothing_on_the_paths_it_does_not_name(name, path, backend):
     key = NEEDS.get(name, "causal")
-    expected = clean(path, key)
+    expected = clean(path, key, backend)
     with ALL[name].active():
-        got = result(path, key)
-    assert same(got, expected), f"{name} changes {path}: add it to its paths"
+        got = result(path, key, backend)
+    assert same(got, expected), f"{name} changes {path} ({backend}): add it to its paths"
 
 
 def test_blocks_that_end_out_of_order_leave_nothing_behind():

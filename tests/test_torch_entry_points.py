@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import attnlib
-from attnlib.core import online, problem, reference, stream, torch_merge, torch_tiled, varlen
+from attnlib.core import hooks, online, problem, reference, stream, varlen
+from attnlib.core.torch_backend import Torch
 from attnlib.judge.metrics import rel_error, reference_with_abs
 
 torch = pytest.importorskip("torch")
@@ -321,10 +322,6 @@ def test_merge_low_precision_partials_and_host_output():
     assert all(isinstance(x, torch.Tensor) for x in mixed)
 
 
-def test_merge_parts_is_the_forwards_own():
-    assert torch_tiled.merge_parts is torch_merge.merge_parts and torch_tiled.lse_of is torch_merge.lse_of
-
-
 def test_merge_parts_empty_partials():
     rng = np.random.default_rng(13)
     outs = [T(rng.standard_normal((3, 9, 4))) for _ in range(3)]
@@ -332,7 +329,7 @@ def test_merge_parts_empty_partials():
     parts[1][0, :4] = -np.inf  # rows that saw no key in a partial
     parts[2][0, :2] = -np.inf
     parts[0][0, :2] = -np.inf
-    out, merged = torch_merge.merge_parts(outs, parts)
+    out, merged = online.merge_parts(outs, parts, Torch(torch.device("cpu")))
     host_out, host_merged = attnlib.core.online.merge_parts([o.numpy() for o in outs], [p.numpy() for p in parts])
     np.testing.assert_allclose(out.numpy(), host_out, rtol=1e-14, atol=1e-14)
     np.testing.assert_array_equal(np.isfinite(merged.numpy()), np.isfinite(host_merged))
@@ -584,10 +581,18 @@ def test_each_torch_path_computes_with_torch(monkeypatch):
     full_abs = reference_with_abs(q, k, v)[1]
     packed_abs = _varlen_ref_abs(pq, pk, pv, {"causal": True})
 
-    for module, name in ((reference, "_dense"), (reference, "dense_attention"), (online, "merge_parts"),
-                         (online, "OnlineSoftmax"), (stream, "run_tiles"), (varlen, "forward"),
+    for module, name in ((reference, "_dense"), (reference, "dense_attention"),
                          (varlen, "dense_attention"), (problem, "parse")):
         monkeypatch.setattr(module, name, _refuse)
+    # The tiled paths run the shared kernel's steps (`attnlib.core.backend`), on tensors.
+    seen = []
+    shipped = hooks.get("absorb")
+
+    def absorb(state, *args, **kwargs):
+        seen.append(isinstance(state.acc, torch.Tensor) and isinstance(args[0], torch.Tensor))
+        return shipped(state, *args, **kwargs)
+
+    monkeypatch.setattr(hooks, "_current", {**hooks._current, "absorb": absorb})
     got = attnlib.reference_attention(tq, tk, tv, causal=True)
     _assert_close(got, None, want, want_lse, ref_abs)
     got = attnlib.merge_attention([T(o) for o in outs], [T(x) for x in lses])
@@ -599,6 +604,7 @@ def test_each_torch_path_computes_with_torch(monkeypatch):
     _assert_close(got, None, packed, None, packed_abs)
     got = attnlib.reference_attention_varlen(*tensors, CU_Q, CU_K, causal=True)
     _assert_close(got, None, packed_ref, None, packed_abs)
+    assert seen and all(seen)
     with pytest.raises(AssertionError, match="numpy implementation"):  # the host path is the patched one
         attnlib.reference_attention(q, k, v)
 

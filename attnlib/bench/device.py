@@ -82,9 +82,9 @@ def _interleaved_times(fns: dict, dev, repeats: int) -> dict:
 
 
 def gemm_rates(dev, d: int = 128, repeats: int = 5) -> dict:
-    """float64 GEMM TFLOP/s on ``dev``: at the kernel's tile (`torch_tiled.device_tiles` for 8
+    """float64 GEMM TFLOP/s on ``dev``: at the kernel's tile (`tilesizes.device_tiles` for 8
     heads: ``(8, block_q, d) @ (8, d, block_k)``) and at a large square product."""
-    from ..core.torch_tiled import device_tiles
+    from ..core.tilesizes import device_tiles
 
     torch = _torch()
     tiles = device_tiles(dev, 8)

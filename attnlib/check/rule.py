@@ -221,7 +221,7 @@ def tensor_max(x: np.ndarray) -> np.ndarray:
 class OnDevice:
     """The check's arrays on a torch device: ``put`` gives ``qh``, ``kh``, ``vh`` there once
     (each later call the same tensor), any other array by a copy (not kept); ``run`` is the
-    tiled kernel there (`attnlib.core.torch_tiled`), ``dense`` the dense reference
+    tiled kernel there (`attnlib.core.tiled` on the torch backend), ``dense`` the dense reference
     (`attnlib.core.torch_reference`), their results read back to the host."""
 
     def __init__(self, device, *arrays_):

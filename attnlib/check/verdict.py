@@ -181,7 +181,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         baselines below float64, the float64 bound, the diagnosis) runs here.
 
     device : str or torch.device, optional
-        Where the reference is computed with torch (`attnlib.core.torch_tiled`): the float64
+        Where the reference is computed with torch (`attnlib.core.tiled` on the torch backend): the float64
         reference, ``P @ |V|``, the score sizes of the allowance and the tiled naive
         baselines.  Default: the device of ``q``, ``k``, ``v`` and ``out`` when they are torch
         tensors (CUDA tensors are judged on their GPU), else the numpy kernel on the host.

@@ -374,16 +374,31 @@ class Mods:
             return b, h, rows[None, :], cols[:, None]
         return b, h, rows[:, None], cols[None, :]
 
-    def visible(self, vis, rows, cols, keys_first=False):
-        """The tile's visibility: the built-in ``vis`` (None: all visible) AND ``mask_mod``."""
+    def scores(self, fn, s, rows, cols, keys_first=False, xp=None, name="score_mod"):
+        """``fn`` (``score_mod``, or its derivative ``name``) over the tile's scores ``s``, an
+        array of ``xp``'s (`attnlib.core.backend`; None: numpy): called on the host's index
+        arrays, or on a device's tensors as FlexAttention calls it (`torch_backend.Torch.score_values`)."""
+        grids = self.grids(rows, cols, keys_first)
+        if xp is None or xp.name == "numpy":
+            return score_values(fn, s, *grids, name=name)
+        return xp.score_values(fn, s, grids, name)
+
+    def visible(self, vis, rows, cols, keys_first=False, xp=None):
+        """The tile's visibility: the built-in ``vis`` (None: all visible) AND ``mask_mod``;
+        ``xp``'s arrays (`attnlib.core.backend`; None: numpy), ``mask_mod`` called on a
+        device's tensors as FlexAttention calls it (`torch_backend.Torch.mask_values`)."""
         if self.mask_mod is None:
             return vis
         shape = self.b.shape + ((len(cols), len(rows)) if keys_first else (len(rows), len(cols)))
         tile = getattr(self.mask_mod, "tile", None)  # top-k lists (`sparse.Selection`): by search
+        on_host = xp is None or xp.name == "numpy"
         if tile is not None and len(cols):
             m = tile(self.b, self.h, rows, int(cols[0]), int(cols[-1]) + 1, keys_first)
-        else:
+            m = m if on_host else xp.mask(m)
+        elif on_host:
             m = mask_values(self.mask_mod, *self.grids(rows, cols, keys_first), shape)
+        else:
+            m = xp.mask_values(self.mask_mod, self.grids(rows, cols, keys_first), shape)
         return m if vis is None else m & vis
 
 

@@ -14,7 +14,10 @@ and a caller swaps one for a while::
 So a function that moves, or a path that imports it by name, cannot silently escape a
 replacement: the paths name the step, not the function.  Without a replacement each step
 is its default, found with one dict lookup (per query tile, or per call); the defaults'
-arithmetic is untouched.
+arithmetic is untouched.  The steps are the one kernel's, whatever the arrays: numpy's on the
+host, torch tensors on their device (`attnlib.core.backend`), so a replacement reaches both;
+a replacement written for both uses the arrays' backend (the state's ``xp``, or the ``xp``
+keyword of ``tile_scores``) for what numpy and torch spell differently.
 
 The steps (`STEPS`) and who calls them:
 
@@ -41,8 +44,7 @@ The steps (`STEPS`) and who calls them:
     `attnlib.core.tiles.document_blocks`, called by `absorb` as ``(spec, q0, rows, k0, k1)``
     for each PARTIAL tile of contiguous rows without mods: the blocks ``(r0, r1, c0, c1)``
     (relative to the tile) of its queries and keys that share a document, computed one at a
-    time, or None: the tile is computed whole and masked.  (The torch kernel, which runs no
-    step of this registry, calls the default.)
+    time, or None: the tile is computed whole and masked.
 ``"backward"``
     The backward's stage edits, ``edit(stage, x, **where) -> x`` (identity by default),
     called at these stages of `attnlib.core.backward.attention_backward`: ``"delta"``

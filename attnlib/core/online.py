@@ -25,19 +25,16 @@ import copy
 import numpy as np
 
 from . import hooks
+from .backend import NUMPY
+from .validate import MAX_THRESHOLD  # noqa: F401  (the lazy rescale's bound, read from here too)
 from .arrays import _is_ml_float, as_numpy
 from .device import on_device, resolve as device_of
 from .lse_conventions import LseConvention
 
 
-#: The largest lazy-rescale threshold: weights stay below exp(100) ~ 2.7e43, so sums over even
-#: 2**63 keys stay far below float64's 1.8e308.
-MAX_THRESHOLD = 100.0
-
-
-def _shift(m: np.ndarray) -> np.ndarray:
+def _shift(m, xp=NUMPY):
     """``m`` where finite, else 0: the reference point for the exponents of a row."""
-    return np.where(np.isfinite(m), m, 0.0)
+    return xp.where(xp.isfinite(m), m, 0.0)
 
 
 class OnlineSoftmax:
@@ -56,14 +53,15 @@ class OnlineSoftmax:
     combine states built over disjoint key ranges, and `finalize` for ``(out, lse)``.
     """
 
-    __slots__ = ("m", "l", "acc")
+    __slots__ = ("m", "l", "acc", "xp")
 
-    def __init__(self, m: np.ndarray, l: np.ndarray, acc: np.ndarray):
+    def __init__(self, m: np.ndarray, l: np.ndarray, acc: np.ndarray, xp=NUMPY):
         self.m, self.l, self.acc = m, l, acc
+        self.xp = xp  # the arrays' backend (`attnlib.core.backend`)
 
     @classmethod
     def empty(cls, rows_shape: tuple, dv: int, dtype=np.float64,
-              keys_first: bool = False, sink=None) -> "OnlineSoftmax":
+              keys_first: bool = False, sink=None, xp=NUMPY) -> "OnlineSoftmax":
         """The state of rows that have seen no key: ``m = -inf``, ``l = 0``, ``acc = 0``.
 
         With ``sink`` (finite logits broadcastable to ``rows_shape``: attention sinks, one
@@ -80,14 +78,14 @@ class OnlineSoftmax:
         """
         rows_shape = tuple(rows_shape)
         if keys_first:
-            acc = np.swapaxes(np.zeros(rows_shape[:-1] + (dv,) + rows_shape[-1:], dtype=dtype), -1, -2)
+            acc = xp.swapaxes(xp.zeros(rows_shape[:-1] + (dv,) + rows_shape[-1:], dtype=dtype), -1, -2)
         else:
-            acc = np.zeros(rows_shape + (dv,), dtype=dtype)
+            acc = xp.zeros(rows_shape + (dv,), dtype=dtype)
         if sink is not None:
-            m = np.empty(rows_shape, dtype=dtype)
+            m = xp.empty(rows_shape, dtype=dtype)
             m[...] = sink  # rounded once to the state's type
-            return cls(m, np.ones(rows_shape, dtype=dtype), acc)
-        return cls(np.full(rows_shape, -np.inf, dtype=dtype), np.zeros(rows_shape, dtype=dtype), acc)
+            return cls(m, xp.full(rows_shape, 1.0, dtype=dtype), acc, xp)
+        return cls(xp.full(rows_shape, -np.inf, dtype=dtype), xp.zeros(rows_shape, dtype=dtype), acc, xp)
 
     def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,
                overwrite_s: bool = False, pv: np.ndarray | None = None,
@@ -116,38 +114,35 @@ class OnlineSoftmax:
         rows whose max was finite and was moved up (so that ``acc`` and ``l`` were
         multiplied by ``alpha < 1``).
         """
+        xp = self.xp
         if not overwrite_s:
-            s = np.array(s, dtype=self.acc.dtype)
+            s = xp.copy(s)
         key_axis = -2 if keys_first else -1
-        m_tile = s.max(axis=key_axis)  # (..., rows)
+        m_tile = xp.amax(s, key_axis)  # (..., rows)
         if threshold:
             # -inf + threshold is -inf, so a row's first finite max is always taken.
-            m_new = np.where(m_tile > self.m + threshold, m_tile, self.m)
+            m_new = xp.where(m_tile > self.m + threshold, m_tile, self.m)
         else:
-            m_new = np.maximum(self.m, m_tile)
-        rescaled = np.isfinite(self.m) & (m_new > self.m)
-        shift = _shift(m_new)
+            m_new = xp.maximum(self.m, m_tile)
+        rescaled = xp.isfinite(self.m) & (m_new > self.m)
+        shift = _shift(m_new, xp)
         # A difference below -max (scores of +-1e308) is -inf, whose exp is the exact 0.
-        with np.errstate(over="ignore"):
-            alpha = np.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
+        with xp.overflow_ok():
+            alpha = xp.exp(self.m - shift)  # (..., rows); 0 for rows with m = -inf
             s -= shift[..., None, :] if keys_first else shift[..., None]  # exponents <= 0; -inf stays
         if visible is None:
-            p = np.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
-        else:  # the invisible entries keep -inf, then max(-inf, 0) = 0 and p >= 0 stays
-            p = np.exp(s, out=s, where=visible)
-            np.maximum(p, 0.0, out=p)
+            p = xp.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
+        else:  # the invisible entries are -inf: exactly 0 (`backend.Numpy.exp_visible_`)
+            p = xp.exp_visible_(s, visible)
         self.l *= alpha
-        if keys_first:  # sum over the keys, (bk,) @ (..., bk, rows) -> (..., rows)
-            self.l += np.matmul(np.ones(p.shape[-2], dtype=p.dtype), p)
-        else:
-            self.l += p.sum(axis=-1)
+        self.l += xp.key_sum(p, keys_first)  # sum over the keys: (..., rows)
         self.acc *= alpha[..., None]
         if round_p is not None:
             p = round_p(p)
         if keys_first:  # (..., dv, bk) @ (..., bk, rows): acc's own layout in memory
-            self.acc += np.swapaxes(np.matmul(np.swapaxes(v, -1, -2), p, out=pv), -1, -2)
+            self.acc += xp.swapaxes(xp.matmul(xp.swapaxes(v, -1, -2), p, out=pv), -1, -2)
         else:
-            self.acc += np.matmul(p, v, out=pv)
+            self.acc += xp.matmul(p, v, out=pv)
         self.m = m_new
         return rescaled
 
@@ -177,15 +172,17 @@ class OnlineSoftmax:
         Associative and commutative up to rounding; an empty side (``m = -inf``) is a
         neutral element.
         """
-        m = np.maximum(self.m, other.m)
-        shift = _shift(m)
-        with np.errstate(over="ignore"):  # a difference below -max is -inf: weight exactly 0
-            a_self = np.exp(self.m - shift)
-            a_other = np.exp(other.m - shift)
+        xp = self.xp
+        m = xp.maximum(self.m, other.m)
+        shift = _shift(m, xp)
+        with xp.overflow_ok():  # a difference below -max is -inf: weight exactly 0
+            a_self = xp.exp(self.m - shift)
+            a_other = xp.exp(other.m - shift)
         return OnlineSoftmax(
             m,
             a_self * self.l + a_other * other.l,
             a_self[..., None] * self.acc + a_other[..., None] * other.acc,
+            xp,
         )
 
     def finalize(self) -> tuple[np.ndarray, np.ndarray]:
@@ -195,18 +192,19 @@ class OnlineSoftmax:
         single division here never divides by zero.
         """
         out, parts = self.finalize_parts()
-        return out, lse_of(parts)
+        return out, lse_of(parts, self.xp)
 
     def finalize_parts(self) -> tuple[np.ndarray, np.ndarray]:
         """``(out, parts)`` with ``parts (..., rows, 2) = (m, log l)``, the lse in two parts:
         for partials to be merged (split-KV, the distributed pieces), whose ``m + log l``
         rounded to one float would lose ``log l`` below the spacing of floats at ``m``
         (``m = 1e16``: 2), and with it the weight of each partial."""
+        xp = self.xp
         seen = self.l > 0
-        out = np.divide(self.acc, self.l[..., None], out=np.zeros_like(self.acc), where=seen[..., None])
-        parts = np.full(self.m.shape + (2,), -np.inf, dtype=self.m.dtype)
-        np.log(self.l, out=parts[..., 1], where=seen)
-        np.copyto(parts[..., 0], self.m, where=seen)
+        out = xp.divide_where(self.acc, self.l[..., None], seen[..., None])
+        parts = xp.full(tuple(self.m.shape) + (2,), -np.inf, dtype=self.m.dtype)
+        xp.log_where(self.l, seen, parts[..., 1])
+        xp.copy_where(parts[..., 0], self.m, seen)
         return out, parts
 
 
@@ -231,46 +229,43 @@ def _real_float(x, name: str) -> np.ndarray:
     return arr.astype(np.float64, copy=False)
 
 
-def lse_of(parts: np.ndarray) -> np.ndarray:
+def lse_of(parts, xp=NUMPY):
     """``m + log l`` of lse parts ``(..., 2)``; ``-inf`` where the row saw no key."""
-    lse = np.full(parts.shape[:-1], -np.inf, dtype=parts.dtype)
-    seen = np.isfinite(parts[..., 1])
-    np.add(parts[..., 0], parts[..., 1], out=lse, where=seen)
-    return lse
+    seen = xp.isfinite(parts[..., 1])
+    return xp.where(seen, parts[..., 0] + xp.where(seen, parts[..., 1], 0.0), -np.inf)
 
 
-def merge_parts(outs, parts) -> tuple[np.ndarray, np.ndarray]:
+def merge_parts(outs, parts, xp=NUMPY) -> tuple[np.ndarray, np.ndarray]:
     """`merge_attention` of partials whose lse comes in two parts ``(m, log l)`` (see
     `OnlineSoftmax.finalize_parts`); returns ``(out, parts)``.  The weight of partial ``r``
     is ``exp(m_r - M + log l_r - log L)``: ``m_r - M`` is exact where the maxima are close,
     so no weight loses what a one-float lse of size ``M`` cannot hold."""
-    shape = parts[0].shape[:-1]
-    big_m = np.full(shape, -np.inf)
+    shape = tuple(parts[0].shape[:-1])
+    big_m = xp.full(shape, -np.inf)
     for p in parts:
-        big_m = np.maximum(big_m, p[..., 0])
-    shift = _shift(big_m)
-    with np.errstate(over="ignore"):  # a difference below -max is -inf: weight exactly 0
+        big_m = xp.maximum(big_m, p[..., 0])
+    shift = _shift(big_m, xp)
+    with xp.overflow_ok():  # a difference below -max is -inf: weight exactly 0
         logs = [(p[..., 0] - shift) + p[..., 1] for p in parts]  # log(l_r exp(m_r - M)); -inf: none
-        top = np.full(shape, -np.inf)
+        top = xp.full(shape, -np.inf)
         for c in logs:
-            top = np.maximum(top, c)
-        ref = _shift(top)  # the largest term: its weight exp(0) keeps L >= 1
-        big_l = np.zeros(shape)
+            top = xp.maximum(top, c)
+        ref = _shift(top, xp)  # the largest term: its weight exp(0) keeps L >= 1
+        big_l = xp.zeros(shape)
         for c in logs:
-            big_l += np.exp(c - ref)
+            big_l += xp.exp(c - ref)
         seen = big_l > 0
-        log_l = np.full(shape, -np.inf)
-        np.log(big_l, out=log_l, where=seen)
-        np.add(log_l, ref, out=log_l, where=seen)  # log L, relative to M
-        out = np.zeros(outs[0].shape)
+        log_l = xp.log_where(big_l, seen, xp.full(shape, -np.inf))
+        log_l = xp.where(seen, log_l + ref, log_l)  # log L, relative to M
+        out = xp.zeros(tuple(outs[0].shape))
         for o_r, c in zip(outs, logs):
-            w = np.exp(c - np.where(seen, log_l, 0.0))  # sums to 1 over the partials; 0 where none
-            out += w[..., None] * np.where(np.isfinite(c)[..., None], o_r, 0.0)
-    bound = max(float(np.abs(o_r).max(initial=0.0)) for o_r in outs)
-    merged = np.full(shape + (2,), -np.inf)
-    np.copyto(merged[..., 0], big_m, where=seen)
-    np.copyto(merged[..., 1], log_l, where=seen)
-    return np.clip(out, -bound, bound), merged
+            w = xp.exp(c - xp.where(seen, log_l, 0.0))  # sums to 1 over the partials; 0 where none
+            out += w[..., None] * xp.where(xp.isfinite(c)[..., None], o_r, 0.0)
+    bound = max(xp.abs_max(o_r) for o_r in outs)
+    merged = xp.full(shape + (2,), -np.inf)
+    xp.copy_where(merged[..., 0], big_m, seen)
+    xp.copy_where(merged[..., 1], log_l, seen)
+    return xp.clip(out, bound), merged
 
 
 def _floating(x) -> bool:
@@ -294,7 +289,7 @@ def merge_attention(outs, lses, *, lse_base=None, device=None):
         partials wrongly); default natural.
     device : str or torch.device, optional
         As in `attention`: given torch tensors (or ``device=``) the merge is computed with
-        torch on their device (`attnlib.core.torch_merge`), float64 tensors out (numpy out
+        torch on their device (the same steps, `attnlib.core.torch_backend`), float64 tensors out (numpy out
         for numpy inputs with ``device=``).
 
     Returns
@@ -322,8 +317,11 @@ def merge_attention(outs, lses, *, lse_base=None, device=None):
         return out, base.from_natural(lse)
     dev = device_of(device, *outs, *lses)
     if dev is not None:
-        from . import torch_merge
-        return on_device(torch_merge.merge_attention(outs, lses, dev, _real_float), (*outs, *lses))
+        from .torch_backend import Torch, read_partials
+        xp = Torch(dev)
+        parts = read_partials(outs, lses, dev, _real_float)
+        with xp.threads(None):
+            return on_device(_merged(parts, xp), (*outs, *lses))
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
                          f"got {len(outs)} and {len(lses)}")
@@ -343,12 +341,23 @@ def merge_attention(outs, lses, *, lse_base=None, device=None):
         if not np.isfinite(out).all():
             raise ValueError(f"outs[{r}] contains NaN or inf")
         parts.append((out, lse))
+    return _merged(parts, NUMPY)
+
+
+def _merged(parts, xp):
+    """`merge_attention` of checked partials ``[(out, lse)]``: ``(out, lse)``."""
     # A partial's lse is the parts (m, log l) = (lse, 0).  First the lse over all ranges, then
     # the outputs with weights that sum to 1, so no partial sum exceeds max |out_r|.
-    out, merged = merge_parts([o for o, _ in parts],
-                              [np.stack([lse, np.where(np.isfinite(lse), 0.0, -np.inf)], axis=-1)
-                               for _, lse in parts])
-    return out, lse_of(merged)
+    out, merged = merge_parts([o for o, _ in parts], [lse_parts(lse, xp) for _, lse in parts], xp)
+    return out, lse_of(merged, xp)
+
+
+def lse_parts(lse, xp=NUMPY):
+    """A one-float ``lse (...)`` as parts ``(..., 2) = (lse, 0)`` (``(-inf, -inf)`` where none)."""
+    parts = xp.full(tuple(lse.shape) + (2,), -np.inf, dtype=lse.dtype)
+    parts[..., 0] = lse
+    xp.copy_where(parts[..., 1], xp.zeros(tuple(lse.shape), dtype=lse.dtype), xp.isfinite(lse))
+    return parts
 
 
 hooks.declare("state", OnlineSoftmax)  # the forward paths' state, replaceable (`hooks`)

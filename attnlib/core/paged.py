@@ -109,14 +109,14 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
                   return_lse=False, check_finite=True, dev=None):
     """`paged_attention` with its options (the page table among them) parsed into ``opts``.
     ``dev``: a torch device, where the pages are gathered and attended to with torch
-    (`attnlib.core.torch_stream`), torch tensors out; None: numpy."""
+    (`attnlib.core.stream` on the torch backend), torch tensors out; None: numpy."""
     block_table, cache_seqlens = opts.block_table, opts.cache_seqlens
     if dev is None:
         q = arrays.as_float_array(q, "q")
         k_cache = arrays.as_float_array(k_cache, "k_cache")
         v_cache = arrays.as_float_array(v_cache, "v_cache")
     else:
-        from . import device, torch_stream
+        from . import device
 
         torch = device._torch()
         q, k_cache, v_cache = (device.as_tensor(x, name, dev) for x, name in
@@ -182,10 +182,9 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
         if dev is None:
             out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
                                             block_k=block_k, workers=1, return_lse=True, check_finite=False)
-        else:  # the torch kernel's own threads on the CPU
-            out[b], lse[b] = torch_stream.stream_forward(
-                q[b], chunks(b), entry_opts, dev=dev, total_keys=int(lens[b]), block_q=block_q, block_k=block_k,
-                return_lse=True, check_finite=False)
+        else:  # the torch backend's own threads on the CPU
+            out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
+                                            block_k=block_k, return_lse=True, check_finite=False, device=dev)
 
     run_tiles(entry, range(batch), min(workers, max(1, batch)) if dev is None else 1)
     return (out, lse) if return_lse else out

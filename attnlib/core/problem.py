@@ -34,7 +34,7 @@ def scores_may_overflow(q: np.ndarray, k: np.ndarray, scale: float, dtype=np.flo
     non-finite by the caller's choice.  ``q_max``, ``k_max``: the maxima, if known
     (`Problem.max_of`).
     """
-    if q.size == 0 or k.size == 0:
+    if math.prod(q.shape) == 0 or math.prod(k.shape) == 0:
         return False
     q_max = abs_max(q) if q_max is None else q_max
     k_max = abs_max(k) if k_max is None else k_max
@@ -93,7 +93,8 @@ def unscale_values(out: np.ndarray, e: int, v_max: float) -> np.ndarray:
     if not e:
         return out
     bound = math.ldexp(v_max, -e)
-    return np.ldexp(np.clip(out, -bound, bound), e).astype(out.dtype, copy=False)
+    # numpy arrays and torch tensors alike; exact: a power of two, within the range
+    return out.clip(-bound, bound) * math.ldexp(1.0, e)
 
 
 def overflow_message(dtype) -> str:

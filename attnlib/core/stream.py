@@ -7,7 +7,6 @@ far larger than memory.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +18,8 @@ from .options import MODS, SPARSE, Options
 from .masks import SKIP, MaskSpec, sink_tokens
 from .tilesizes import DEFAULT_TILES, TileSizes
 from . import hooks
-from .tiles import keys_first_for
+from .backend import NUMPY
+from . import tiles  # noqa: F401  (declares the steps absorb looks up)
 from .parallel import run_tiles
 from .device import on_device, resolve as device_of
 
@@ -57,7 +57,7 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
         Refuse NaN or inf in q and in every chunk.
     device : str or torch.device, optional
         As in `attention`: a torch ``q`` (or ``device=``) has the stream computed with torch
-        on that device (`attnlib.core.torch_stream`), each chunk moved there as it comes
+        on that device (the torch backend, `attnlib.core.torch_backend`), each chunk moved there as it comes
         (numpy or torch, any floating type), torch tensors out (numpy out for a numpy ``q``
         with ``device=``).  ``q`` decides: a numpy ``q`` without ``device=`` reads torch
         chunks on the host, as before.
@@ -97,12 +97,20 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
                                 + MODS + SPARSE))
     if refused:
         raise ValueError(f"{', '.join(refused)} cannot be combined with streamed keys")
-    tiles = TileSizes(DEFAULT_TILES.block_q if block_q is None else block_q,
-                      DEFAULT_TILES.block_k if block_k is None else block_k)
+    dev = device_of(device, q)
+    xp = NUMPY
+    if dev is not None:
+        from .torch_backend import Torch
+        xp = Torch(dev, None if workers is None else validate.workers(workers))
+    base = DEFAULT_TILES
+    if xp is not NUMPY:
+        from .tilesizes import device_tiles
+        base = device_tiles(dev, int(np.prod(np.shape(q)[:-2])) if len(np.shape(q)) >= 2 else 1)
+    tiles = TileSizes(base.block_q if block_q is None else block_q, base.block_k if block_k is None else block_k)
     causal, causal_align, win, cap = opts.causal, opts.causal_align, opts.window, opts.softcap
     alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
     return_lse = validate.flag(return_lse, "return_lse")
-    given_workers, workers = workers, validate.workers(workers)
+    workers = validate.workers(workers) if xp is NUMPY else xp.workers
     if total_keys is not None:
         total_keys = validate.count(total_keys, "total_keys")
     needs_offset = (causal or win != (None, None) or alibi_slopes is not None
@@ -111,17 +119,19 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
         raise ValueError(
             "total_keys is needed: the bottom_right alignment puts query i at key position "
             "i + total_keys - Sq (or pass causal_align='top_left')")
-    dev = device_of(device, q)
-    if dev is not None:
-        from . import torch_stream
-        result = torch_stream.stream_forward(q, kv_chunks, opts, dev=dev, total_keys=total_keys, block_q=block_q,
-                                             block_k=block_k, workers=given_workers, return_lse=return_lse,
-                                             check_finite=check_finite)
-        return on_device(result, (q,))
+    with xp.threads(workers):
+        out, lse = _stream(q, kv_chunks, opts, xp, tiles, win, total_keys, workers, check_finite)
+    result = (out, lse) if return_lse else out
+    return on_device(result, (q,)) if dev is not None else result
 
-    q_arr = arrays.as_float_array(q, "q")
+
+def _stream(q, kv_chunks, opts, xp, tiles, win, total_keys, workers, check_finite):
+    """`stream_forward`'s loop over the chunks: ``(out, lse)`` in the caller's layout."""
+    causal, causal_align, cap = opts.causal, opts.causal_align, opts.softcap
+    alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
+    q_arr = xp.read(q, "q")
     if check_finite and q_arr.ndim >= 2:
-        q_max = arrays.check_finite(q_arr, "q")  # max |q| on the way, as for each chunk below
+        q_max = xp.checked_max(q_arr, "q")  # max |q| on the way, as for each chunk below
     if total_keys is not None and q_arr.ndim >= 2:  # sides past Sq + Sk bound nothing
         win = validate.window(window, limit=q_arr.shape[-2] + total_keys)
     try:
@@ -135,24 +145,23 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
     for t, chunk in enumerate(kv_chunks):
         if not (isinstance(chunk, (tuple, list)) and len(chunk) == 2):
             raise ValueError(f"kv_chunks[{t}] must be a (k_chunk, v_chunk) pair")
-        q5, k5, v5, pb = problem.parse(q_arr, chunk[0], chunk[1], scale=scale,
-                                     check_finite_inputs=False)
+        q5, k5, v5, pb, _ = xp.parse(q_arr, chunk[0], chunk[1], scale, False)
         if check_finite:
-            maxima = (q_max, arrays.check_finite(k5, f"k of kv_chunks[{t}]"),
-                      arrays.check_finite(v5, f"v of kv_chunks[{t}]"))
+            maxima = (q_max, xp.checked_max(k5, f"k of kv_chunks[{t}]"),
+                      xp.checked_max(v5, f"v of kv_chunks[{t}]"))
             pb = replace(pb, maxima=maxima)  # one pass over each chunk: its check gave its maxima
         if state is None:
-            slopes = problem.alibi_slopes(alibi_slopes, pb)  # (..., hk, g)
+            slopes = xp.from_host(problem.alibi_slopes(alibi_slopes, pb))  # (..., hk, g)
             sink = problem.sinks(sinks, pb)  # (..., hk, g): each row starts from its head's sink
-            sink = None if sink is None else sink[..., None]
+            sink = None if sink is None else xp.from_host(sink[..., None])
             state_class = hooks.get("state")  # the step "state" (`attnlib.core.hooks`): OnlineSoftmax
-            state = [state_class.empty(q5.shape[:-2] + (rows,), pb.dv, keys_first=keys_first_for(rows),
-                                       sink=sink)
+            state = [state_class.empty(tuple(q5.shape[:-2]) + (rows,), pb.dv, keys_first=xp.keys_first_for(rows),
+                                       sink=sink, xp=xp)
                      for rows in (min(pb.sq, q0 + tiles.block_q) - q0 for q0 in range(0, pb.sq, tiles.block_q))]
             first = pb
         elif (pb.batch, pb.hk, pb.dv) != (first.batch, first.hk, first.dv):
             raise ValueError(
-                f"kv_chunks[{t}] has shape k {np.shape(chunk[0])}, v {np.shape(chunk[1])}, "
+                f"kv_chunks[{t}] has shape k {tuple(np.shape(chunk[0]))}, v {tuple(np.shape(chunk[1]))}, "
                 "unlike the first chunk")
         end = position + pb.sk
         if total_keys is not None and end > total_keys:
@@ -161,7 +170,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
                         causal_align, win, chunk=opts.attention_chunk,
                         sink_tokens=sink_tokens(opts.sink_token_length, win))
         check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
-                                            k_max=pb.max_of("k", k5))  # then each tile checks its scores
+                                            k_max=pb.max_of("k", k5)) if pb.sq and pb.sk else False
         v_max = max(v_max, pb.max_of("v", v5))
         grown = problem.value_exponent(v_max, end) - v_exp
         if grown:  # what the states hold so far, divided by the new power of two (exact)
@@ -173,18 +182,20 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
 
         def query_tile(a, spec=spec, k0s=k0s, k1s=k1s, k5=k5, v5=v5, position=position, check=check,
                        v_scale=2.0 ** -v_exp):
+            xp.worker_start()
             q0 = a * tiles.block_q
             q1 = min(pb.sq, q0 + tiles.block_q)
             kinds = spec.tile_kind(q0, q1, k0s, k1s)  # (n_k_tiles of the chunk,)
             todo = np.flatnonzero(kinds != SKIP)
             if todo.size:
-                with np.errstate(over="ignore") if check else contextlib.nullcontext():
-                    q_i = q5[..., q0:q1, :].astype(np.float64) * pb.scale  # (..., bq, d)
+                with xp.ignore_overflow(check):
+                    q_i = xp.operand(q5[..., q0:q1, :]) * pb.scale  # (..., bq, d)
                 hooks.get("absorb")(state[a], q_i, k5, v5, spec, q0, k0s[todo], k1s[todo], kinds[todo],
                                     cap, slopes, key_offset=position, check=check, v_scale=v_scale)
 
         # Each query tile's state is its own: threads take them in any order, bit-identically.
         run_tiles(query_tile, range(len(state) - 1, -1, -1), workers)
+        xp.finish()  # a device's errors in this chunk, raised once
         position = end
     if state is None:
         raise ValueError("kv_chunks is empty: give at least one (k_chunk, v_chunk), "
@@ -192,8 +203,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
     if total_keys is not None and position != total_keys:
         raise ValueError(f"the chunks hold {position} keys, but total_keys={total_keys}")
     finals = [(problem.unscale_values(o, v_exp, v_max), lse) for o, lse in (s.finalize() for s in state)]
-    out = np.concatenate([f[0] for f in finals], axis=-2) if finals else \
-        np.zeros(q5.shape[:-2] + (0, first.dv))
-    lse = np.concatenate([f[1] for f in finals], axis=-1) if finals else np.zeros(q5.shape[:-2] + (0,))
+    out = xp.concat([f[0] for f in finals], -2) if finals else xp.zeros(tuple(q5.shape[:-2]) + (0, first.dv))
+    lse = xp.concat([f[1] for f in finals], -1) if finals else xp.zeros(tuple(q5.shape[:-2]) + (0,))
     out = first.merge_heads(out, 2)
-    return (out, first.merge_heads(lse, 1)) if return_lse else out
+    return out, first.merge_heads(lse, 1)

@@ -7,7 +7,6 @@ processed at once inside a tile by broadcasting matmul.  Working memory is a few
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -19,13 +18,13 @@ from . import lse_conventions, mla, problem, sparse
 from . import validate
 from . import flex
 from . import hooks
-from . import tiles as tile_steps
+from .backend import NUMPY
 from .masks import SKIP
 from .options import Options
 from .paged import paged_forward
 from .parallel import _unit_of, run_tiles, work_units
 from .tilesizes import DEFAULT_TILES, LARGE_HEAD_TILES, TileSizes, default_tiles
-from .online import lse_of, merge_attention, merge_parts
+from .online import _merged, lse_of, merge_parts
 from .stats import AttentionStats, results
 from .device import on_device, resolve as device_of
 
@@ -237,23 +236,19 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
 
 
 def forward_on(q, k, v, opts: Options, *, device=None, **run):
-    """`forward`, or its torch twin on the device that ``device`` or torch inputs name
+    """`forward`, with numpy, or with torch on the device that ``device`` or torch inputs name
     (`attnlib.core.device.resolve`): results as the inputs came (numpy for numpy inputs)."""
     dev = device_of(device, q, k, v)
     if dev is None:
         return forward(q, k, v, opts, **run)
-    if opts.paged:  # the pages gathered and attended to on the device (`paged.paged_forward`)
-        return on_device(forward(q, k, v, opts, dev=dev, **run), (q, k, v))
-    from . import torch_tiled
-    return on_device(torch_tiled.forward(q, k, v, opts, dev=dev, **run), (q, k, v))
+    return on_device(forward(q, k, v, opts, dev=dev, **run), (q, k, v))
 
 
 def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, workers=None,
             rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
             check_finite=True, dev=None, return_max_scores=False):
-    """`attention` with its masking and score options already parsed into ``opts``; ``dev``
-    (a torch device) serves a paged cache only (`forward_on` sends the rest to
-    `attnlib.core.torch_tiled`)."""
+    """`attention` with its masking and score options already parsed into ``opts``; ``dev``:
+    a torch device to compute on (`attnlib.core.torch_backend`), or None for numpy."""
     if opts.paged:
         unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
                                      "key_leftpad", "attention_chunk", "sink_token_length",
@@ -272,13 +267,16 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
         return paged_forward(q, k, v, opts, block_q=block_q, chunk_keys=block_k, workers=workers,
                              return_lse=return_lse, check_finite=check_finite, dev=dev)
     kv_splits = validate.positive_int(kv_splits, "kv_splits")
-    workers = validate.workers(workers)
+    workers = validate.workers(workers) if dev is None or workers is not None else None
     tau = validate.threshold(rescale_threshold)
     prec = problem.precision(compute_dtype)
     return_lse = validate.flag(return_lse, "return_lse")
     return_stats = validate.flag(return_stats, "return_stats")
-    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
-    setup = prepare(q5, k5, v5, pb, opts, block_q=block_q, block_k=block_k, prec=prec, tau=tau)
+    xp = NUMPY if dev is None else backend_for(dev, workers)
+    q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
+    setup = prepare(q5, k5, v5, pb, opts, block_q=block_q, block_k=block_k, prec=prec, tau=tau, xp=xp,
+                    extremes=extremes)
+    workers = xp.workers if xp is not NUMPY else workers
     tiles = setup.tiles
     n_k_tiles = -(-pb.sk // tiles.block_k)
     # More ranges than key tiles would only add empty ones (each a pass over the queries).
@@ -288,34 +286,42 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
     # of a one-float lse at large scores; a low precision merges its lse, as its kernel does.
     parts = len(splits) > 1 and prec.is_float64
     sel = setup.selection
-    if sel is not None and len(splits) == 1 and sel.prefer_gather(tiles.block_q, tiles.block_k):
+    if sel is not None and len(splits) == 1 and xp is NUMPY and sel.prefer_gather(tiles.block_q, tiles.block_k):
         # Top-k lists: the listed keys gathered, at a cost that follows them (`sparse.gathered`).
         partials = [sparse.gathered(q5, k5, v5, pb, setup, sel, workers=workers,
                                     count_rescales=return_stats, max_scores=return_max_scores)]
         return _results(pb, tiles, prec, *partials[0][:2], partials, return_lse, return_stats)
-    partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
-                         (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
-                         count_rescales=return_stats, lse_parts=parts, max_scores=return_max_scores)
-                for r, part in enumerate(splits)]
-    if len(partials) == 1:
-        out, lse = partials[0][:2]
-    elif parts:
-        out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials])
-        lse = lse_of(merged)
-    else:
-        out, lse = merge_attention([p[0] for p in partials], [p[1] for p in partials])
-    return _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats)
+    with xp.threads(workers):
+        partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
+                             (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
+                             count_rescales=return_stats, lse_parts=parts, max_scores=return_max_scores)
+                    for r, part in enumerate(splits)]
+        xp.finish()  # the errors a device gathered, raised once
+        if len(partials) == 1:
+            out, lse = partials[0][:2]
+        elif parts:
+            out, merged = merge_parts([p[0] for p in partials], [p[1] for p in partials], xp)
+            lse = lse_of(merged, xp)
+        else:
+            out, lse = _merged([p[:2] for p in partials], xp)
+        return _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats, xp)
 
 
-def _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats):
+def backend_for(dev, workers=None):
+    """The torch backend on ``dev`` (`attnlib.core.torch_backend`) for one call."""
+    from .torch_backend import Torch
+    return Torch(dev, workers)
+
+
+def _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats, xp=NUMPY):
     """`stats.results` of the merged ``out, lse`` of the key ranges' ``partials`` (and their
     ``max_scores``, the largest of theirs, when they carry one)."""
     maxes = None
     if partials[0][4] is not None:
-        maxes = functools.reduce(np.maximum, [p[4] for p in partials])
+        maxes = functools.reduce(xp.maximum, [p[4] for p in partials])
     if not prec.is_float64:  # what a kernel in that precision would write out
-        out, lse = out.astype(prec.compute), lse.astype(prec.accumulate)
-        maxes = None if maxes is None else maxes.astype(prec.accumulate)
+        out, lse = xp.astype(out, prec.compute), xp.astype(lse, prec.accumulate)
+        maxes = None if maxes is None else xp.astype(maxes, prec.accumulate)
     return results(pb, tiles, out, lse, sum(p[2] for p in partials) if return_stats else None, partials[0][3],
                    return_lse=return_lse, return_stats=return_stats, max_scores=maxes)
 
@@ -337,22 +343,38 @@ class Setup:
     v_max: float
     tau: float = 0.0
     selection: object = None  # sparse.Selection: the top-k lists, or None
+    xp: object = NUMPY  # the arrays' backend (`attnlib.core.backend`)
 
 
-def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=None, tau=0.0) -> Setup:
-    """The `Setup` of a call on the grouped ``q5, k5, v5`` (`problem.parse`) with ``opts``."""
+def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=None, tau=0.0, xp=NUMPY,
+            extremes=None, spec=None) -> Setup:
+    """The `Setup` of a call on the grouped ``q5, k5, v5`` (`problem.parse`) with ``opts``;
+    on a device, ``extremes`` are the inputs' ``(max, min)`` (`device.parse`).  ``spec``: one
+    mask for the whole problem instead of ``opts``'s (a piece of a larger one)."""
     prec = problem.precision(prec)
-    tiles = opts.tiles_for(default_tiles(pb.d), block_q, block_k)
-    specs = opts.specs(pb)
+    if xp is NUMPY:
+        base = default_tiles(pb.d)
+    else:
+        from .tilesizes import device_tiles
+        base = device_tiles(xp.dev, math.prod(pb.batch) * pb.hq, opts, spec=spec)
+    tiles = opts.tiles_for(base, block_q, block_k)
+    specs = opts.specs(pb) if spec is None else {(): spec}
     cap, slopes, sink = opts.score_terms(pb, prec)
-    mods = opts.mods(pb, tiles)
-    problem.check_representable(prec, q=q5, k=k5, v=v5)
+    if xp is NUMPY:
+        mods = opts.mods(pb, tiles)
+        problem.check_representable(prec, q=q5, k=k5, v=v5)
+    else:
+        from .torch_flex import device_mods
+        mods = device_mods(opts, pb, tiles, xp.dev)  # a mask_mod's block mask made on the device
+        # Values beyond the compute type's range round to inf there (the host path's message).
+        problem.check_representable(prec, **{n: np.array(extremes.get(n, (0.0, 0.0))) for n in "qkv"})
     check = problem.scores_may_overflow(q5, k5, pb.scale, prec.accumulate, q_max=pb.max_of("q", q5),
                                         k_max=pb.max_of("k", k5))
     v_max = pb.max_of("v", v5)  # once, for every key range
     if tau:
         tau = problem.safe_threshold(tau, prec, pb.sk, v_max)
-    return Setup(specs, tiles, cap, slopes, sink, mods, prec, check, v_max, tau, opts.selection(pb))
+    return Setup(specs, tiles, cap, xp.from_host(slopes), xp.from_host(sink), mods, prec, check, v_max, tau,
+                 opts.selection(pb), xp)
 
 
 def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=False, lse_parts=False,
@@ -370,13 +392,13 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
     """
     specs, tiles, cap, slopes, sink, mods = (setup.specs, setup.tiles, setup.cap, setup.slopes,
                                              setup.sink, setup.mods)
-    prec, check, v_max, tau = setup.prec, setup.check, setup.v_max, setup.tau
-    lead = q.shape[:-2]
+    prec, check, v_max, tau, xp = setup.prec, setup.check, setup.v_max, setup.tau, setup.xp
+    lead = tuple(q.shape[:-2])
     # Values near the type's range are summed divided by 2**e (see `problem.value_exponent`).
     v_exp = problem.value_exponent(v_max, pb.sk, prec.accumulate)
-    out = np.empty(lead + (pb.sq, pb.dv))
-    lse = np.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()))
-    maxes = np.full(lead + (pb.sq,), -np.inf) if max_scores else None
+    out = xp.empty(lead + (pb.sq, pb.dv))
+    lse = xp.empty(lead + (pb.sq,) + ((2,) if lse_parts else ()))
+    maxes = xp.full(lead + (pb.sq,), -np.inf) if max_scores else None
     kinds = rescales = None
     if count_rescales:
         # The tile map and per-tile counts grow as (Sq / block_q) * (Sk / block_k): kept
@@ -400,10 +422,11 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
                               per_thread, problem.for_entry(sink, idx),
                               None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
-                              (v_exp, v_max), lse_parts, None if maxes is None else maxes[idx]))
+                              (v_exp, v_max), lse_parts, None if maxes is None else maxes[idx], xp))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
+        xp.worker_start()
         p = int(np.searchsorted(starts, i, side="right")) - 1
         plans[p][1](i - int(starts[p]))
 
@@ -412,7 +435,8 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
 
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
-             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False, maxes=None):
+             tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False, maxes=None,
+             xp=NUMPY):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -426,11 +450,12 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     set of buffers per thread however many batch entries have masks of their own.
     ``sink`` (broadcastable to ``lead``) starts every row from its head's sink.
     ``values``: ``(e, max|v|)``, the values summed divided by ``2**e`` (`problem.value_exponent`).
-    ``maxes (*lead, sq)``, if given, receives each row's largest visible score.
+    ``maxes (*lead, sq)``, if given, receives each row's largest visible score.  ``xp``: the
+    arrays' backend (`attnlib.core.backend`).
     """
     v_exp, v_max = values
     bq, bk = tiles.block_q, tiles.block_k
-    lead, sq, dv = q.shape[:-2], q.shape[-2], v.shape[-1]
+    lead, sq, dv = tuple(q.shape[:-2]), q.shape[-2], v.shape[-1]
     k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
     in_range = np.zeros(k_starts.size, dtype=bool)
     in_range[key_tiles[0]:key_tiles[1]] = True
@@ -441,12 +466,11 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     g = lead[-1] if lead else 1
     packed = g > 1 and slopes is None and mods is None and g * min(bq, sq) <= bq
     groups = g if packed else 1  # query heads per tile row block
-    units = work_units(lead[:-1] if packed else lead, groups * min(bq, sq), min(bk, k.shape[-2]),
-                       n_q_tiles)
+    units = xp.units(lead[:-1] if packed else lead, groups * min(bq, sq), min(bk, k.shape[-2]), n_q_tiles)
     if slopes is not None:
-        slopes = np.broadcast_to(slopes, lead)  # (*lead,): one slope per head
+        slopes = xp.broadcast_to(slopes, lead)  # (*lead,): one slope per head
     if sink is not None:
-        sink = np.broadcast_to(sink, lead)  # (*lead,): one sink per head
+        sink = xp.broadcast_to(sink, lead)  # (*lead,): one sink per head
 
     def unit_tile(item):
         # The longest (last, under causal) query tiles go first so the threads finish together.
@@ -468,25 +492,25 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
             k_u, v_u = k_u[..., 0, :, :], v_u[..., 0, :, :]
         if prec is None or prec.is_float64:
             # The scale is applied once per query tile: a (..., bq, d) copy, never all of q.
-            with np.errstate(over="ignore") if check else contextlib.nullcontext():
-                q_i = q_u[..., q0:q1, :].astype(np.float64) * scale  # (..., bq, d); inf: caught below
-            dtype = np.float64
+            with xp.ignore_overflow(check):
+                q_i = xp.operand(q_u[..., q0:q1, :]) * scale  # (..., bq, d); inf: caught below
+            dtype = xp.float64
         else:  # rounded q; the scale goes on the float32 scores, as in low-precision kernels
-            q_i = prec.round(q_u[..., q0:q1, :])
-            dtype = prec.accumulate
+            q_i = xp.rounded(q_u[..., q0:q1, :], prec)
+            dtype = xp.dtype(prec.accumulate)
         rows = None
         if packed:  # (..., g, r, d) -> (..., g * r, d); the rows' positions repeat per head
-            q_i = q_i.reshape(q_i.shape[:-3] + (g * (q1 - q0), q_i.shape[-1]))
+            q_i = q_i.reshape(tuple(q_i.shape[:-3]) + (g * (q1 - q0), q_i.shape[-1]))
             rows = np.tile(np.arange(q0, q1), g)
         sink_rows = None
         if sink is not None:  # each row starts from its head's sink
-            sink_rows = (np.repeat(sink[unit], q1 - q0, axis=-1) if packed  # (..., g * rows)
+            sink_rows = (xp.repeat(sink[unit], q1 - q0, -1) if packed  # (..., g * rows)
                          else sink[unit][..., None])  # (..., 1) against (..., rows)
         # The steps "state" and "absorb" (`attnlib.core.hooks`): OnlineSoftmax, tiles.absorb.
-        state = hooks.get("state").empty(q_i.shape[:-1], dv, dtype,
-                                         keys_first=tile_steps.keys_first_for(q_i.shape[-2]), sink=sink_rows)
+        state = hooks.get("state").empty(tuple(q_i.shape[:-1]), dv, dtype,
+                                         keys_first=xp.keys_first_for(q_i.shape[-2]), sink=sink_rows, xp=xp)
         todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
-        mx_i = None if maxes is None else np.full(state.m.shape, -np.inf, dtype=dtype)  # as state.m
+        mx_i = None if maxes is None else xp.full(tuple(state.m.shape), -np.inf, dtype=dtype)  # as state.m
         events = hooks.get("absorb")(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],
                                      tile_kinds[todo], cap, slopes if slopes is None else slopes[unit],
                                      count=rescales is not None, threshold=tau, prec=prec, scale=scale,
@@ -494,14 +518,14 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                                      rows=rows, row_groups=groups, mods=mods_u, v_scale=math.ldexp(1.0, -v_exp),
                                      maxes=mx_i)
         if rescales is not None:
-            rescales[unit][..., a, todo] = events
+            rescales[unit][..., a, todo] = xp.to_host(events)
         o_i, lse_i = state.finalize_parts() if lse_parts else state.finalize()
         o_i = problem.unscale_values(o_i, v_exp, v_max)
-        tail = lse_i.shape[-1:] if lse_parts else ()  # (m, log l) of each row
+        tail = tuple(lse_i.shape[-1:]) if lse_parts else ()  # (m, log l) of each row
         if packed:
-            o_i = o_i.reshape(o_i.shape[:-2] + (g, q1 - q0, dv))
-            lse_i = lse_i.reshape(lse_i.shape[:-1 - len(tail)] + (g, q1 - q0) + tail)
-            mx_i = None if mx_i is None else mx_i.reshape(mx_i.shape[:-1] + (g, q1 - q0))
+            o_i = o_i.reshape(tuple(o_i.shape[:-2]) + (g, q1 - q0, dv))
+            lse_i = lse_i.reshape(tuple(lse_i.shape[:-1 - len(tail)]) + (g, q1 - q0) + tail)
+            mx_i = None if mx_i is None else mx_i.reshape(tuple(mx_i.shape[:-1]) + (g, q1 - q0))
         if mx_i is not None:
             maxes[unit][..., q0:q1] = mx_i
         out[unit][..., q0:q1, :] = o_i

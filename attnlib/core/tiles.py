@@ -4,31 +4,19 @@ softmax's update, shared by the forward, the stream, the paged cache and the bac
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from . import problem
-from . import flex
 from . import hooks
+from .backend import KEYS_FIRST_MIN_ROWS, NUMPY  # noqa: F401  (KEYS_FIRST_MIN_ROWS: read from here too)
 from .masks import PARTIAL, SKIP
 from .online import OnlineSoftmax  # the state absorb updates (its import declares the "state" step)
 
 
-#: Fewest rows in a tile for the keys-first layout (see `keys_first_for`).
-KEYS_FIRST_MIN_ROWS = 64
-
-
 def keys_first_for(rows: int) -> bool:
-    """Whether a tile of ``rows`` query rows is laid out keys first, ``(..., bk, rows)``.
-
-    Keys first, the per-row max, shift and sum run along the outer axis over contiguous
-    rows: at 256 x 256 the max took 0.38 ns per score against 0.65 rows first, and ``v^T p``
-    is the faster product.  With few rows (decode: one query per head, or a GQA group of
-    them) that axis is too short to vectorise: at 4 rows by 256 keys the max took 106 us
-    keys first and 8 us rows first (8 heads, measured), so such tiles stay rows first.
-    """
-    return rows >= KEYS_FIRST_MIN_ROWS
+    """Whether the host's tile of ``rows`` query rows is laid out keys first
+    (`backend.Numpy.keys_first_for`)."""
+    return NUMPY.keys_first_for(rows)
 
 
 def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None, slopes=None, *,
@@ -57,13 +45,17 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
     The masks and scores are the steps ``"tile_visible"`` and ``"tile_scores"`` of
     `attnlib.core.hooks`, and so is the split of a packed-documents tile into document
     blocks, ``"document_blocks"``; callers reach this function as its step ``"absorb"``.
+    The arrays are ``state.xp``'s (`attnlib.core.backend`): numpy's, or torch tensors on a
+    device; the positions and masks are worked out on the host.
     """
+    xp = state.xp
     contiguous = rows is None  # a packed tile's rows repeat per head
     rows = np.arange(q0, q0 + q_i.shape[-2]) if rows is None else rows
-    keys_first = keys_first_for(q_i.shape[-2])
+    keys_first = xp.keys_first_for(q_i.shape[-2])
     groups = (row_groups,) if row_groups > 1 else ()
-    events = np.zeros(state.m.shape[:-1] + groups + (len(k0s),), dtype=np.int64) if count else None
+    events = xp.zeros(tuple(state.m.shape[:-1]) + groups + (len(k0s),), dtype=np.int64) if count else None
     low = prec is not None and not prec.is_float64
+    round_p = (lambda p: xp.rounded_p(p, prec)) if low else None
     # The declared steps (`attnlib.core.hooks`), looked up once per query tile.
     tile_visible, scores_of = hooks.get("tile_visible"), hooks.get("tile_scores")
     split_documents = hooks.get("document_blocks")
@@ -74,21 +66,19 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
     for t, (k0, k1) in enumerate(zip(k0s, k1s)):
         a, b = k0 - key_offset, k1 - key_offset  # positions in the arrays
         if low:
-            k_j, v_j = prec.round(k[..., a:b, :]), prec.round(v[..., a:b, :])
+            k_j, v_j = xp.rounded(k[..., a:b, :], prec), xp.rounded(v[..., a:b, :], prec)
         else:
-            # Aligned (a copy only if not): numpy multiplies misaligned arrays in its own loop,
-            # not BLAS, with other roundings, so the bits would depend on where the input lies.
-            k_j = np.require(k[..., a:b, :].astype(np.float64, copy=False), requirements="A")  # (..., bk, d)
-            v_j = np.require(v[..., a:b, :].astype(np.float64, copy=False), requirements="A")  # (..., bk, dv)
+            k_j, v_j = xp.operand(k[..., a:b, :]), xp.operand(v[..., a:b, :])  # (..., bk, d), (..., bk, dv)
         if v_scale != 1.0:  # exact: a power of two
             v_j = v_j * v_scale
-        shape = (state.acc.shape, b - a, state.acc.dtype)
+        acc_shape = tuple(state.acc.shape)
+        shape = (acc_shape, b - a, state.acc.dtype)
         if shape not in buffers:
-            lead = np.broadcast_shapes(q_i.shape[:-2], k_j.shape[:-2])
+            lead = np.broadcast_shapes(tuple(q_i.shape[:-2]), tuple(k_j.shape[:-2]))
             tile = (b - a, q_i.shape[-2]) if keys_first else (q_i.shape[-2], b - a)
-            pv = state.acc.shape[:-2] + (state.acc.shape[:-3:-1] if keys_first else state.acc.shape[-2:])
-            buffers[shape] = (np.empty(lead + tile, dtype=state.acc.dtype),
-                              np.empty(pv, dtype=state.acc.dtype))  # (..., dv, bq) keys first
+            pv = acc_shape[:-2] + (acc_shape[:-3:-1] if keys_first else acc_shape[-2:])
+            buffers[shape] = (xp.empty(lead + tile, dtype=state.acc.dtype),
+                              xp.empty(pv, dtype=state.acc.dtype))  # (..., dv, bq) keys first
         s_buf, pv_buf = buffers[shape]
         # A PARTIAL tile of packed documents may be computed one document block at a time
         # (`document_blocks`): each block's rows of the state absorb its keys under the other
@@ -102,15 +92,16 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
             sub = spec.without_documents
             parts = [(sub, kind, r0, r1, c0, c1) for r0, r1, c0, c1 in split
                      if (kind := sub.tile_kind(q0 + r0, q0 + r1, k0 + c0, k0 + c1)) != SKIP]
-            rescaled = np.zeros(state.m.shape, dtype=bool) if count else None
+            rescaled = xp.zeros(tuple(state.m.shape), dtype=bool) if count else None
         for part_spec, kind, r0, r1, c0, c1 in parts:
             # A block keeps the tile's layout (keys_first), in which the state's acc is laid out.
             st = state if whole else state.rows(r0, r1)
             rows_b, j0, j1 = rows[r0:r1], k0 + c0, k0 + c1
             vis = (tile_visible(part_spec, rows_b, j0, j1, keys_first, contiguous=contiguous, cache=band_masks)
-                   if kind == PARTIAL else None)  # laid out as s
+                   if kind == PARTIAL else None)  # laid out as s, worked out on the host
+            vis = None if vis is None else xp.mask(vis)
             if mods is not None and kind == PARTIAL:  # AND mask_mod: (..., tile), per head
-                vis = mods.visible(vis, rows_b, np.arange(j0, j1), keys_first)
+                vis = mods.visible(vis, rows_b, np.arange(j0, j1), keys_first, xp)
             # The block's views on the start of the tile's buffers (a whole tile's: the buffers).
             tile = (c1 - c0, r1 - r0) if keys_first else (r1 - r0, c1 - c0)
             s_b = _prefix(s_buf, s_buf.shape[:-2] + tile)
@@ -120,13 +111,12 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
             s, _ = scores_of(q_i[..., r0:r1, :], k_j[..., c0:c1, :],
                              part_spec, rows_b, np.arange(j0, j1), kind, cap, slopes, out=s_b,
                              post_scale=scale if low else None, check=check, keys_first=keys_first,
-                             vis=vis, mods=mods)
+                             vis=vis, mods=mods, xp=xp)
             if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
                 mx = maxes[..., r0:r1]
-                np.maximum(mx, s.max(axis=-2 if keys_first else -1), out=mx)
+                xp.maximum(mx, xp.amax(s, -2 if keys_first else -1), out=mx)
             moved = st.update(s, v_j[..., c0:c1, :], threshold=threshold, overwrite_s=True,
-                              pv=pv_b, round_p=prec.round_p if low else None,
-                              keys_first=keys_first, visible=vis)  # s now holds p
+                              pv=pv_b, round_p=round_p, keys_first=keys_first, visible=vis)  # s now holds p
             if whole:
                 rescaled = moved
             else:
@@ -134,7 +124,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
                 if count:
                     rescaled[..., r0:r1] = moved
         if count:  # per head: a packed tile's rows are row_groups heads' rows
-            events[..., t] = rescaled.reshape(rescaled.shape[:-1] + groups + (-1,)).sum(axis=-1)
+            events[..., t] = rescaled.reshape(tuple(rescaled.shape[:-1]) + groups + (-1,)).sum(-1)
     return events
 
 
@@ -164,7 +154,7 @@ def _prefix(buf, shape):
 
 
 def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
-                post_scale=None, check=False, keys_first=False, vis=None, mods=None, mod_grad=None):
+                post_scale=None, check=False, keys_first=False, vis=None, mods=None, mod_grad=None, xp=NUMPY):
     """One tile's scores in the contract's order: ``(scale q) k^T``, softcap, mask, ALiBi.
 
     ``q_i: (..., bq, d)`` is already scaled; ``rows``/``cols`` are the tile's absolute
@@ -182,61 +172,64 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     its ``score_mod`` modifies the scores after the softcap, before the mask (``vis`` then
     already holds its ``mask_mod``); ``mod_grad``, a list, receives
     ``score_mod_grad(score, b, h, q_idx, kv_idx)`` of the pre-modification scores for the
-    backward pass (``mod_grad[0]`` is that function on entry).
+    backward pass (``mod_grad[0]`` is that function on entry).  ``xp``: the arrays' backend
+    (`attnlib.core.backend`); ``vis`` is then its array.
     """
+    q0, k0 = (int(np.ravel(x)[0]) if x is not None and np.size(x) else 0 for x in (rows, cols))  # for errors
     # An overflow (only possible when `check` is asked for) is reported below.
-    with np.errstate(over="ignore", invalid="ignore") if check else contextlib.nullcontext():
+    with xp.ignore_overflow(check):
         if keys_first:
-            s = np.matmul(k_j, np.swapaxes(q_i, -1, -2), out=out)  # (..., bk, bq)
+            s = xp.matmul(k_j, xp.swapaxes(q_i, -1, -2), out=out)  # (..., bk, bq)
         else:
-            s = np.matmul(q_i, np.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
+            s = xp.matmul(q_i, xp.swapaxes(k_j, -1, -2), out=out)  # (..., bq, bk)
         if post_scale is not None:
-            s *= post_scale
-
-    def pairs(grid):  # a (bq, bk) grid over the pairs, laid out as s
-        return grid.T if keys_first else grid
-
+            s = xp.scale_(s, post_scale)
     if kind == PARTIAL and vis is None:
-        vis = spec.visible(rows, cols, keys_first)
+        vis = xp.mask(spec.visible(rows, cols, keys_first))
     if check:
-        bad = ~np.isfinite(s)
-        if bad.any():
-            # Only a visible pair's score is used; an invisible one is set to 0 (masked
-            # below), which keeps softcap's tanh and its derivative finite.
-            if kind != PARTIAL or (bad & vis).any():
-                raise ValueError(problem.overflow_message(s.dtype))
-            s[bad] = 0.0
+        # Only a visible pair's score is used; an invisible one is set to 0 (masked below),
+        # which keeps softcap's tanh and its derivative finite.
+        bad = ~xp.isfinite(s)
+        xp.refuse(bad if kind != PARTIAL else bad & vis, _overflowed, q0, k0, s.dtype)
+        s = xp.fill_(s, bad, 0.0)
     th = None
     if cap is not None:  # softcap, before masking
-        with np.errstate(over="ignore"):  # s / cap beyond the range: tanh(+-inf) = +-1, exact
+        with xp.overflow_ok():  # s / cap beyond the range: tanh(+-inf) = +-1, exact
             s /= cap
-        np.tanh(s, out=s)
-        th = s.copy() if keep_tanh else None
+        s = xp.tanh_(s)
+        th = xp.copy(s) if keep_tanh else None
         s *= cap
     if mods is not None and mods.score_mod is not None:  # score_mod: after the softcap, before masks
-        grids = mods.grids(rows, cols, keys_first)
         if mod_grad is not None:
-            mod_grad.append(flex.score_values(mod_grad[0], s, *grids, name="score_mod_grad"))
-        s[...] = flex.score_values(mods.score_mod, s, *grids)
+            mod_grad.append(mods.scores(mod_grad[0], s, rows, cols, keys_first, xp, "score_mod_grad"))
+        s[...] = mods.scores(mods.score_mod, s, rows, cols, keys_first, xp)
     if kind == PARTIAL:
-        np.copyto(s, -np.inf, where=~vis)
+        s = xp.fill_(s, ~vis, -np.inf)
     if mods is not None and mods.score_mod is not None:
         # A visible pair's modified score must be a number or -inf (FlexAttention's way to
         # mask from a score_mod); NaN or +inf would make the softmax undefined.
-        bad = np.isnan(s) | np.isposinf(s)
-        if bad.any():
-            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (query "
-                             f"{int(np.asarray(rows)[np.argwhere(bad)[0][-1 if keys_first else -2]])}); "
-                             "it must return finite scores, or -inf to mask")
+        xp.refuse(xp.isnan(s) | xp.isposinf(s), _score_mod_bad, q0, k0, keys_first)
     if slopes is not None:  # ALiBi, after masking: -inf stays -inf
         # A bias on a score near -max may overflow it (only where `check` is asked for: else
         # |s| < max / 16 and the bias < max / 4): a visible score beyond the range, refused.
-        finite = np.isfinite(s) if check else None
-        with np.errstate(over="ignore") if check else contextlib.nullcontext():
-            s -= slopes[..., None, None] * pairs(spec.distance(rows, cols))
-        if check and (finite & ~np.isfinite(s)).any():
-            raise ValueError(problem.overflow_message(s.dtype))
+        finite = xp.isfinite(s) if check else None
+        with xp.ignore_overflow(check):
+            s -= slopes[..., None, None] * xp.distance(spec, rows, cols, keys_first)
+        if check:
+            xp.refuse(finite & ~xp.isfinite(s), _overflowed, q0, k0, s.dtype)
     return s, th
+
+
+def _overflowed(bad, q0, k0, dtype):
+    return problem.overflow_message(np.dtype(str(dtype).removeprefix("torch.")))
+
+
+def _score_mod_bad(bad, q0, k0, keys_first):
+    if bad is None:  # gathered on a device: the tile
+        where = f"queries from {q0}, keys from {k0}"
+    else:
+        where = f"query {q0 + int(np.argwhere(bad)[0][-1 if keys_first else -2])}"
+    return f"score_mod returned NaN or +inf for a visible pair ({where}); it must return finite scores, or -inf to mask"
 
 
 # The steps this module defines, replaceable through `hooks` (see there).

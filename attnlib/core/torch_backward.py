@@ -7,7 +7,7 @@ formulas), computed where the tensors are: key tiles outer, each owning its ``dk
 (times ``1 - tanh^2`` under softcap), ``dk_j += ds^T (scale q_i)`` and ``dq_i += ds k_j``,
 added to each ``dq`` tile in ascending key-tile order.  The tile classes are planned on the
 host from the mask geometry (`MaskSpec.tile_kind`), the masks built on the device from host
-integers (`torch_tiled._hidden`), and errors (an overflowing score, a score_mod's NaN or
+integers (`MaskSpec.tile_visible`), and errors (an overflowing score, a score_mod's NaN or
 +inf, non-finite or out-of-range gradients) gathered in device flags and read once at the
 end: no host synchronisation per tile.  ``mask_mod``, ``score_mod`` (with its derivative
 ``score_mod_grad``) and block masks are the forward's (`attnlib.core.torch_flex`): each
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -33,7 +34,8 @@ from . import device as dev_mod
 from . import flex, problem, torch_flex, validate
 from .masks import PARTIAL, SKIP
 from .parallel import Turns, run_tiles, work_units
-from .torch_tiled import BAND_CACHE, Errors, _hidden, band_key, device_tiles
+from .tilesizes import device_tiles
+from .torch_backend import BAND_CACHE, Torch
 
 #: The largest power of two one multiplication scales by: ``2**-1000`` and ``2**1000`` are
 #: normal numbers, so a scaling by ``2**e`` is done in steps of at most this exponent.
@@ -164,6 +166,66 @@ def _split(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
     return grads + (dsink.reshape(shape),)
 
 
+#: No tile: the first-error index of a thread that found none.
+_NONE = 2**62
+
+
+class Errors:
+    """The errors a kernel finds on the device, kept per thread and updated in place (never
+    one flag per tile), read once at the end: whether a visible pair's score overflowed, and
+    the first tile (by position, ``q0 * (sk + 1) + k0``) where a visible pair's score_mod
+    gave NaN or +inf, or `_NONE`.  Shared by the forward and the backward."""
+
+    def __init__(self, torch, dev, sk: int):
+        self.torch, self.dev, self.sk = torch, dev, sk
+        self.local = threading.local()
+        self.pairs = []  # every thread's (overflow, first), for `state`
+
+    def _mine(self):
+        mine = getattr(self.local, "pair", None)
+        if mine is None:
+            torch = self.torch
+            mine = self.local.pair = (torch.zeros((), dtype=torch.bool, device=self.dev),
+                                      torch.full((), _NONE, dtype=torch.int64, device=self.dev))
+            self.pairs.append(mine)  # list.append: safe across threads
+        return mine
+
+    def overflowed(self, bad):
+        """OR a device bool (a visible pair's score beyond the range) into this thread's flag."""
+        self._mine()[0].logical_or_(bad)
+
+    def modified(self, score_fn, s, ids, q0, q1, k0, k1, hidden):
+        """``score_mod`` over a tile's scores ``s`` (`torch_flex.score_values`), its NaN and
+        +inf noted where visible (``hidden``: True where invisible, or None) and set to 0
+        (an invisible pair's is masked by the caller)."""
+        torch = self.torch
+        s = torch_flex.score_values(score_fn, s, *ids, q0, q1, k0, k1, self.dev)
+        # A visible pair's modified score must be a number or -inf (FlexAttention's way to mask).
+        bad = torch.isnan(s) | torch.isposinf(s)
+        hit = (bad if hidden is None else bad & ~hidden).any()
+        first = self._mine()[1]
+        torch.minimum(first, torch.where(hit, q0 * (self.sk + 1) + k0, _NONE), out=first)
+        return s.masked_fill_(bad, 0.0)
+
+    def state(self):
+        """``[overflowed, first]`` as a device int64 tensor (no synchronisation)."""
+        torch = self.torch
+        if not self.pairs:
+            return torch.tensor([0, _NONE], dtype=torch.int64, device=self.dev)
+        return torch.stack([torch.stack([o for o, _ in self.pairs]).any().to(torch.int64),
+                            torch.stack([f for _, f in self.pairs]).min()])
+
+    def raise_for(self, state, dtype):
+        """The error ``state`` (`state` read back: two host ints) stands for, if any."""
+        overflow, first = (int(x) for x in state)
+        if overflow:
+            raise ValueError(problem.overflow_message(dtype))
+        if first != _NONE:
+            q0, k0 = divmod(first, self.sk + 1)
+            raise ValueError(f"score_mod returned NaN or +inf for a visible pair (queries from {q0}, "
+                             f"keys from {k0}); it must return finite scores, or -inf to mask")
+
+
 class _Kernel:
     """One backward call's tile loop on the device, with its flags and constants."""
 
@@ -172,6 +234,8 @@ class _Kernel:
         self.cap, self.check, self.e = cap, check, e
         self.workers = workers if dev.type == "cpu" else 1  # a GPU takes every head at once
         self.cache = {}  # band masks and ALiBi distances by tile geometry (each written once)
+        self.xp = Torch(dev, 1)  # the masks moved to the device
+        self.host_bands = threading.local()  # each thread's host band masks
         self.errors = Errors(torch, dev, pb.sk)  # found on the device, raised by `finish`
         self.mods = mods  # (mask_mod, score_mod, block_mask) or None; the functions on device tensors
         if mods is not None:
@@ -328,14 +392,15 @@ class _Kernel:
         return found
 
     def _hidden(self, spec, seg, q0, q1, k0, k1):
-        """`torch_tiled._hidden` of the tile (built from host integers: no synchronisation),
-        kept under its `torch_tiled.band_key` when only the band rules cross it."""
-        key = band_key(spec, q0, q1, k0, k1, seg)
-
-        def build():
-            return _hidden(spec, q0, q1, k0, k1, self.torch, self.dev, seg)
-
-        return build() if key is None else self._kept(("band",) + key, build)
+        """The tile's invisible pairs, ``(r, c)`` bool on the device: the host's mask
+        (`MaskSpec.tile_visible`, its bands kept per thread), a band's negation kept."""
+        host = getattr(self.host_bands, "cache", None)
+        if host is None:
+            host = self.host_bands.cache = {}
+        vis = spec.tile_visible(np.arange(q0, q1), k0, k1, contiguous=True, cache=host)
+        if vis.flags.writeable:  # built for this tile alone
+            return ~self.xp.mask(vis)
+        return self._kept(("band", id(vis)), lambda: (vis, ~self.xp.mask(vis)))[1]
 
     def _distance(self, spec, q0, q1, k0, k1):
         """ALiBi's ``|i + o - j|`` over a tile ``(r, c)``, float64: kept by ``k0 - q0`` and shape."""

@@ -71,7 +71,12 @@ def mask_values(mask_fn, b, h, q0, q1, k0, k1, shape, dev):
     torch = dev_mod._torch()
     q_idx = torch.arange(q0, q1, device=dev)[:, None]
     kv_idx = torch.arange(k0, k1, device=dev)[None, :]
-    m = mask_fn(b[..., None, None], h[..., None, None], q_idx, kv_idx)
+    return checked_mask(mask_fn(b[..., None, None], h[..., None, None], q_idx, kv_idx), shape)
+
+
+def checked_mask(m, shape):
+    """A ``mask_mod``'s result ``m`` over a tile, as a bool tensor of ``shape``, or a clear error."""
+    torch = dev_mod._torch()
     if m.dtype != torch.bool:
         raise TypeError(f"mask_mod must return booleans (as FlexAttention's), got dtype {m.dtype}")
     try:
@@ -88,7 +93,15 @@ def score_values(score_fn, s, b, h, q0, q1, k0, k1, dev, name="score_mod"):
     torch = dev_mod._torch()
     q_idx = torch.arange(q0, q1, device=dev)[:, None]
     kv_idx = torch.arange(k0, k1, device=dev)[None, :]
-    out = score_fn(s.clone(), b[..., None, None], h[..., None, None], q_idx, kv_idx)
+    return checked_scores(score_fn(s.clone(), b[..., None, None], h[..., None, None], q_idx, kv_idx), s, name)
+
+
+def checked_scores(out, s, name="score_mod"):
+    """A ``score_mod``'s result ``out`` over the tile's scores ``s``: a new tensor of its shape
+    and type, or a clear error."""
+    torch = dev_mod._torch()
+    if not isinstance(out, torch.Tensor):
+        out = torch.as_tensor(np.asarray(out), device=s.device)
     if out.dtype == torch.bool or out.is_complex():
         raise TypeError(f"{name} must return numbers, got dtype {out.dtype}")
     try:

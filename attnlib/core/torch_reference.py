@@ -23,7 +23,7 @@ import numpy as np
 
 from . import problem
 from . import device as dev_mod
-from . import flex, torch_flex, torch_tiled
+from . import flex, torch_flex
 from .masks import MaskSpec
 
 #: ``compute_dtype`` names -> torch's type of the name (float64: None, the exact path).
@@ -71,10 +71,7 @@ def visible(specs, pb, dev, distances=False):
     j = torch.arange(pb.sk, device=dev)[None, :]
 
     def rule(spec):  # the tiled kernel's rule, over the whole grid as one tile
-        seg = None
-        if spec.q_segments is not None:
-            seg = (dev_mod.index_tensor(spec.q_segments, dev), dev_mod.index_tensor(spec.kv_segments, dev))
-        return ~torch_tiled._hidden(spec, 0, pb.sq, 0, pb.sk, torch, dev, seg).expand(pb.sq, pb.sk)
+        return dev_mod.index_tensor(spec.visible(np.arange(pb.sq), np.arange(pb.sk)), dev)
 
     def distance(spec):
         return (i + spec.offset - j).abs().to(torch.float64)

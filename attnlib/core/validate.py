@@ -13,7 +13,9 @@ import os
 
 import numpy as np
 
-from .online import MAX_THRESHOLD
+#: The largest lazy-rescale threshold: weights stay below exp(100) ~ 2.7e43, so sums over even
+#: 2**63 keys stay far below float64's 1.8e308.
+MAX_THRESHOLD = 100.0
 
 ALIGNS = ("bottom_right", "top_left")
 

@@ -228,13 +228,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
     return_stats = validate.flag(return_stats, "return_stats")
     dev = dev_mod.resolve(device, q, k, v)
     q, k, v = _joined(q, k, v, qv, dev, options.get("check_finite", True))
-    if dev is None:
-        kernel = forward
-    else:
-        from . import torch_tiled
-
-        def kernel(*a, **o):
-            return torch_tiled.forward(*a, dev=dev, **o)
+    def kernel(*a, **o):
+        return forward(*a, dev=dev, **o)
     out, lse, extras = _run(lambda *a, **o: kernel(*a, return_lse=True, return_stats=return_stats, **o),
                             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                             max_seqlen_k, dict(options), dev=dev)

@@ -14,8 +14,8 @@ from ..core import descale, mla, problem, sparse
 from ..core import validate
 from ..core.online import lse_of, merge_parts
 from ..core.options import Options
-from ..core.tiled import Setup, run_keys
-from ..core.tilesizes import default_tiles
+from ..core.backend import NUMPY
+from ..core.tiled import backend_for, prepare, run_keys
 from .plan import MERGE_FANIN, make_plan
 from .sources import Input, aligned, materialize
 
@@ -48,27 +48,25 @@ def _piece(q_part, k_part, v_part, spec, scale, cap, slopes, label, sink=None, l
             q, k, v, qv = descale.scaled(q, k, v, qv, factors)
         if qv is not None:
             q, k = mla.join(q, k, v, qv)
-        if dev is not None:
-            with _meter(f"kernel on {dev}"):
-                return _piece_torch(q, k, v, spec, scale, cap, slopes, sink, lists, dev)
-        with np.errstate(divide="raise", over="raise", invalid="raise"):
-            q5, k5, v5, pb = problem.parse(q, k, v, scale=scale, check_finite_inputs=True)
-            slopes = None if slopes is None else slopes.reshape(pb.hk, pb.group)
-            sink = None if sink is None else sink.reshape(pb.hk, pb.group)
-            tiles = default_tiles(pb.d)
-            check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
-                                                k_max=pb.max_of("k", k5))
-            opts = Options.parse(gather_kv_indices=lists)
-            setup = Setup(specs={(): spec}, tiles=tiles, cap=cap, slopes=slopes, sink=sink,
-                          mods=opts.mods(pb, tiles), prec=problem.precision(None), check=check,
-                          v_max=pb.max_of("v", v5), selection=opts.selection(pb))
-            n_k_tiles = -(-pb.sk // tiles.block_k)
+        xp = NUMPY if dev is None else backend_for(dev, 1)
+        with contextlib.nullcontext() if dev is None else _meter(f"kernel on {dev}"), \
+                np.errstate(divide="raise", over="raise", invalid="raise"):
+            opts = Options.parse(scale=scale, gather_kv_indices=lists)
+            q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, True)
+            setup = prepare(q5, k5, v5, pb, opts, xp=xp, extremes=extremes, spec=spec)
+            setup = replace(setup, cap=cap, slopes=xp.from_host(None if slopes is None else slopes.reshape(pb.hk, pb.group)),
+                            sink=xp.from_host(None if sink is None else sink.reshape(pb.hk, pb.group)))
+            n_k_tiles = -(-pb.sk // setup.tiles.block_k)
             # One thread per task: the cluster's workers are the parallelism.
             sel = setup.selection
-            if sel is not None and sel.prefer_gather(tiles.block_q, tiles.block_k):
-                out, parts, *_ = sparse.gathered(q5, k5, v5, pb, setup, sel, workers=1, lse_parts=True)
-            else:
-                out, parts, *_ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
+            with xp.threads(1):
+                if sel is not None and xp is NUMPY and sel.prefer_gather(setup.tiles.block_q, setup.tiles.block_k):
+                    out, parts, *_ = sparse.gathered(q5, k5, v5, pb, setup, sel, workers=1, lse_parts=True)
+                else:
+                    out, parts, *_ = run_keys(q5, k5, v5, pb, setup, (0, n_k_tiles), workers=1, lse_parts=True)
+                xp.finish()
+            # A piece's result is block_q rows, back on the host for the merges: small beside its work.
+            out, parts = xp.to_host(out), xp.to_host(parts)
         return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
     except Exception as e:
         raise BlockError(f"attnlib.distributed: the piece {label} failed: {type(e).__name__}: {e}") from e
@@ -116,18 +114,6 @@ def _check_device_name(device: str):
         from ..core.device import parse_name
 
         parse_name(device, accepted="'numpy', 'auto' or a torch device")
-
-
-def _piece_torch(q, k, v, spec, scale, cap, slopes, sink, lists, dev):
-    """`_piece`'s kernel with torch on ``dev`` (`torch_tiled.piece`): the same ``(out, lse
-    parts)``, back on the host for the merges (a piece's result is ``block_q`` rows: small
-    beside its work)."""
-    from ..core import torch_tiled
-
-    out, parts, pb = torch_tiled.piece(q, k, v, spec, Options.parse(scale=scale, gather_kv_indices=lists),
-                                       dev=dev, cap=cap, slopes=slopes, sink=sink)
-    out, parts = (np.asarray(x.cpu()) for x in (out, parts))
-    return pb.merge_heads(out, 2), pb.merge_heads(parts, 2)
 
 
 def _meter(label):

@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..core import hooks
+from ..core.backend import NUMPY
 from ..core.online import _shift, lse_of
 
 #: The kernel paths a defect may reach: `attnlib.attention`, `attnlib.attention_stream`,
@@ -57,12 +58,14 @@ def _state(name, **members):
     return type(name, (base,), {"__slots__": (), **members})
 
 
-def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, round_p=None,
+def _mutated_update(exp=None, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, round_p=None,
                     skip_below=None):
     """A state whose ``update`` is a copy of `OnlineSoftmax.update` (eager rule, float64)
     with hooks for one mutation.
 
-    ``exp``: the exponential used for ``alpha`` and ``p``; ``alpha_l``: a factor on the
+    ``exp``: the exponential used for ``alpha`` and ``p`` (``exp(x, xp)``; None: the
+    backend's own), written, like every defect, against the arrays' backend
+    (`attnlib.core.backend`), so that it reaches numpy and torch alike; ``alpha_l``: a factor on the
     ``alpha`` that rescales ``l`` (False: never rescaled); ``alpha_acc``: a factor on the
     ``alpha`` that rescales ``acc`` (0: never rescaled); ``pv_factor``: a factor on
     ``p @ v``; ``round_p``: rounds ``p`` everywhere; ``skip_below``: a tile whose max is
@@ -71,20 +74,22 @@ def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, roun
     """
 
     def update(self, s, v, keys_first=False, **_):  # other options (buffers, threshold 0) unused
+        xp = self.xp
+        exp_ = (lambda x: xp.exp(x)) if exp is None else (lambda x: exp(x, xp))
         # A copy of the tile, in rows-first layout: (..., rows, bk).
-        s = np.array(np.swapaxes(s, -1, -2) if keys_first else s, dtype=self.acc.dtype)
-        if skip_below is not None and np.all(s.max(axis=-1) < self.m - skip_below):
-            return np.zeros(self.m.shape, dtype=bool)
-        m_new = np.maximum(self.m, s.max(axis=-1))
-        rescaled = np.isfinite(self.m) & (m_new > self.m)
-        shift = _shift(m_new)
-        alpha = exp(self.m - shift)
-        p = exp(s - shift[..., None])
+        s = xp.copy(xp.swapaxes(s, -1, -2) if keys_first else s)
+        if skip_below is not None and bool((xp.amax(s, -1) < self.m - skip_below).all()):
+            return xp.zeros(tuple(self.m.shape), dtype=bool)
+        m_new = xp.maximum(self.m, xp.amax(s, -1))
+        rescaled = xp.isfinite(self.m) & (m_new > self.m)
+        shift = _shift(m_new, xp)
+        alpha = exp_(self.m - shift)
+        p = exp_(s - shift[..., None])
         if round_p is not None:
-            p = round_p(p)
+            p = round_p(p, xp)
         if alpha_l is not False:
             self.l *= alpha * (1.0 if alpha_l is True else alpha_l)
-        self.l += p.sum(axis=-1)
+        self.l += p.sum(-1)
         if alpha_acc:
             self.acc *= (alpha * alpha_acc)[..., None]
         self.acc += (p @ v) * pv_factor
@@ -96,9 +101,8 @@ def _mutated_update(exp=np.exp, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, roun
 
 def _exp_times(rel):
     """``exp(x) * (1 + rel * x)``: an exp whose relative error grows with ``|x|``."""
-    def exp(x):
-        with np.errstate(invalid="ignore"):  # -inf * rel: the weight is 0 either way
-            return np.exp(x) * np.where(np.isfinite(x), 1 + rel * x, 1.0)
+    def exp(x, xp):
+        return xp.exp(x) * xp.where(xp.isfinite(x), 1 + rel * x, 1.0)  # -inf: the weight is 0 either way
     return exp
 
 
@@ -158,8 +162,9 @@ def _alibi_signed():
     def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, **kwargs):
         s, th = real(q_i, k_j, spec, rows, cols, kind, cap, None, **kwargs)
         if slopes is not None:  # -inf stays -inf
-            signed = rows[:, None] + spec.offset - cols[None, :]  # (bq, bk)
-            s -= slopes[..., None, None] * (signed.T if kwargs.get("keys_first") else signed)
+            signed = (np.asarray(rows)[:, None] + spec.offset - np.asarray(cols)[None, :]).astype(np.float64)
+            xp = kwargs.get("xp", NUMPY)
+            s -= slopes[..., None, None] * xp.from_host(signed.T if kwargs.get("keys_first") else signed)
         return s, th
     return tile_scores
 
@@ -171,8 +176,10 @@ def _softcap_after_mask():
 
     def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, **kwargs):
         s, th = real(q_i, k_j, spec, rows, cols, kind, None, slopes, **kwargs)
-        if cap is not None:
-            np.multiply(np.tanh(s / cap), cap, out=s)
+        if cap is not None:  # -inf / cap is -inf, whose tanh is -1: -cap
+            s /= cap
+            s = kwargs.get("xp", NUMPY).tanh_(s)
+            s *= cap
         return s, th
     return tile_scores
 
@@ -186,7 +193,8 @@ def _drop_last_tile():
             k0s, k1s, kinds = k0s[:-1], k1s[:-1], kinds[:-1]
         events = real(state, q_i, k, v, spec, q0, k0s, k1s, kinds, *args, **kwargs)
         if events is not None:  # keep the stats' shape: the dropped tile counts no events
-            events = np.concatenate([events, np.zeros(events.shape[:-1] + (1,), events.dtype)], -1)
+            xp = state.xp
+            events = xp.concat([events, xp.zeros(tuple(events.shape[:-1]) + (1,), events.dtype)], -1)
         return events
     return absorb
 
@@ -197,7 +205,7 @@ def _lse_plus(shift):
 
     def finalize(self):  # the lse off by shift, rounded as before: (m + log l) + shift
         out, parts = base.finalize_parts(self)
-        return out, lse_of(parts) + shift
+        return out, lse_of(parts, self.xp) + shift
 
     def finalize_parts(self):  # split-KV's partials, merged later: log l off by shift (-inf stays)
         out, parts = base.finalize_parts(self)
@@ -211,8 +219,8 @@ def _sink_weight_dropped():
     0, not ``exp(sink - m) = 1`` (the sink missing from the denominator)."""
     real = hooks.get("state").empty.__func__
 
-    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None):
-        state = real(cls, rows_shape, dv, dtype, keys_first, sink)
+    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None, xp=NUMPY):
+        state = real(cls, rows_shape, dv, dtype, keys_first, sink, xp)
         if sink is not None:
             state.l[...] = 0.0
         return state
@@ -224,16 +232,17 @@ def _sink_first_tile_unscaled():
     rescale on its first tile, when the state "is still empty" (it is not, with a sink)."""
     base = hooks.get("state")
 
-    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None):
-        state = base.empty.__func__(cls, rows_shape, dv, dtype, keys_first, sink)
+    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None, xp=NUMPY):
+        state = base.empty.__func__(cls, rows_shape, dv, dtype, keys_first, sink, xp)
         state.fresh = sink is not None  # without a sink the first update is right
         return state
 
     def update(self, s, v, **kwargs):
-        l0, m0 = self.l.copy(), self.m.copy()
+        xp = self.xp
+        l0, m0 = xp.copy(self.l), xp.copy(self.m)
         rescaled = base.update(self, s, v, **kwargs)
         if self.fresh:  # undo alpha on the initial l: l = l0 + sum p instead of alpha l0 + sum p
-            self.l += l0 * (1.0 - np.exp(m0 - _shift(self.m)))
+            self.l += l0 * (1.0 - xp.exp(m0 - _shift(self.m, xp)))
             self.fresh = False
         return rescaled
 
@@ -291,8 +300,8 @@ def _update(name, description, **mutation) -> Defect:
     return Defect(name, description, {"state": lambda: _mutated_update(**mutation)}, _STATE_PATHS)
 
 
-def _f32(p):
-    return p.astype(np.float32).astype(np.float64)
+def _f32(p, xp):
+    return xp.astype(xp.astype(p, np.float32), np.float64)
 
 
 DEFECTS: dict[str, Defect] = {d.name: d for d in (

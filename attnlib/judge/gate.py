@@ -96,6 +96,7 @@ from ..core import arrays
 from ..core import problem
 from ..core import validate
 from ..core import flex
+from ..core.backend import NUMPY
 from ..core.masks import SKIP
 from .metrics import BOUND, TINY, reference_with_abs
 from ..core.oracle import oracle_attention
@@ -103,6 +104,7 @@ from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.reference import dense_options, reference_scores
 from ..core.tilesizes import DEFAULT_TILES
+from ..core.tiled import backend_for
 from ..core.tiles import tile_scores
 
 #: Unit roundoff of float64.
@@ -234,15 +236,11 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
     if given_terms:  # `tolerance` bounds those itself; a row's score size is the q.k terms'
         raise ValueError(f"row_stats does not take {', '.join(given_terms)} (see tolerance)")
     dev = device_of(device, q, k)
-    if dev is not None and not opts.has_mods:  # computed where q and k are, read back to the host
-        from ..core import torch_tiled
-        return tuple(arrays.as_numpy(x, "row_stats") for x in torch_tiled.row_stats(
-            q, k, opts, dev=dev, block_q=DEFAULT_TILES.block_q if block_q is None else block_q,
-            block_k=DEFAULT_TILES.block_k if block_k is None else block_k))
-    q = arrays.as_float_array(q, "q")
-    k = arrays.as_float_array(k, "k")
-    # parse checks the shapes and groups the heads; a one-column v stands in for v.
-    q5, k5, _, pb = problem.parse(q, k, k[..., :1], scale=opts.scale, check_finite_inputs=False)
+    # Computed where q and k are (read back to the host), but programmable masks on the host.
+    xp = NUMPY if dev is None or opts.has_mods else backend_for(dev, 1)
+    q, k = xp.read(q, "q"), xp.read(k, "k")
+    # group checks the shapes and groups the heads; a one-column v stands in for v.
+    q5, k5, _, pb = problem.group(q, k, k[..., :1], scale=opts.scale)
     bq = validate.positive_int(DEFAULT_TILES.block_q if block_q is None else block_q, "block_q")
     bk = validate.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     specs = opts.specs(pb)
@@ -251,10 +249,10 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
         mask_mod = opts.selection(pb)
     score_mod, cap = opts.score_mod, opts.softcap
     mod_size = np.zeros(q5.shape[:-1]) if score_mod is not None else None
-    qa = np.abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
-    ka = np.abs(k5)  # (*batch, hk, 1, sk, d)
-    sigma = np.zeros(q5.shape[:-1])  # (*batch, hk, g, sq)
-    n_vis = np.zeros(q5.shape[:-1], dtype=np.int64)
+    qa = abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
+    ka = abs(k5)  # (*batch, hk, 1, sk, d)
+    sigma = xp.zeros(tuple(q5.shape[:-1]), dtype=qa.dtype)  # (*batch, hk, g, sq)
+    n_vis = xp.zeros(tuple(q5.shape[:-1]), dtype=np.int64)
     for idx, spec in specs.items():  # idx = (): one mask for every batch entry
         k_starts, k_ends, ranges = spec.key_tiles(bk)
         for q0 in range(0, pb.sq, bq):
@@ -262,9 +260,9 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
             kinds = spec.tile_kind(q0, q1, k_starts, k_ends, ranges)  # (n_k_tiles,)
             for t in np.flatnonzero(kinds != SKIP):
                 a, b = int(k_starts[t]), int(k_ends[t])
-                with np.errstate(over="ignore"):  # an overflowing size is an infinite one
+                with xp.ignore_overflow():  # an overflowing size is an infinite one
                     s, _ = tile_scores(qa[idx][..., q0:q1, :], ka[idx][..., a:b, :], spec,
-                                       np.arange(q0, q1), np.arange(a, b), kinds[t])
+                                       np.arange(q0, q1), np.arange(a, b), kinds[t], xp=xp)
                 rows = (...,) + (slice(q0, q1),)
                 if mask_mod is not None or score_mod is not None:
                     mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, idx))
@@ -281,12 +279,13 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
                                 np.arange(q0, q1), np.arange(a, b))))
                         modded = np.where(np.isfinite(s) & np.isfinite(modded), modded, 0.0)
                         mod_size[idx][rows] = np.maximum(mod_size[idx][rows], modded.max(axis=-1, initial=0.0))
-                # Masked pairs are -inf: they neither raise the max nor count.
-                sigma[idx][rows] = np.maximum(sigma[idx][rows], s.max(axis=-1, initial=0.0))
-                n_vis[idx][rows] += np.isfinite(s).sum(axis=-1)
+                # Masked pairs are -inf: they neither raise the max (sigma >= 0) nor count.
+                sigma[idx][rows] = xp.maximum(sigma[idx][rows], xp.amax(s, -1))
+                n_vis[idx][rows] += xp.isfinite(s).sum(-1)
+    sigma, n_vis = pb.merge_heads(xp.to_host(sigma), 1), pb.merge_heads(xp.to_host(n_vis), 1)
     if mod_size is not None:
-        return pb.merge_heads(sigma, 1), pb.merge_heads(n_vis, 1), pb.merge_heads(mod_size, 1)
-    return pb.merge_heads(sigma, 1), pb.merge_heads(n_vis, 1)
+        return sigma, n_vis, pb.merge_heads(mod_size, 1)
+    return sigma, n_vis
 
 
 def _ratio(err, tol):

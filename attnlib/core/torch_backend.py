@@ -1,0 +1,330 @@
+"""The torch backend (`attnlib.core.backend`): the kernel's steps on a tensor's device.
+
+Only what torch spells differently from numpy, or needs on a device: tensors in float64 (or a
+low precision's types) on ``dev``, errors gathered in device flags and raised once
+(`Torch.finish`), the tiles' masks moved to the device once per band, torch's threads held to
+one per worker on the CPU, every head at once on a GPU (a per-tile Python loop is
+launch-bound there).  No numerical step lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import warnings
+
+import numpy as np
+
+from . import device as dev_mod
+
+#: Most band masks one call keeps on the device (each at most one tile).
+BAND_CACHE = 64
+#: No tile: the first-error position of a kind of error not found.
+_NONE = 2**62
+#: Below this exponent ``exp`` is 0 in float64 and float32 alike (e^-745 is float64's
+#: smallest subnormal): an invisible score (``-inf``) is raised to it before ``exp``, since
+#: torch's ``exp(-inf)`` takes a slow path (317 against 52 us for a 256 x 256 tile, measured).
+_EXP_FLOOR = -1000.0
+
+
+class Torch:
+    """torch on ``dev``, for one call (its error flags are the call's)."""
+
+    name = "torch"
+
+    def __init__(self, dev, workers=None):
+        from . import validate
+        self.torch = torch = dev_mod._torch()
+        self.dev = dev
+        self.float64, self.int64 = torch.float64, torch.int64
+        # The CPU runs (head block, query tile) units on threads, as the numpy kernel does (one
+        # torch thread each: tile-sized ops lose to torch's own threads, 330 against 165 us for
+        # a (256, 64) @ (64, 256) product on 2 threads, measured); a GPU takes every head at once.
+        self.workers = (validate.workers(None) if workers is None else workers) if dev.type == "cpu" else 1
+        self._local = threading.local()
+        self._flags = []  # every thread's {message: first position}, read by `finish`
+        self._bands = {}  # device copies of the band masks, shared by the threads
+        self._mods = {}  # the user's functions as called on the device (`score_values`)
+
+    # -- arrays ---------------------------------------------------------------------------
+    def dtype(self, dt):
+        return getattr(self.torch, np.dtype(dt).name)
+
+    def empty(self, shape, dtype=np.float64):
+        return self.torch.empty(tuple(shape), dtype=self._t(dtype), device=self.dev)
+
+    def zeros(self, shape, dtype=np.float64):
+        return self.torch.zeros(tuple(shape), dtype=self._t(dtype), device=self.dev)
+
+    def full(self, shape, value, dtype=np.float64):
+        return self.torch.full(tuple(shape), value, dtype=self._t(dtype), device=self.dev)
+
+    def _t(self, dtype):
+        return dtype if isinstance(dtype, self.torch.dtype) else self.dtype(dtype)
+
+    def from_host(self, x, dtype=None):
+        if x is None:
+            return None
+        if isinstance(x, self.torch.Tensor):
+            return x if dtype is None else x.to(self._t(dtype))
+        x = np.asarray(x)
+        t = self.torch.as_tensor(np.ascontiguousarray(x), device=self.dev)
+        return t if dtype is None else t.to(self._t(dtype))
+
+    def to_host(self, x):
+        return x.cpu().numpy() if isinstance(x, self.torch.Tensor) else x
+
+    def operand(self, x):
+        return x.to(self.torch.float64)
+
+    def rounded(self, x, prec):
+        return dev_mod.rounded(x, self.dtype(prec.compute)).to(self.dtype(prec.accumulate))
+
+    def rounded_p(self, p, prec):
+        return p.to(self.dtype(prec.p_type or prec.compute)).to(self.dtype(prec.accumulate))
+
+    def copy(self, x):
+        return x.clone()
+
+    def read(self, x, name):
+        return dev_mod.as_tensor(x, name, self.dev)
+
+    def parse(self, q, k, v, scale, check_finite):
+        """`backend.Numpy.parse` on the device (`device.parse`): the extremes found on the way."""
+        extremes = {}
+        q5, k5, v5, pb = dev_mod.parse(q, k, v, scale=scale, check_finite_inputs=check_finite, dev=self.dev,
+                                       extremes=extremes)
+        return q5, k5, v5, pb, extremes
+
+    def checked_max(self, x, name) -> float:
+        ext = dev_mod._extremes(x).cpu().numpy()
+        if not np.isfinite(ext).all():
+            dev_mod._first_bad(x, name)
+        return float(np.abs(ext).max())
+
+    def concat(self, xs, axis):
+        return self.torch.cat(xs, dim=axis)
+
+    def astype(self, x, dt):
+        return x.to(self.dtype(dt))
+
+    def broadcast_to(self, x, shape):
+        return x.expand(tuple(shape))
+
+    def repeat(self, x, n, axis):
+        return x.repeat_interleave(n, dim=axis)
+
+    # -- elementwise and reductions ---------------------------------------------------------
+    def matmul(self, a, b, out=None):
+        if out is None:
+            return self.torch.matmul(a, b)
+        return self.torch.matmul(a, b, out=out)
+
+    def swapaxes(self, x, a, b):
+        return x.transpose(a, b)
+
+    def where(self, cond, a, b):
+        return self.torch.where(cond, a, b)
+
+    def isfinite(self, x):
+        return self.torch.isfinite(x)
+
+    def isnan(self, x):
+        return self.torch.isnan(x)
+
+    def isposinf(self, x):
+        return self.torch.isposinf(x)
+
+    def maximum(self, a, b, out=None):
+        torch = self.torch
+        a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=b.dtype, device=self.dev)
+        b = b if isinstance(b, torch.Tensor) else torch.as_tensor(b, dtype=a.dtype, device=self.dev)
+        return torch.maximum(a, b) if out is None else torch.maximum(a, b, out=out)
+
+    def amax(self, x, axis):
+        return x.amax(dim=axis)
+
+    def exp(self, x, out=None):
+        return self.torch.exp(x) if out is None else self.torch.exp(x, out=out)
+
+    def scale_(self, x, factor):
+        return x.mul_(factor)
+
+    def tanh_(self, x):
+        return x.tanh_()
+
+    def fill_(self, x, where, value):
+        return x.masked_fill_(where, value)
+
+    def exp_visible_(self, s, visible):
+        return s.clamp_min_(_EXP_FLOOR).exp_()
+
+    def key_sum(self, p, keys_first):
+        return p.sum(dim=-2 if keys_first else -1)
+
+    def divide_where(self, a, b, where):
+        torch = self.torch
+        return torch.where(where, a / torch.where(where, b, 1.0), 0.0)
+
+    def log_where(self, x, where, out):
+        torch = self.torch
+        out.copy_(torch.where(where, torch.log(torch.where(where, x, 1.0)), out))
+        return out
+
+    def copy_where(self, dst, src, where):
+        return dst.copy_(self.torch.where(where, src, dst))
+
+    def abs_max(self, x) -> float:
+        return float(x.abs().max()) if x.numel() else 0.0
+
+    def clip(self, x, bound):
+        return x.clamp(-bound, bound)
+
+    def keys_first_for(self, rows: int) -> bool:
+        return False  # torch's reductions along a row are its fast ones
+
+    # -- errors ------------------------------------------------------------------------------
+    def ignore_overflow(self, active=True):
+        return contextlib.nullcontext()
+
+    def overflow_ok(self):
+        return contextlib.nullcontext()
+
+    def refuse(self, bad, message, q0=0, k0=0, *args):
+        """Note the first tile (by position) where ``bad`` holds, per ``message``, on the device."""
+        torch = self.torch
+        flags = getattr(self._local, "flags", None)
+        if flags is None:
+            flags = self._local.flags = {}
+            self._flags.append(flags)  # list.append: safe across threads
+        message = (message, args)
+        first = flags.get(message)
+        if first is None:
+            first = flags[message] = torch.full((), _NONE, dtype=torch.int64, device=self.dev)
+        torch.minimum(first, torch.where(bad.any(), q0 * (1 << 31) + k0, _NONE), out=first)
+
+    def finish(self):
+        """Raise the first error `refuse` noted (one read of the device)."""
+        found = {}
+        for flags in self._flags:
+            for message, first in flags.items():
+                found.setdefault(message, []).append(first)
+        if not found:
+            return
+        messages = list(found)
+        firsts = self.torch.stack([self.torch.stack(found[m]).min() for m in messages]).cpu().tolist()
+        for message, first in zip(messages, firsts):
+            if first != _NONE:
+                q0, k0 = divmod(int(first), 1 << 31)
+                raise ValueError(message[0](None, q0, k0, *message[1]))
+
+    # -- masks -------------------------------------------------------------------------------
+    def score_values(self, fn, s, grids, name):
+        """The function called as FlexAttention calls it, with tensors on the device
+        (`torch_flex.on_device`: a numpy-written one on the host's arrays)."""
+        from . import torch_flex
+        wrapped = self._mods.get((fn, name))
+        if wrapped is None:
+            wrapped = self._mods[(fn, name)] = torch_flex.on_device(fn, name, self.dev)
+        b, h, q_idx, kv_idx = (self.from_host(np.asarray(g, dtype=np.int64)) for g in grids)
+        return torch_flex.checked_scores(wrapped(s.clone(), b, h, q_idx, kv_idx), s, name)
+
+    def mask_values(self, fn, grids, shape):
+        """A ``mask_mod`` over a tile, called as FlexAttention calls it (`torch_flex.on_device`),
+        as a bool tensor of ``shape``."""
+        from . import torch_flex
+        wrapped = self._mods.get((fn, "mask_mod"))
+        if wrapped is None:
+            wrapped = self._mods[(fn, "mask_mod")] = torch_flex.on_device(fn, "mask_mod", self.dev)
+        m = wrapped(*(self.from_host(np.asarray(g, dtype=np.int64)) for g in grids))
+        return torch_flex.checked_mask(m, shape)
+
+    def mask(self, vis):
+        """The host's mask of a tile on the device; a cached band's moved there once."""
+        if self.torch.is_tensor(vis):
+            return vis
+        if self.dev.type == "cpu" and vis.flags.c_contiguous:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a cached band is read-only: only read here
+                return self.torch.from_numpy(vis)
+        if not vis.flags.writeable:  # a cached band: the same array each time
+            key = id(vis)
+            hit = self._bands.get(key)
+            if hit is not None and hit[0] is vis:
+                return hit[1]
+            t = self.from_host(vis)
+            if len(self._bands) < BAND_CACHE:
+                self._bands[key] = (vis, t)
+            return t
+        return self.from_host(vis)
+
+    def distance(self, spec, rows, cols, keys_first):
+        d = spec.distance(rows, cols)
+        return self.from_host(d.T if keys_first else d)
+
+    # -- where and how it runs ----------------------------------------------------------------
+    def threads(self, workers):
+        torch = self.torch
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(dev_mod.threads(self.dev, 1 if self.workers > 1 else None))
+        return stack
+
+    def worker_start(self):
+        if self.workers > 1:  # a worker thread of `run_tiles`: one torch thread of its own first
+            dev_mod.hold_one_thread()
+
+    def units(self, lead, rows, keys, n_q_tiles):
+        if self.dev.type != "cpu":
+            return [()]
+        from .parallel import work_units
+        return work_units(lead, rows, keys, n_q_tiles)
+
+
+def read_partials(outs, lses, dev, host_check):
+    """`attnlib.core.online.merge_attention`'s partials as float64 tensors on ``dev``, checked
+    as the host checks them, in the same order (the values' checks gathered in one host
+    synchronisation): ``[(out, lse)]``.  ``host_check``: `online._real_float`, for entries
+    that are not tensors."""
+    from .arrays import _is_torch_tensor
+    torch = dev_mod._torch()
+
+    def real_float(x, name):
+        if _is_torch_tensor(x) and not x.is_floating_point():
+            kind = "complex" if x.is_complex() else str(x.dtype).removeprefix("torch.")
+            raise TypeError(f"{name} must be an array of real floating numbers, got {kind}")
+        if not _is_torch_tensor(x):  # lists, numpy arrays: the host's checks and conversion
+            x = host_check(x, name)
+        return dev_mod.as_tensor(x, name, dev).to(torch.float64)
+
+    outs, lses = list(outs), list(lses)
+    if not outs or len(outs) != len(lses):
+        raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
+                         f"got {len(outs)} and {len(lses)}")
+    parts, flags, failed = [], [], None
+    for r, (out, lse) in enumerate(zip(outs, lses)):
+        try:  # the host checks of partial r (types, shapes), before the values of the ones before it
+            out = real_float(out, f"outs[{r}]")
+            lse = real_float(lse, f"lses[{r}]")
+            if out.ndim < 2:
+                raise ValueError(f"outs[{r}] must have shape (..., Sq, Dv), got {tuple(out.shape)}")
+            if out.shape[:-1] != lse.shape:
+                raise ValueError(f"outs[{r}] {tuple(out.shape)} and lses[{r}] {tuple(lse.shape)} do not "
+                                 "match ((..., Sq, Dv) and (..., Sq))")
+            if parts and out.shape != parts[0][0].shape:
+                raise ValueError(f"outs[{r}] has shape {tuple(out.shape)}, outs[0] {tuple(parts[0][0].shape)}")
+        except (TypeError, ValueError) as e:
+            failed = e
+            break
+        flags += [(torch.isnan(lse) | torch.isposinf(lse)).any(), (~torch.isfinite(out)).any()]
+        parts.append((out, lse))
+    bad = [bool(b) for b in torch.stack(flags).cpu()] if flags else []  # one synchronisation
+    for i, b in enumerate(bad):
+        if b:
+            r = i // 2
+            raise ValueError(f"lses[{r}] must be finite or -inf" if i % 2 == 0 else
+                             f"outs[{r}] contains NaN or inf")
+    if failed is not None:
+        raise failed
+    return parts

@@ -1,0 +1,169 @@
+"""One kernel for numpy and torch (issue 45): each numerical step is written once, against
+the arrays' backend (`attnlib.core.backend`), and the backends hold only primitives.
+
+A static part reads the package's source: the shared steps are defined once, no backend
+defines one, every backend method is a primitive (a few statements), and the backends
+offer the same protocol.  A numerical part runs the torch CPU backend against numpy on
+every forward option of the contract: ``out`` within ``1e-13 * (P @ |V|)`` entry by entry
+(the size of what each entry sums, `attnlib.metrics`), ``lse`` and ``max_scores`` within
+``1e-13`` of their own size.
+"""
+
+import ast
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attnlib
+from attnlib.core import backend
+from attnlib.judge.metrics import reference_with_abs
+
+PACKAGE = Path(attnlib.__file__).parent
+#: The steps of the shared kernel (forward, split-KV merge, stream): one definition each.
+STEPS = {"absorb": "core/tiles.py", "tile_scores": "core/tiles.py", "document_blocks": "core/tiles.py",
+         "update": "core/online.py", "finalize": "core/online.py", "finalize_parts": "core/online.py",
+         "merge": "core/online.py", "merge_parts": "core/online.py", "lse_of": "core/online.py",
+         "run_keys": "core/tiled.py", "_forward": "core/tiled.py", "_stream": "core/stream.py",
+         "unscale_values": "core/problem.py"}
+#: Backend modules: primitives only.
+BACKEND_MODULES = ("core/backend.py", "core/torch_backend.py")
+#: Backend functions that are plumbing, not arithmetic (reading inputs, errors, device moves).
+PLUMBING = {"__init__", "read_partials", "finish", "refuse", "mask", "mask_values", "threads", "checked_max",
+            "score_values", "device_tiles", "maximum", "units", "from_host", "real_float"}
+#: The torch modules of the core: the backend's primitives, a user's functions called on a
+#: device, and the two not yet moved onto the shared kernel (the backward and the dense
+#: reference: issue 45 is open for them).
+TORCH_MODULES = {"torch_backend.py", "torch_flex.py", "torch_backward.py", "torch_reference.py"}
+#: The injected defects are deliberate wrong copies of steps; they are not kernels.
+NOT_KERNELS = ("evidence/defects.py",)
+
+
+def _functions(path, kernels_only=False):
+    """The functions defined in ``path``; ``kernels_only``: module-level ones and the methods of
+    softmax-state classes (where a second copy of a step would live), not other classes'."""
+    tree = ast.parse(path.read_text())
+    if not kernels_only:
+        return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        if cls.name.endswith(("Softmax", "State", "Kernel")):
+            found += [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+    return found
+
+
+def test_each_shared_step_is_defined_once():
+    found = {name: [] for name in STEPS}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in NOT_KERNELS:
+            continue
+        for fn in _functions(path, kernels_only=True):
+            if fn.name in found:
+                found[fn.name].append(rel)
+    for name, where in STEPS.items():
+        assert found[name] == [where], f"step {name} defined in {found[name]}, expected only in {where}"
+
+
+def test_the_backends_hold_primitives_only():
+    for rel in BACKEND_MODULES:
+        for fn in _functions(PACKAGE / rel):
+            assert fn.name not in STEPS, f"{rel} defines the step {fn.name}"
+            if fn.name in PLUMBING:
+                continue
+            body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            assert len(body) <= 4, f"{rel}: {fn.name} has {len(body)} statements: a primitive has a few"
+
+
+def test_the_backends_offer_one_protocol():
+    pytest.importorskip("torch")
+    from attnlib.core.torch_backend import Torch
+
+    def methods(cls):
+        return {n for n, _ in inspect.getmembers(cls) if not n.startswith("_")}
+
+    assert methods(backend.Numpy) - {"name", "dev", "float64", "int64"} <= methods(Torch) | {"float64", "int64"}
+    missing = methods(backend.Numpy) - methods(Torch) - {"float64", "int64", "dev"}
+    assert not missing, missing
+
+
+def test_no_torch_twin_of_the_forward():
+    present = {p.name for p in (PACKAGE / "core").glob("torch_*.py")}
+    assert present <= TORCH_MODULES, present - TORCH_MODULES
+    assert not {"torch_tiled.py", "torch_merge.py", "torch_stream.py"} & present
+
+
+# -- torch against numpy on every forward option ---------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+B, HQ, HK, SQ, SK, D, DV = 2, 4, 2, 70, 110, 16, 24
+
+
+def _mods():
+    def mask_mod(b, h, i, j):
+        return (i - j) % 3 != 1
+
+    def score_mod(s, b, h, i, j):
+        return s + 0.01 * (h + 1) * (i - j)
+    return mask_mod, score_mod
+
+
+_MASK, _SCORE = _mods()
+_LISTS = np.sort(np.random.default_rng(5).integers(-1, SK, (B, SQ, 20)), -1)
+#: Every option of the contract's forward (the low compute precisions apart: their roundings
+#: follow each library's own BLAS, compared in tests/test_torch_forward.py).
+OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "top_left": {"causal": True, "causal_align": "top_left"},
+    "window": {"window": (17, 5)},
+    "causal window": {"causal": True, "window": (40, None)},
+    "padding": {"kv_lengths": [110, 3], "q_lengths": [60, 0], "causal": True},
+    "documents": {"q_segment_ids": np.repeat([[0, 1, 2], [3, 3, 4]], [20, 30, 20], axis=1),
+                  "kv_segment_ids": np.repeat([[0, 1, 2], [3, 4, 4]], [40, 40, 30], axis=1)},
+    "leftpad": {"key_leftpad": [5, 0], "kv_lengths": [100, 110], "causal": True},
+    "chunks": {"attention_chunk": 32, "causal": True},
+    "sink tokens": {"window": (20, 0), "sink_token_length": 4},
+    "softcap": {"softcap": 3.0, "causal": True},
+    "alibi": {"alibi_slopes": np.linspace(0.05, 0.8, HQ)},
+    "sinks": {"sinks": np.array([-1.0, 0.5, 2.0, 8.0]), "causal": True},
+    "scale": {"scale": 0.3, "softcap": 2.0, "alibi_slopes": np.linspace(0.1, 0.4, HQ), "window": (30, 10)},
+    "kv_splits": {"kv_splits": 3, "sinks": np.arange(4.0), "causal": True},
+    "lazy rescale": {"rescale_threshold": 8.0, "causal": True},
+    "mask_mod": {"mask_mod": _MASK},
+    "score_mod": {"score_mod": _SCORE, "causal": True},
+    "top-k lists": {"gather_kv_indices": _LISTS},
+    "lse base 2, sinks excluded": {"lse_base": 2, "sinks": np.arange(4.0), "lse_sink": "excluded"},
+    "lse empty +inf": {"kv_lengths": [0, 50], "lse_empty": "+inf"},
+    "descales": {"q_descale": np.array([[0.5, 2.0]] * B), "k_descale": np.array([[1.5, 0.25]] * B),
+                 "v_descale": np.array([[3.0, 0.5]] * B)},
+}
+
+
+def _inputs(name):
+    q, k, v = attnlib.random_qkv(SQ, SK, D, dv=DV, batch=(B,), heads=HQ, kv_heads=HK, seed=1)
+    return q * 3, k, v  # logits of a few units: rescales happen
+
+
+@pytest.mark.parametrize("tiles", [(32, 64), None], ids=["32x64", "default"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_torch_equals_numpy_within_1e13_of_p_abs_v(name, tiles):
+    kw = dict(OPTIONS[name])
+    if tiles is not None and "block_mask" not in kw:
+        kw.update(block_q=tiles[0], block_k=tiles[1])
+    q, k, v = _inputs(name)
+    want = attnlib.attention(q, k, v, return_lse=True, return_max_scores=True, **kw)
+    got = attnlib.attention(*(torch.from_numpy(x) for x in (q, k, v)), return_lse=True, return_max_scores=True,
+                            **kw)
+    assert all(isinstance(x, torch.Tensor) for x in got)
+    out, lse, mx = (x.numpy() for x in got)
+    ref_kw = {n: x for n, x in kw.items() if n not in ("block_q", "block_k", "kv_splits", "rescale_threshold",
+                                                        "lse_base", "lse_sink", "lse_empty")}
+    size = reference_with_abs(q, k, v, **ref_kw)[1] if "descale" not in name else np.abs(want[0]) + 1.0
+    assert np.all(np.abs(out - want[0]) <= 1e-13 * size + 1e-300), np.abs(out - want[0]).max()
+    for a, b in ((lse, want[1]), (mx, want[2])):
+        assert np.array_equal(np.isfinite(a), np.isfinite(b)) and np.array_equal(a[~np.isfinite(a)], b[~np.isfinite(b)])
+        fin = np.isfinite(b)
+        assert np.all(np.abs(a[fin] - b[fin]) <= 1e-13 * np.maximum(1.0, np.abs(b[fin])))
