@@ -20,6 +20,7 @@ import contextlib
 
 import numpy as np
 
+_NOTHING = contextlib.nullcontext()  # reusable: entered per tile where nothing is to be quieted
 #: Fewest rows in a tile for the keys-first layout (see `Numpy.keys_first_for`).
 KEYS_FIRST_MIN_ROWS = 64
 
@@ -128,6 +129,11 @@ class Numpy:
         np.copyto(x, value, where=where)
         return x
 
+    def hide_(self, s, visible):
+        """``s`` set to ``-inf`` where not ``visible`` (a tile's mask), in place."""
+        np.copyto(s, -np.inf, where=~visible)
+        return s
+
     def exp_visible_(self, s, visible):
         """``exp(s)`` in place, where ``s`` is ``-inf`` off ``visible``: numpy's ``exp(-inf)``
         takes a slow path (6.8 ns per element against 1.1 ns, measured), so only the
@@ -174,7 +180,7 @@ class Numpy:
     # -- errors ------------------------------------------------------------------------------
     def ignore_overflow(self, active=True):
         """The floating-point errors a checked tile reports itself (`refuse`), quiet."""
-        return np.errstate(over="ignore", invalid="ignore") if active else contextlib.nullcontext()
+        return np.errstate(over="ignore", invalid="ignore") if active else _NOTHING
 
     def overflow_ok(self):
         """Overflow to an infinity is intended here (an exponent's difference below -max is

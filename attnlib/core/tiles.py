@@ -175,7 +175,6 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
     backward pass (``mod_grad[0]`` is that function on entry).  ``xp``: the arrays' backend
     (`attnlib.core.backend`); ``vis`` is then its array.
     """
-    q0, k0 = (int(np.ravel(x)[0]) if x is not None and np.size(x) else 0 for x in (rows, cols))  # for errors
     # An overflow (only possible when `check` is asked for) is reported below.
     with xp.ignore_overflow(check):
         if keys_first:
@@ -190,7 +189,7 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
         # Only a visible pair's score is used; an invisible one is set to 0 (masked below),
         # which keeps softcap's tanh and its derivative finite.
         bad = ~xp.isfinite(s)
-        xp.refuse(bad if kind != PARTIAL else bad & vis, _overflowed, q0, k0, s.dtype)
+        xp.refuse(bad if kind != PARTIAL else bad & vis, _overflowed, *_corner(rows, cols), s.dtype)
         s = xp.fill_(s, bad, 0.0)
     th = None
     if cap is not None:  # softcap, before masking
@@ -203,12 +202,14 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
         if mod_grad is not None:
             mod_grad.append(mods.scores(mod_grad[0], s, rows, cols, keys_first, xp, "score_mod_grad"))
         s[...] = mods.scores(mods.score_mod, s, rows, cols, keys_first, xp)
-    if kind == PARTIAL:
-        s = xp.fill_(s, ~vis, -np.inf)
-    if mods is not None and mods.score_mod is not None:
         # A visible pair's modified score must be a number or -inf (FlexAttention's way to
-        # mask from a score_mod); NaN or +inf would make the softmax undefined.
-        xp.refuse(xp.isnan(s) | xp.isposinf(s), _score_mod_bad, q0, k0, keys_first)
+        # mask from a score_mod); NaN or +inf would make the softmax undefined.  A hidden
+        # pair's is masked: set to 0 first, so that no NaN outlives the mask.
+        bad = xp.isnan(s) | xp.isposinf(s)
+        xp.refuse(bad if kind != PARTIAL else bad & vis, _score_mod_bad, *_corner(rows, cols), keys_first)
+        s = xp.fill_(s, bad, 0.0)
+    if kind == PARTIAL:
+        s = xp.hide_(s, vis)  # -inf where not visible
     if slopes is not None:  # ALiBi, after masking: -inf stays -inf
         # A bias on a score near -max may overflow it (only where `check` is asked for: else
         # |s| < max / 16 and the bias < max / 4): a visible score beyond the range, refused.
@@ -216,8 +217,13 @@ def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_ta
         with xp.ignore_overflow(check):
             s -= slopes[..., None, None] * xp.distance(spec, rows, cols, keys_first)
         if check:
-            xp.refuse(finite & ~xp.isfinite(s), _overflowed, q0, k0, s.dtype)
+            xp.refuse(finite & ~xp.isfinite(s), _overflowed, *_corner(rows, cols), s.dtype)
     return s, th
+
+
+def _corner(rows, cols):
+    """The tile's first query and key positions (0 for none), for its errors."""
+    return tuple(int(np.ravel(x)[0]) if x is not None and np.size(x) else 0 for x in (rows, cols))
 
 
 def _overflowed(bad, q0, k0, dtype):
