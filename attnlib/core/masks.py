@@ -211,7 +211,8 @@ class MaskSpec:
         def both(rule):
             return rule if vis is None else vis & rule
 
-        if rows.size and rows.max() >= self.rows:
+        last = (int(rows[-1]) if contiguous else int(rows.max())) if rows.size else -1  # the tile's last row
+        if last >= self.rows:
             vis = both(self._grid(rows < self.rows, np.ones(cols.size, bool), keys_first))
         if cols.size and k1 > self.keys:
             vis = both(self._grid(np.ones(rows.size, bool), cols < self.keys, keys_first))
@@ -244,7 +245,8 @@ class MaskSpec:
             return None
         o, left, right = self.offset, self.left, self.right
         # j - i - o over the tile lies in [lo, hi]; the band is [-left, right].
-        lo, hi = cols[0] - rows.max() - o, cols[-1] - rows.min() - o
+        first, last = (rows[0], rows[-1]) if contiguous else (rows.min(), rows.max())
+        lo, hi = cols[0] - last - o, cols[-1] - first - o
         if (left is None or lo >= -left) and (right is None or hi <= right):
             return None  # (sink tokens only add pairs to a band that hides none)
         if not contiguous or cache is None or self.sinks_from(cols[0]):  # sink tokens: not a pure band

@@ -472,11 +472,16 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     if sink is not None:
         sink = xp.broadcast_to(sink, lead)  # (*lead,): one sink per head
 
+    latest = [(None, None)]  # (a, its tile classes): the units of one query tile come in a row
+
     def unit_tile(item):
         # The longest (last, under causal) query tiles go first so the threads finish together.
         a, unit = n_q_tiles - 1 - item // len(units), units[item % len(units)]
         q0, q1 = a * bq, min(sq, (a + 1) * bq)
-        tile_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), closed form
+        seen_a, tile_kinds = latest[0]
+        if seen_a != a:  # once per query tile (a tuple swapped whole: safe across threads)
+            tile_kinds = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)  # (n_k_tiles,), closed form
+            latest[0] = (a, tile_kinds)
         if kinds is not None:  # the same values from every unit of this query tile
             if mods is None:
                 kinds[..., a, :] = tile_kinds

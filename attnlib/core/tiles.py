@@ -4,6 +4,8 @@ softmax's update, shared by the forward, the stream, the paged cache and the bac
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import problem
@@ -96,7 +98,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
         for part_spec, kind, r0, r1, c0, c1 in parts:
             # A block keeps the tile's layout (keys_first), in which the state's acc is laid out.
             st = state if whole else state.rows(r0, r1)
-            rows_b, j0, j1 = rows[r0:r1], k0 + c0, k0 + c1
+            rows_b, j0, j1 = (rows, k0, k1) if whole else (rows[r0:r1], k0 + c0, k0 + c1)
             vis = (tile_visible(part_spec, rows_b, j0, j1, keys_first, contiguous=contiguous, cache=band_masks)
                    if kind == PARTIAL else None)  # laid out as s, worked out on the host
             vis = None if vis is None else xp.mask(vis)
@@ -108,14 +110,16 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
             pv_b = _prefix(pv_buf, pv_buf.shape[:-2] + ((pv_buf.shape[-2], r1 - r0) if keys_first
                                                         else (r1 - r0, pv_buf.shape[-1])))
             # Keys first: s = k_j q_i^T, (..., bk, bq) (see keys_first_for).
-            s, _ = scores_of(q_i[..., r0:r1, :], k_j[..., c0:c1, :],
-                             part_spec, rows_b, np.arange(j0, j1), kind, cap, slopes, out=s_b,
+            # A whole tile's operands as they are (a tensor's slicing costs microseconds of Python).
+            q_b, k_b, v_b = (q_i, k_j, v_j) if whole else (q_i[..., r0:r1, :], k_j[..., c0:c1, :],
+                                                            v_j[..., c0:c1, :])
+            s, _ = scores_of(q_b, k_b, part_spec, rows_b, np.arange(j0, j1), kind, cap, slopes, out=s_b,
                              post_scale=scale if low else None, check=check, keys_first=keys_first,
                              vis=vis, mods=mods, xp=xp)
             if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
-                mx = maxes[..., r0:r1]
+                mx = maxes if whole else maxes[..., r0:r1]
                 xp.maximum(mx, xp.amax(s, -2 if keys_first else -1), out=mx)
-            moved = st.update(s, v_j[..., c0:c1, :], threshold=threshold, overwrite_s=True,
+            moved = st.update(s, v_b, threshold=threshold, overwrite_s=True,
                               pv=pv_b, round_p=round_p, keys_first=keys_first, visible=vis)  # s now holds p
             if whole:
                 rescaled = moved
@@ -150,7 +154,9 @@ def document_blocks(spec, q0, rows, k0, k1):
 
 def _prefix(buf, shape):
     """A C-contiguous ``shape`` view on the start of the contiguous buffer ``buf``."""
-    return buf.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+    if tuple(buf.shape) == tuple(shape):  # a whole tile: the buffer itself
+        return buf
+    return buf.reshape(-1)[:math.prod(shape)].reshape(shape)
 
 
 def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,

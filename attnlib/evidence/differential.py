@@ -8,6 +8,7 @@ gate's power.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict
 
 import numpy as np
@@ -75,7 +76,7 @@ def single_tile(row) -> bool:
     return bool(one and row["rel_error"] == 0 and row["lse_error"] == 0)
 
 
-def run_case(case, defects=()) -> dict:
+def run_case(case, defects=(), backends=()) -> dict:
     """One `~attnlib.evidence.inputs.Case` through the tiled kernel, judged by the gate.
 
     Returns a flat dict: the case's fields, the `~attnlib.judge.metrics.Errors` fields, the
@@ -85,17 +86,21 @@ def run_case(case, defects=()) -> dict:
     tiles a query tile combined (``key_tiles``, `key_tiles`) and the most keys a row sees
     (``visible_keys_max``; with `single_tile` they tell a problem that tests nothing); with ``defects`` (names in
     `~attnlib.evidence.defects.DEFECTS`), ``"defects": {name: judged}`` against the same reference.
+    ``backends``: further backends the kernel runs on (``"torch"``: torch CPU tensors), each
+    judged by the same gate, its defects too: ``"on": {backend: {"rel_error", "lse_error",
+    "out_ratio", "lse_ratio", "passed", "defects"}}`` (the one kernel, `attnlib.core.backend`).
     """
     q, k, v = case.qkv()
     gate = Gate(q, k, v, block_k=case.block_k, **case.mask_kwargs())
 
-    def call(stats=False):
+    def call(stats=False, backend=None):
+        on = _arrays_of(backend)  # the inputs as the backend's arrays, the results back as numpy's
         if case.qv:  # MLA: the kernel takes q, k and qv; the gate judges it by the joined problem
             q_, k_, qv = case.split_qv(q, k)
-            return attention(q_, k_, v, qv=qv, **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
-                             return_stats=stats)
-        return attention(q, k, v, **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
-                         return_stats=stats)
+            return on(attention(*on(q_, k_, v), qv=on(qv)[0], **case.mask_kwargs(), **case.kernel_kwargs(),
+                                return_lse=True, return_stats=stats))
+        return on(attention(*on(q, k, v), **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
+                            return_stats=stats))
 
     split = []  # per PARTIAL tile asked: whether it was computed by document blocks
     real = hooks.get("document_blocks")
@@ -115,7 +120,30 @@ def run_case(case, defects=()) -> dict:
            "key_tiles": key_tiles(stats), "visible_keys_max": _visible_keys_max(gate)}
     if defects:
         row["defects"] = _judge_defects(gate, defects, call)
+    for backend in backends:
+        on = functools.partial(call, backend=backend)
+        out, lse = on()
+        row.setdefault("on", {})[backend] = {**Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
+                                             **gate.judge(out, lse),
+                                             "defects": _judge_defects(gate, defects, on) if defects else {}}
     return row
+
+
+def _arrays_of(backend):
+    """A function of arrays (or of one result tuple): for ``backend`` ``"torch"``, numpy arrays
+    in as torch CPU tensors and tensors out as numpy arrays; for None, all as they are."""
+    if backend not in (None, "torch"):
+        raise ValueError(f"unknown backend {backend!r}: None or 'torch'")
+    torch = None
+    if backend == "torch":
+        import torch
+
+    def convert(*xs):
+        if len(xs) == 1 and isinstance(xs[0], tuple):  # a result: back to numpy
+            return tuple(x.numpy() if torch is not None and isinstance(x, torch.Tensor) else x for x in xs[0])
+        return tuple(torch.from_numpy(np.ascontiguousarray(x)) if torch is not None and isinstance(x, np.ndarray)
+                     else x for x in xs)
+    return convert
 
 
 def _visible_keys_max(gate) -> int:
@@ -245,7 +273,7 @@ def run_paged(case) -> dict:
             "visible_keys_max": _visible_keys_max(gate)}
 
 
-def power_table(groups, defects=None) -> list[dict]:
+def power_table(groups, defects=None, backend=None) -> list[dict]:
     """One row per defect over the ``"defects"`` results of `run_case`/`run_family` rows.
 
     ``groups`` maps a run's name to its rows (a plain list is one group, "cases").  Per
@@ -254,9 +282,12 @@ def power_table(groups, defects=None) -> list[dict]:
     unmasked problem, a window defect one without a window).  ``worst rel_error``,
     ``worst lse_error`` and ``max ratio`` (the larger of the out and lse ratios to the gate)
     over all groups give its size, ``judged`` and ``caught`` the totals; ``verdict`` is "caught" when at least one problem fails
-    (the report's verdict is then FAIL), else "MISSED".
+    (the report's verdict is then FAIL), else "MISSED".  ``backend``: the rows' results on that
+    backend (`run_case`'s ``"on"``), over the rows that ran there.
     """
     groups = {"cases": groups} if isinstance(groups, list) else dict(groups)
+    if backend is not None:
+        groups = {g: [r["on"][backend] for r in rows if backend in r.get("on", {})] for g, rows in groups.items()}
     names = list(DEFECTS) if defects is None else list(defects)
     table = []
     for name in names:
