@@ -54,7 +54,8 @@ def test_a_correct_kernel_passes_and_a_defect_fails_on_the_device(dtype, v_scale
 
 @pytest.mark.slow
 def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
-    """The numpy kernel and the host score pass made unusable: torch tensors still pass."""
+    """The numpy kernel made unusable and the score sizes' pass (the shared `tile_scores`)
+    refusing numpy arrays: torch tensors still pass."""
     q, k, v = _qkv(torch.float64)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -63,8 +64,15 @@ def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
 
     from attnlib.check import rule
     from attnlib.judge import gate
+    shipped = gate.tile_scores
+
+    def tensors_only(q_i, *args, **kwargs):  # the one kernel's step, on the device's tensors
+        if not isinstance(q_i, torch.Tensor):
+            refuse()
+        return shipped(q_i, *args, **kwargs)
+
     monkeypatch.setattr(rule, "forward", refuse)
-    monkeypatch.setattr(gate, "tile_scores", refuse)
+    monkeypatch.setattr(gate, "tile_scores", tensors_only)
     assert_attention_close(out, q, k, v, layout="bhsd", causal=True, causal_align="top_left")
     with pytest.raises(AssertionError, match="computed with numpy"):
         assert_attention_close(*_host(out, q, k, v), layout="bhsd", causal=True, causal_align="top_left")
