@@ -30,7 +30,7 @@ STEPS = {"absorb": "core/tiles.py", "tile_scores": "core/tiles.py", "document_bl
 #: Backend modules: primitives only.
 BACKEND_MODULES = ("core/backend.py", "core/torch_backend.py")
 #: Backend functions that are plumbing, not arithmetic (reading inputs, errors, device moves).
-PLUMBING = {"__init__", "read_partials", "finish", "refuse", "mask", "_bias", "mask_values", "threads", "checked_max",
+PLUMBING = {"__init__", "read_partials", "finish", "refuse", "mask", "_bias", "mask_values", "distance", "threads", "checked_max",
             "score_values", "device_tiles", "maximum", "units", "from_host", "real_float"}
 #: The torch modules of the core: the backend's primitives, a user's functions called on a
 #: device, and the two not yet moved onto the shared kernel (the backward and the dense
@@ -167,3 +167,46 @@ def test_torch_equals_numpy_within_1e13_of_p_abs_v(name, tiles):
         assert np.array_equal(np.isfinite(a), np.isfinite(b)) and np.array_equal(a[~np.isfinite(a)], b[~np.isfinite(b)])
         fin = np.isfinite(b)
         assert np.all(np.abs(a[fin] - b[fin]) <= 1e-13 * np.maximum(1.0, np.abs(b[fin])))
+
+
+# -- what the second reader found (issue 45's refactor) ----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_row_stats_are_float64_and_alike_on_both_backends(dtype):
+    from attnlib.judge.gate import row_stats
+    q, k, _ = attnlib.random_qkv(40, 50, 8, heads=2, seed=3)
+    q, k = q.astype(dtype), k.astype(dtype)
+    sigma, n_vis = row_stats(q, k, causal=True)
+    t_sigma, t_vis = row_stats(torch.from_numpy(q), torch.from_numpy(k), causal=True)
+    assert sigma.dtype == np.float64 and t_sigma.dtype == np.float64
+    np.testing.assert_array_equal(n_vis, t_vis)
+    # The host sums in the inputs' own type (a size, not a result), the device in float64.
+    np.testing.assert_allclose(t_sigma, sigma, rtol=16 * np.finfo(dtype).eps)
+    b_sigma, _ = row_stats(torch.from_numpy(q).to(torch.bfloat16), torch.from_numpy(k).to(torch.bfloat16),
+                           causal=True)
+    assert b_sigma.dtype == np.float64
+
+
+def test_update_copies_any_scores_into_the_states_type():
+    from attnlib.core.online import OnlineSoftmax
+    st = OnlineSoftmax.empty((2,), 3)
+    st.update([[0.5, 1.0], [2.0, -1.0]], np.ones((2, 3)))
+    st32 = OnlineSoftmax.empty((2,), 3)
+    st32.update(np.array([[0.5, 1.0], [2.0, -1.0]], dtype=np.float32), np.ones((2, 3)))
+    assert st.l.dtype == np.float64 and np.array_equal(st.l, st32.l)
+
+
+def test_a_replacement_step_of_the_old_signature_still_runs_on_the_host():
+    from attnlib.core import hooks
+    shipped = hooks.default("tile_scores")
+
+    def tile_scores(q_i, k_j, spec, rows, cols, kind, cap=None, slopes=None, keep_tanh=False, out=None,
+                    post_scale=None, check=False, keys_first=False, vis=None, mods=None, mod_grad=None):
+        return shipped(q_i, k_j, spec, rows, cols, kind, cap, slopes, keep_tanh, out, post_scale, check,
+                       keys_first, vis, mods, mod_grad)
+
+    q, k, v = attnlib.random_qkv(40, 50, 8, seed=4)
+    with hooks.replaced(tile_scores=tile_scores):
+        got = attnlib.attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(got, attnlib.attention(q, k, v, causal=True))

@@ -115,8 +115,8 @@ class OnlineSoftmax:
         multiplied by ``alpha < 1``).
         """
         xp = self.xp
-        if not overwrite_s:
-            s = xp.copy(s)
+        if not overwrite_s:  # a copy in the state's type (lists too)
+            s = xp.copy(xp.from_host(s, self.acc.dtype))
         key_axis = -2 if keys_first else -1
         m_tile = xp.amax(s, key_axis)  # (..., rows)
         if threshold:

@@ -156,7 +156,7 @@ def _stream(q, kv_chunks, opts, xp, tiles, win, total_keys, workers, check_finit
             sink = None if sink is None else xp.from_host(sink[..., None])
             state_class = hooks.get("state")  # the step "state" (`attnlib.core.hooks`): OnlineSoftmax
             state = [state_class.empty(tuple(q5.shape[:-2]) + (rows,), pb.dv, keys_first=xp.keys_first_for(rows),
-                                       sink=sink, xp=xp)
+                                       sink=sink, **({} if xp is NUMPY else {"xp": xp}))
                      for rows in (min(pb.sq, q0 + tiles.block_q) - q0 for q0 in range(0, pb.sq, tiles.block_q))]
             first = pb
         elif (pb.batch, pb.hk, pb.dv) != (first.batch, first.hk, first.dv):

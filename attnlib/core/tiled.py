@@ -513,7 +513,8 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
                          else sink[unit][..., None])  # (..., 1) against (..., rows)
         # The steps "state" and "absorb" (`attnlib.core.hooks`): OnlineSoftmax, tiles.absorb.
         state = hooks.get("state").empty(tuple(q_i.shape[:-1]), dv, dtype,
-                                         keys_first=xp.keys_first_for(q_i.shape[-2]), sink=sink_rows, xp=xp)
+                                         keys_first=xp.keys_first_for(q_i.shape[-2]), sink=sink_rows,
+                                         **({} if xp is NUMPY else {"xp": xp}))
         todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
         mx_i = None if maxes is None else xp.full(tuple(state.m.shape), -np.inf, dtype=dtype)  # as state.m
         events = hooks.get("absorb")(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],

@@ -58,6 +58,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
     events = xp.zeros(tuple(state.m.shape[:-1]) + groups + (len(k0s),), dtype=np.int64) if count else None
     low = prec is not None and not prec.is_float64
     round_p = (lambda p: xp.rounded_p(p, prec)) if low else None
+    on_device = {} if xp is NUMPY else {"xp": xp}  # the steps' replacements of old take no xp on the host
     # The declared steps (`attnlib.core.hooks`), looked up once per query tile.
     tile_visible, scores_of = hooks.get("tile_visible"), hooks.get("tile_scores")
     split_documents = hooks.get("document_blocks")
@@ -115,7 +116,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
                                                             v_j[..., c0:c1, :])
             s, _ = scores_of(q_b, k_b, part_spec, rows_b, np.arange(j0, j1), kind, cap, slopes, out=s_b,
                              post_scale=scale if low else None, check=check, keys_first=keys_first,
-                             vis=vis, mods=mods, xp=xp)
+                             vis=vis, mods=mods, **on_device)
             if maxes is not None:  # before update, which overwrites s; masked pairs are -inf
                 mx = maxes if whole else maxes[..., r0:r1]
                 xp.maximum(mx, xp.amax(s, -2 if keys_first else -1), out=mx)

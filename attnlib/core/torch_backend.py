@@ -42,6 +42,7 @@ class Torch:
         self._bands = {}  # device copies of the band masks, shared by the threads
         self._mods = {}  # the user's functions as called on the device (`score_values`)
         self._terms_of = {}  # a band mask's 0 / -inf (`_bias`)
+        self._distances = {}  # ALiBi's distances by diagonal offset and tile shape (`distance`)
 
     # -- arrays ---------------------------------------------------------------------------
     def dtype(self, dt):
@@ -65,7 +66,9 @@ class Torch:
         if isinstance(x, self.torch.Tensor):
             return x if dtype is None else x.to(self._t(dtype))
         x = np.asarray(x)
-        t = self.torch.as_tensor(np.ascontiguousarray(x), device=self.dev)
+        if not (x.flags.writeable and x.flags.c_contiguous):  # a broadcast grid: a copy, not shared
+            x = np.array(x)
+        t = self.torch.as_tensor(x, device=self.dev)
         return t if dtype is None else t.to(self._t(dtype))
 
     def to_host(self, x):
@@ -173,7 +176,7 @@ class Torch:
             return hit[1]
         bias = self.torch.zeros(visible.shape, dtype=self.torch.float64, device=self.dev).masked_fill_(
             ~visible, -math.inf)
-        if len(self._terms_of) < BAND_CACHE and any(visible is band for _, band in self._bands.values()):
+        if len(self._terms_of) < BAND_CACHE and any(visible is band for _, band in list(self._bands.values())):
             self._terms_of[id(visible)] = (visible, bias)
         return bias
 
@@ -280,8 +283,20 @@ class Torch:
         return self.from_host(vis)
 
     def distance(self, spec, rows, cols, keys_first):
+        """ALiBi's distances of a tile on the device, kept by diagonal offset and shape for a
+        tile of contiguous rows and keys (a GPU's tiles need not cross the host each time)."""
+        rows, cols = np.asarray(rows), np.asarray(cols)
+        key = None
+        if rows.size and cols.size and rows[-1] - rows[0] == rows.size - 1 and cols[-1] - cols[0] == cols.size - 1:
+            key = (int(rows[0]) + spec.offset - int(cols[0]), rows.size, cols.size, keys_first)
+            hit = self._distances.get(key)
+            if hit is not None:
+                return hit
         d = spec.distance(rows, cols)
-        return self.from_host(d.T if keys_first else d)
+        t = self.from_host(d.T if keys_first else d)
+        if key is not None and len(self._distances) < BAND_CACHE:
+            self._distances[key] = t
+        return t
 
     # -- where and how it runs ----------------------------------------------------------------
     def threads(self, workers):

@@ -249,9 +249,11 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
         mask_mod = opts.selection(pb)
     score_mod, cap = opts.score_mod, opts.softcap
     mod_size = np.zeros(q5.shape[:-1]) if score_mod is not None else None
+    if xp is not NUMPY:  # a device's tensors in float64 (the host keeps the inputs' own type here)
+        q5, k5 = xp.operand(q5), xp.operand(k5)
     qa = abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
     ka = abs(k5)  # (*batch, hk, 1, sk, d)
-    sigma = xp.zeros(tuple(q5.shape[:-1]), dtype=qa.dtype)  # (*batch, hk, g, sq)
+    sigma = xp.zeros(tuple(q5.shape[:-1]))  # (*batch, hk, g, sq), float64
     n_vis = xp.zeros(tuple(q5.shape[:-1]), dtype=np.int64)
     for idx, spec in specs.items():  # idx = (): one mask for every batch entry
         k_starts, k_ends, ranges = spec.key_tiles(bk)
