@@ -30,7 +30,7 @@ STEPS = {"absorb": "core/tiles.py", "tile_scores": "core/tiles.py", "document_bl
 #: Backend modules: primitives only.
 BACKEND_MODULES = ("core/backend.py", "core/torch_backend.py")
 #: Backend functions that are plumbing, not arithmetic (reading inputs, errors, device moves).
-PLUMBING = {"__init__", "read_partials", "finish", "refuse", "mask", "_bias", "mask_values", "distance", "threads", "checked_max",
+PLUMBING = {"__init__", "real_float", "_on_device", "finish", "refuse", "mask", "_bias", "mask_values", "distance", "threads", "checked_max",
             "score_values", "device_tiles", "maximum", "units", "from_host", "real_float"}
 #: The torch modules of the core: the backend's primitives, a user's functions called on a
 #: device, and the two not yet moved onto the shared kernel (the backward and the dense

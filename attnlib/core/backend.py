@@ -81,6 +81,14 @@ class Numpy:
         from . import problem
         return (*problem.parse(q, k, v, scale=scale, check_finite_inputs=check_finite), None)
 
+    def real_float(self, x, name, host_check):
+        """An entry given to a merge as a float64 array: ``host_check`` (`online._real_float`)."""
+        return host_check(x, name)
+
+    def host_bools(self, flags):
+        """Booleans found by the checks, as Python bools."""
+        return [bool(b) for b in flags]
+
     def checked_max(self, x, name) -> float:
         """``max |x|``; ValueError naming ``name``'s first NaN or inf."""
         from .arrays import check_finite

@@ -316,32 +316,45 @@ def merge_attention(outs, lses, *, lse_base=None, device=None):
         out, lse = merge_attention(outs, lses, device=device)
         return out, base.from_natural(lse)
     dev = device_of(device, *outs, *lses)
-    if dev is not None:
-        from .torch_backend import Torch, read_partials
-        xp = Torch(dev)
-        parts = read_partials(outs, lses, dev, _real_float)
-        with xp.threads(None):
-            return on_device(_merged(parts, xp), (*outs, *lses))
+    if dev is None:
+        return _merged(_read_partials(outs, lses, NUMPY), NUMPY)
+    from .torch_backend import Torch
+    xp = Torch(dev)
+    with xp.threads(None):
+        return on_device(_merged(_read_partials(outs, lses, xp), xp), (*outs, *lses))
+
+
+def _read_partials(outs, lses, xp):
+    """`merge_attention`'s partials as ``xp``'s float64 arrays, checked: ``[(out, lse)]``.  Each
+    partial's types and shapes are checked in turn; their values' checks are gathered (one
+    synchronisation on a device) and raised first, for the partials before a failing one."""
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
                          f"got {len(outs)} and {len(lses)}")
-    parts = []
+    parts, flags, failed = [], [], None
     for r, (out, lse) in enumerate(zip(outs, lses)):
-        out = _real_float(out, f"outs[{r}]")
-        lse = _real_float(lse, f"lses[{r}]")
-        if out.ndim < 2:
-            raise ValueError(f"outs[{r}] must have shape (..., Sq, Dv), got {out.shape}")
-        if out.shape[:-1] != lse.shape:
-            raise ValueError(f"outs[{r}] {out.shape} and lses[{r}] {lse.shape} do not match "
-                             "((..., Sq, Dv) and (..., Sq))")
-        if parts and out.shape != parts[0][0].shape:
-            raise ValueError(f"outs[{r}] has shape {out.shape}, outs[0] {parts[0][0].shape}")
-        if np.isnan(lse).any() or np.isposinf(lse).any():
-            raise ValueError(f"lses[{r}] must be finite or -inf")
-        if not np.isfinite(out).all():
-            raise ValueError(f"outs[{r}] contains NaN or inf")
+        try:
+            out = xp.real_float(out, f"outs[{r}]", _real_float)
+            lse = xp.real_float(lse, f"lses[{r}]", _real_float)
+            if out.ndim < 2:
+                raise ValueError(f"outs[{r}] must have shape (..., Sq, Dv), got {tuple(out.shape)}")
+            if out.shape[:-1] != lse.shape:
+                raise ValueError(f"outs[{r}] {tuple(out.shape)} and lses[{r}] {tuple(lse.shape)} do not match "
+                                 "((..., Sq, Dv) and (..., Sq))")
+            if parts and out.shape != parts[0][0].shape:
+                raise ValueError(f"outs[{r}] has shape {tuple(out.shape)}, outs[0] {tuple(parts[0][0].shape)}")
+        except (TypeError, ValueError) as e:
+            failed = e
+            break
+        flags += [(xp.isnan(lse) | xp.isposinf(lse)).any(), (~xp.isfinite(out)).any()]
         parts.append((out, lse))
-    return _merged(parts, NUMPY)
+    for i, bad in enumerate(xp.host_bools(flags)):
+        if bad:
+            r = i // 2
+            raise ValueError(f"lses[{r}] must be finite or -inf" if i % 2 == 0 else f"outs[{r}] contains NaN or inf")
+    if failed is not None:
+        raise failed
+    return parts
 
 
 def _merged(parts, xp):

@@ -96,6 +96,19 @@ class Torch:
                                        extremes=extremes)
         return q5, k5, v5, pb, extremes
 
+    def real_float(self, x, name, host_check):
+        """An entry given to a merge as a float64 tensor here: a tensor of a real floating type,
+        or what ``host_check`` (`online._real_float`) reads on the host; else its TypeError."""
+        from .arrays import _is_torch_tensor
+        if _is_torch_tensor(x) and not x.is_floating_point():
+            kind = "complex" if x.is_complex() else str(x.dtype).removeprefix("torch.")
+            raise TypeError(f"{name} must be an array of real floating numbers, got {kind}")
+        return dev_mod.as_tensor(x if _is_torch_tensor(x) else host_check(x, name), name, self.dev).to(self.float64)
+
+    def host_bools(self, flags):
+        """Device booleans read back at once."""
+        return [bool(b) for b in self.torch.stack(flags).cpu()] if flags else []
+
     def checked_max(self, x, name) -> float:
         ext = dev_mod._extremes(x).cpu().numpy()
         if not np.isfinite(ext).all():
@@ -244,20 +257,22 @@ class Torch:
         """The function called as FlexAttention calls it, with tensors on the device
         (`torch_flex.on_device`: a numpy-written one on the host's arrays)."""
         from . import torch_flex
+        b, h, q_idx, kv_idx = (self.from_host(np.asarray(g, dtype=np.int64)) for g in grids)
+        return torch_flex.checked_scores(self._on_device(fn, name)(s.clone(), b, h, q_idx, kv_idx), s, name)
+
+    def _on_device(self, fn, name):
+        """A user's ``fn`` as called on the device (`torch_flex.on_device`), made once per call."""
+        from . import torch_flex
         wrapped = self._mods.get((fn, name))
         if wrapped is None:
             wrapped = self._mods[(fn, name)] = torch_flex.on_device(fn, name, self.dev)
-        b, h, q_idx, kv_idx = (self.from_host(np.asarray(g, dtype=np.int64)) for g in grids)
-        return torch_flex.checked_scores(wrapped(s.clone(), b, h, q_idx, kv_idx), s, name)
+        return wrapped
 
     def mask_values(self, fn, grids, shape):
         """A ``mask_mod`` over a tile, called as FlexAttention calls it (`torch_flex.on_device`),
         as a bool tensor of ``shape``."""
         from . import torch_flex
-        wrapped = self._mods.get((fn, "mask_mod"))
-        if wrapped is None:
-            wrapped = self._mods[(fn, "mask_mod")] = torch_flex.on_device(fn, "mask_mod", self.dev)
-        m = wrapped(*(self.from_host(np.asarray(g, dtype=np.int64)) for g in grids))
+        m = self._on_device(fn, "mask_mod")(*(self.from_host(np.asarray(g, dtype=np.int64)) for g in grids))
         return torch_flex.checked_mask(m, shape)
 
     def mask(self, vis):
@@ -316,50 +331,3 @@ class Torch:
         from .parallel import work_units
         return work_units(lead, rows, keys, n_q_tiles)
 
-
-def read_partials(outs, lses, dev, host_check):
-    """`attnlib.core.online.merge_attention`'s partials as float64 tensors on ``dev``, checked
-    as the host checks them, in the same order (the values' checks gathered in one host
-    synchronisation): ``[(out, lse)]``.  ``host_check``: `online._real_float`, for entries
-    that are not tensors."""
-    from .arrays import _is_torch_tensor
-    torch = dev_mod._torch()
-
-    def real_float(x, name):
-        if _is_torch_tensor(x) and not x.is_floating_point():
-            kind = "complex" if x.is_complex() else str(x.dtype).removeprefix("torch.")
-            raise TypeError(f"{name} must be an array of real floating numbers, got {kind}")
-        if not _is_torch_tensor(x):  # lists, numpy arrays: the host's checks and conversion
-            x = host_check(x, name)
-        return dev_mod.as_tensor(x, name, dev).to(torch.float64)
-
-    outs, lses = list(outs), list(lses)
-    if not outs or len(outs) != len(lses):
-        raise ValueError(f"merge_attention needs as many outs as lses, at least one; "
-                         f"got {len(outs)} and {len(lses)}")
-    parts, flags, failed = [], [], None
-    for r, (out, lse) in enumerate(zip(outs, lses)):
-        try:  # the host checks of partial r (types, shapes), before the values of the ones before it
-            out = real_float(out, f"outs[{r}]")
-            lse = real_float(lse, f"lses[{r}]")
-            if out.ndim < 2:
-                raise ValueError(f"outs[{r}] must have shape (..., Sq, Dv), got {tuple(out.shape)}")
-            if out.shape[:-1] != lse.shape:
-                raise ValueError(f"outs[{r}] {tuple(out.shape)} and lses[{r}] {tuple(lse.shape)} do not "
-                                 "match ((..., Sq, Dv) and (..., Sq))")
-            if parts and out.shape != parts[0][0].shape:
-                raise ValueError(f"outs[{r}] has shape {tuple(out.shape)}, outs[0] {tuple(parts[0][0].shape)}")
-        except (TypeError, ValueError) as e:
-            failed = e
-            break
-        flags += [(torch.isnan(lse) | torch.isposinf(lse)).any(), (~torch.isfinite(out)).any()]
-        parts.append((out, lse))
-    bad = [bool(b) for b in torch.stack(flags).cpu()] if flags else []  # one synchronisation
-    for i, b in enumerate(bad):
-        if b:
-            r = i // 2
-            raise ValueError(f"lses[{r}] must be finite or -inf" if i % 2 == 0 else
-                             f"outs[{r}] contains NaN or inf")
-    if failed is not None:
-        raise failed
-    return parts
