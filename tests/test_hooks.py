@@ -3,8 +3,8 @@
 Every kernel path calls its steps through the registry (a refactor that bypasses one fails
 here), and every injected defect (`attnlib.evidence.defects`) is caught by the verdict gate
 on each path it names and changes nothing, to the bit, on the others: on the numpy backend
-and on the torch CPU backend (issue 45: one kernel, so the defects reach both; the
-backward's torch twin is not the shared kernel yet, so its path runs on numpy only)."""
+and on the torch CPU backend (issue 45: one kernel, forward and backward, so the defects
+reach both)."""
 
 import functools
 
@@ -194,7 +194,7 @@ def result(path, key, backend="numpy"):
         return forward_of(path, key, backend)
     q, k, v, dout, options, _ = case(key)
     out, lse = clean_forward(key)
-    return attention_backward(q, k, v, out, lse, dout, block_q=BQ, block_k=BK, **options)
+    return _host(attention_backward(*_on(backend, q, k, v, out, lse, dout), block_q=BQ, block_k=BK, **options))
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,7 +257,7 @@ def _counting():
 
 
 #: Each path on each backend that runs the shared kernel.
-RUNS = [(path, backend) for path in PATHS for backend in BACKENDS if path != "backward" or backend == "numpy"]
+RUNS = [(path, backend) for path in PATHS for backend in BACKENDS]
 
 
 @pytest.mark.parametrize("path, backend", RUNS)

@@ -6,7 +6,8 @@ defines one, every backend method is a primitive (a few statements), and the bac
 offer the same protocol.  A numerical part runs the torch CPU backend against numpy on
 every forward option of the contract: ``out`` within ``1e-13 * (P @ |V|)`` entry by entry
 (the size of what each entry sums, `attnlib.metrics`), ``lse`` and ``max_scores`` within
-``1e-13`` of their own size.
+``1e-13`` of their own size; and on every option of the backward, each gradient within
+``1e-13`` of the size of what its entry sums (the dense backward's ``return_abs``).
 """
 
 import ast
@@ -26,16 +27,17 @@ STEPS = {"absorb": "core/tiles.py", "tile_scores": "core/tiles.py", "document_bl
          "update": "core/online.py", "finalize": "core/online.py", "finalize_parts": "core/online.py",
          "merge": "core/online.py", "merge_parts": "core/online.py", "lse_of": "core/online.py",
          "run_keys": "core/tiled.py", "_forward": "core/tiled.py", "_stream": "core/stream.py",
-         "unscale_values": "core/problem.py"}
+         "unscale_values": "core/problem.py", "tiled_backward": "core/backward.py", "_backward_plan": "core/backward.py",
+         "_rows_delta": "core/backward.py", "grad_exponent": "core/backward.py"}
 #: Backend modules: primitives only.
 BACKEND_MODULES = ("core/backend.py", "core/torch_backend.py")
 #: Backend functions that are plumbing, not arithmetic (reading inputs, errors, device moves).
 PLUMBING = {"__init__", "real_float", "_on_device", "finish", "refuse", "mask", "_bias", "mask_values", "distance", "threads", "checked_max",
             "score_values", "device_tiles", "maximum", "units", "from_host", "real_float"}
 #: The torch modules of the core: the backend's primitives, a user's functions called on a
-#: device, and the two not yet moved onto the shared kernel (the backward and the dense
-#: reference: issue 45 is open for them).
-TORCH_MODULES = {"torch_backend.py", "torch_flex.py", "torch_backward.py", "torch_reference.py"}
+#: device, and the one not yet moved onto the shared kernel (the dense reference: issue 45 is
+#: open for it).
+TORCH_MODULES = {"torch_backend.py", "torch_flex.py", "torch_reference.py"}
 #: The injected defects are deliberate wrong copies of steps; they are not kernels.
 NOT_KERNELS = ("evidence/defects.py",)
 
@@ -91,7 +93,7 @@ def test_the_backends_offer_one_protocol():
 def test_no_torch_twin_of_the_forward():
     present = {p.name for p in (PACKAGE / "core").glob("torch_*.py")}
     assert present <= TORCH_MODULES, present - TORCH_MODULES
-    assert not {"torch_tiled.py", "torch_merge.py", "torch_stream.py"} & present
+    assert not {"torch_tiled.py", "torch_merge.py", "torch_stream.py", "torch_backward.py"} & present
 
 
 # -- torch against numpy on every forward option ---------------------------------------------
@@ -167,6 +169,37 @@ def test_torch_equals_numpy_within_1e13_of_p_abs_v(name, tiles):
         assert np.array_equal(np.isfinite(a), np.isfinite(b)) and np.array_equal(a[~np.isfinite(a)], b[~np.isfinite(b)])
         fin = np.isfinite(b)
         assert np.all(np.abs(a[fin] - b[fin]) <= 1e-13 * np.maximum(1.0, np.abs(b[fin])))
+
+
+def _score_mod_grad(s, b, h, i, j):
+    return np.ones_like(s) if isinstance(s, np.ndarray) else torch.ones_like(s)
+
+
+#: Every option of the backward (the forward's masks and score terms; not its split-KV, lazy
+#: rescaling, LSE conventions or descales, which change how out and lse are made, not what).
+GRAD_OPTIONS = {name: dict(OPTIONS[name]) for name in OPTIONS
+                if name not in ("kv_splits", "lazy rescale", "lse base 2, sinks excluded", "lse empty +inf",
+                                "descales")}
+GRAD_OPTIONS["score_mod"]["score_mod_grad"] = _score_mod_grad
+
+
+@pytest.mark.parametrize("tiles", [(32, 64), None], ids=["32x64", "default"])
+@pytest.mark.parametrize("name", list(GRAD_OPTIONS))
+def test_torch_gradients_equal_numpys_within_1e13_of_their_size(name, tiles):
+    from attnlib.core.backward import reference_attention_backward
+    kw = dict(GRAD_OPTIONS[name])
+    fwd = {n: x for n, x in kw.items() if n != "score_mod_grad"}
+    tile_kw = {} if tiles is None else dict(block_q=tiles[0], block_k=tiles[1])
+    q, k, v = _inputs(name)
+    dout = np.random.default_rng(7).standard_normal((B, HQ, SQ, DV))
+    out, lse = attnlib.attention(q, k, v, return_lse=True, **fwd)
+    want = attnlib.attention_backward(q, k, v, out, lse, dout, **tile_kw, **kw)
+    got = attnlib.attention_backward(*(torch.from_numpy(x) for x in (q, k, v, out, lse, dout)), **tile_kw, **kw)
+    assert len(got) == len(want) and all(isinstance(x, torch.Tensor) for x in got)
+    sizes = reference_attention_backward(q, k, v, dout, return_abs=True, **kw)[1]
+    for g, w, size, n in zip(got, want, sizes, ("dq", "dk", "dv", "dsinks")):
+        err = np.abs(g.numpy() - w)
+        assert np.all(err <= 1e-13 * size + 1e-300), (n, float(err.max()))
 
 
 # -- what the second reader found (issue 45's refactor) ----------------------------------------

@@ -1,4 +1,4 @@
-"""The backward on a torch device (core/torch_backward.py) against the numpy backward.
+"""The backward on a torch device (the one kernel on `core/torch_backend.py`) against numpy.
 
 Every case computes the numpy backward on the same values (the torch inputs converted to
 float64) and measures the torch gradients against it with the project's gradient metric:
@@ -226,17 +226,21 @@ def test_numpy_inputs_with_device_return_numpy():
     assert max(errors(got, want, q, k, v, dout, kw).values()) < BOUND
 
 
-def test_the_torch_path_computes_with_torch(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the numpy backward was called")
+def test_the_torch_path_runs_the_one_kernel_with_torch(monkeypatch):
+    backends = []
+    real = backward_mod._backward_plan
+
+    def plan(*args, **kwargs):
+        backends.append(args[8].xp.name)  # the Setup's backend
+        return real(*args, **kwargs)
 
     q, k, v, dout = problem(seed=13)
     out, lse, want = numpy_side(q, k, v, dout, dict(causal=True))
-    monkeypatch.setattr(backward_mod, "tiled_backward", refuse)
-    monkeypatch.setattr(backward_mod, "_backward", refuse)
-    with pytest.raises(AssertionError, match="numpy backward"):  # the patch reaches the numpy path
-        attention_backward(q, k, v, out, lse, dout, causal=True)
+    monkeypatch.setattr(backward_mod, "_backward_plan", plan)
+    attention_backward(q, k, v, out, lse, dout, causal=True)
+    assert backends == ["numpy"]
     got = attention_backward(*tensors(q, k, v, out, lse, dout), causal=True, **TILES)
+    assert backends == ["numpy", "torch"]
     check(got, want, q, k, v, dout, dict(causal=True))
     got = attention_backward(q, k, v, out, lse, dout, causal=True, device="cpu")
     assert max(errors(got, want, q, k, v, dout, dict(causal=True)).values()) < BOUND

@@ -589,7 +589,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
     (a dict): filled with each judged gradient's ``kernel``, ``ref`` and ``allowance`` (bhsd,
     float64) for the diagnosis; ``mod_grad``: the ``score_mod_grad`` (required with a
     ``score_mod``); ``device``: where the tiled float64 gradients (the lengths at which the
-    dense ones do not fit) are computed with torch (`attnlib.core.torch_backward`).
+    dense ones do not fit) are computed with torch (`attnlib.core.torch_backend`).
     ``qv_dim``: q's head dim ``D`` when ``qh``, ``kh`` are MLA's joined ``[q, qv]``, ``[k, v]``
     (`attnlib.core.mla`): the kernel's ``dq``, ``dqv``, ``dk`` are judged by the joined
     gradients' parts, its ``dv`` by ``dv_p + dk'[..., D:]`` with the two allowances (and naive
@@ -632,15 +632,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             else:
                 allowances[n] = naive_allowance(naive_errs[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
     else:
-        if device is not None:
-            from ..core import torch_backward
-
-            grads = torch_backward.backward(qh, kh, vh, ref, ref_lse, douth, opts, dev=device, mod_grad=mod_grad,
-                                            workers=workers)
-            ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
-        else:
-            ref_grads = dict(zip(names, tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad,
-                                                       workers=workers)))
+        grads = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device)
+        ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
         # float64 softcap: against a long double reference, so the naive errs for real.
         ext = problem.extended_precision()
         if ext is None or heads * sq * sk * qh.shape[-1] > EXTENDED_MAX_WORK:

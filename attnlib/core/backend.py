@@ -171,7 +171,14 @@ class Numpy:
         return dst
 
     def abs_max(self, x) -> float:
-        return float(np.abs(x).max(initial=0.0))
+        from .arrays import abs_max
+        return abs_max(x)
+
+    def ldexp(self, x, e: int):
+        """``x * 2**e`` in float64, a new array (an entry beyond the range becomes inf: the
+        caller checks)."""
+        with np.errstate(over="ignore"):
+            return np.ldexp(x.astype(np.float64, copy=False), e)
 
     def clip(self, x, bound):
         return np.clip(x, -bound, bound)

@@ -21,7 +21,7 @@ sink in its denominator (through ``lse``), and the sink's own gradient is::
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import threading
 
@@ -36,10 +36,10 @@ from .masks import PARTIAL, SKIP
 from .options import Options
 from .reference import _scores
 from .tilesizes import DEFAULT_TILES
-from .parallel import Turns, run_tiles
-from .tiled import attention
+from .backend import NUMPY
+from .parallel import Turns, _unit_of, run_tiles
+from .tiled import attention, backend_for, prepare
 from . import device as dev_mod
-from .torch_backward import grad_exponent
 
 
 
@@ -67,23 +67,23 @@ def _score_mod_grad(grad, opts: Options):
     return grad
 
 
-def _grad_inputs(pb, check_finite, **given):
-    """``out``/``dout`` ``(..., Hq, Sq, Dv)`` and ``lse`` ``(..., Hq, Sq)``, checked, as
-    grouped views ``(*batch, hk, g, sq[, dv])``."""
+def _grad_inputs(pb, check_finite, xp=NUMPY, **given):
+    """``out``/``dout`` ``(..., Hq, Sq, Dv)`` and ``lse`` ``(..., Hq, Sq)``, read as ``xp``'s
+    arrays and checked, as grouped views ``(*batch, hk, g, sq[, dv])``."""
     heads = pb.batch + (pb.hq, pb.sq)
     grouped = pb.batch + (pb.hk, pb.group, pb.sq)
     result = []
     for name, x in given.items():
         tail = () if name == "lse" else (pb.dv,)
-        x = arrays.as_float_array(x, name)
+        x = xp.read(x, name)
         shape = (heads + tail)[1:] if pb.squeeze else heads + tail  # 2-D inputs: no head axis
-        if x.shape != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
         if check_finite and name == "lse":
-            if np.isnan(x).any() or np.isposinf(x).any():
+            if any(xp.host_bools([(xp.isnan(x) | xp.isposinf(x)).any()])):
                 raise ValueError("lse must be finite or -inf (rows without a visible key)")
         elif check_finite:
-            arrays.check_finite(x, name)
+            xp.checked_max(x, name)
         result.append(x.reshape(grouped + tail))
     return result
 
@@ -96,13 +96,14 @@ def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
     if sinks is None:
         return grads
     # (*batch, hk, g) -> (*batch, Hq), summed over the batch axes the sinks broadcast over.
-    dsink = dsink5.reshape(dsink5.shape[:-2] + (pb.hq,))
+    dsink = dsink5.reshape(tuple(dsink5.shape[:-2]) + (pb.hq,))
     shape = np.shape(sinks)
-    dsink = dsink.sum(axis=tuple(range(dsink.ndim - len(shape))))
+    if dsink.ndim > len(shape):
+        dsink = dsink.sum(tuple(range(dsink.ndim - len(shape))))
     return grads + (dsink.reshape(shape),)
 
 
-def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
+def grad_exponent(pb, dout_max: float, vo_max: float, qk_max: float, dtype=np.float64) -> int:
     """The power of two ``e >= 0`` that ``dout`` is divided by while the gradients are
     summed; they are linear in ``dout``, so ``2**e`` times the result is exact.
 
@@ -110,37 +111,48 @@ def _grad_exponent(pb, dout5, values, q5, k5, dtype=np.float64) -> int:
     overflows for finite values near the range (``v = 1e308``); every gradient entry, and
     every partial sum of one, is within ``2 Dv max|dout| max(|v|, |out|) max(1, max(|q|,
     |k|) Sq g) max(1, |scale|)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of
-    the range.  0, every bit as before, for any ordinary input.  ``values``: ``v`` (and ``out``).
+    the range.  0, every bit as before, for any ordinary input.  The maxima: ``max|dout|``,
+    ``max(|v|, |out|)`` and ``max(|q|, |k|)``.
     """
-    dout_max = arrays.abs_max(dout5)
-    vo_max = max(arrays.abs_max(x) for x in values)
     if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
         return 0
-    qk_max = max(pb.max_of("q", q5), pb.max_of("k", k5))
-    return grad_exponent(pb, dout_max, vo_max, qk_max, dtype)  # the formula, shared with the device's
+    # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
+    # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
+    spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
+    if qk_max and math.isfinite(qk_max):
+        spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
+    return problem.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
+                                  + spread, dtype)
+
+
+def _grad_exponent(pb, dout5, values, q5, k5, xp=NUMPY, dtype=np.float64) -> int:
+    """`grad_exponent` of the grouped arrays; ``values``: ``v`` (and ``out``)."""
+    return grad_exponent(pb, xp.abs_max(dout5), max(xp.abs_max(x) for x in values),
+                         max(pb.max_of("q", q5), pb.max_of("k", k5)), dtype)
 
 
 def _scaled_dout(dout, e: int) -> np.ndarray:
     """``dout / 2**e`` (a new array; the caller's is never modified)."""
-    return np.ldexp(arrays.as_float_array(dout, "dout").astype(np.float64), -e)
+    return NUMPY.ldexp(arrays.as_float_array(dout, "dout"), -e)
 
 
-def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks")):
+def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks"), xp=NUMPY):
     """``result`` (gradients, or tuples of them) times ``2**e``; a ValueError naming the
     gradient whose entries then exceed float64's range (their true values do, up to the
-    bound's factor of 4), rather than an inf."""
-    if isinstance(result, tuple):
-        if result and isinstance(result[0], tuple):
-            return tuple(_unscale_grads(r, e, names) for r in result)
-        return tuple(_unscale_grads(g, e, (n,)) for g, n in zip(result, names))
-    if not np.isfinite(result).all():  # already before: not the range (see attention_backward)
-        return result
-    with np.errstate(over="ignore"):
-        scaled = np.ldexp(result, e)
-    if not np.isfinite(scaled).all():
-        raise ValueError(f"{names[0]} exceeds float64's range (dout times v, out, q and k reaches "
-                         f"2**{e} times it): scale dout (or v) down")
-    return scaled.astype(result.dtype, copy=False)
+    bound's factor of 4), rather than an inf.  A gradient already not finite stays as it is
+    (see `attention_backward`)."""
+    if isinstance(result, tuple) and result and isinstance(result[0], tuple):
+        return tuple(_unscale_grads(r, e, names, xp) for r in result)
+    grads = result if isinstance(result, tuple) else (result,)
+    scaled = [xp.ldexp(g, e) for g in grads]
+    flags = xp.host_bools([xp.isfinite(x).all() for x in grads + tuple(scaled)])
+    kept = []
+    for g, s, ok, still, name in zip(grads, scaled, flags[:len(grads)], flags[len(grads):], names):
+        if ok and not still:
+            raise ValueError(f"{name} exceeds float64's range (dout times v, out, q and k reaches "
+                             f"2**{e} times it): scale dout (or v) down")
+        kept.append(s if ok else g)
+    return tuple(kept) if isinstance(result, tuple) else kept[0]
 
 
 #: The naive same-precision backward's formulations (``compute_dtype`` below float64).
@@ -414,7 +426,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         MLA's second query, as in the forward (``q`` may be None): the gradients are those of
         the joined problem split back (`attnlib.core.mla`), ``dv`` both its parts.
     device : str or torch.device, optional
-        Compute with torch on this device (`attnlib.core.torch_backward`); torch tensors among
+        Compute with torch on this device (`attnlib.core.torch_backend`); torch tensors among
         the inputs choose it when None.  Tensors in give float64 tensors on the device out;
         numpy inputs with ``device=`` give numpy.  Numpy inputs without it take the numpy
         kernel (torch is not imported).  ``mask_mod``, ``score_mod`` (with
@@ -464,186 +476,193 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
                                             device=device, **options), _head_dim(q), q is not None)
     dev = dev_mod.resolve(device, q, k, v, out, lse, dout)
     opts, mod_grad = _options(scale, options, "attention_backward")
-    if dev is not None:  # torch on the device
-        from . import torch_backward
-        return dev_mod.on_device(torch_backward.backward(
-            q, k, v, out, lse, dout, opts, dev=dev, mod_grad=mod_grad, block_q=block_q, block_k=block_k,
-            workers=workers, check_finite=check_finite), (q, k, v, out, lse, dout))
-    return tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
-                          workers=workers, check_finite=check_finite)
+    grads = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
+                           workers=workers, check_finite=check_finite, dev=dev)
+    return grads if dev is None else dev_mod.on_device(grads, (q, k, v, out, lse, dout))
 
 
 def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, block_q=None, block_k=None,
-                   workers=None, check_finite=True):
+                   workers=None, check_finite=True, dev=None):
     """`attention_backward` with its options parsed into ``opts`` (and ``mod_grad`` the
-    ``score_mod_grad``)."""
-    tiles = opts.tiles_for(DEFAULT_TILES, block_q, block_k)  # or the block mask's tiles
-    workers = validate.workers(workers)
-    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
-    out5, lse5, dout5 = _grad_inputs(pb, check_finite, out=out, lse=lse, dout=dout)
-    e = _grad_exponent(pb, dout5, (v5, out5), q5, k5)
-    if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
-        return _unscale_grads(tiled_backward(
-            q, k, v, out, lse, _scaled_dout(dout, e), opts, mod_grad, block_q=block_q, block_k=block_k,
-            workers=workers, check_finite=check_finite), e)
-    specs = opts.specs(pb)
-    cap, slopes, sink = opts.score_terms(pb)  # slopes and sinks (..., hk, g)
-    sinks = opts.sinks
-    mods = opts.mods(pb, tiles)
-    if sink is not None and check_finite and np.isneginf(lse5).any():
+    ``score_mod_grad``); ``dev``: a torch device to compute on (`attnlib.core.torch_backend`),
+    or None for numpy.  The gradients as ``xp``'s arrays."""
+    workers = validate.workers(workers) if dev is None or workers is not None else None
+    xp = NUMPY if dev is None else backend_for(dev, workers)
+    q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
+    out5, lse5, dout5 = _grad_inputs(pb, check_finite, xp, out=out, lse=lse, dout=dout)
+    # The host's backward keeps 256 x 256 tiles at every head dim (the forward's 512 x 512 for D >= 128).
+    setup = prepare(q5, k5, v5, pb, opts, block_q=block_q, block_k=block_k, xp=xp, extremes=extremes,
+                    base=DEFAULT_TILES if xp is NUMPY else None)
+    workers = workers if xp is NUMPY else xp.workers
+    sink = setup.sink  # (..., hk, g) or None
+    if sink is not None and check_finite and any(xp.host_bools([(lse5 == -math.inf).any()])):
         raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
                          "pass the lse of attention(..., sinks=sinks, return_lse=True)")
-    dq = np.zeros(q5.shape)
-    dk = np.zeros(pb.batch + (pb.hk, pb.sk, pb.d))
-    dv = np.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))
+    # Values near float64's range: dout / 2**e while summing, the gradients times 2**e after.
+    e = _grad_exponent(pb, dout5, (v5, out5), q5, k5, xp)
+    dout5 = xp.ldexp(dout5, -e) if e else dout5
+    dq = xp.zeros(tuple(q5.shape))
+    dk = xp.zeros(pb.batch + (pb.hk, pb.sk, pb.d))
+    dv = xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))
     # dsink_h = -sum_i exp(sink_h - lse_i) D_i, per grouped head (*batch, hk, g).
-    dsink = None if sink is None else np.zeros(pb.batch + (pb.hk, pb.group))
-    if pb.sq == 0 or pb.sk == 0:
+    dsink = None if sink is None else xp.zeros(pb.batch + (pb.hk, pb.group))
+    if pb.sq == 0 or pb.sk == 0 or not math.prod(pb.batch):
         # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way
         # (and D = dout . out = 0 for dsinks).
-        return _split_grads(pb, dq, dk, dv, dsink, sinks)
-    check = problem.scores_may_overflow(q5, k5, pb.scale, q_max=pb.max_of("q", q5),
-                                        k_max=pb.max_of("k", k5))  # then every tile checks its scores
+        return _split_grads(pb, dq, dk, dv, dsink, opts.sinks)
     hook = hooks.get("backward")  # the stage edits (`attnlib.core.hooks`)
     hook = None if hook is hooks.keep else hook  # the identity: not called at all
+    lse5 = xp.operand(lse5)
+    delta = _rows_delta(out5, dout5, setup.tiles.block_q, xp)  # D = rowsum(dout * out), (..., sq)
+    if hook is not None:
+        delta = hook("delta", delta)
+    # The shift of p = exp(s - lse): rows without a visible key have lse = -inf and only -inf
+    # scores; shifting them by 0 gives exp(-inf) = 0, not -inf - (-inf).
+    shift = xp.where(xp.isfinite(lse5), lse5, 0.0)
+    per_thread = threading.local()  # each thread's tile buffers and band masks
+    items = []
+    for idx, spec in setup.specs.items():  # idx = (): all batch entries share one mask
+        mods = setup.mods
+        items += _backward_plan(q5[idx], k5[idx], v5[idx], dout5[idx], delta[idx], shift[idx], pb.scale, spec, setup,
+                       problem.for_entry(setup.slopes, idx), dq[idx], dk[idx], dv[idx], workers, per_thread,
+                       None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad, hook)
     # A wrong lse makes exp(s - lse) overflow: let it, and name it below (not a FloatingPointError).
-    wrong_lse = dict(over="ignore", invalid="ignore") if check_finite else {}
-    for idx, spec in specs.items():  # idx = (): all batch entries share one mask
-        with np.errstate(**wrong_lse):
-            delta = _backward(q5[idx], k5[idx], v5[idx], out5[idx], lse5[idx], dout5[idx], pb.scale,
-                              spec, tiles, cap, problem.for_entry(slopes, idx),
-                              dq[idx], dk[idx], dv[idx], workers, check,
-                              None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad,
-                              hook)
+    with xp.threads(workers), xp.ignore_overflow(check_finite):
+        run_tiles(lambda item: item(), items, workers)
+        xp.finish()  # the errors a device gathered, raised once
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
-            with np.errstate(over="ignore"):  # sink - lse below -max: weight exactly 0
-                p_sink = np.exp(np.broadcast_to(problem.for_entry(sink, idx), delta.shape[:-1])[..., None]
-                                - lse5[idx])  # (*lead, sq)
-            dsink[idx] = -np.sum(p_sink * delta, axis=-1)
+            for idx in setup.specs:
+                with xp.overflow_ok():  # sink - lse below -max: weight exactly 0
+                    p_sink = xp.exp(xp.broadcast_to(problem.for_entry(sink, idx), tuple(delta[idx].shape[:-1]))[..., None]
+                                    - lse5[idx])  # (*lead, sq)
+                dsink[idx] = -(p_sink * delta[idx]).sum(-1)
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
-    grads = _split_grads(pb, dq, dk, dv, dsink, sinks)
+    grads = _split_grads(pb, dq, dk, dv, dsink, opts.sinks)
     if check_finite:
-        for g, name in zip(grads, ("dq", "dk", "dv", "dsinks")):
-            if not np.isfinite(g).all():  # with finite inputs only a wrong lse makes exp(s - lse) > 1
+        for ok, name in zip(xp.host_bools([xp.isfinite(g).all() for g in grads]), ("dq", "dk", "dv", "dsinks")):
+            if not ok:  # with finite inputs only a wrong lse makes exp(s - lse) > 1
                 raise ValueError(f"{name} is not finite: lse does not match q and k (exp(s - lse) "
                                  "exceeds 1): pass the lse of attention(..., return_lse=True) with the "
                                  "same options")
-    return grads if hook is None else hook("grads", grads)
+    grads = grads if hook is None else hook("grads", grads, xp=xp)
+    return _unscale_grads(grads, e, xp=xp) if e else grads
 
 
-def _backward(q, k, v, out, lse, dout, scale, spec, tiles, cap, slopes, dq, dk, dv, workers=1,
-              check=False, mods=None, mod_grad=None, hook=None):
-    """Tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2.
+def _rows_delta(out, dout, bq, xp):
+    """``D = rowsum(dout * out)`` in float64, a query tile at a time (within the memory bound)."""
+    delta = xp.empty(tuple(out.shape[:-1]))  # (*lead, sq)
+    for q0 in range(0, out.shape[-2], bq):
+        q1 = min(q0 + bq, out.shape[-2])
+        delta[..., q0:q1] = (xp.operand(dout[..., q0:q1, :]) * xp.operand(out[..., q0:q1, :])).sum(-1)
+    return delta
 
-    ``q, out, dout: (*lead, sq, .)`` and ``lse: (*lead, sq)`` with ``lead = (..., g)``;
-    ``k, v: (..., 1, sk, .)``.  Each key tile owns ``dk_j`` and ``dv_j`` (written to
-    ``dk, dv: (..., sk, .)``); its contributions ``ds @ k_j`` are added to ``dq`` (unscaled)
-    in ascending key-tile order whatever the number of ``workers``, so the result is
-    bit-identical to the serial run (FlashAttention-2's deterministic backward orders its
-    dq additions the same way).  Returns ``D = rowsum(dout * out)``, ``(*lead, sq)``.
+
+def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, dk, dv, workers, per_thread,
+          mods=None, mod_grad=None, hook=None):
+    """The tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2: one
+    callable per (head block, key tile) unit, in ascending key tiles.
+
+    ``q, dout: (*lead, sq, .)``, ``delta, shift: (*lead, sq)`` with ``lead = (..., hk, g)``;
+    ``k, v: (..., hk, 1, sk, .)``.  Each unit's key tile owns its ``dk_j`` and ``dv_j``
+    (written to ``dk, dv: (..., hk, sk, .)``, a GQA group's query heads summed); its
+    contributions ``ds @ k_j`` are added to ``dq`` (unscaled) in ascending key-tile order
+    whatever the number of ``workers``, so the result is bit-identical to the serial run
+    (FlashAttention-2's deterministic backward orders its dq additions the same way).
     ``hook``: the step ``"backward"`` of `attnlib.core.hooks` (its stages are listed there),
-    read once per call by `attention_backward`, or None for its default, the identity (no
-    call per tile); the scores and masks are the steps
-    ``"tile_scores"`` and ``"tile_visible"``, as in the forward.
+    or None for its default, the identity (no call per tile); the scores and masks are the
+    steps ``"tile_scores"`` and ``"tile_visible"``, as in the forward.
     """
+    xp, tiles = setup.xp, setup.tiles
     bq, bk = tiles.block_q, tiles.block_k
-    sq = q.shape[-2]
+    lead, sq = tuple(q.shape[:-2]), q.shape[-2]
     k_starts, k_ends, kv_ranges = spec.key_tiles(bk)  # (n_k_tiles,) each
     q_starts = np.arange(0, sq, bq)
     q_ends = np.minimum(q_starts + bq, sq)
-    # The tile map, one byte a tile: (n_q_tiles, n_k_tiles).
-    kinds = np.zeros((q_starts.size, k_starts.size), dtype=np.int8)
-    for a, (q0, q1) in enumerate(zip(q_starts, q_ends)):
-        kinds[a] = spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges)
-        if mods is not None:  # AND the block mask, over every head processed together
-            kinds[a] = mods.tile_kinds(a, kinds[a])
-    visible = kinds != SKIP
-    # rank[a, b]: visible key tiles before b in query tile a, i.e. b's turn to add to dq_a.
-    turns = Turns(np.cumsum(visible, axis=1) - visible, threaded=workers > 1)
-    # Per query row, once: D = rowsum(dout * out) (a query tile at a time, within the
-    # memory bound) and the shift of p = exp(s - lse).  Rows without a visible key have
-    # lse = -inf and only -inf scores; shifting them by 0 gives exp(-inf) = 0, not
-    # -inf - (-inf).
-    delta = np.empty(lse.shape)  # (*lead, sq)
-    for q0, q1 in zip(q_starts, q_ends):
-        delta[..., q0:q1] = np.sum(dout[..., q0:q1, :] * out[..., q0:q1, :], axis=-1)
-    if hook is not None:
-        delta = hook("delta", delta)
-    shift = np.where(np.isfinite(lse), lse, 0.0)  # (*lead, sq)
-    per_thread = threading.local()
+    # The tile map, one byte a tile, on the host: (n_q_tiles, n_k_tiles).
+    kinds = np.stack([spec.tile_kind(q0, q1, k_starts, k_ends, kv_ranges) for q0, q1 in zip(q_starts, q_ends)])
+    units = xp.units(lead[:-1], lead[-1] * min(bq, sq), min(bk, k.shape[-2]), k_starts.size)
+    # Each unit's tile map: the built-in classes AND its heads' block mask, (n_units, nq, nk).
+    unit_mods = [None if mods is None else mods.unit(unit) for unit in units]
+    unit_kinds = np.stack([kinds if m is None else np.stack([m.tile_kinds(a, kinds[a]) for a in range(len(kinds))])
+                           for m in unit_mods])
+    visible = unit_kinds != SKIP
+    # rank[u, a, b]: visible key tiles before b in query tile a, i.e. b's turn to add to dq_a.
+    turns = Turns(np.cumsum(visible, axis=2) - visible, threaded=workers > 1)
+    last = np.where(visible.any(axis=2), visible.shape[2] - 1 - np.argmax(visible[..., ::-1], axis=2), -1)
+    slopes = None if slopes is None else xp.broadcast_to(slopes, lead)
     # The declared steps (`attnlib.core.hooks`), as the forward's: the same masks and scores.
     tile_visible, scores_of = hooks.get("tile_visible"), hooks.get("tile_scores")
-    last = np.where(visible.any(axis=1), visible.shape[1] - 1 - np.argmax(visible[:, ::-1], axis=1), -1)
+    on_device = {} if xp is NUMPY else {"xp": xp}  # the steps' replacements of old take no xp on the host
 
-    def key_tile(b):
-        k0, k1 = k_starts[b], k_ends[b]
+    def key_tile(u, b):
+        xp.worker_start()
+        unit, mods_u = units[u], unit_mods[u]
+        q_u, dout_u, delta_u, shift_u = q[unit], dout[unit], delta[unit], shift[unit]
+        dq_u, slopes_u = dq[unit], None if slopes is None else slopes[unit]
+        k0, k1 = int(k_starts[b]), int(k_ends[b])
         cols = np.arange(k0, k1)
-        # Aligned (a copy only if not), so that BLAS, not numpy's own loop, multiplies them.
-        k_j = np.require(k[..., k0:k1, :].astype(np.float64, copy=False), requirements="A")  # (..., 1, bk, d)
-        v_j = np.require(v[..., k0:k1, :].astype(np.float64, copy=False), requirements="A")  # (..., 1, bk, dv)
-        dk_j = np.zeros(q.shape[:-2] + k_j.shape[-2:])  # (..., g, bk, d)
-        dv_j = np.zeros(q.shape[:-2] + v_j.shape[-2:])  # (..., g, bk, dv)
-        dk_part, dv_part = np.empty_like(dk_j), np.empty_like(dv_j)
-        buffers = {}  # per query-tile height: s/p, ds and dq_ij buffers, reused tile after tile
+        k_j = xp.operand(_unit_of(k, unit)[..., k0:k1, :])  # (..., hk, 1, bk, d)
+        v_j = xp.operand(_unit_of(v, unit)[..., k0:k1, :])  # (..., hk, 1, bk, dv)
+        dk_j = xp.zeros(tuple(q_u.shape[:-2]) + tuple(k_j.shape[-2:]))  # (..., hk, g, bk, d)
+        dv_j = xp.zeros(tuple(q_u.shape[:-2]) + tuple(v_j.shape[-2:]))  # (..., hk, g, bk, dv)
+        dk_part, dv_part = xp.empty(tuple(dk_j.shape)), xp.empty(tuple(dv_j.shape))
+        buffers = per_thread.__dict__.setdefault("buffers", {})  # s/p, ds and dq_ij per tile shape
         band_masks = per_thread.__dict__.setdefault("band masks", {})  # for tile_visible
         try:
-            for a in np.flatnonzero(visible[:, b]):
-                q0, q1 = q_starts[a], q_ends[a]
-                if q1 - q0 not in buffers:
-                    tile = q.shape[:-2] + (q1 - q0, k1 - k0)
-                    buffers[q1 - q0] = (np.empty(tile), np.empty(tile),
-                                        np.empty(q.shape[:-2] + (q1 - q0, q.shape[-1])))
-                s_buf, ds, dq_ij = buffers[q1 - q0]
-                with np.errstate(over="ignore") if check else contextlib.nullcontext():
-                    q_i = q[..., q0:q1, :].astype(np.float64) * scale  # (..., g, bq, d), scaled
-                dout_i = np.require(dout[..., q0:q1, :].astype(np.float64, copy=False), requirements="A")
-                vis = (tile_visible(spec, np.arange(q0, q1), k0, k1, contiguous=True, cache=band_masks)
-                       if kinds[a, b] == PARTIAL else None)  # (bq, bk)
-                if mods is not None and kinds[a, b] == PARTIAL:  # AND mask_mod, per head
-                    vis = mods.visible(vis, np.arange(q0, q1), cols)
+            for a in np.flatnonzero(visible[u, :, b]):
+                q0, q1, kind = int(q_starts[a]), int(q_ends[a]), unit_kinds[u, a, b]
+                rows = np.arange(q0, q1)
+                shape = tuple(q_u.shape[:-2]) + (q1 - q0, k1 - k0, q_u.shape[-1])
+                if shape not in buffers:
+                    buffers[shape] = (xp.empty(shape[:-1]), xp.empty(shape[:-1]), xp.empty(shape[:-2] + shape[-1:]))
+                s_buf, ds, dq_ij = buffers[shape]
+                with xp.ignore_overflow(setup.check):
+                    q_i = xp.operand(q_u[..., q0:q1, :]) * scale  # (..., g, bq, d), scaled; inf: caught below
+                dout_i = xp.operand(dout_u[..., q0:q1, :])
+                vis = (xp.mask(tile_visible(spec, rows, k0, k1, contiguous=True, cache=band_masks))
+                       if kind == PARTIAL else None)  # (bq, bk)
+                if mods_u is not None and kind == PARTIAL:  # AND mask_mod, per head
+                    vis = mods_u.visible(vis, rows, cols, False, xp)
                 grad = None if mod_grad is None else [mod_grad]
-                s, th = scores_of(q_i, k_j, spec, np.arange(q0, q1), cols, kinds[a, b], cap,
-                                  slopes, keep_tanh=True, out=s_buf, check=check, vis=vis, mods=mods,
-                                  mod_grad=grad)
-                with np.errstate(over="ignore"):  # below -max: -inf, whose exp is the exact 0
-                    s -= shift[..., q0:q1, None]
-                # (..., g, bq, bk): the forward's probabilities; exp only where visible (see
-                # OnlineSoftmax.update), max(-inf, 0) = 0 elsewhere.
-                p = np.exp(s, out=s, where=True if vis is None else vis)
-                if vis is not None:
-                    np.maximum(p, 0.0, out=p)
-                np.matmul(np.swapaxes(p, -1, -2), dout_i, out=dv_part)
+                s, th = scores_of(q_i, k_j, spec, rows, cols, kind, setup.cap, slopes_u, keep_tanh=True,
+                                  out=s_buf, check=setup.check, vis=vis, mods=mods_u, mod_grad=grad, **on_device)
+                with xp.overflow_ok():  # below -max: -inf, whose exp is the exact 0
+                    s -= shift_u[..., q0:q1, None]
+                # (..., g, bq, bk): the forward's probabilities, exactly 0 where hidden.
+                p = xp.exp(s, out=s) if vis is None else xp.exp_visible_(s, vis)
+                dv_part = xp.matmul(xp.swapaxes(p, -1, -2), dout_i, out=dv_part)
                 dv_j += dv_part if hook is None else hook("dv_tile", dv_part, a=a, b=b)
-                np.matmul(dout_i, np.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
-                ds -= delta[..., q0:q1, None]
+                ds = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
+                ds -= delta_u[..., q0:q1, None]
                 ds *= p  # ds = p * (dp - D)
                 if th is not None:  # softcap: d/dt c tanh(t / c) = 1 - tanh(t / c)**2
                     th *= th
-                    np.subtract(1.0, th, out=th)
+                    th *= -1.0
+                    th += 1.0
                     ds *= th
-                if grad is not None:  # score_mod: its derivative at the (capped) score
-                    np.multiply(ds, grad[1], out=ds, where=p > 0)  # p = 0: ds = 0 whatever it is
+                if grad is not None:  # score_mod: its derivative at the (capped) score; p = 0: ds = 0 whatever it is
+                    ds = xp.copy_where(ds, ds * grad[1], p > 0)
                 if hook is not None:
                     ds = hook("ds", ds, a=a, b=b)
-                np.matmul(np.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
+                dk_part = xp.matmul(xp.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
                 dk_j += dk_part if hook is None else hook("dk_tile", dk_part, a=a, b=b)
-                add = np.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
+                add = xp.matmul(ds, k_j, out=dq_ij)  # (..., g, bq, d)
                 if hook is not None:
-                    add = hook("dq_tile", add, a=a, b=b, last=b == last[a])
-                with turns.turn((), a, b):  # taken even by a dropped tile: the order stays fixed
+                    add = hook("dq_tile", add, a=a, b=b, last=b == last[u, a])
+                with turns.turn((u,), a, b):  # taken even by a dropped tile: the order stays fixed
                     if add is not None:
-                        dq[..., q0:q1, :] += add
+                        dq_u[..., q0:q1, :] += add
         except BaseException:
             turns.abort()  # no other worker may wait for this tile's turns any more
             raise
         # GQA: the query heads of a group share k_j and v_j, so their gradients add up.
-        dk[..., k0:k1, :] = dk_j.sum(axis=-3)
-        dv[..., k0:k1, :] = dv_j.sum(axis=-3)
+        dk[unit][..., k0:k1, :] = dk_j.sum(-3)
+        dv[unit][..., k0:k1, :] = dv_j.sum(-3)
 
     # Key tiles are handed out in ascending order, so the lowest unfinished one never
     # waits: no deadlock.  Under causal masks the first key tiles are also the longest.
-    run_tiles(key_tile, range(len(k_starts)), workers)
-    return delta
+    return [functools.partial(key_tile, u, b) for b in range(k_starts.size) for u in range(len(units))
+            if visible[u, :, b].any()]
 
 
 def _head_dim(q) -> int:

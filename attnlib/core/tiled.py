@@ -347,12 +347,15 @@ class Setup:
 
 
 def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=None, tau=0.0, xp=NUMPY,
-            extremes=None, spec=None) -> Setup:
+            extremes=None, spec=None, base=None) -> Setup:
     """The `Setup` of a call on the grouped ``q5, k5, v5`` (`problem.parse`) with ``opts``;
     on a device, ``extremes`` are the inputs' ``(max, min)`` (`device.parse`).  ``spec``: one
-    mask for the whole problem instead of ``opts``'s (a piece of a larger one)."""
+    mask for the whole problem instead of ``opts``'s (a piece of a larger one); ``base``: the
+    tile sizes unless given (default: the backend's for the forward)."""
     prec = problem.precision(prec)
-    if xp is NUMPY:
+    if base is not None:
+        pass
+    elif xp is NUMPY:
         base = default_tiles(pb.d)
     else:
         from .tilesizes import device_tiles

@@ -211,6 +211,16 @@ class Torch:
     def abs_max(self, x) -> float:
         return float(x.abs().max()) if x.numel() else 0.0
 
+    def ldexp(self, x, e: int):
+        """``x * 2**e`` in float64, a new tensor, in steps of at most ``2**1000`` (each factor a
+        normal number; ``torch.ldexp`` forms ``2**e`` itself, inf past ``2**1023``)."""
+        x = x.to(self.float64, copy=True)
+        while e:
+            step = max(-1000, min(1000, e))
+            x.mul_(math.ldexp(1.0, step))
+            e -= step
+        return x
+
     def clip(self, x, bound):
         return x.clamp(-bound, bound)
 

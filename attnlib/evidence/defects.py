@@ -360,12 +360,12 @@ def _times(factor):
     return lambda x, **_: x * factor
 
 
-def _dv_one_key_off(grads):
+def _dv_one_key_off(grads, xp=NUMPY, **_):
     dq, dk, dv, *rest = grads
-    return (dq, dk, np.roll(dv, 1, axis=-2), *rest)  # key j's dv written at j + 1
+    return (dq, dk, xp.concat([dv[..., -1:, :], dv[..., :-1, :]], -2), *rest)  # key j's dv written at j + 1
 
 
-def _dsinks_sign(grads):
+def _dsinks_sign(grads, **_):
     return grads[:3] + tuple(-g for g in grads[3:])
 
 
