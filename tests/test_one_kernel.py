@@ -34,10 +34,9 @@ BACKEND_MODULES = ("core/backend.py", "core/torch_backend.py")
 #: Backend functions that are plumbing, not arithmetic (reading inputs, errors, device moves).
 PLUMBING = {"__init__", "real_float", "_on_device", "finish", "refuse", "mask", "_bias", "mask_values", "distance", "threads", "checked_max",
             "score_values", "device_tiles", "maximum", "units", "from_host", "real_float"}
-#: The torch modules of the core: the backend's primitives, a user's functions called on a
-#: device, and the one not yet moved onto the shared kernel (the dense reference: issue 45 is
-#: open for it).
-TORCH_MODULES = {"torch_backend.py", "torch_flex.py", "torch_reference.py"}
+#: The torch modules of the core: the backend's primitives and a user's functions called on a
+#: device.
+TORCH_MODULES = {"torch_backend.py", "torch_flex.py"}
 #: The injected defects are deliberate wrong copies of steps; they are not kernels.
 NOT_KERNELS = ("evidence/defects.py",)
 
@@ -93,7 +92,7 @@ def test_the_backends_offer_one_protocol():
 def test_no_torch_twin_of_the_forward():
     present = {p.name for p in (PACKAGE / "core").glob("torch_*.py")}
     assert present <= TORCH_MODULES, present - TORCH_MODULES
-    assert not {"torch_tiled.py", "torch_merge.py", "torch_stream.py", "torch_backward.py"} & present
+    assert not {"torch_tiled.py", "torch_merge.py", "torch_stream.py", "torch_backward.py", "torch_reference.py"} & present
 
 
 # -- torch against numpy on every forward option ---------------------------------------------

@@ -1,5 +1,5 @@
 """The other forward entry points on a torch device, tested on torch CPU tensors:
-`reference_attention` (`attnlib.core.torch_reference`), `merge_attention`
+`reference_attention` (the dense reference on the torch backend), `merge_attention`
 (`attnlib.core.torch_merge`), `attention_stream` (`attnlib.core.torch_stream`) and
 `attention_varlen`: the numpy path's results to rounding (``rel_error < 1e-13`` in float64,
 the same ``-inf`` rows), the low-precision baselines within a few units of their precision,
@@ -581,12 +581,18 @@ def test_each_torch_path_computes_with_torch(monkeypatch):
     full_abs = reference_with_abs(q, k, v)[1]
     packed_abs = _varlen_ref_abs(pq, pk, pv, {"causal": True})
 
-    for module, name in ((reference, "_dense"), (reference, "dense_attention"),
-                         (varlen, "dense_attention"), (problem, "parse")):
-        monkeypatch.setattr(module, name, _refuse)
-    # The tiled paths run the shared kernel's steps (`attnlib.core.backend`), on tensors.
+    monkeypatch.setattr(problem, "parse", _refuse)  # the host's reading of q, k, v
+    # The tiled paths run the shared kernel's steps (`attnlib.core.backend`), on tensors, and
+    # so does the dense reference.
     seen = []
     shipped = hooks.get("absorb")
+    dense = reference._dense
+
+    def on_tensors(q5, *args, **kwargs):
+        seen.append(isinstance(q5, torch.Tensor))
+        return dense(q5, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "_dense", on_tensors)
 
     def absorb(state, *args, **kwargs):
         seen.append(isinstance(state.acc, torch.Tensor) and isinstance(args[0], torch.Tensor))

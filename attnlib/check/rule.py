@@ -222,7 +222,7 @@ class OnDevice:
     """The check's arrays on a torch device: ``put`` gives ``qh``, ``kh``, ``vh`` there once
     (each later call the same tensor), any other array by a copy (not kept); ``run`` is the
     tiled kernel there (`attnlib.core.tiled` on the torch backend), ``dense`` the dense reference
-    (`attnlib.core.torch_reference`), their results read back to the host."""
+    (`attnlib.core.reference` on the torch backend), their results read back to the host."""
 
     def __init__(self, device, *arrays_):
         self.device = device
@@ -237,9 +237,7 @@ class OnDevice:
         return tuple(arrays.as_numpy(x, "the reference") for x in result)
 
     def dense(self, q, k, v, o, **run):
-        from ..core import torch_reference
-
-        result = torch_reference.dense_attention(self.put(q), self.put(k), self.put(v), o, dev=self.device, **run)
+        result = dense_attention(self.put(q), self.put(k), self.put(v), o, dev=self.device, **run)
         return tuple(arrays.as_numpy(x, "the baseline") for x in result)
 
 

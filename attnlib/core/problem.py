@@ -141,7 +141,7 @@ def precision(x) -> Precision:
     3's: bfloat16 inputs and scores, the weights ``exp(s - m) <= 1`` rounded to float8_e4m3fn
     before ``p @ v``, the state in float32, ``out`` in bfloat16).
 
-    A numpy dtype or type of those names is taken too; anything else is a ValueError
+    A numpy dtype or type of those names is taken too, and a torch dtype; anything else is a ValueError
     naming the choices.
     """
     if isinstance(x, Precision):  # internal callers pass one, e.g. `extended_precision`
@@ -153,8 +153,8 @@ def precision(x) -> Precision:
     else:
         try:
             name = str(np.dtype(x))
-        except (TypeError, ValueError):
-            name = None
+        except (TypeError, ValueError):  # a torch dtype is taken by its name
+            name = str(x).removeprefix("torch.") if type(x).__module__ == "torch" else None
     if name not in _PRECISIONS:
         raise ValueError("compute_dtype must be one of None, 'float64', 'float32', 'float16', "
                          f"'bfloat16', 'float8_e4m3fn', got {x!r}")

@@ -7,7 +7,7 @@ against hand-built cases.
 
 from __future__ import annotations
 
-import contextlib
+import math
 import numbers
 
 import numpy as np
@@ -16,6 +16,7 @@ from . import arrays
 from . import lse_conventions, mla, problem
 from . import validate
 from . import flex
+from .backend import NUMPY, backend_for
 from .device import on_device, resolve as device_of
 from .options import Options
 
@@ -44,40 +45,42 @@ def dense_options(options=None, /, **given) -> Options:
     return opts
 
 
-def _scores(q5, k5, pb, opts: Options, dtype=np.float64):
-    """The scores ``(..., hk, g, sq, sk)`` in ``dtype``, ``-inf`` where invisible."""
+def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY):
+    """The scores ``(..., hk, g, sq, sk)`` in ``dtype``, ``-inf`` where invisible; ``xp``'s
+    arrays (`attnlib.core.backend`: numpy, or torch on a device)."""
     visible, distance, cap, slopes = pair_terms(pb, opts, dtype)
-    mask_mod, score_mod, block_mask = opts.mask_mod, opts.score_mod, opts.block_mask
+    visible = xp.from_host(visible)
+    mask_mod, score_mod = flex.visible_mod(opts.mask_mod, opts.block_mask), opts.score_mod  # a block mask's own too
     flex.check_elementwise(mask_mod, score_mod, pb.sq, pb.sk)
-    mask_mod = flex.visible_mod(mask_mod, block_mask)  # a block mask carries its own mask_mod
-    b, h = flex.index_grids(pb, ())  # (*batch, hk, g): each head's batch entry and query head
-    b, h = b[..., None, None], h[..., None, None]
-    i, j = np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :]
+    # Each head's batch entry and query head, (*batch, hk, g), over the whole grid as one tile.
+    mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, ()))
+    i, j = np.arange(pb.sq), np.arange(pb.sk)
     if mask_mod is not None:  # AND the built-in masks
-        visible = visible & flex.mask_values(mask_mod, b, h, i, j, b.shape[:-2] + (pb.sq, pb.sk))
+        visible = mods.visible(visible, i, j, False, xp)
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
     # computes the same function more precisely, not a different one.
     may_overflow = problem.scores_may_overflow(q5, k5, pb.scale, dtype, q_max=pb.max_of("q", q5),
                                                k_max=pb.max_of("k", k5))
     # An overflow is reported below, and only where a visible pair has it.
-    with np.errstate(over="ignore", invalid="ignore") if may_overflow else contextlib.nullcontext():
-        s = dtype(pb.scale) * np.matmul(q5.astype(dtype), np.swapaxes(k5.astype(dtype), -1, -2))
-    if may_overflow and (~np.isfinite(s) & visible).any():
-        raise ValueError(problem.overflow_message(s.dtype))
+    with xp.ignore_overflow(may_overflow):
+        s = xp.scale_(xp.matmul(xp.astype(q5, dtype), xp.swapaxes(xp.astype(k5, dtype), -1, -2)),
+                      float(dtype(pb.scale)))
+    if may_overflow and any(xp.host_bools([(~xp.isfinite(s) & visible).any()])):
+        raise ValueError(problem.overflow_message(np.dtype(dtype)))
     if cap is not None:
-        with np.errstate(over="ignore"):  # s / cap beyond the range: tanh(+-inf) = +-1, exact
-            s = dtype(cap) * np.tanh(s / dtype(cap))
+        with xp.overflow_ok():  # s / cap beyond the range: tanh(+-inf) = +-1, exact
+            s = xp.tanh_(s / float(dtype(cap))) * float(dtype(cap))
     if score_mod is not None:  # after the softcap, before the masks
-        s = flex.score_values(score_mod, s, b, h, i, j).astype(dtype)
-    s = np.where(visible, s, -np.inf)
-    if score_mod is not None and (np.isnan(s) | np.isposinf(s)).any():
+        s = xp.astype(mods.scores(score_mod, s, i, j, False, xp), dtype)
+    s = xp.where(visible, s, -math.inf)
+    if score_mod is not None and any(xp.host_bools([(xp.isnan(s) | xp.isposinf(s)).any()])):
         raise ValueError("score_mod returned NaN or +inf for a visible pair; it must return finite "
                          "scores, or -inf to mask")
     if slopes is not None:  # after masking: -inf stays -inf
-        with np.errstate(over="ignore") if may_overflow else contextlib.nullcontext():
-            biased = s - slopes.astype(dtype)[..., None, None] * distance
-        if may_overflow and (np.isfinite(s) & ~np.isfinite(biased)).any():  # a score beyond the range
-            raise ValueError(problem.overflow_message(s.dtype))
+        with xp.ignore_overflow(may_overflow):
+            biased = s - xp.from_host(slopes.astype(dtype))[..., None, None] * xp.from_host(distance)
+        if may_overflow and any(xp.host_bools([(xp.isfinite(s) & ~xp.isfinite(biased)).any()])):
+            raise ValueError(problem.overflow_message(np.dtype(dtype)))  # a score beyond the range
         s = biased
     return s
 
@@ -95,17 +98,17 @@ def pair_terms(pb, opts: Options, dtype=np.float64):
     slopes = problem.alibi_slopes(opts.alibi_slopes, pb, dtype)  # (..., hk, g)
     i, j = np.arange(pb.sq), np.arange(pb.sk)
 
-    def per_pair(fn):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
+    def per_pair(fn, dtype):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
         if () in specs:
             return fn(specs[()])
-        grid = np.array([fn(spec) for spec in specs.values()])
+        grid = np.array([fn(spec) for spec in specs.values()], dtype=dtype)  # none: a zero-size batch
         return grid.reshape(pb.batch + (1, 1, pb.sq, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
 
-    visible = per_pair(lambda spec: spec.visible(i, j))
+    visible = per_pair(lambda spec: spec.visible(i, j), bool)
     sel = opts.selection(pb)
     if sel is not None:  # top-k lists: (*batch, hk or 1, 1, sq, sk), ANDed
         visible = visible & sel.dense(pb.batch, pb.hk)
-    distance = None if slopes is None else per_pair(lambda spec: spec.distance(i, j))
+    distance = None if slopes is None else per_pair(lambda spec: spec.distance(i, j), np.float64)
     return visible, distance, cap, slopes
 
 
@@ -146,9 +149,9 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         The returned ``lse``'s convention, as in `attention`.
     device : str or torch.device, optional
         As in `attention`: given torch tensors (or ``device=``) the reference is computed
-        with torch on their device (`attnlib.core.torch_reference`, the same steps and
-        roundings), torch tensors out (numpy out for numpy inputs with ``device=``);
-        ``mask_mod``, ``score_mod`` and ``block_mask`` are then refused.
+        with torch on their device (the same code on `attnlib.core.torch_backend`), torch
+        tensors out (numpy out for numpy inputs with ``device=``); ``mask_mod``,
+        ``score_mod`` and ``block_mask`` are called there on the device's index tensors.
 
     Returns
     -------
@@ -173,66 +176,70 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
 
 
 def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_dtype, return_max_scores=False):
-    """`dense_attention` here, or its torch twin on the device `attention`'s rule picks."""
+    """`dense_attention` with numpy, or with torch on the device `attention`'s rule picks."""
     dev = device_of(device, q, k, v)
-    run = dict(return_lse=return_lse, check_finite=check_finite, compute_dtype=compute_dtype,
-               return_max_scores=return_max_scores)
-    if dev is None:
-        return dense_attention(q, k, v, opts, **run)
-    from . import torch_reference
-    return on_device(torch_reference.dense_attention(q, k, v, opts, dev=dev, **run), (q, k, v))
+    result = dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,
+                             compute_dtype=compute_dtype, return_max_scores=return_max_scores, dev=dev)
+    return result if dev is None else on_device(result, (q, k, v))
 
 
 def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None,
-                    return_max_scores=False, softmax_first=False):
-    """`reference_attention` with its options parsed into ``opts``."""
-    q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
+                    return_max_scores=False, softmax_first=False, dev=None):
+    """`reference_attention` with its options parsed into ``opts``; ``dev``: a torch device to
+    compute on (`attnlib.core.torch_backend`), or None for numpy."""
+    xp = NUMPY if dev is None else backend_for(dev, 1)  # one call of whole-matrix ops: torch's own threads
+    q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
     prec = problem.precision(compute_dtype)
-    problem.check_representable(prec, q=q5, k=k5, v=v5)
-    if prec.is_float64:
-        out, lse, maxes = _dense(q5, k5, v5, pb, np.float64, opts)
-    else:
-        out, lse, maxes = _dense(prec.round(q5), prec.round(k5), prec.round(v5), pb,
-                                 prec.accumulate.type, opts, prec.round, prec.round_p, softmax_first)
-        out = out.astype(prec.compute)
+    given = dict(q=q5, k=k5, v=v5) if extremes is None else {n: np.array(extremes.get(n, (0.0, 0.0))) for n in "qkv"}
+    problem.check_representable(prec, **given)
+    with xp.threads(1):
+        if prec.is_float64:
+            out, lse, maxes = _dense(q5, k5, v5, pb, np.float64, opts, xp=xp)
+        else:
+            out, lse, maxes = _dense(xp.rounded(q5, prec), xp.rounded(k5, prec), xp.rounded(v5, prec), pb,
+                                     prec.accumulate.type, opts, prec, softmax_first, xp)
+            out = xp.astype(out, prec.compute)
     result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
     return result[0] if len(result) == 1 else result
 
 
-def _dense(q5, k5, v5, pb, dtype, opts: Options, round_lowp=None, round_p=None, softmax_first=False):
+def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False, xp=NUMPY):
     """``(out, lse, max_scores)`` in the caller's layout, computed densely in ``dtype``.
 
-    ``round_lowp`` rounds the scores and ``round_p`` the weights to a low compute precision
-    (the naive same-precision baseline); None computes everything in ``dtype``.  The weights
-    are rounded before they are normalised, ``p = exp(s - m) <= 1``, as kernels hold them.
+    ``prec``: a low compute precision whose naive same-precision baseline this is (the scores
+    and the weights rounded to it); None computes everything in ``dtype``.  The weights are
+    rounded before they are normalised, ``p = exp(s - m) <= 1``, as kernels hold them.
     """
-    sink = problem.sinks(opts.sinks, pb, dtype)  # (..., hk, g) or None
-    s = _scores(q5, k5, pb, opts, dtype)  # (..., hk, g, sq, sk)
-    if round_lowp is not None:
-        s = round_lowp(s)  # a naive kernel stores its scores in the compute type
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # -inf for rows with no key
+    low = prec is not None and not prec.is_float64
+    sink = xp.from_host(problem.sinks(opts.sinks, pb, dtype), dtype)  # (..., hk, g) or None
+    s = _scores(q5, k5, pb, opts, dtype, xp)  # (..., hk, g, sq, sk)
+    if low:
+        s = xp.rounded(s, prec)  # a naive kernel stores its scores in the compute type
+    # -inf for rows with no key
+    m = xp.amax(s, -1)[..., None] if pb.sk else xp.full(tuple(s.shape[:-1]) + (1,), -math.inf, s.dtype)
     maxes = m[..., 0]  # the keys' largest score: max_scores (the sink is no key's)
     if sink is not None:  # one more logit per row, with no value: the max over both
-        sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
-        m = np.maximum(m, sink)
-    with np.errstate(over="ignore"):  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
-        p = np.exp(s - np.where(np.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
-    l = p.sum(axis=-1, keepdims=True)  # >= 1 where the row sees a key, else 0
+        sink = sink[..., None, None]  # (..., hk, g, 1, 1)
+        m = xp.maximum(m, sink)
+    with xp.overflow_ok():  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
+        p = xp.exp(s - xp.where(xp.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
+    l = p.sum(-1)[..., None]  # >= 1 where the row sees a key, else 0
     if sink is not None:
-        with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
-            l = l + np.exp(sink - m)  # the sink's weight joins the denominator only
+        with xp.overflow_ok():  # sink - m below -max: weight exactly 0
+            l = l + xp.exp(sink - m)  # the sink's weight joins the denominator only
     seen = l > 0
     v_max = pb.max_of("v", v5)
     e = problem.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
-    v_scaled = v5.astype(dtype) if not e else np.ldexp(v5.astype(dtype), -e)
+    v_scaled = xp.astype(v5, dtype)
+    if e:  # exact: a power of two
+        v_scaled = v_scaled * math.ldexp(1.0, -e)
     if softmax_first:  # the weights normalised, then rounded, then summed: softmax(s) @ v
-        p = np.divide(p, l, out=np.zeros_like(p), where=seen)
-        out = problem.unscale_values(np.matmul(p if round_p is None else round_p(p), v_scaled), e, v_max)
-    else:
-        out = np.matmul(p if round_p is None else round_p(p), v_scaled)
-        out = problem.unscale_values(np.divide(out, l, out=np.zeros_like(out), where=seen), e, v_max)
-    lse = np.full_like(m, -np.inf)
-    np.log(l, out=lse, where=seen)
+        p = xp.divide_where(p, l, seen)
+    out = xp.matmul(xp.rounded_p(p, prec) if low else p, v_scaled)
+    if not softmax_first:
+        out = xp.divide_where(out, l, seen)
+    out = problem.unscale_values(out, e, v_max)
+    lse = xp.log_where(l, seen, xp.full(tuple(m.shape), -math.inf, m.dtype))
     return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1), pb.merge_heads(maxes, 1)
 
 

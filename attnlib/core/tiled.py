@@ -18,7 +18,7 @@ from . import lse_conventions, mla, problem, sparse
 from . import validate
 from . import flex
 from . import hooks
-from .backend import NUMPY
+from .backend import NUMPY, backend_for
 from .masks import SKIP
 from .options import Options
 from .paged import paged_forward
@@ -305,12 +305,6 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
         else:
             out, lse = _merged([p[:2] for p in partials], xp)
         return _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats, xp)
-
-
-def backend_for(dev, workers=None):
-    """The torch backend on ``dev`` (`attnlib.core.torch_backend`) for one call."""
-    from .torch_backend import Torch
-    return Torch(dev, workers)
 
 
 def _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats, xp=NUMPY):

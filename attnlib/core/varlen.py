@@ -243,17 +243,10 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k
                                **options):
     """`attention_varlen` by the dense float64 reference, sequence by sequence (each
     sequence's ``(Hq, Sq_b, Sk_b)`` scores at a time); with torch tensors (or ``device=``)
-    by the torch reference on that device."""
+    by the same reference with torch on that device."""
     dev = dev_mod.resolve(device, q, k, v)
     q, k, v = _joined(q, k, v, qv, dev, options.get("check_finite", True))
-    if dev is None:
-        kernel = dense_attention
-    else:
-        from . import torch_reference
-
-        def kernel(*a, **o):
-            return torch_reference.dense_attention(*a, dev=dev, **o)
-    out, lse, _ = _run(lambda *a, **o: kernel(*a, return_lse=True, **o), q, k, v,
+    out, lse, _ = _run(lambda *a, **o: dense_attention(*a, return_lse=True, dev=dev, **o), q, k, v,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dict(options),
                        "reference_attention_varlen", _DENSE, dev=dev)
     result = (out, lse) if return_lse else out

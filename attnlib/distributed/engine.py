@@ -15,7 +15,8 @@ from ..core import validate
 from ..core.online import lse_of, merge_parts
 from ..core.options import Options
 from ..core.backend import NUMPY
-from ..core.tiled import backend_for, prepare, run_keys
+from ..core.backend import backend_for
+from ..core.tiled import prepare, run_keys
 from .plan import MERGE_FANIN, make_plan
 from .sources import Input, aligned, materialize
 

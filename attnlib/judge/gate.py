@@ -104,7 +104,7 @@ from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.reference import dense_options, reference_scores
 from ..core.tilesizes import DEFAULT_TILES
-from ..core.tiled import backend_for
+from ..core.backend import backend_for
 from ..core.tiles import tile_scores
 
 #: Unit roundoff of float64.
