@@ -58,14 +58,6 @@ def on_device(fn, name: str, dev):
     return call
 
 
-def grids(pb, idx, dev):
-    """``(b, h)`` of every grouped head ``(*batch_sel, hk, g)`` of batch selection ``idx``:
-    host arrays (for the block mask's classes) and device tensors (for the functions)."""
-    b, h = flex.index_grids(pb, idx)
-    return (b, h), (dev_mod.index_tensor(np.ascontiguousarray(b), dev),
-                    dev_mod.index_tensor(np.ascontiguousarray(h), dev))
-
-
 def mask_values(mask_fn, b, h, q0, q1, k0, k1, shape, dev):
     """``mask_mod`` over a tile as a bool tensor of ``shape`` (``(*heads, r, c)``)."""
     torch = dev_mod._torch()
@@ -85,15 +77,6 @@ def checked_mask(m, shape):
         raise ValueError(f"mask_mod returned shape {tuple(m.shape)}, which does not broadcast to the "
                          f"tile's {tuple(shape)}: write it with elementwise operations on its index "
                          "arguments") from None
-
-
-def score_values(score_fn, s, b, h, q0, q1, k0, k1, dev, name="score_mod"):
-    """``score_mod`` (or the function ``name``, e.g. ``score_mod_grad``) over a tile's scores
-    ``s`` (``(*heads, r, c)``): a new tensor of its shape and type."""
-    torch = dev_mod._torch()
-    q_idx = torch.arange(q0, q1, device=dev)[:, None]
-    kv_idx = torch.arange(k0, k1, device=dev)[None, :]
-    return checked_scores(score_fn(s.clone(), b[..., None, None], h[..., None, None], q_idx, kv_idx), s, name)
 
 
 def checked_scores(out, s, name="score_mod"):

@@ -312,15 +312,23 @@ def power_table(groups, defects=None, backend=None) -> list[dict]:
     return table
 
 
-def _gradients_row(q, k, v, seed, tiles, defects=(), **kwargs) -> dict:
+def _gradients_row(q, k, v, seed, tiles, defects=(), backends=(), **kwargs) -> dict:
     out, lse = attention(q, k, v, return_lse=True, **kwargs, **tiles)
     dout = np.random.default_rng(seed).standard_normal(out.shape)
-    grads = attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)
     gate = GradientGate(q, k, v, dout, sizes=True, **kwargs)  # one dense backward for both
-    errors = _gradient_figures(grads, gate.ref, gate.sizes)
-    row = {f"{name}_error": err for name, err in errors.items()}
-    row.update(_gate_figures(gate, grads, defects,
-                             lambda: attention_backward(q, k, v, out, lse, dout, **kwargs, **tiles)))
+    row = {}
+    for backend in (None,) + tuple(backends):  # numpy's first, then the same kernel on each backend
+        on = _arrays_of(backend)  # the inputs as the backend's arrays, the gradients back as numpy's
+
+        def backward():
+            return on(attention_backward(*on(q, k, v, out, lse, dout), **kwargs, **tiles))
+        grads = backward()
+        figures = _gate_figures(gate, grads, defects, backward)
+        if backend is None:
+            row.update({f"{name}_error": err for name, err in _gradient_figures(grads, gate.ref, gate.sizes).items()},
+                       **figures)
+        else:
+            row.setdefault("on", {})[backend] = figures
     return row
 
 
@@ -348,7 +356,7 @@ def _gate_figures(gate, grads, defects, backward) -> dict:
     return row
 
 
-def run_case_gradients(case, defects=()) -> dict:
+def run_case_gradients(case, defects=(), backends=()) -> dict:
     """`run_case` for the backward pass: tiled vs dense ``dq, dk, dv`` for a standard normal
     upstream gradient; returns the case's fields, the `gradient_errors` fields with an
     ``_error`` suffix (``dq_error``, ..., ``dq_normwise_error``, ...), the verdict of the
@@ -356,9 +364,11 @@ def run_case_gradients(case, defects=()) -> dict:
     and, for each of ``defects`` (`attnlib.evidence.defects.BACKWARD_DEFECTS` values), whether the
     gate fails the backward with it injected (``defects_caught``; None where it moves no
     entry by more than twice the real backward's own error there: below float64's
-    resolution on that problem)."""
+    resolution on that problem).  ``backends``: further backends the backward runs on (``"torch"``:
+    torch CPU tensors), each judged by the same gate with the same defects: ``"on": {backend:
+    {"gate_ratio", "gate_passed", "defects_caught", ...}}`` (the one kernel, `attnlib.core.backend`)."""
     q, k, v = case.qkv()  # with qv: the joined problem, whose dk holds dv's second part (`attnlib.core.mla`)
-    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), defects, **case.mask_kwargs())
+    errors = _gradients_row(q, k, v, case.seed + 1, case.tile_kwargs(), defects, backends, **case.mask_kwargs())
     features = case.features.replace("qv", "qv (the joined problem's gradients)")
     return {**asdict(case), "mask": case.mask_name, "features": features, **errors}
 
