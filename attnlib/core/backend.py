@@ -157,6 +157,10 @@ class Numpy:
             return np.matmul(np.ones(p.shape[-2], dtype=p.dtype), p)
         return p.sum(axis=-1)
 
+    def finite_or_zero(self, x):
+        """``x`` where finite, else 0 (a new array)."""
+        return np.where(np.isfinite(x), x, 0.0)
+
     def divide_where(self, a, b, where):
         """``a / b`` where ``where``, 0 elsewhere (never divides there)."""
         return np.divide(a, b, out=np.zeros_like(a), where=where)

@@ -34,7 +34,7 @@ from .lse_conventions import LseConvention
 
 def _shift(m, xp=NUMPY):
     """``m`` where finite, else 0: the reference point for the exponents of a row."""
-    return xp.where(xp.isfinite(m), m, 0.0)
+    return xp.finite_or_zero(m)
 
 
 class OnlineSoftmax:
@@ -89,7 +89,8 @@ class OnlineSoftmax:
 
     def update(self, s: np.ndarray, v: np.ndarray, *, threshold: float = 0.0,
                overwrite_s: bool = False, pv: np.ndarray | None = None,
-               round_p=None, keys_first: bool = False, visible: np.ndarray | None = None) -> np.ndarray:
+               round_p=None, keys_first: bool = False, visible: np.ndarray | None = None,
+               count: bool = True, visible_only: bool = False) -> np.ndarray | None:
         """Absorb one tile of scores ``s: (..., rows, bk)`` with values ``v: (..., bk, dv)``.
 
         Masked pairs carry ``s = -inf``.  ``threshold`` (natural-log units) makes the
@@ -109,10 +110,12 @@ class OnlineSoftmax:
         buffer for ``v^T p``.  ``visible``, a boolean array laid out as ``s`` (False
         where ``s`` is ``-inf``), has ``exp`` evaluated only where it is True: numpy's
         ``exp(-inf)`` takes a slow path, 6.8 ns per element against 1.1 ns for a finite
-        exponent (measured), and half of a diagonal tile is masked.
+        exponent (measured), and half of a diagonal tile is masked; ``visible_only``: ``s`` is
+        ``-inf`` nowhere else (no score_mod masked a visible pair), which a device uses.
         Returns a boolean ``(..., rows)`` array marking the rescale events of this tile:
         rows whose max was finite and was moved up (so that ``acc`` and ``l`` were
-        multiplied by ``alpha < 1``).
+        multiplied by ``alpha < 1``); None without ``count`` (not worked out: three array
+        operations a tile, which on a device's small tiles are launches).
         """
         xp = self.xp
         if not overwrite_s:  # a copy in the state's type (lists too)
@@ -124,7 +127,7 @@ class OnlineSoftmax:
             m_new = xp.where(m_tile > self.m + threshold, m_tile, self.m)
         else:
             m_new = xp.maximum(self.m, m_tile)
-        rescaled = xp.isfinite(self.m) & (m_new > self.m)
+        rescaled = xp.isfinite(self.m) & (m_new > self.m) if count else None
         shift = _shift(m_new, xp)
         # A difference below -max (scores of +-1e308) is -inf, whose exp is the exact 0.
         with xp.overflow_ok():
@@ -133,7 +136,7 @@ class OnlineSoftmax:
         if visible is None:
             p = xp.exp(s, out=s)  # (..., rows, bk), or (..., bk, rows) keys first
         else:  # the invisible entries are -inf: exactly 0 (`backend.Numpy.exp_visible_`)
-            p = xp.exp_visible_(s, visible)
+            p = xp.exp_visible_(s, visible, only=visible_only)
         self.l *= alpha
         self.l += xp.key_sum(p, keys_first)  # sum over the keys: (..., rows)
         self.acc *= alpha[..., None]

@@ -197,6 +197,10 @@ class Torch:
     def key_sum(self, p, keys_first):
         return p.sum(dim=-2 if keys_first else -1)
 
+    def finite_or_zero(self, x):
+        """One operation, not two (``isfinite`` and ``where``): the same values."""
+        return x.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
     def divide_where(self, a, b, where):
         torch = self.torch
         return torch.where(where, a / torch.where(where, b, 1.0), 0.0)
