@@ -242,3 +242,33 @@ def test_a_replacement_step_of_the_old_signature_still_runs_on_the_host():
     with hooks.replaced(tile_scores=tile_scores):
         got = attnlib.attention(q, k, v, causal=True)
     np.testing.assert_array_equal(got, attnlib.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("compute_dtype, big", [(None, 1e154), ("float32", 1e19), ("bfloat16", 1e19)])
+def test_a_visible_score_shifted_below_minus_max_weighs_zero_on_torch(compute_dtype, big):
+    """Row 1 sees -max and +max (a partial, causal tile): exp(-max - max) is the exact 0 on
+    both backends, forward and backward (the second reader found torch's masked exp giving it
+    weight 1 when it multiplied by the mask instead of by where the shifted scores were finite)."""
+    q, k, v = np.array([[1.0], [big]]), np.array([[-2 * big], [2 * big]]) / (2 if big > 1e100 else 1), np.array([[1.0], [2.0]])
+    kw = dict(scale=1.0, causal=True, compute_dtype=compute_dtype)
+    want = attnlib.attention(q, k, v, **kw)
+    got = attnlib.attention(*(torch.from_numpy(x) for x in (q, k, v)), **kw)
+    np.testing.assert_array_equal(got.float().numpy(), np.asarray(want, dtype=np.float32))
+    if compute_dtype is None:
+        out, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
+        dout = np.ones_like(out)
+        want = attnlib.attention_backward(q, k, v, out, lse, dout, scale=1.0, causal=True)
+        got = attnlib.attention_backward(*(torch.from_numpy(x) for x in (q, k, v, out, lse, dout)), scale=1.0,
+                                         causal=True)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.numpy(), w)
+
+
+def test_dsinks_of_rows_without_keys_is_plus_zero():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 2, 4, 3))
+    dout = rng.standard_normal((2, 4, 3))
+    kw = dict(sinks=np.array([0.3, 0.7]), kv_lengths=np.array(0))
+    out, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
+    dsinks = attnlib.attention_backward(q, k, v, out, lse, dout, **kw)[3]
+    assert np.array_equal(dsinks, [0.0, 0.0]) and not np.signbit(dsinks).any()

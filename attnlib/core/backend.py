@@ -142,11 +142,10 @@ class Numpy:
         np.copyto(s, -np.inf, where=~visible)
         return s
 
-    def exp_visible_(self, s, visible, only=False):
-        """``exp(s)`` in place, where ``s`` is ``-inf`` off ``visible`` (``only``: and nowhere
-        else, no score_mod having masked a pair): numpy's ``exp(-inf)`` takes a slow path
-        (6.8 ns per element against 1.1 ns, measured), so only the visible entries are
-        evaluated and the others set to 0."""
+    def exp_visible_(self, s, visible):
+        """``exp(s)`` in place, where ``s`` is ``-inf`` off ``visible``: numpy's ``exp(-inf)``
+        takes a slow path (6.8 ns per element against 1.1 ns, measured), so only the visible
+        entries are evaluated and the others set to 0."""
         p = np.exp(s, out=s, where=visible)
         np.maximum(p, 0.0, out=p)  # the invisible entries kept -inf: max(-inf, 0) = 0
         return p

@@ -535,7 +535,7 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
                 with xp.overflow_ok():  # sink - lse below -max: weight exactly 0
                     p_sink = xp.exp(xp.broadcast_to(problem.for_entry(sink, idx), tuple(delta[idx].shape[:-1]))[..., None]
                                     - lse5[idx])  # (*lead, sq)
-                dsink[idx] = -(p_sink * delta[idx]).sum(-1)
+                dsink[idx] -= (p_sink * delta[idx]).sum(-1)  # 0 - x: +0 where no row counts
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
     grads = _split_grads(pb, dq, dk, dv, dsink, opts.sinks)
     if check_finite:
@@ -597,7 +597,6 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
     def key_tile(u, b):
         xp.worker_start()
         unit, mods_u = units[u], unit_mods[u]
-        score_mod = None if mods_u is None else mods_u.score_mod  # may mask a visible pair with -inf
         q_u, dout_u, delta_u, shift_u = q[unit], dout[unit], delta[unit], shift[unit]
         dq_u, slopes_u = dq[unit], None if slopes is None else slopes[unit]
         k0, k1 = int(k_starts[b]), int(k_ends[b])
@@ -630,7 +629,7 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                 with xp.overflow_ok():  # below -max: -inf, whose exp is the exact 0
                     s -= shift_u[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities, exactly 0 where hidden.
-                p = xp.exp(s, out=s) if vis is None else xp.exp_visible_(s, vis, only=score_mod is None)
+                p = xp.exp(s, out=s) if vis is None else xp.exp_visible_(s, vis)
                 dv_part = xp.matmul(xp.swapaxes(p, -1, -2), dout_i, out=dv_part)
                 dv_j += dv_part if hook is None else hook("dv_tile", dv_part, a=a, b=b)
                 ds = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)

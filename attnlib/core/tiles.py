@@ -121,8 +121,7 @@ def absorb(state: OnlineSoftmax, q_i, k, v, spec, q0, k0s, k1s, kinds, cap=None,
                 mx = maxes if whole else maxes[..., r0:r1]
                 xp.maximum(mx, xp.amax(s, -2 if keys_first else -1), out=mx)
             moved = st.update(s, v_b, threshold=threshold, overwrite_s=True,
-                              pv=pv_b, round_p=round_p, keys_first=keys_first, visible=vis, count=count,
-                              visible_only=mods is None or mods.score_mod is None)  # s now holds p
+                              pv=pv_b, round_p=round_p, keys_first=keys_first, visible=vis, count=count)  # s now holds p
             if whole:
                 rescaled = moved
             else:

@@ -174,13 +174,14 @@ class Torch:
         for (8, 512, 512) scores (measured, one thread)."""
         return s.add_(self._bias(visible))
 
-    def exp_visible_(self, s, visible, only=False):
-        """``exp`` in place, exactly 0 where ``s`` is ``-inf`` (off ``visible``, or a score_mod's
-        mask): torch's ``exp`` of ``-inf`` took 12.8 ms and of finite scores 4.1 ((8, 512, 512),
-        one thread, AMD EPYC, measured), so the ``-inf`` are set to 0 first and ``p`` multiplied
-        by ``visible`` (``only``) or where they were above ``-inf`` (on (2, 256, 256) with half
-        -inf, one thread, Intel Xeon: 173 us, 423 us, ``isfinite`` 670, a plain ``exp_`` 322)."""
-        keep = visible if only else s > -math.inf
+    def exp_visible_(self, s, visible):
+        """``exp`` in place, exactly 0 where ``s`` is ``-inf`` (off ``visible``, a score_mod's
+        mask, or a visible score whose shift fell below -max): torch's ``exp`` of ``-inf`` took
+        12.8 ms and of finite scores 4.1 ((8, 512, 512), one thread, AMD EPYC, measured), so the
+        ``-inf`` are set to 0 first and ``p`` multiplied by where they were above ``-inf`` (on
+        (2, 256, 256) with half -inf, one thread, Intel Xeon: 423 us, ``isfinite`` 670, a plain
+        ``exp_`` 322).  ``visible`` alone would not do: an overflowed shift is visible."""
+        keep = s > -math.inf
         return s.nan_to_num_(neginf=0.0).exp_().mul_(keep)
 
     def _bias(self, visible):
