@@ -19,17 +19,11 @@ Nothing here imports `attnlib.evidence`, `attnlib.check`, `attnlib.report`,
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-
-def lazy_submodules(package: str, path):
-    """The module ``__getattr__`` of a package whose submodules load on first use
-    (``attnlib.core.flex`` after a bare ``import attnlib``): core, judge and evidence share it."""
-    names = {m.name for m in _pkgutil.iter_modules(path)}
-
-    def __getattr__(name: str):
-        if name in names:
-            return _importlib.import_module(f"{package}.{name}")
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    return __getattr__
+_SUBMODULES = {m.name for m in _pkgutil.iter_modules(__path__)}
 
 
-__getattr__ = lazy_submodules(__name__, __path__)
+def __getattr__(name: str):
+    """A submodule on first use (``attnlib.core.flex`` after a bare ``import attnlib``)."""
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

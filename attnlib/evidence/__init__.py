@@ -7,6 +7,14 @@
   process), `numerics` (the long-double study), `plots` (the reports' figures).
 """
 
-from ..core import lazy_submodules as _lazy
+import importlib as _importlib
+import pkgutil as _pkgutil
 
-__getattr__ = _lazy(__name__, __path__)
+_SUBMODULES = {m.name for m in _pkgutil.iter_modules(__path__)}
+
+
+def __getattr__(name: str):
+    """A submodule on first use (``attnlib.core.flex`` after a bare ``import attnlib``)."""
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
