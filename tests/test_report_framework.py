@@ -202,7 +202,7 @@ def test_the_index_line_is_short_and_the_parameters_shown_once(tmp_path):
     page = report.provenance(params)._repr_html_()
     assert page.count("<details>") == 1 and page.count(">p0<") == 1 and page.count(">p19<") == 1
     shown, hidden = page.split("<details>")
-    assert "20 parameters and 6 entries of the environment" in shown and "<tr>" not in shown
+    assert "20 parameters and 7 entries of the environment" in shown and "<tr>" not in shown
     assert "date (UTC)" not in page and "finished is under the verdict" in shown  # the page's one time: the end
 
 

@@ -23,11 +23,15 @@ from ..core.reference import reference_attention, reference_scores
 from ..core.tiled import attention
 
 
-def _judge_defects(gate, defects, call) -> dict:
-    """``{name: judged}`` for each defect: the gate's figures on ``call()`` with it active.
+def _judge_defects(gate, defects, call, clean) -> dict:
+    """``{name: judged}`` for each defect: the gate's figures on ``call()`` with it active, and
+    ``changed``: whether it moved some entry of ``out`` or ``lse`` by more than twice the real
+    kernel's own error there and than 4 units of rounding of the entry's size (``P @ |V|``;
+    ``max(1, |lse|)``) (``clean``: the real kernel's ``(out, lse)``; below that a change is
+    float64's rounding on that problem, which no gate can tell from the kernel's).
 
     A defect that makes the kernel raise (e.g. an overflow under strict mode) counts as
-    caught: the kernel did not return a result that passes.
+    caught and changed: the kernel did not return a result that passes.
     """
     judged = {}
     for name in defects:
@@ -36,11 +40,36 @@ def _judge_defects(gate, defects, call) -> dict:
                 out, lse = call()
             result = gate.judge(out, lse)
             result["raised"] = None
+            u = np.finfo(np.float64).eps / 2
+            result["changed"] = (_moved(out, clean[0], gate.ref, 4 * u * np.asarray(gate.ref_abs, dtype=np.float64))
+                                 or _moved(lse, clean[1], gate.ref_lse, 4 * u * np.maximum(
+                                     1.0, np.abs(np.nan_to_num(np.asarray(gate.ref_lse, dtype=np.float64), posinf=0.0, neginf=0.0)))))
         except (FloatingPointError, ValueError) as e:
             result = {"rel_error": np.inf, "lse_error": np.inf, "out_ratio": np.inf,
-                      "lse_ratio": np.inf, "passed": False, "raised": f"{type(e).__name__}: {e}"}
+                      "lse_ratio": np.inf, "passed": False, "raised": f"{type(e).__name__}: {e}", "changed": True}
         judged[name] = result
     return judged
+
+
+def defect_changed(row, judged) -> bool:
+    """Whether a defect's ``judged`` result (`_judge_defects`) counts on the problem ``row``:
+    it changed the output beyond float64's resolution there, or the gate failed it (rows
+    written before ``changed`` existed: any change of the errors)."""
+    if "changed" in judged:
+        return bool(judged["changed"] or not judged["passed"])
+    return judged["rel_error"] != row["rel_error"] or judged["lse_error"] != row["lse_error"]
+
+
+def _moved(bad, clean, ref, floor) -> bool:
+    """Whether some entry of ``bad`` is further from ``clean`` than twice ``clean``'s error
+    against ``ref`` and than ``floor`` (a few units of rounding of the entry's size: where the
+    kernel's bits equal the reference's, a change of an ulp is still rounding); equal
+    infinities are no distance, any other non-finite one is infinite."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad, clean, ref = (np.asarray(x, dtype=np.float64) for x in (bad, clean, ref))
+        step = np.where(bad == clean, 0.0, np.nan_to_num(np.abs(bad - clean), nan=np.inf))
+        noise = np.where(clean == ref, 0.0, np.nan_to_num(np.abs(clean - ref), nan=np.inf))
+        return bool((step > np.maximum(2 * noise, floor)).any())
 
 
 def crossing_fraction(sq, sk, block_k, causal, causal_align) -> float:
@@ -119,13 +148,13 @@ def run_case(case, defects=(), backends=()) -> dict:
                                                   case.causal_align),
            "key_tiles": key_tiles(stats), "visible_keys_max": _visible_keys_max(gate)}
     if defects:
-        row["defects"] = _judge_defects(gate, defects, call)
+        row["defects"] = _judge_defects(gate, defects, call, (out, lse))
     for backend in backends:
         on = functools.partial(call, backend=backend)
         out, lse = on()
         row.setdefault("on", {})[backend] = {**Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
                                              **gate.judge(out, lse),
-                                             "defects": _judge_defects(gate, defects, on) if defects else {}}
+                                             "defects": _judge_defects(gate, defects, on, (out, lse)) if defects else {}}
     return row
 
 
@@ -192,7 +221,7 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
                    oracle_dense_ratio=max(dense["out_ratio"], dense["lse_ratio"]),
                    oracle_passed=tiled["passed"] and dense["passed"])
     if defects:
-        row["defects"] = _judge_defects(gate, defects, call)
+        row["defects"] = _judge_defects(gate, defects, call, (out, lse))
     return row
 
 
@@ -278,8 +307,9 @@ def power_table(groups, defects=None, backend=None) -> list[dict]:
 
     ``groups`` maps a run's name to its rows (a plain list is one group, "cases").  Per
     group, ``"<group>"`` is ``"caught/affected"``: problems the gate failed, of those where
-    the defect changed the output at all (an off-by-one causal mask cannot change an
-    unmasked problem, a window defect one without a window).  ``worst rel_error``,
+    the defect changed the output beyond float64's resolution there (``changed``, see
+    `_judge_defects`: an off-by-one causal mask cannot change an unmasked problem, a window
+    defect one without a window).  ``worst rel_error``,
     ``worst lse_error`` and ``max ratio`` (the larger of the out and lse ratios to the gate)
     over all groups give its size, ``judged`` and ``caught`` the totals; ``verdict`` is "caught" when at least one problem fails
     (the report's verdict is then FAIL), else "MISSED".  ``backend``: the rows' results on that
@@ -296,8 +326,7 @@ def power_table(groups, defects=None, backend=None) -> list[dict]:
         for group, rows in groups.items():
             judged = [(r, r["defects"][name]) for r in rows if name in r.get("defects", {})]
             hit = sum(not j["passed"] for _, j in judged)
-            affected = sum(j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]
-                           for r, j in judged)
+            affected = sum(defect_changed(r, j) for r, j in judged)
             entry[group] = f"{hit}/{affected}"
             results += judged
             caught += hit

@@ -141,18 +141,20 @@ def gate_power(rows, defects):
 
     ``rows``: `~attnlib.evidence.differential.run_case` (or `run_family`) rows with a
     ``"defects"`` entry, of every run the defects ran on (a defect absent from a row's entry
-    did not run there and is not counted on it).  A defect is drawn only on the cases it changes (its error differs from the real kernel's):
+    did not run there and is not counted on it).  A defect is drawn only on the cases it changes
+    (beyond float64's resolution there, `~attnlib.evidence.differential.defect_changed`):
     on the others it is the real kernel, already drawn, and would show a "pass" it never
     earned; each defect's label counts the cases it changes.  A ratio of 0 or inf is drawn at
     the axis edge.
     """
     from matplotlib.lines import Line2D
+    from .differential import defect_changed
 
     lo, hi = -6.0, 16.0
     labels, points = ["real kernel"], [[(r, r) for r in rows]]
     for name in defects:
         ran = [(r, r["defects"][name]) for r in rows if name in r.get("defects", {})]
-        changed = [(r, j) for r, j in ran if j["rel_error"] != r["rel_error"] or j["lse_error"] != r["lse_error"]]
+        changed = [(r, j) for r, j in ran if defect_changed(r, j)]
         labels.append(f"{name} ({len(changed)}/{len(ran)} changed)")
         points.append(changed)
     fig, ax = _figure(figsize=(8, 0.42 * len(labels) + 1.4))

@@ -114,9 +114,19 @@ def environment() -> dict:
         "git commit": _git_commit(),
         "python": platform.python_version(),
         "numpy": np.__version__,
+        "torch": _version_of("torch"),  # the torch backend's and the peers' (not imported here)
         "BLAS": _blas(),
         "CPU": f"{_cpu()} ({os.cpu_count()} logical cores)",
     }
+
+
+def _version_of(package: str) -> str:
+    """An installed package's version from its metadata, or "not installed"."""
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def provenance(params: dict):
