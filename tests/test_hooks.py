@@ -323,3 +323,16 @@ def test_blocks_that_end_out_of_order_leave_nothing_behind():
     assert hooks.get("absorb") is second  # the later block is still in force
     two.__exit__(None, None, None)
     assert hooks.replacements() == {} and hooks.get("absorb") is hooks.default("absorb")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("key", ["causal", "sinks"])
+def test_a_neutral_mutated_update_is_the_real_update_to_the_bit(key, backend):
+    """The update defects run `OnlineSoftmax.update`'s steps with one mutation: with none they
+    give the real kernel's bits, so a defect changes a result only by its mutation (a copy of
+    its own once counted rounding-level changes as the defect's, on problems it cannot affect)."""
+    from attnlib.evidence.defects import _mutated_update
+    for path in ("forward", "stream", "varlen"):
+        with hooks.replaced(state=_mutated_update()):
+            got = result(path, key, backend)
+        assert same(got, clean(path, key, backend)), path

@@ -58,41 +58,54 @@ def _state(name, **members):
     return type(name, (base,), {"__slots__": (), **members})
 
 
-def _mutated_update(exp=None, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, round_p=None,
+def _mutated_update(exp=None, alpha_l=True, alpha_acc=1.0, pv_factor=1.0, p_rounding=None,
                     skip_below=None):
-    """A state whose ``update`` is a copy of `OnlineSoftmax.update` (eager rule, float64)
-    with hooks for one mutation.
+    """A state whose ``update`` is `OnlineSoftmax.update`'s steps, in its order and layout,
+    with one mutation: with every mutation neutral it gives the real update's bits (so a
+    defect changes a result only through its mutation, not through arithmetic of its own).
 
     ``exp``: the exponential used for ``alpha`` and ``p`` (``exp(x, xp)``; None: the
     backend's own), written, like every defect, against the arrays' backend
     (`attnlib.core.backend`), so that it reaches numpy and torch alike; ``alpha_l``: a factor on the
     ``alpha`` that rescales ``l`` (False: never rescaled); ``alpha_acc``: a factor on the
     ``alpha`` that rescales ``acc`` (0: never rescaled); ``pv_factor``: a factor on
-    ``p @ v``; ``round_p``: rounds ``p`` everywhere; ``skip_below``: a tile whose max is
-    more than this far below every row's running max is skipped (a speculative
+    ``p @ v``; ``p_rounding``: rounds ``p`` everywhere (``l`` too); ``skip_below``: a tile whose
+    max is more than this far below every row's running max is skipped (a speculative
     block-sparse shortcut).
     """
 
-    def update(self, s, v, keys_first=False, **_):  # other options (buffers, threshold 0) unused
+    def update(self, s, v, *, threshold=0.0, overwrite_s=False, pv=None, round_p=None, keys_first=False,
+               visible=None, count=True):
         xp = self.xp
-        exp_ = (lambda x: xp.exp(x)) if exp is None else (lambda x: exp(x, xp))
-        # A copy of the tile, in rows-first layout: (..., rows, bk).
-        s = xp.copy(xp.swapaxes(s, -1, -2) if keys_first else s)
-        if skip_below is not None and bool((xp.amax(s, -1) < self.m - skip_below).all()):
-            return xp.zeros(tuple(self.m.shape), dtype=bool)
-        m_new = xp.maximum(self.m, xp.amax(s, -1))
-        rescaled = xp.isfinite(self.m) & (m_new > self.m)
+        if not overwrite_s:  # a copy in the state's type (lists too)
+            s = xp.copy(xp.from_host(s, self.acc.dtype))
+        m_tile = xp.amax(s, -2 if keys_first else -1)  # (..., rows)
+        if skip_below is not None and bool((m_tile < self.m - skip_below).all()):
+            return xp.zeros(tuple(self.m.shape), dtype=bool) if count else None
+        m_new = xp.where(m_tile > self.m + threshold, m_tile, self.m) if threshold else xp.maximum(self.m, m_tile)
+        rescaled = xp.isfinite(self.m) & (m_new > self.m) if count else None
         shift = _shift(m_new, xp)
-        alpha = exp_(self.m - shift)
-        p = exp_(s - shift[..., None])
-        if round_p is not None:
-            p = round_p(p, xp)
+        with xp.overflow_ok():
+            alpha = xp.exp(self.m - shift) if exp is None else exp(self.m - shift, xp)
+            s -= shift[..., None, :] if keys_first else shift[..., None]
+        if exp is not None:
+            p = exp(s, xp)
+        else:
+            p = xp.exp(s, out=s) if visible is None else xp.exp_visible_(s, visible)
+        if p_rounding is not None:
+            p = p_rounding(p, xp)
         if alpha_l is not False:
-            self.l *= alpha * (1.0 if alpha_l is True else alpha_l)
-        self.l += p.sum(-1)
+            self.l *= alpha if alpha_l is True else alpha * alpha_l
+        self.l += xp.key_sum(p, keys_first)
         if alpha_acc:
-            self.acc *= (alpha * alpha_acc)[..., None]
-        self.acc += (p @ v) * pv_factor
+            self.acc *= (alpha if alpha_acc == 1.0 else alpha * alpha_acc)[..., None]
+        if round_p is not None:  # the kernel's own low precision: l summed the unrounded p
+            p = round_p(p)
+        if keys_first:
+            pv_ = xp.swapaxes(xp.matmul(xp.swapaxes(v, -1, -2), p, out=pv), -1, -2)
+        else:
+            pv_ = xp.matmul(p, v, out=pv)
+        self.acc += pv_ if pv_factor == 1.0 else pv_ * pv_factor
         self.m = m_new
         return rescaled
 
@@ -319,7 +332,7 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
     _update("rescale_l_1e-12", "l rescaled by alpha * (1 + 1e-12) (acc by alpha)", alpha_l=1 + 1e-12),
     _update("no_l_rescale", "the running sum l is never rescaled by alpha", alpha_l=False),
     _update("no_acc_rescale", "the accumulator acc is never rescaled by alpha", alpha_acc=0.0),
-    _update("p_float32", "the weights p are rounded to float32 (a precision leak)", round_p=_f32),
+    _update("p_float32", "the weights p are rounded to float32 (a precision leak)", p_rounding=_f32),
     Defect("off_by_one_mask", "PARTIAL tiles mask with key index j - 1: one key too many",
            {"tile_visible": _off_by_one_mask, "document_blocks": _documents_off_by_one}, PATHS),
     # Not "paged": its key tiles are its chunks, so each absorb sees a single key tile.
