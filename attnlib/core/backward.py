@@ -518,11 +518,11 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
         delta = hook("delta", delta)
     # The shift of p = exp(s - lse): rows without a visible key have lse = -inf and only -inf
     # scores; shifting them by 0 gives exp(-inf) = 0, not -inf - (-inf).
-    shift = xp.where(xp.isfinite(lse5), lse5, 0.0)
+    shift = xp.finite_or_zero(lse5)
     per_thread = threading.local()  # each thread's tile buffers and band masks
     items = []
+    mods = setup.mods
     for idx, spec in setup.specs.items():  # idx = (): all batch entries share one mask
-        mods = setup.mods
         items += _backward_plan(q5[idx], k5[idx], v5[idx], dout5[idx], delta[idx], shift[idx], pb.scale, spec, setup,
                        problem.for_entry(setup.slopes, idx), dq[idx], dk[idx], dv[idx], workers, per_thread,
                        None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad, hook)

@@ -222,7 +222,7 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False,
         sink = sink[..., None, None]  # (..., hk, g, 1, 1)
         m = xp.maximum(m, sink)
     with xp.overflow_ok():  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
-        p = xp.exp(s - xp.where(xp.isfinite(m), m, 0.0))  # masked pairs: exp(-inf) = 0
+        p = xp.exp(s - xp.finite_or_zero(m))  # masked pairs: exp(-inf) = 0
     l = p.sum(-1)[..., None]  # >= 1 where the row sees a key, else 0
     if sink is not None:
         with xp.overflow_ok():  # sink - m below -max: weight exactly 0

@@ -347,11 +347,9 @@ def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=N
     mask for the whole problem instead of ``opts``'s (a piece of a larger one); ``base``: the
     tile sizes unless given (default: the backend's for the forward)."""
     prec = problem.precision(prec)
-    if base is not None:
-        pass
-    elif xp is NUMPY:
+    if base is None and xp is NUMPY:
         base = default_tiles(pb.d)
-    else:
+    elif base is None:
         from .tilesizes import device_tiles
         base = device_tiles(xp.dev, math.prod(pb.batch) * pb.hq, opts, spec=spec)
     tiles = opts.tiles_for(base, block_q, block_k)
