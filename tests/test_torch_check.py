@@ -71,7 +71,14 @@ def test_the_pytest_helper_computes_the_reference_with_torch(monkeypatch):
             refuse()
         return shipped(q_i, *args, **kwargs)
 
-    monkeypatch.setattr(rule, "forward", refuse)
+    shipped_forward = rule.forward_on
+
+    def device_only(*args, device=None, **kwargs):  # the forward on the host: refused
+        if device is None:
+            refuse()
+        return shipped_forward(*args, device=device, **kwargs)
+
+    monkeypatch.setattr(rule, "forward_on", device_only)
     monkeypatch.setattr(gate, "tile_scores", tensors_only)
     assert_attention_close(out, q, k, v, layout="bhsd", causal=True, causal_align="top_left")
     with pytest.raises(AssertionError, match="computed with numpy"):

@@ -41,24 +41,28 @@ def main(argv=None) -> int:
         results = device_section(args.device, repeats=args.repeats, mask_n=2048 if args.quick else args.mask_n,
                                  shapes=((1, 1, 1024, 64),) if args.quick else SHAPES,
                                  memory_ns=(1024, 4096) if args.quick else MEMORY_NS, log=log)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
-        return 0
+    else:
+        results = _tables(args, log)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+def _tables(args, log) -> dict:
+    """The performance tables on the CPU (no ``--device``): every section, logged as it goes."""
     torch = not args.no_torch
     cases = QUICK_CASES if args.quick else CASES
     impls = implementations(workers=(1,), include_torch=torch)
     peer = next((n for n in impls if n.startswith("torch")), None)
     results = {"rates": {}}
     for d in sorted({c.d for c in cases}):
-        r = tile_rates(d=d)
-        results["rates"][d] = r
+        r = results["rates"][d] = tile_rates(d=d)
         log(f"tile rates, D={d}, {r['workers']} threads: q k^T {r['qk_gflops']:.1f} GFLOP/s, "
             f"v^T p {r['pv_gflops']:.1f} GFLOP/s, exp {r['exp_gps']:.2f} G/s")
-    rows = time_cases(cases, impls, args.repeats, log)
-    results["forward"] = rows
+    results["forward"] = time_cases(cases, impls, args.repeats, log)
     log("\nforward, default arguments:")
-    for row in rows:
+    for row in results["forward"]:
         case = BenchCase(row["b"], row["h"], row["n"], row["d"], row["causal"])
         roof = roofline_seconds(case, results["rates"][case.d]) / row[DEFAULT]
         vs = f", attnlib/torch {row[DEFAULT] / row[peer]:.2f}" if peer else ""
@@ -78,10 +82,7 @@ def main(argv=None) -> int:
                                      args.repeats, log)
     results["load"] = under_load(cases[0], repeats=args.repeats)
     log(f"\nunder load, {results['load']['case']}: {results['load']['slowdown']:.2f}x the quiet time")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ A machine without CUDA asked for it says so and runs the CPU part.
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 
@@ -46,13 +45,9 @@ def describe(dev) -> str:
     torch = _torch()
     if dev.type == "cuda":
         return f"{torch.cuda.get_device_name(dev)} (CUDA {torch.version.cuda}), torch {torch.__version__}"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    from ..report.notebook import _cpu
+
+    return f"{_cpu()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def _sync(dev):
@@ -60,13 +55,9 @@ def _sync(dev):
         _torch().cuda.synchronize(dev)
 
 
-def _interleaved(fns: dict, dev, repeats: int) -> dict:
-    """Median seconds of each callable, one warm-up each, then in turn ``repeats`` times."""
-    return {name: statistics.median(t) for name, t in _interleaved_times(fns, dev, repeats).items()}
-
-
-def _interleaved_times(fns: dict, dev, repeats: int) -> dict:
-    """Every repeat's seconds of each callable, one warm-up each, then in turn ``repeats`` times."""
+def _interleaved(fns: dict, dev, repeats: int) -> tuple[dict, dict]:
+    """Every repeat's seconds of each callable, one warm-up each, then in turn ``repeats`` times;
+    and their medians."""
     for fn in fns.values():
         fn()
     _sync(dev)
@@ -78,7 +69,7 @@ def _interleaved_times(fns: dict, dev, repeats: int) -> dict:
             fn()
             _sync(dev)
             times[name].append(time.perf_counter() - start)
-    return times
+    return times, {name: statistics.median(t) for name, t in times.items()}
 
 
 def gemm_rates(dev, d: int = 128, repeats: int = 5) -> dict:
@@ -92,8 +83,7 @@ def gemm_rates(dev, d: int = 128, repeats: int = 5) -> dict:
     b = torch.randn(8, d, tiles.block_k, dtype=torch.float64, device=dev)
     side = 8192 if dev.type == "cuda" else 1024
     x = torch.randn(side, side, dtype=torch.float64, device=dev)
-    times = _interleaved_times({"tile": lambda: a @ b, "square": lambda: x @ x}, dev, repeats)
-    t = {name: statistics.median(s) for name, s in times.items()}
+    times, t = _interleaved({"tile": lambda: a @ b, "square": lambda: x @ x}, dev, repeats)
     flop = {"tile": 2 * a.numel() * tiles.block_k, "square": 2 * side ** 3}
     return {"tile_tflops": flop["tile"] / t["tile"] / 1e12,
             "square_tflops": flop["square"] / t["square"] / 1e12,
@@ -104,11 +94,9 @@ def gemm_rates(dev, d: int = 128, repeats: int = 5) -> dict:
 
 def _sdpa_fits(dev, heads: int, n: int) -> bool:
     """Whether SDPA's float64 math path, a few ``(heads, n, n)`` float64 arrays, fits."""
-    torch = _torch()
     need = 4 * heads * n * n * 8
     if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return need < free / 2
+        return need < _torch().cuda.mem_get_info(dev)[0] / 2  # half the free memory
     from ..judge.sizing import dense_fits
 
     return dense_fits(n, heads=heads)
@@ -132,9 +120,8 @@ def forward_rows(dev, shapes=SHAPES, repeats: int = 5, log=None, cases=None) -> 
             fns["attnlib (numpy)"] = lambda: attention(q, k, v, causal=causal)
         if _sdpa_fits(dev, b * h, n):
             fns["torch SDPA float64"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-        times = _interleaved_times(fns, dev, repeats)
-        t = {name: statistics.median(s) for name, s in times.items()}
-        row = {"case": case.name, **{name: s for name, s in t.items()},
+        times, t = _interleaved(fns, dev, repeats)
+        row = {"case": case.name, **t,
                "tflops": case.flops / t["attnlib (torch)"] / 1e12, "times": times}
         out = attention(tq, tk, tv, causal=causal)
         if "attnlib (numpy)" in t:
@@ -165,8 +152,7 @@ def mask_rows(dev, n: int = 16384, repeats: int = 3, log=None) -> list[dict]:
         if _sdpa_fits(dev, case.b * case.hq, n):
             mask = torch.from_numpy(case.visible()).to(dev)
             fns["torch SDPA float64 + mask"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask)
-        times = _interleaved_times(fns, dev, repeats)
-        t = {name: statistics.median(s) for name, s in times.items()}
+        times, t = _interleaved(fns, dev, repeats)
         row = {"case": case.name, "shape": case.shape, **t, "times": times}
         if len(t) == 2:
             row["SDPA / attnlib"] = t["torch SDPA float64 + mask"] / t["attnlib (torch)"]
@@ -220,12 +206,10 @@ def memory_rows(dev, ns=MEMORY_NS, log=None) -> list[dict]:
     """Extra memory of one call against ``n``, each in a fresh process."""
     from ..evidence.fresh import run_fresh_or_error
 
+    measure, options = (cuda_extra_bytes, {"device": str(dev)}) if dev.type == "cuda" else (cpu_extra_bytes, {})
     rows = []
     for n in ns:
-        if dev.type == "cuda":
-            row = run_fresh_or_error(cuda_extra_bytes, n, device=str(dev))
-        else:
-            row = run_fresh_or_error(cpu_extra_bytes, n)
+        row = run_fresh_or_error(measure, n, **options)
         row.setdefault("n", n)
         rows.append(row)
         if log:
@@ -272,11 +256,10 @@ def device_section(device: str = "cuda", *, repeats: int = 5, shapes=SHAPES, mas
     result["forward"] = forward_rows(dev, shapes, repeats, say, cases=cases)
     for row in result["forward"]:  # the kernel's rate as a share of the device's float64 GEMM rate
         row["of GEMM"] = row["tflops"] / result["gemm"]["square_tflops"]
+    result["masks"] = []
     if dev.type != "cpu" or cpu_masks:
         say(f"masks at n = {mask_n}:")
         result["masks"] = mask_rows(dev, mask_n, repeats, say)
-    else:
-        result["masks"] = []
     say("extra memory of one call (1 head, D = 64, causal):")
     result["memory"] = memory_rows(dev, memory_ns, say)
     if dev.type == "cuda":

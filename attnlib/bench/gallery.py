@@ -24,6 +24,7 @@ import numpy as np
 from ..evidence.inputs import random_qkv
 from ..core.tiled import attention
 from ..evidence.fresh import run_fresh_or_error
+from .timing import interleaved
 
 
 def _tanh(x):
@@ -164,8 +165,6 @@ def run_entry(entry: Entry, n: int, heads: int, d: int, block: int, seed: int = 
             if entry.mask_mod is not None else None
     small = min(n, 512)
     qs, ks, vs = (x[..., :small, :] for x in (q, k, v))
-    if entry.mask_mod is not None and small != n:
-        bm = None
     o, l = attention(qs, ks, vs, return_lse=True, block_q=64, block_k=64, **mods)
     dout = np.random.default_rng(seed + 1).standard_normal(o.shape)
     grads = attention_backward(qs, ks, vs, o, l, dout, block_q=64, block_k=64,
@@ -243,13 +242,7 @@ def versus_flex(entries, n, heads, d, block, repeats=5, gates: dict | None = Non
             flex_out = results["FlexAttention eager"]
             row["vs_flex"] = rel_error(results["attnlib"], flex_out, gate.ref_abs)
             row["flex_gate_ratio"] = _ratio(np.abs(flex_out - gate.ref), gate.tol.allowed(gate.ref_abs))
-        times = {name: [] for name in impls}
-        for _ in range(repeats):
-            for name, (_, run) in impls.items():
-                start = time.perf_counter()
-                run(args[name])
-                times[name].append(time.perf_counter() - start)
-        for name, t in times.items():
+        for name, t in interleaved({name: run for name, (_, run) in impls.items()}, repeats, args).items():
             row.update({f"{name} min (s)": min(t), f"{name} median (s)": statistics.median(t),
                         f"{name} max (s)": max(t)})
         rows.append(row)

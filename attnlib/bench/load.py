@@ -27,21 +27,19 @@ def under_load(case, repeats: int = 5, settle: float = 0.3) -> dict:
     for every loaded repeat, started ``settle`` seconds before the clock."""
     q, k, v = random_qkv(case.n, d=case.d, batch=(case.b,), heads=case.h, seed=0)
 
-    def call():
+    def call():  # its seconds
+        start = time.perf_counter()
         attention(q, k, v, causal=case.causal)
+        return time.perf_counter() - start
 
     call()  # warm-up
     quiet, loaded = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        quiet.append(time.perf_counter() - start)
+        quiet.append(call())
         hog = subprocess.Popen([sys.executable, "-c", HOG])
         try:
             time.sleep(settle)
-            start = time.perf_counter()
-            call()
-            loaded.append(time.perf_counter() - start)
+            loaded.append(call())
         finally:
             hog.kill()
             hog.wait()

@@ -24,6 +24,7 @@ from ..evidence.inputs import random_qkv
 from ..core.tiled import attention
 from ..evidence.fresh import run_fresh_or_error
 from .peers import DEFAULT, torch_or_none
+from .timing import interleaved
 
 #: The sliding window of the window case (FlashAttention's ``window_size = (256, 0)``).
 WINDOW = 256
@@ -112,17 +113,15 @@ def implementations(case: MaskCase, include_torch=True, include_flex=True, inclu
         return impls
     import torch.nn.functional as F
 
+    def tensors(*arrays):
+        return tuple(torch.from_numpy(x) for x in arrays)
+
     if include_torch_tensors:
-        impls[TORCH_TENSORS] = (lambda q, k, v: tuple(torch.from_numpy(x) for x in (q, k, v)),
-                                lambda a: attention(*a, **case.options))
-
+        impls[TORCH_TENSORS] = (tensors, lambda a: attention(*a, **case.options))
     gqa = case.hq != case.hk
-
-    def sdpa_prepare(q, k, v):
-        return tuple(torch.from_numpy(x) for x in (q, k, v)) + (torch.from_numpy(case.visible()),)
-
     impls[f"torch {torch.__version__} SDPA + mask"] = (
-        sdpa_prepare, lambda a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], enable_gqa=gqa))
+        lambda q, k, v: tensors(q, k, v, case.visible()),
+        lambda a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], enable_gqa=gqa))
     if not include_flex:
         return impls
     try:
@@ -139,7 +138,7 @@ def implementations(case: MaskCase, include_torch=True, include_flex=True, inclu
             return vis[b, q_idx, kv_idx]
 
         block = create_block_mask(mask_mod, case.b, None, case.sq, case.sk, device="cpu")
-        return tuple(torch.from_numpy(x) for x in (q, k, v)) + (block,)
+        return tensors(q, k, v) + (block,)
 
     def flex_run(a):
         with warnings.catch_warnings():
@@ -179,12 +178,7 @@ def time_masks(cases, repeats=3, include_torch=True, log=None, include_flex=True
             if name != DEFAULT:
                 diff = np.where(seen, np.abs(ok[name] - ok[DEFAULT]), 0.0)
                 row[f"{name} max diff"] = float(np.max(diff)) if diff.size else 0.0  # NaN shows
-        times = {name: [] for name in ok}
-        for _ in range(repeats):
-            for name in ok:
-                start = time.perf_counter()
-                impls[name][1](args[name])
-                times[name].append(time.perf_counter() - start)
+        times = interleaved({name: impls[name][1] for name in ok}, repeats, args)
         row.update({name: statistics.median(t) for name, t in times.items()})
         row["times"] = times  # every repeat's seconds
         rows.append(row)
@@ -198,8 +192,7 @@ def peak_rss(case_index: int, n: int, impl: str, timeout: float = 600.0) -> dict
     """RSS growth of one call of ``impl`` on ``mask_cases(n)[case_index]``, in a fresh
     process after a warm-up call at a small size; ``{"rss_bytes", "seconds"}`` or
     ``{"error"}``."""
-    spec = {"case": case_index, "n": n, "impl": impl}
-    return run_fresh_or_error(_measure, spec, timeout=timeout)
+    return peak_rss_all(case_index, n, [impl], timeout)[impl]
 
 
 def peak_rss_all(case_index: int, n: int, impls, timeout: float = 600.0) -> dict:
@@ -237,23 +230,4 @@ def _measure_all(spec: dict) -> dict:
                      "seconds": time.perf_counter() - start}
         del args
     return out
-
-
-def _measure(spec: dict) -> dict:
-    from memory_profiler import memory_usage
-
-    from ..core.problem import STRICT
-
-    np.seterr(**STRICT)
-    warm = mask_cases(256)[spec["case"]]
-    prep, run = implementations(warm, include_torch_tensors=True)[spec["impl"]]
-    run(prep(*_inputs(warm)))  # warm-up: imports, code paths, BLAS buffers
-    case = mask_cases(spec["n"])[spec["case"]]
-    prep, run = implementations(case, include_torch_tensors=True)[spec["impl"]]
-    args = prep(*_inputs(case))  # inputs (and torch's explicit mask) exist before the call
-    base = memory_usage(-1, interval=0.01, timeout=0.01)[0]
-    start = time.perf_counter()
-    usage = memory_usage((run, (args,), {}), interval=0.005)
-    return {"rss_bytes": int(max(0.0, max(usage) - base) * 2**20),
-            "seconds": time.perf_counter() - start}
 

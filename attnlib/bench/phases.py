@@ -23,7 +23,7 @@ from ..core.online import OnlineSoftmax, _shift
 from ..core.tilesizes import TileSizes, default_tiles
 from ..core.parallel import _parallel_settings
 from ..core.tiled import attention
-from .timing import seconds
+from .timing import interleaved
 
 #: The phases, in the order the kernel runs them.
 PHASES = ("q k^T matmul", "mask (PARTIAL tiles)", "row max", "shift s - m", "exp",
@@ -75,7 +75,7 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
     # drive acc into subnormal numbers, whose arithmetic is many times slower.
     alpha = np.maximum(np.exp(state.m - shift), 0.999)
     work = np.empty_like(s)
-    phases = {
+    return {
         "q k^T matmul": _per_call(lambda: np.matmul(k_j, q_i.T, out=work)),
         "mask (PARTIAL tiles)": (_per_call(lambda: np.copyto(work, -np.inf, where=~spec.tile_visible(
             rows, int(cols[0]), int(cols[-1]) + 1, True, contiguous=True, cache=cache))) if partial else np.zeros(3)),
@@ -89,7 +89,6 @@ def _tile_phases(q_i, k_j, v_j, spec, rows, cols, state, partial) -> dict:
                                              np.multiply(acc, alpha[:, None], out=acc))),
         "p @ v matmul": _per_call(lambda: np.add(acc, np.matmul(v_j.T, p, out=pv).T, out=acc)),
     }
-    return phases
 
 
 def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, workers=None) -> dict:
@@ -125,15 +124,11 @@ def phase_breakdown(case, tiles: TileSizes | None = None, repeats: int = 5, work
                 k0, k1 = b * bk, min(case.n, (b + 1) * bk)
                 per_kind[name] = _tile_phases(q_i, k[0, 0, k0:k1], v[0, 0, k0:k1], spec, rows,
                                               np.arange(k0, k1), state, kind == PARTIAL)
-        run = {1: lambda: attention(q, k, v, causal=case.causal, workers=1, block_q=bq, block_k=bk),
-               threads: lambda: attention(q, k, v, causal=case.causal, workers=threads, block_q=bq,
-                                          block_k=bk)}
+        run = {w: (lambda w=w: attention(q, k, v, causal=case.causal, workers=w, block_q=bq, block_k=bk))
+               for w in (1, threads)}
         for fn in run.values():
             fn()  # warm-up
-        times = {w: [] for w in run}
-        for _ in range(repeats):  # interleaved
-            for w, fn in run.items():
-                times[w].append(seconds(fn, 1))
+        times = interleaved(run, repeats)
     serial, measured = float(np.median(times[1])), float(np.median(times[threads]))
     # (median, min, max) per phase: each replay's spread times the tile counts
     spread = {p: sum(per_kind[kind][p] * counts[kind] for kind in per_kind) for p in PHASES}

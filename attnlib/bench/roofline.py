@@ -62,9 +62,9 @@ def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, t
 
     ops = [per_thread() for _ in range(workers)]
     work = {"qk": 2.0 * bq * bk * d, "pv": 2.0 * bq * bk * dv, "exp": float(bq * bk)}
-    rates = {}
+    out = {}
     with _parallel_settings(), ThreadPoolExecutor(workers) as pool:
-        for name in ("qk", "pv", "exp"):
+        for name, key in (("qk", "qk_gflops"), ("pv", "pv_gflops"), ("exp", "exp_gps")):
             fn = ops[0][name]
             start = time.perf_counter()
             calls = 0
@@ -86,11 +86,8 @@ def tile_rates(workers: int | None = None, d: int = 64, dv: int | None = None, t
             for _ in range(repeats):
                 elapsed = max(pool.map(run, range(workers)))  # all threads at once
                 samples.append(workers * loops * work[name] / elapsed)
-            rates[name] = (statistics.median(samples), min(samples), max(samples))
-    out = {}
-    for name, key in (("qk", "qk_gflops"), ("pv", "pv_gflops"), ("exp", "exp_gps")):
-        out[key] = rates[name][0] / 1e9
-        out[key + "_min"], out[key + "_max"] = rates[name][1] / 1e9, rates[name][2] / 1e9  # the repeats' spread
+            out[key] = statistics.median(samples) / 1e9
+            out[key + "_min"], out[key + "_max"] = min(samples) / 1e9, max(samples) / 1e9  # the repeats' spread
     return out | {"workers": workers, "d": d, "dv": dv, "block_q": bq, "block_k": bk}
 
 

@@ -10,9 +10,11 @@ to the measured runs that projects contexts no one machine can finish.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import statistics
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -154,6 +156,7 @@ def phases(before, after, wall, threads) -> dict:
     compressed to move between processes) and ``transfer wait`` (results on the wire)."""
     out = dict.fromkeys(("read", "kernel", "merge", "write", "dask", "serialisation", "transfer wait"), 0.0)
     kind = {"attnlib-piece": "kernel", "attnlib-merge": "merge", "attnlib-write": "write"}
+    by_label = {"executor": "dask", "other": "dask", "read": "read"}  # other labels: by the task's kind
     for worker, totals in after.items():
         for key, value in totals.items():
             if not (isinstance(key, tuple) and key[-1] == "seconds"):
@@ -161,13 +164,7 @@ def phases(before, after, wall, threads) -> dict:
             delta = value - before.get(worker, {}).get(key, 0.0)
             label = key[-2]
             if key[0] == "execute":  # ("execute", [span id,] task prefix, label, "seconds")
-                prefix = key[-3]
-                if label in ("executor", "other"):
-                    out["dask"] += delta
-                elif label == "read":
-                    out["read"] += delta
-                else:
-                    out[kind.get(prefix, "dask")] += delta
+                out[by_label.get(label) or kind.get(key[-3], "dask")] += delta
             elif key[0] in ("get-data", "gather-dep"):
                 out["serialisation" if label in _SERIAL else "transfer wait"] += delta
     on_threads = sum(out[k] for k in ("read", "kernel", "merge", "write", "dask"))
@@ -219,8 +216,7 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
 
     cores = available_cpus()
     q, k, v = (np.load(p) for p in paths)
-    given = clients
-    with (contextlib.nullcontext(given) if given is not None else clusters(worker_counts)) as clients:
+    with (contextlib.nullcontext(clients) if clients is not None else clusters(worker_counts)) as clients:
         clients = {w: clients[w] for w in worker_counts}
         pids = [os.getpid()] + [p for c in clients.values() for p in worker_pids(c)]
         runs = {"single": lambda: attnlib.attention(q, k, v, causal=causal)}
@@ -234,10 +230,9 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
         order = list(runs)
         for r in range(repeats):
             for name in (order if r % 2 == 0 else order[::-1]):
-                run = runs[name]
                 before = _digests(clients[name]) if name != "single" else None
                 with load_watch(pids) as rec:
-                    value = run()
+                    value = runs[name]()
                 samples[name].append(rec["wall"])
                 load[name].append(rec)
                 if name != "single":
@@ -270,8 +265,6 @@ def time_single_vs_cluster(paths, block, worker_counts=(1, 2), repeats=5, causal
 
 
 def _trace_start():
-    import tracemalloc
-
     if not tracemalloc.is_tracing():
         tracemalloc.start()
     tracemalloc.reset_peak()
@@ -280,15 +273,7 @@ def _trace_start():
 def trace_stop():
     """Stop tracemalloc in this process (run on the workers, `client.run`, once the memory
     measurements are done: the calls timed after them run untraced)."""
-    import tracemalloc
-
     tracemalloc.stop()
-
-
-def _trace_now():
-    import tracemalloc
-
-    return tracemalloc.get_traced_memory()  # (current, peak)
 
 
 def worker_calls(client, paths, block, out, causal=True, kv_block=None, calls=2) -> list:
@@ -305,7 +290,7 @@ def worker_calls(client, paths, block, out, causal=True, kv_block=None, calls=2)
         client.run(_trace_start)
         attention(*paths, client=client, causal=causal, block_q=block,
                   kv_block=block if kv_block is None else kv_block, out=out, device=NUMPY)
-        traced = client.run(_trace_now)  # by worker address: every worker, as it answers
+        traced = client.run(tracemalloc.get_traced_memory)  # (current, peak) by worker address, as each answers
         if not traced:
             raise RuntimeError("no worker answered the memory trace (the cluster lost its workers)")
         result.append([(peak, left, peak - left) for left, peak in (traced[w] for w in sorted(traced))])
@@ -344,8 +329,6 @@ def model_runs(clients, cases, folder, repeats=4, seed=1, middle=None) -> list:
     called once halfway through the repeats (a long run the model is to predict: the runs
     it is fitted on then lie on both sides of it in time, and a drift of the machine's speed
     between the two does not fall on the long run alone)."""
-    from ..core.validate import available_cpus
-
     files = {}
     try:
         for h, n, d, _ in cases:
@@ -363,13 +346,17 @@ def model_runs(clients, cases, folder, repeats=4, seed=1, middle=None) -> list:
         for paths in files.values():
             for path in paths:
                 os.remove(path)
-    rows = []
-    for (i, w), ws in walls.items():
-        h, n, d, block = cases[i]
-        rows.append({**plan_stats(1, h, n, d, block), "n": n, "heads": h, "d": d, "block": block,
-                     "workers": w, "workers_per_machine": w, "machine_cores": available_cpus(),
-                     "wall": statistics.median(ws), "noise": spread(ws), "walls": list(ws)})
-    return rows
+    return [_model_row(*cases[i], w, ws) for (i, w), ws in walls.items()]
+
+
+def _model_row(h, n, d, block, w, walls) -> dict:
+    """A run of the cost model: the plan's counts, the case on ``w`` workers of this machine,
+    and the median and `spread` of its ``walls``."""
+    from ..core.validate import available_cpus
+
+    return {**plan_stats(1, h, n, d, block), "n": n, "heads": h, "d": d, "block": block, "workers": w,
+            "workers_per_machine": w, "machine_cores": available_cpus(), "wall": statistics.median(walls),
+            "noise": spread(walls), "walls": list(walls)}
 
 
 def _noop(i):
@@ -485,22 +472,12 @@ def memory_steps(ns, working, d, pieces=None, limit=None) -> dict:
         s["gated"] = bool(s["throttle_full"])
     if steps and not any(s["gated"] for s in steps):
         steps[-1]["gated"] = True
-    bounded_from = None
-    for i in range(len(steps) - 1, -1, -1):
-        if not steps[i]["under"]:
-            break
-        bounded_from = steps[i]["from"]
-    return {"steps": steps, "bounded_from": bounded_from}
+    under = list(itertools.takewhile(lambda s: s["under"], reversed(steps)))  # the last steps under their bound
+    return {"steps": steps, "bounded_from": under[-1]["from"] if under else None}
 
 
 def timing_rows(timing, heads, n, d, block) -> list:
     """The timing case's cluster runs (`time_single_vs_cluster`) as runs of the cost model
     (`model_runs`'s rows): a case the model is not fitted on, timed interleaved."""
-    from ..core.validate import available_cpus
-
-    stats = plan_stats(1, heads, n, d, block)
-    return [{**stats, "n": n, "heads": heads, "d": d, "block": block, "workers": w, "workers_per_machine": w,
-             "machine_cores": available_cpus(), "wall": timing["median"][w], "noise": timing["noise"][w],
-             "walls": list(timing["samples"][w])}
-            for w in timing["samples"] if w != "single"]
+    return [_model_row(heads, n, d, block, w, s) for w, s in timing["samples"].items() if w != "single"]
 

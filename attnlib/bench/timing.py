@@ -64,14 +64,17 @@ def ratio_spread(numerators, denominators) -> dict:
     return spread([a / b for a, b in zip(numerators, denominators)])
 
 
-def seconds(fn, repeats=5) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` calls."""
-    times = []
+def interleaved(runs: dict, repeats: int, args: dict | None = None) -> dict:
+    """Every repeat's seconds of each ``runs[name](args[name])`` (``runs[name]()`` without
+    ``args``): each repeat calls every one once, in turn."""
+    times = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            a = () if args is None else (args[name],)
+            start = time.perf_counter()
+            run(*a)
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def time_cases(cases, impls, repeats=5, log=None) -> list[dict]:
@@ -90,12 +93,7 @@ def time_cases(cases, impls, repeats=5, log=None) -> list[dict]:
         args = {name: prep(q, k, v, case.causal) for name, (prep, _) in runnable.items()}
         for name, (_, run) in runnable.items():
             run(args[name])  # warm-up
-        times = {name: [] for name in runnable}
-        for _ in range(repeats):
-            for name, (_, run) in runnable.items():
-                start = time.perf_counter()
-                run(args[name])
-                times[name].append(time.perf_counter() - start)
+        times = interleaved({name: run for name, (_, run) in runnable.items()}, repeats, args)
         row = {"case": case.name, **asdict(case)}
         row.update({name: statistics.median(t) for name, t in times.items()})
         row["times"] = times

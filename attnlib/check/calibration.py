@@ -33,18 +33,17 @@ SHAPES = ((1, 1, 128, 128, 64, True), (2, 8, 1024, 1024, 64, True), (1, 4, 512, 
 ORACLE_MAX_WORK = 1 << 28
 
 
-def _torch():
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return None, None
-    return torch, F
+def _to_torch(prec_name, *xs, grad=False) -> list:
+    """The arrays ``xs`` as torch tensors of the precision's type (leaves taking a gradient with ``grad``)."""
+    import torch
+    dtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+             "bfloat16": torch.bfloat16}[prec_name]
+    return [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(grad) for x in xs]
 
 
-def _torch_dtype(torch, name):
-    return {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-            "bfloat16": torch.bfloat16}[name]
+def _to_numpy(t) -> np.ndarray:
+    """A torch tensor's values as a float64 array."""
+    return t.detach().double().numpy()
 
 
 def correct_kernels(prec_name: str) -> dict:
@@ -65,19 +64,21 @@ def correct_kernels(prec_name: str) -> dict:
                 return None  # long double has no BLAS: too slow at this shape
             return tuple(x.astype(np.float64) for x in oracle_attention(q, k, v, causal=c, return_lse=True))
         kernels["exact answer rounded once to float64 (long double oracle)"] = exact
-    torch, F = _torch()
-    if torch is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return kernels
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        def sdpa(backend):
-            def run(q, k, v, c):
-                t = [torch.from_numpy(x).to(_torch_dtype(torch, prec_name)) for x in (q, k, v)]
-                with torch.no_grad(), sdpa_kernel(backend):
-                    out = F.scaled_dot_product_attention(*t, is_causal=c and q.shape[-2] > 1)
-                return out.to(torch.float64).numpy(), None
-            return run
-        kernels[f"torch {torch.__version__} SDPA, flash backend"] = sdpa(SDPBackend.FLASH_ATTENTION)
-        kernels[f"torch {torch.__version__} SDPA, math backend"] = sdpa(SDPBackend.MATH)
+    def sdpa(backend):
+        def run(q, k, v, c):
+            with torch.no_grad(), sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(*_to_torch(prec_name, q, k, v), is_causal=c and q.shape[-2] > 1)
+            return _to_numpy(out), None
+        return run
+    kernels[f"torch {torch.__version__} SDPA, flash backend"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    kernels[f"torch {torch.__version__} SDPA, math backend"] = sdpa(SDPBackend.MATH)
     return kernels
 
 
@@ -121,11 +122,10 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
     prec = problem.precision(prec_name)
     if perturbation is None:
         perturbation = {"float64": 1e-9, "float32": 1e-4}.get(prec_name, 64 * prec.eps)
-    good, bad = correct_kernels(prec_name), defective_kernels(prec_name, perturbation)
+    good = correct_kernels(prec_name)
     if kernels:
         good = {name: fn for name, fn in good.items() if any(s in name for s in kernels)}
-    if not defects:
-        bad = {}
+    bad = defective_kernels(prec_name, perturbation) if defects else {}
     exact_bad = defective_kernels("float64", perturbation)  # does a defect change the problem?
     # Below float64 the dense kernel in the precision is the rule's own naive baseline: its
     # ratio is at most ~0.5 by construction, a run that tests nothing (kind "baseline").
@@ -148,8 +148,7 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
                     out, lse = result
                     v_out = judge_out(np.asarray(out, dtype=np.float64), expected)[0]
                     v_lse = None if lse is None else judge_lse(lse, expected, np.asarray(lse).dtype)
-                    key = (shape, name)
-                    row = rows.setdefault(key, dict(
+                    row = rows.setdefault((shape, name), dict(
                         precision=prec_name, shape=f"({b}, {h}, {sq}, {sk}, {d})",
                         causal=causal, kernel=name, kind="baseline" if name == baseline else kind,
                         seeds=0, failed=0, identical=0, worst_out_ratio=0.0, least_out_ratio=None,
@@ -157,9 +156,8 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
                     if kind == "correct" and np.array_equal(np.asarray(out, dtype=np.float64), expected.ref):
                         row["identical"] += 1  # the reference's own bits: a run that tests nothing
                         continue
-                    failed = not v_out.passed or (v_lse is not None and not v_lse.passed)
                     row["seeds"] += 1
-                    row["failed"] += int(failed)
+                    row["failed"] += int(not v_out.passed or (v_lse is not None and not v_lse.passed))
                     row["worst_out_ratio"] = max(row["worst_out_ratio"], v_out.ratio)
                     row["least_out_ratio"] = min(row["least_out_ratio"] or math.inf, v_out.ratio)
                     if v_lse is not None:
@@ -181,24 +179,20 @@ def summary(rows: list[dict]) -> dict:
         s["identical_runs"] += r.get("identical", 0)
         if r["kind"] == "correct" and not r["seeds"]:
             continue  # every run gave the reference's own bits
+        runs, failed = {"baseline": ("baseline_runs", "baseline_failed"),
+                        "correct": ("correct_runs", "false_alarms")}.get(r["kind"], ("defect_runs", "caught"))
+        s[runs] += r["seeds"]
+        s[failed] += r["failed"]
+        worst = max(r["worst_out_ratio"], r["worst_lse_ratio"] or 0.0)
         if r["kind"] == "baseline":
-            s["baseline_runs"] += r["seeds"]
-            s["baseline_failed"] += r["failed"]
-            s["baseline_worst_ratio"] = max(s["baseline_worst_ratio"] or 0.0, r["worst_out_ratio"],
-                                            r["worst_lse_ratio"] or 0.0)
+            s["baseline_worst_ratio"] = max(s["baseline_worst_ratio"] or 0.0, worst)
         elif r["kind"] == "correct":
-            s["correct_runs"] += r["seeds"]
-            s["false_alarms"] += r["failed"]
-            worst = max(r["worst_out_ratio"], r["worst_lse_ratio"] or 0.0)
             if worst >= s["worst_ratio"]:
                 s["worst_at"] = f"{r['kernel']}, {r['shape']}{' causal' if r['causal'] else ''}"
             s["worst_ratio"] = max(s["worst_ratio"], worst)
             s["worst_out_ratio"] = max(s["worst_out_ratio"], r["worst_out_ratio"])
             if r["worst_lse_ratio"] is not None:
                 s["worst_lse_ratio"] = max(s["worst_lse_ratio"] or 0.0, r["worst_lse_ratio"])
-        else:
-            s["defect_runs"] += r["seeds"]
-            s["caught"] += r["failed"]
     return out
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..core.validate import cli_window, window_side
+from ..core.validate import add_mask_flags, cli_options
 from ..core.tensorio import TensorFileError, load_indices, load_tensor, split_spec
 from .shapes import LAYOUTS, TENSORS, UnusableInput
 from .text import format_text
@@ -116,26 +116,7 @@ def _parser():
                    help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
                         "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's; "
                         "thd: (total, nheads, headdim), FlashAttention's varlen (with --cu-seqlens-q/k)")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right",
-                   help="causal alignment when seqlen_q != seqlen_k (default bottom_right, FlashAttention's)")
-    p.add_argument("--window", nargs=2, type=window_side, metavar=("L", "R"),
-                   help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
-    p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
-    p.add_argument("--scale", type=float, default=None,
-                   help="softmax scale (default 1/sqrt(headdim); with --qv 1/sqrt(headdim + Dv), the joined "
-                        "head dims, Dv being v's head dim); give the kernel's exact value, e.g. "
-                        "0.08838834764831845 for 1/sqrt(128), not a rounded one")
-    p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N",
-                   help="valid keys per batch entry (padding)")
-    p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N",
-                   help="valid query rows per batch entry (padded rows must be 0)")
-    p.add_argument("--key-leftpad", type=int, nargs="+", default=None, metavar="N",
-                   help="left-padded keys: the first valid key per batch entry (FlashAttention's cache_leftpad)")
-    p.add_argument("--attention-chunk", type=int, default=0, metavar="C",
-                   help="chunked attention: a query sees the keys of its own chunk of C positions (0: off)")
-    p.add_argument("--sink-token-length", type=int, default=0, metavar="N",
-                   help="the first N keys stay visible through the window's left bound (sink tokens)")
+    add_mask_flags(p, qv=True)
     p.add_argument("--cu-seqlens-q", default="", metavar="FILE",
                    help="varlen: the batch + 1 offsets of the packed query sequences (integers; --layout thd)")
     p.add_argument("--cu-seqlens-k", default="", metavar="FILE", help="varlen: the key sequences' offsets")
@@ -199,12 +180,8 @@ def _head_dim(text: str) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    options = dict(layout=args.layout, causal=args.causal, causal_align=args.align,
-                   window=cli_window(args.window), softcap=args.softcap or None, scale=args.scale,
-                   kv_lengths=args.kv_lengths, q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
-                   attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
-                   lse_base=args.lse_base, lse_sink=args.lse_sink, lse_empty=args.lse_empty,
-                   workers=args.workers, device=args.device)
+    options = dict(cli_options(args), layout=args.layout, lse_base=args.lse_base, lse_sink=args.lse_sink,
+                   lse_empty=args.lse_empty, workers=args.workers, device=args.device)
     files = {name: getattr(args, name) for name in TENSORS + INPUT_FILES + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:

@@ -96,10 +96,8 @@ def _take(entries, b):
 def row_ratios(err, ratio, allowance):
     """``(Sq,)``: the worst finite ``err / allowance`` per query position, over batch,
     heads and dims, on entries with a positive allowance (NaN/inf and empty rows left out)."""
-    allowance = np.broadcast_to(allowance, err.shape)
-    finite = np.isfinite(ratio) & (allowance > 0)
-    r = np.where(finite, ratio, 0.0)
-    r = r.max(axis=-1)  # (..., H, S)
+    finite = np.isfinite(ratio) & (np.broadcast_to(allowance, err.shape) > 0)
+    r = np.where(finite, ratio, 0.0).max(axis=-1)  # (..., H, S)
     return r.reshape((-1, r.shape[-1])).max(axis=0) if r.ndim > 1 else r
 
 
@@ -135,8 +133,6 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
     finite_row = np.isfinite(kernel).all(axis=-1)  # (..., H, S)
     row_bad = ratio.max(axis=-1, initial=0.0) > 1  # NaN/inf rows included (ratio inf)
     empty = expected.empty
-    n_bad = int(row_bad.sum())
-    describe = positions()
 
     # NaN and inf, by name, and whether they sit in rows with no visible key.
     if not finite_row.all():
@@ -173,9 +169,8 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
                      "the differences between plain formulations of attention in this precision; a "
                      "correct kernel that sums or scales in yet another order can land here, while "
                      "the bugs the check looks for fail by orders of magnitude")
-    if todo.any() and mixups:
-        found += _input_mixups(kernel, mixups, prec, dense, workers, device)
     if todo.any():
+        found += _input_mixups(kernel, mixups, prec, dense, workers, device)
         found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device,
                                prec=prec, dense=dense)
         if not marginal:
@@ -186,16 +181,11 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
         q1, k1, v1, kern1 = (to_bhsd(given[n], other).astype(np.float64) for n in ("q", "k", "v", "out"))
         # The mods as given: if the files are in the other layout, they were written for that
         # problem; one indexing a table by the declared heads fails here, and the reading with it.
-        try:
-            alt = expect(q1, k1, v1, guard_mods(opts), prec, workers, dense, device=device, pool="head")
-        except DROPPED:
-            alt = None
-        if alt is not None and _passes(kern1, alt.ref, alt.allowance):
+        if _matches(kern1, q1, k1, v1, opts, prec, workers, dense, device):
             found.append(f"read as --layout {other} {AXES[other]}, every tensor fits and the output "
                          f"passes: the files are in {other}, not {layout}")
     if shape["sq"] == shape["hq"] and given["out"].ndim >= 3:
-        swapped = np.swapaxes(kernel, -2, -3)
-        if _passes(swapped, expected.ref, expected.allowance):
+        if _passes(np.swapaxes(kernel, -2, -3), expected.ref, expected.allowance):
             found.append(f"the output matches the reference with its seqlen and heads axes swapped: "
                          f"the kernel writes {other} {AXES[other]}, not {layout}")
     # One head, or a few.
@@ -207,7 +197,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
     if todo.any() and not marginal and len(found) == 0:
         found += _lower_precision(kernel, qh, kh, vh, opts, prec, workers, dense, device)
     if not found:
-        first = describe(tuple(np.argwhere(row_bad)[0]) + (0,)) if n_bad else None
+        first = positions()(tuple(np.argwhere(row_bad)[0]) + (0,)) if row_bad.any() else None
         found.append("no known cause matched; see the worst positions and the error along the "
                      "query position" + (f" (first failing row: {_row_words(first)})" if first else ""))
     return found
@@ -219,16 +209,14 @@ _LOWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
 
 def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense, device=None) -> list:
     """Whether the output passes when judged as a kernel of a lower precision."""
-    opts = guard_mods(opts)
     for name in _LOWER.get(prec.name, ()):
         try:
             low = problem.precision(name)
             problem.check_representable(low, q=qh, k=kh, v=vh)  # values beyond it: not that kernel
-            alt = expect(low.round(qh).astype(np.float64), low.round(kh).astype(np.float64),
-                         low.round(vh).astype(np.float64), opts, low, workers, dense, device=device, pool="head")
-        except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range, a mod failing
+            q, k, v = (low.round(x).astype(np.float64) for x in (qh, kh, vh))
+        except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range (a mod failing: _matches)
             continue
-        if _passes(kernel, alt.ref, alt.allowance):
+        if _matches(kernel, q, k, v, opts, low, workers, dense, device):
             tf32 = " (or TF32, whose 10-bit mantissa is float16's)" if name == "float16" else ""
             return [f"judged as a {name} kernel the output passes: the kernel computes in {name}{tf32}, "
                     f"not {prec.name}; check its input casts and matmul precision settings, or pass "
@@ -244,12 +232,9 @@ def _rows_hold_mean_v(kernel, vh, rows, prec) -> bool:
     """Whether every row in ``rows`` equals the mean of v over all keys of its head."""
     if vh.shape[-2] == 0:
         return False
-    mean = vh.mean(axis=-2)  # (..., Hk, Dv)
+    mean = vh.mean(axis=-2)  # (..., Hk, Dv), broadcast along the rows
     if kernel.ndim >= 3:
-        mean = np.repeat(mean, kernel.shape[-3] // mean.shape[-2], axis=-2)  # GQA: (..., Hq, Dv)
-        mean = np.broadcast_to(mean[..., None, :], kernel.shape)
-    else:
-        mean = np.broadcast_to(mean, kernel.shape)
+        mean = np.repeat(mean, kernel.shape[-3] // mean.shape[-2], axis=-2)[..., None, :]  # GQA: (..., Hq, 1, Dv)
     tol = 4 * prec.eps * max(float(np.abs(vh).max(initial=0.0)), np.finfo(np.float64).tiny)
     return bool((np.abs(kernel - mean).max(axis=-1) <= tol)[rows].all())
 
@@ -288,8 +273,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
                          (dict(scale=s0 * s0), f"the scale given applied twice, {s0:.4g}^2 = {s0 * s0:.4g}")]
     if opts.causal:
         alternatives.append((dict(causal=False), "no causal mask"))
-        left = opts.window[0]
-        alternatives.append((dict(causal=False, window=(left, 1)),
+        alternatives.append((dict(causal=False, window=(opts.window[0], 1)),
                              "a causal mask that lets each query see one future key (off by one)"))
         if shape["sq"] != shape["sk"]:
             other = "top_left" if opts.causal_align == "bottom_right" else "bottom_right"
@@ -321,23 +305,16 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
         if opts.gather_kv_indices is not None:  # (batch, [Hk,] Sq, topk)
             taken["gather_kv_indices"] = np.asarray(opts.gather_kv_indices)[entries]
         opts = replace(opts, **taken)
-
-        def pick(x):
-            return x[entries]
-    else:
-        def pick(x):
-            return x
     alternatives += variant_alternatives(opts, shape["sk"])  # (with the failing entries' own key_leftpad)
-    q, k, v, kern, failing, allow = (pick(x) for x in (qh, kh, vh, kernel, todo, allowance))
+    q, k, v, kern, failing, allow = (x if entries is None else x[entries]
+                                     for x in (qh, kh, vh, kernel, todo, allowance))
     n_fail = int(failing.sum())
     scored = []
     for change, words in alternatives:
-        own = prec is not None and set(change) == {"scale"}
         try:  # the change checked as the user's options are (a scale x log2(e) beyond the range)
-            if own:
+            if prec is not None and set(change) == {"scale"}:  # judged by its own problem's allowance
                 judged = expect(q, k, v, opts.replace(**change), prec, workers, dense, device=device, pool="head")
-                alt = judged.ref
-                alt_allow = np.broadcast_to(per_head_max(judged.allowance), kern.shape)
+                alt, alt_allow = judged.ref, np.broadcast_to(per_head_max(judged.allowance), kern.shape)
             else:
                 alt, alt_allow = forward_on(q, k, v, opts.replace(**change), workers=workers, device=device), allow
         except DROPPED:  # e.g. a mask_mod that indexes past its ids at q_idx + 1
@@ -365,12 +342,11 @@ def descale_variants(factors) -> list:
     (all, or one: None), applied twice, or one per-tensor factor for every (batch, kv head)."""
     given = [n for n in descale.NAMES if n in factors]
     varying = {n: f for n, f in factors.items() if np.ptp(f) > 0}
-    out = [("the descales ignored (the stored fp8 values attended as they are)", {n: None for n in given})]
-    if len(given) > 1:
-        out += [(f"{n} ignored", {n: None}) for n in given]
-    out.append(("the descales applied twice (to values already dequantised)", {n: factors[n] ** 2 for n in given}))
-    if len(given) > 1:
-        out += [(f"{n} applied twice", {n: factors[n] ** 2}) for n in given]
+    out = []
+    for how, detail, change in (("ignored", "the stored fp8 values attended as they are", lambda f: None),
+                                ("applied twice", "to values already dequantised", lambda f: f ** 2)):
+        out.append((f"the descales {how} ({detail})", {n: change(factors[n]) for n in given}))
+        out += [(f"{n} {how}", {n: change(factors[n])}) for n in given if len(given) > 1]
     for which, pick in (("first", lambda f: f.flat[0]), ("largest", np.max)):
         if varying:
             out.append((f"per-tensor descales (the {which} factor for every batch entry and kv head) "
@@ -384,11 +360,7 @@ def _input_mixups(kernel, candidates, prec, dense, workers, device=None) -> list
     whose attention the output matches, whole, by the rule's allowance for that problem (its
     values' sizes differ)."""
     for words, (q, k, v), opts in candidates:
-        try:
-            alt = expect(q, k, v, guard_mods(opts), prec, workers, dense, device=device, pool="head")
-        except DROPPED:
-            continue
-        if _passes(kernel, alt.ref, alt.allowance):
+        if _matches(kernel, q, k, v, opts, prec, workers, dense, device):
             return [f"the output matches attention with {words}"]
     return []
 
@@ -528,7 +500,17 @@ def _passes(kernel, ref, allowance) -> bool:
     return bool(ratios(kernel, ref, allowance)[1].max(initial=0.0) <= 1)
 
 
-def _head_swap(name, kernel, ref, allowance):
+def _matches(kernel, q, k, v, opts: Options, prec, workers, dense, device=None) -> bool:
+    """Whether ``kernel`` passes as a kernel in ``prec`` of the problem ``q, k, v, opts`` (its
+    mods guarded), by that problem's own allowance; False where the problem is dropped."""
+    try:
+        alt = expect(q, k, v, guard_mods(opts), prec, workers, dense, device=device, pool="head")
+    except DROPPED:
+        return False
+    return _passes(kernel, alt.ref, alt.allowance)
+
+
+def _head_swap(kernel, ref, allowance):
     """Heads of ``kernel`` that hold another head's ``ref``: ``[(h, other), ...]``."""
     if kernel.ndim < 3 or kernel.shape[-3] < 2:
         return []
@@ -550,11 +532,8 @@ def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=(), prec
     gradients of other problems (no causal mask, another scale, ...) to match against;
     ``prec_name``: the precision the kernel was judged in (a gradient rounded to a lower
     one is named)."""
-    found = []
-    finite = np.isfinite(kernel)
-    if not finite.all():
-        found.append(f"{name} holds {int(np.isnan(kernel).sum())} NaN and {int(np.isinf(kernel).sum())} inf values")
-        return found
+    if not np.isfinite(kernel).all():
+        return [f"{name} holds {int(np.isnan(kernel).sum())} NaN and {int(np.isinf(kernel).sum())} inf values"]
     if not kernel.any() and ref.any():
         return [f"{name} is all zeros: the gradient was never written or accumulated"]
     if _passes(-kernel, ref, allowance):
@@ -569,43 +548,41 @@ def diagnose_gradient(name, kernel, ref, allowance, scale, alternatives=(), prec
     for words, alt in alternatives:
         if alt is not None and alt.shape == kernel.shape and _passes(kernel, alt, loose):
             return [f"{name} matches the gradient of attention with {words}"]
-    swaps = _head_swap(name, kernel, ref, allowance)
+    swaps = _head_swap(kernel, ref, allowance)
     if swaps:
         axis = "kv head" if name in ("dk", "dv") else "head"
-        found.append("; ".join(f"{name} of {axis} {h} holds {axis} {o}'s gradient" for h, o in swaps)
-                     + ": look at the head indexing (the GQA mapping, strides)")
-        return found
+        return ["; ".join(f"{name} of {axis} {h} holds {axis} {o}'s gradient" for h, o in swaps)
+                + ": look at the head indexing (the GQA mapping, strides)"]
     dot = float(np.vdot(ref, ref))
     if dot > 0:
         c = float(np.vdot(kernel, ref)) / dot  # the best single factor
         if c != 1.0 and _passes(kernel / c, ref, allowance):
-            found.append(f"{name} is the right gradient times {c:.9g} (off by a relative {c - 1:+.3g} "
-                         "throughout): a factor applied once too often, or a constant rounded")
-            return found
+            return [f"{name} is the right gradient times {c:.9g} (off by a relative {c - 1:+.3g} "
+                    "throughout): a factor applied once too often, or a constant rounded"]
     lower = []
     for low in _LOWER.get(prec_name, ()):
         try:
             lower.append((low, arrays.finfo(problem.precision(low).compute)))
         except ValueError:  # bfloat16 without ml_dtypes
             continue
+    err, ratio = ratios(kernel, ref, np.broadcast_to(allowance, ref.shape))
+    failing = ratio > 1
     for low, fi in sorted(lower, key=lambda x: float(x[1].eps)):  # the finest type that explains it
         # The right gradient rounded to the lower type is off by half an ulp of it, plus rounding.
         half_ulp = 0.5 * (float(fi.eps) * np.abs(ref) + float(fi.smallest_subnormal))
         rounded = 2 * half_ulp + np.broadcast_to(allowance, ref.shape)
-        err, ratio = ratios(kernel, ref, np.broadcast_to(allowance, ref.shape))
-        failing = ratio > 1
         # The story needs errors of that type's size where it fails, not far below its ulp.
         sized = failing.any() and float(np.median((err / half_ulp)[failing])) >= 0.05
         if sized and _passes(kernel, ref, rounded):
             tf32 = " (or TF32, whose 10-bit mantissa is float16's)" if low == "float16" else ""
             return [f"{name} is the right gradient to within {low}'s rounding{tf32}: it was stored, "
                     f"accumulated or computed in {low}, not {prec_name}"]
-    bad = ratios(kernel, ref, allowance)[1].max(axis=-1) > 1  # (..., H, S)
+    bad = ratio.max(axis=-1) > 1  # (..., H, S)
     if kernel.ndim >= 3:
         heads = np.flatnonzero(bad.reshape((-1,) + bad.shape[-2:]).any(axis=(0, 2)))
         if 0 < heads.size < bad.shape[-2]:
-            found.append(f"only heads {heads.tolist()} of {name} fail: look at the head indexing")
-    return found
+            return [f"only heads {heads.tolist()} of {name} fail: look at the head indexing"]
+    return []
 
 
 def diagnose_max_scores(kernel, ref, allowance, opts: Options, convention: LseConvention, scale) -> list:
@@ -694,6 +671,6 @@ def diagnose_lse(kernel, ref, allowance, empty, alternatives=(), convention: Lse
             close = (np.abs(natural - rolled) <= a) & seen
             interior = seen.copy()
             interior[..., 0 if shift == 1 else -1] = False
-            if interior.any() and close[interior].mean() >= 0.9 and not fits(natural, r):
+            if interior.any() and close[interior].mean() >= 0.9:
                 return found + [f"each row holds the {words} query row's lse (an off-by-one row index or stride)"]
     return found

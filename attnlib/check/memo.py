@@ -78,10 +78,8 @@ def _copy(x):
     """A result as fresh arrays: a caller that writes into one cannot change the cached one."""
     if isinstance(x, np.ndarray):
         return x.copy()
-    if isinstance(x, tuple):
-        return tuple(_copy(y) for y in x)
-    if isinstance(x, list):
-        return [_copy(y) for y in x]
+    if isinstance(x, (tuple, list)):
+        return type(x)(_copy(y) for y in x)
     if isinstance(x, dict):
         return {k: _copy(v) for k, v in x.items()}
     return copy.copy(x)
@@ -110,7 +108,7 @@ def _memoized(fn, cache, lock, stats):
 
 def _targets():
     from . import diagnosis, rule, verdict
-    return [(rule, "forward"), (rule, "dense_attention"), (rule, "dense_backward"), (rule, "tiled_backward"),
+    return [(rule, "forward_on"), (rule, "dense_attention"), (rule, "dense_backward"), (rule, "tiled_backward"),
             (verdict, "dense_backward"), (verdict, "forward_on"), (diagnosis, "forward_on")]
 
 

@@ -17,6 +17,7 @@ changed under a softmax that is one-hot there, e.g. MLA's scores at ``v`` of 1e2
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -25,7 +26,7 @@ from ..core.lse_conventions import LN2
 from ..core.problem import precision
 from ..core.tiled import attention
 from . import memo
-from .power import _changed
+from .power import _changed, _round
 from .verdict import check_kernel
 
 #: (batch, Hq, Hk, Sq, Sk, D): a causal prefill with GQA.
@@ -82,27 +83,26 @@ def cases(prec_name, magnitude, seed) -> list:
             ("max_scores with the sink", "the sink taken as a score", dict(causal=True, sinks=sinks),
              dict(out=right[0], max_scores=np.maximum(right[2], sinks[None, :, None]))),
         ]
-        variants = [("attention_chunk ignored", dict(causal=True, attention_chunk=32), dict(causal=True)),
-                    ("sink_token_length ignored", dict(causal=True, window=(16, 0), sink_token_length=4),
-                     dict(causal=True, window=(16, 0))),
-                    ("key_leftpad ignored", dict(causal=True, key_leftpad=[10]), dict(causal=True))]
         # Top-k lists with a quarter of their entries -1 (no key): dropped, or -1 read as a key.
         idx = np.random.default_rng(2000 + seed).integers(0, SHAPE[4], size=(SHAPE[0], SHAPE[3], 24))
         idx[..., ::4] = -1
-        variants += [("gather_kv_indices ignored", dict(causal=True, gather_kv_indices=idx), dict(causal=True))]
-        for name, told, computed in variants:
-            out.append((name, name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
-        out += [("-1 entries read as key Sk - 1", "the -1 entries read as key Sk - 1", dict(gather_kv_indices=idx),
-                 dict(out=_answer(prec, q, k, v, gather_kv_indices=np.where(idx < 0, idx + SHAPE[4], idx))[0])),
-                ("-1 entries read as key 0", "the -1 entries read as key 0", dict(gather_kv_indices=idx),
-                 dict(out=_answer(prec, q, k, v, gather_kv_indices=np.where(idx < 0, 0, idx))[0]))]
         d, dv = q.shape[-1], v.shape[-1]
-        out += [
-            ("qv ignored (its default scale 1/sqrt(D))", "qv ignored", dict(causal=True, qv=qv),
-             dict(out=_answer(prec, q, k, v, causal=True)[0])),
-            ("MLA scale 1/sqrt(D)", "not 1/sqrt(D + Dv)", dict(causal=True, qv=qv),
-             dict(out=_answer(prec, q, k, v, qv=qv, causal=True, scale=1 / math.sqrt(d))[0])),
-        ]
+        # (name, words, told, computed): the output of the problem ``computed`` for ``told`` (words None: the name).
+        wrong = [("attention_chunk ignored", None, dict(causal=True, attention_chunk=32), dict(causal=True)),
+                 ("sink_token_length ignored", None, dict(causal=True, window=(16, 0), sink_token_length=4),
+                  dict(causal=True, window=(16, 0))),
+                 ("key_leftpad ignored", None, dict(causal=True, key_leftpad=[10]), dict(causal=True)),
+                 ("gather_kv_indices ignored", None, dict(causal=True, gather_kv_indices=idx), dict(causal=True)),
+                 ("-1 entries read as key Sk - 1", "the -1 entries read as key Sk - 1", dict(gather_kv_indices=idx),
+                  dict(gather_kv_indices=np.where(idx < 0, idx + SHAPE[4], idx))),
+                 ("-1 entries read as key 0", "the -1 entries read as key 0", dict(gather_kv_indices=idx),
+                  dict(gather_kv_indices=np.where(idx < 0, 0, idx))),
+                 ("qv ignored (its default scale 1/sqrt(D))", "qv ignored", dict(causal=True, qv=qv),
+                  dict(causal=True)),
+                 ("MLA scale 1/sqrt(D)", "not 1/sqrt(D + Dv)", dict(causal=True, qv=qv),
+                  dict(qv=qv, causal=True, scale=1 / math.sqrt(d)))]
+        for name, words, told, computed in wrong:
+            out.append((name, words or name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
         assert d == dv  # the MLA cases take qv of v's head dim
         return [(n, w, q, k, v, told, t) for n, w, told, t in out]
     rng = np.random.default_rng(1000 + seed)
@@ -121,27 +121,13 @@ def cases(prec_name, magnitude, seed) -> list:
     return out
 
 
-def _right(prec_name, q, k, v, told):
-    """The told problem's float64 answer rounded once to the kernel's output type."""
-    prec = precision(prec_name)
-    with np.errstate(over="ignore"):
-        return prec.round(attention(q, k, v, **told)).astype(np.float64)
-
-
-def _fp8(x):
-    import ml_dtypes
-    return x.astype(ml_dtypes.float8_e4m3fn)
-
-
 def measure(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitudes=(1e-2, 1.0, 1e2),
             seeds=(0, 1)) -> list[dict]:
     """One row per (precision, magnitude, seed, mix-up): failed, named, and the first note."""
     rows = []
-    for prec_name in precisions:
-        for magnitude in magnitudes:
-            for seed in seeds:
-                with memo.shared():  # the neighbouring problems the diagnoses try, computed once
-                    rows += _measure_cases(prec_name, magnitude, seed)
+    for prec_name, magnitude, seed in itertools.product(precisions, magnitudes, seeds):
+        with memo.shared():  # the neighbouring problems the diagnoses try, computed once
+            rows += _measure_cases(prec_name, magnitude, seed)
     return rows
 
 
@@ -150,10 +136,13 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
     rows = []
     for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
         stat = next((n for n in ("lse", "max_scores") if n in tensors), None)  # the judged statistic
-        if stat is None and not _changed(tensors, dict(out=_right(prec_name, q, k, v, told)),
+        # Against the told problem's float64 answer rounded once to the kernel's output type.
+        if stat is None and not _changed(tensors, dict(out=_round(precision(prec_name), attention(q, k, v, **told))),
                                          "out", prec_name):
             continue  # the mix-up vanishes in the type
-        stored = (_fp8(x) for x in (q, k, v)) if prec_name == "float8_e4m3fn" else (q, k, v)
+        stored = (q, k, v)
+        if prec_name == "float8_e4m3fn":  # the fp8 values the kernel read (`_problem`)
+            stored = (x.astype(precision(prec_name).p_type) for x in stored)
         r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"),
                          max_scores=tensors.get("max_scores"), layout="bhsd", dtype=prec_name,
                          workers=1, **told)

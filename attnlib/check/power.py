@@ -22,6 +22,7 @@ of error to allowance.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import warnings
@@ -31,9 +32,9 @@ import numpy as np
 from ..core.problem import precision
 from ..core.backward import tiled_backward
 from ..core.options import Options
-from ..core.tiled import attention, forward as tiled_forward
+from ..core.tiled import attention, forward_on
 from . import memo
-from .calibration import _torch_dtype
+from .calibration import _to_numpy, _to_torch
 from .rule import FINAL_ROUNDINGS, unit
 from .verdict import check_kernel
 
@@ -47,6 +48,8 @@ SHAPES = ((1, 4, 2, 384, 384, 64, True), (2, 4, 4, 1, 1024, 64, False))
 #: The relative error of the "scaled gradients" wrong kernel: 1e-4 in float32 (the
 #: issue's bar up to n = 8192); 16 ulps of the 16-bit types.
 SCALED = {"float32": 1e-4, "bfloat16": 16 * 2.0 ** -8, "float16": 16 * 2.0 ** -11}
+
+GRADS = ("dq", "dk", "dv")
 
 
 def problem(shape, prec_name, magnitude, seed=0):
@@ -68,17 +71,13 @@ def _round(prec, x) -> np.ndarray:
         return prec.round(np.asarray(x)).astype(np.float64)
 
 
-def _rounded(prec, *xs):
-    return tuple(None if x is None else _round(prec, x) for x in xs)
-
-
-def _exact(q, k, v, dout, prec, opts: Options):
+def _exact(q, k, v, dout, prec, opts: Options) -> dict:
     """The float64 answer to the problem ``opts`` describe, rounded once to ``prec``:
-    ``(out, lse, dq, dk, dv)`` (the lse in float32, as 16-bit kernels keep it)."""
-    out, lse = tiled_forward(q, k, v, opts, return_lse=True)
-    dq, dk, dv = tiled_backward(q, k, v, out, lse, dout, opts)
+    ``out, lse, dq, dk, dv`` by name (the lse in float32, as 16-bit kernels keep it)."""
+    out, lse = forward_on(q, k, v, opts, return_lse=True)
+    grads = tiled_backward(q, k, v, out, lse, dout, opts)
     lse = lse.astype(np.float32).astype(np.float64) if not prec.is_float64 else lse
-    return _rounded(prec, out) + (lse,) + _rounded(prec, dq, dk, dv)
+    return {"out": _round(prec, out), "lse": lse} | {n: _round(prec, g) for n, g in zip(GRADS, grads)}
 
 
 def _own_key_dropped(causal, sq, sk):
@@ -94,17 +93,13 @@ def wrong_kernels(shape, prec_name) -> dict:
 
     def forward(**change):
         def run(q, k, v, dout, c):
-            out, lse, *_ = _exact(q, k, v, dout, prec, Options.parse(**({"causal": c} | change)))
-            return dict(out=out, lse=lse)
+            t = _exact(q, k, v, dout, prec, Options.parse(**({"causal": c} | change)))
+            return dict(out=t["out"], lse=t["lse"])
         return run
-
-    def right(q, k, v, dout, c):
-        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, Options.parse(causal=c))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
     def grads(edit):
         def run(q, k, v, dout, c):
-            t = right(q, k, v, dout, c)
+            t = _exact(q, k, v, dout, prec, Options.parse(causal=c))
             return t | edit(t, q, k, v, dout, c)
         return run
 
@@ -123,19 +118,17 @@ def wrong_kernels(shape, prec_name) -> dict:
         "uniform weights over the visible keys": ("out", forward(scale=0.0)),
         "lse in base 2": ("lse", lse_edit(lambda lse: lse * log2e)),
         "lse of the next query row": ("lse", lse_edit(lambda lse: np.roll(lse, -1, axis=-1))),
-        "all-zero gradients": ("grads", grads(lambda t, *a: {n: np.zeros_like(t[n]) for n in ("dq", "dk", "dv")})),
+        "all-zero gradients": ("grads", grads(lambda t, *a: {n: np.zeros_like(t[n]) for n in GRADS})),
         "dq without the softmax scale": ("grads", grads(lambda t, *a: dict(dq=_round(prec, t["dq"] / s0)))),
-        "gradients with the sign flipped": ("grads", grads(lambda t, *a: {n: -t[n] for n in ("dq", "dk", "dv")})),
+        "gradients with the sign flipped": ("grads", grads(lambda t, *a: {n: -t[n] for n in GRADS})),
         f"gradients x (1 + {SCALED.get(prec_name, 0):.3g})": ("grads", grads(
-            lambda t, *a: {n: _round(prec, t[n] * (1 + SCALED.get(prec_name, 0)))
-                           for n in ("dq", "dk", "dv")})),
+            lambda t, *a: {n: _round(prec, t[n] * (1 + SCALED.get(prec_name, 0))) for n in GRADS})),
     }
     if shape[-1]:  # causal
         kernels["no causal mask"] = ("out", forward(causal=False))
 
         def noncausal(t, q, k, v, dout, c):
-            _, _, dq, dk, dv = _exact(q, k, v, dout, prec, Options.parse(causal=False))
-            return dict(dq=dq, dk=dk, dv=dv)
+            return {n: x for n, x in _exact(q, k, v, dout, prec, Options.parse(causal=False)).items() if n in GRADS}
         kernels["gradients of the non-causal problem"] = ("grads", grads(noncausal))
     if hk > 1:
         kernels["dv of the wrong kv head"] = ("grads", grads(lambda t, *a: dict(dv=np.roll(t["dv"], 1, axis=-3))))
@@ -147,17 +140,14 @@ def correct_kernels(shape, prec_name) -> dict:
     prec = precision(prec_name)
 
     def rounded_once(q, k, v, dout, c):
-        out, lse, dq, dk, dv = _exact(q, k, v, dout, prec, Options.parse(causal=c))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        return _exact(q, k, v, dout, prec, Options.parse(causal=c))
 
     def tiled(q, k, v, dout, c):
         out, lse = attention(q, k, v, causal=c, compute_dtype=prec_name, return_lse=True)
         return dict(out=out.astype(np.float64), lse=lse.astype(np.float64))
 
-    kernels = {"float64 answer rounded once": rounded_once,
-               f"attnlib tiled in {prec_name}": tiled}
-    kernels.update(_torch_kernels(prec_name))
-    return kernels
+    return {"float64 answer rounded once": rounded_once,
+            f"attnlib tiled in {prec_name}": tiled} | _torch_kernels(prec_name)
 
 
 def _torch_kernels(prec_name) -> dict:
@@ -167,21 +157,14 @@ def _torch_kernels(prec_name) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return {}
-    dtype = _torch_dtype(torch, prec_name)
-
-    def tensors(*xs, grad=False):
-        return [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(grad) for x in xs]
-
-    def numpy(t):
-        return t.detach().to(torch.float64).numpy()
 
     def sdpa(backend):
         def run(q, k, v, dout, c):
-            tq, tk, tv = tensors(q, k, v, grad=True)
+            tq, tk, tv = _to_torch(prec_name, q, k, v, grad=True)
             with sdpa_kernel(backend):
                 out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=c, enable_gqa=True)
-            out.backward(tensors(dout)[0])
-            return dict(out=numpy(out), dq=numpy(tq.grad), dk=numpy(tk.grad), dv=numpy(tv.grad))
+            out.backward(_to_torch(prec_name, dout)[0])
+            return dict(out=_to_numpy(out), dq=_to_numpy(tq.grad), dk=_to_numpy(tk.grad), dv=_to_numpy(tv.grad))
         return run
 
     def flex(q, k, v, dout, c):
@@ -192,8 +175,9 @@ def _torch_kernels(prec_name) -> dict:
             mask = create_block_mask(lambda b, h, i, j: j <= i + (sk - sq), None, None, sq, sk, device="cpu")
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager (unfused) on the CPU; return_lse's deprecation
-            out, lse = flex_attention(*tensors(q, k, v), block_mask=mask, enable_gqa=True, return_lse=True)
-        return dict(out=numpy(out), lse=numpy(lse))
+            out, lse = flex_attention(*_to_torch(prec_name, q, k, v), block_mask=mask, enable_gqa=True,
+                                      return_lse=True)
+        return dict(out=_to_numpy(out), lse=_to_numpy(lse))
 
     v = torch.__version__
     return {f"torch {v} SDPA math (autograd)": sdpa(SDPBackend.MATH),
@@ -212,7 +196,7 @@ def _changed(tensors, right, judged, prec_name) -> list:
     """The judged tensors a wrong kernel moves by more than `RESOLVED_ULPS` ulps of the
     correctly rounded answer at some entry; the others hold a defect below the type's
     resolution there."""
-    names = ("dq", "dk", "dv") if judged == "grads" else (judged,)
+    names = GRADS if judged == "grads" else (judged,)
     dtype = np.float32 if judged == "lse" else precision(prec_name).compute
     with np.errstate(invalid="ignore", over="ignore"):
         return [n for n in names if n in tensors and not np.all(
@@ -220,7 +204,7 @@ def _changed(tensors, right, judged, prec_name) -> list:
 
 
 def _judge(q, k, v, dout, causal, prec_name, tensors):
-    grads = {n: tensors.get(n) for n in ("dq", "dk", "dv")}
+    grads = {n: tensors.get(n) for n in GRADS}
     with_grads = any(g is not None for g in grads.values())
     return check_kernel(q, k, v, tensors["out"] if "out" in tensors else attention(q, k, v, causal=causal),
                         lse=tensors.get("lse"), dout=dout if with_grads else None, layout="bhsd",
@@ -241,12 +225,9 @@ def measure(precisions=("float32", "bfloat16", "float16"), magnitudes=MAGNITUDES
     the tensors the kernel is judged on (``out``/``lse`` forward, the gradients), and the
     worst ratio of error to allowance among them."""
     rows = []
-    for prec_name in precisions:
-        for shape in map(tuple, shapes):
-            for magnitude in magnitudes:
-                for seed in seeds:
-                    with memo.shared((sys.modules[__name__], "_exact")):  # one reference per problem
-                        rows += _measure_problem(prec_name, shape, magnitude, seed, correct, wrong)
+    for prec_name, shape, magnitude, seed in itertools.product(precisions, map(tuple, shapes), magnitudes, seeds):
+        with memo.shared((sys.modules[__name__], "_exact")):  # one reference per problem
+            rows += _measure_problem(prec_name, shape, magnitude, seed, correct, wrong)
     return rows
 
 
@@ -259,16 +240,13 @@ def _measure_problem(prec_name, shape, magnitude, seed, correct, wrong) -> list[
         cases += [(name, "correct", "all", fn) for name, fn in correct_kernels(shape, prec_name).items()]
     if wrong:
         cases += [(name, "wrong", judged, fn) for name, (judged, fn) in wrong_kernels(shape, prec_name).items()]
-    right = correct_kernels(shape, prec_name)["float64 answer rounded once"](q, k, v, dout, causal)
+    right = _exact(q, k, v, dout, precision(prec_name), Options.parse(causal=causal))
     for name, kind, judged, fn in cases:
         tensors = fn(q, k, v, dout, causal)
-        names = None
-        if kind == "wrong":
-            names = _changed(tensors, right, judged, prec_name)
-            if not names:
-                continue  # the defect vanishes in the type
-        result = _judge(q, k, v, dout, causal, prec_name, tensors)
-        judged_rows = _rows(result, names)
+        names = _changed(tensors, right, judged, prec_name) if kind == "wrong" else None
+        if kind == "wrong" and not names:
+            continue  # the defect vanishes in the type
+        judged_rows = _rows(_judge(q, k, v, dout, causal, prec_name, tensors), names)
         if not judged_rows:
             continue
         rows.append(dict(
@@ -288,19 +266,16 @@ def long_gradients(n, prec_name="float32", d=64, seed=0, relative=None) -> list[
     relative = SCALED[prec_name] if relative is None else relative
     shape = (1, 1, 1, n, n, d, True)
     q, k, v, dout, causal = problem(shape, prec_name, 1.0, seed)
-    right = correct_kernels(shape, prec_name)["float64 answer rounded once"](q, k, v, dout, causal)
-    cases = [("correct", "float64 answer rounded once", right)]
-    torch_kernels = _torch_kernels(prec_name)
-    for name, fn in torch_kernels.items():
-        if "math" in name:
-            cases.append(("correct", name, fn(q, k, v, dout, causal)))
     prec = precision(prec_name)
-    scaled = {g: _round(prec, right[g] * (1 + relative)) for g in ("dq", "dk", "dv")}
+    right = _exact(q, k, v, dout, prec, Options.parse(causal=causal))
+    cases = [("correct", "float64 answer rounded once", right)]
+    cases += [("correct", name, fn(q, k, v, dout, causal)) for name, fn in _torch_kernels(prec_name).items()
+              if "math" in name]
+    scaled = {g: _round(prec, right[g] * (1 + relative)) for g in GRADS}
     cases.append(("wrong", f"gradients x (1 + {relative:.3g})", dict(right, **scaled)))
     rows = []
     for kind, name, tensors in cases:
-        result = _judge(q, k, v, dout, causal, prec_name, {g: tensors[g] for g in ("out", "dq", "dk", "dv")})
-        judged = _rows(result, ("dq", "dk", "dv"))
+        judged = _rows(_judge(q, k, v, dout, causal, prec_name, {g: tensors[g] for g in ("out",) + GRADS}), GRADS)
         rows.append(dict(precision=prec_name, n=n, kernel=name, kind=kind,
                          passed=all(r[1] for r in judged),
                          **{f"{r[0]}_ratio": r[2] for r in judged}))
@@ -334,7 +309,7 @@ def gradient_gap(rows) -> dict:
     magnitude has no gap), with both ratios and where."""
     cells = {}
     for r in rows:
-        grads = {n: x for n, x in r.get("ratios", {}).items() if n in ("dq", "dk", "dv")}
+        grads = {n: x for n, x in r.get("ratios", {}).items() if n in GRADS}
         if not grads:
             continue
         c = cells.setdefault((r["precision"], r["magnitude"]), dict(correct=0.0, correct_at="", wrong=None, wrong_at=""))

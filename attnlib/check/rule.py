@@ -120,7 +120,7 @@ from ..judge.sizing import dense_fits
 from ..judge.metrics import BOUND, TINY
 from ..core.reference import dense_attention
 from ..core.tilesizes import DEFAULT_TILES
-from ..core.tiled import forward, forward_on
+from ..core.tiled import forward_on
 from .shapes import UnusableInput, positions, to_bhsd
 from .sizes import doubled_options, forward_rss, forward_sizes, row_masks, score_size  # noqa: F401 (re-exported)
 
@@ -179,9 +179,7 @@ SEQUENTIAL_WORK = 1 << 18
 
 def per_head_max(x: np.ndarray) -> np.ndarray:
     """``max |x|`` over every axis but the head axis (-3), kept as size-1 axes."""
-    if x.ndim < 3:
-        return np.max(x, keepdims=True, initial=0.0)
-    axes = tuple(a for a in range(x.ndim) if a != x.ndim - 3)
+    axes = None if x.ndim < 3 else tuple(a for a in range(x.ndim) if a != x.ndim - 3)
     return np.max(x, axis=axes, keepdims=True, initial=0.0)
 
 
@@ -254,12 +252,9 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
     in another head)."""
     pool = {"tensor": tensor_max, "head": per_head_max}[pool]
     on = None if device is None or scheduler is not None else OnDevice(device, qh, kh, vh)
-    if on is not None:
+    if scheduler is None:
         def run(q, k, v, o):
-            return on.run(q, k, v, o, return_lse=True, workers=workers)
-    elif scheduler is None:
-        def run(q, k, v, o):
-            return forward(q, k, v, o, return_lse=True, workers=workers)
+            return (forward_on if on is None else on.run)(q, k, v, o, return_lse=True, workers=workers)
     else:
         from ..distributed import attention as on_cluster
 
@@ -302,7 +297,7 @@ def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse,
     """``(naive_err, naive_lse_err, words)``: the larger error of plain attention in ``prec``
     over its plain formulations (see the module docstring), entry by entry.  ``on``: an
     `OnDevice`, where every formulation runs with torch."""
-    tiled_forward = forward if on is None else on.run
+    tiled_forward = forward_on if on is None else on.run
     dense_forward = dense_attention if on is None else on.dense
     sk, d = kh.shape[-2], qh.shape[-1]
     scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
@@ -385,8 +380,7 @@ def judge(name, kernel, ref, allowance, naive_err, describe):
     worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
                   ref=float(ref.ravel()[i]), err=float(err.ravel()[i]),
                   allowance=float(allowance.ravel()[i]), ratio=float(flat[i])) for i in top]
-    kern = np.asarray(kernel)
-    nan, inf = int(np.count_nonzero(np.isnan(kern))), int(np.count_nonzero(np.isinf(kern)))
+    nan, inf = int(np.count_nonzero(np.isnan(kernel))), int(np.count_nonzero(np.isinf(kernel)))
     max_ratio = float(flat.max()) if flat.size else 0.0
     verdict = TensorVerdict(
         name=name, max_err=float(err.max(initial=0.0)),
@@ -394,7 +388,7 @@ def judge(name, kernel, ref, allowance, naive_err, describe):
         allowance=worst[0]["allowance"] if worst else None,
         naive_max=None if naive_err is None else float(naive_err.max(initial=0.0)),
         passed=max_ratio <= 1, heads=heads, worst=worst, nan=nan, inf=inf,
-        nonfinite_at=[describe(ix) for ix in np.argwhere(~np.isfinite(kern))[:5]])
+        nonfinite_at=[describe(ix) for ix in np.argwhere(~np.isfinite(kernel))[:5]])
     return verdict, err, ratio
 
 
@@ -416,12 +410,13 @@ def _judge_row_values(name, kernel, ref, empty, allowance, naive_err, stored, co
             allowance += np.abs(np.spacing(top.astype(stored)).astype(np.float64)) * f
     if f != 1.0:  # the product by ln 2 rounds once more, in float64
         allowance += np.spacing(top * f)
-    k = np.where(empty, 0.0, kernel)[..., None]
-    r = np.where(empty, 0.0, ref)[..., None]
-    n = None if naive_err is None else naive_err[..., None]
-    k, r, allowance = (x[None] if x.ndim == 2 else x for x in (k, r, allowance[..., None]))
-    n = None if n is None else (n[None] if n.ndim == 2 else n)
-    verdict = judge(name, k, r, allowance, n, positions())[0]
+
+    def as_entries(x):  # (..., Hq, Sq) as (..., Hq, Sq, 1), with a head axis at 1-D
+        return None if x is None else (x[None] if x.ndim == 1 else x)[..., None]
+
+    k = np.where(empty, 0.0, kernel)
+    r = np.where(empty, 0.0, ref)
+    verdict = judge(name, *map(as_entries, (k, r, allowance, naive_err)), positions())[0]
     for w in verdict.worst + verdict.nonfinite_at:
         w.pop("dim")
     return verdict
@@ -471,7 +466,7 @@ def expect_max_scores(qh, kh, vh, opts: Options, prec, expected: Expected, worke
     visible keys, `row_stats`; ``|max_i|`` holds the softcap's and ALiBi's part), pooled per
     head in those units, plus an ulp of ``|max_i|`` in the state's type.
     ``on``: an `OnDevice` to run the forwards on."""
-    run = forward if on is None else on.run
+    run = forward_on if on is None else on.run
     ref = run(qh, kh, vh, opts, return_max_scores=True, workers=workers)[1]
     if on is not None:
         ref = arrays.as_numpy(ref, "max_scores")
@@ -531,8 +526,7 @@ def gradient_rounding(qh, kh, vh, opts: Options, prec) -> float:
     accuracy where it is small.
     """
     u = float(np.finfo(prec.accumulate).eps) / 2
-    sigma, _ = row_stats(qh, kh, options=row_masks(opts))
-    sigma = float(sigma.max(initial=0.0))
+    sigma = float(row_stats(qh, kh, options=row_masks(opts))[0].max(initial=0.0))
 
     def g(n):
         return LAMBDA * math.sqrt(n) * u
@@ -573,11 +567,7 @@ def _split_qv(d, ref_grads, allowances, naive_errs, unjudged):
                "dv": None if dv is None or dk is None else dv + dk[..., d:]}
         return out | {n: y for n, y in x.items() if n not in ("dq", "dk", "dv")}  # dsinks
 
-    skipped = {n: why for n, why in unjudged.items()}
-    if "dq" in unjudged:
-        skipped["dqv"] = unjudged["dq"]
-    if "dk" in unjudged:
-        skipped["dv"] = unjudged["dk"]
+    skipped = unjudged | {part: unjudged[n] for n, part in (("dq", "dqv"), ("dk", "dv")) if n in unjudged}
     return parts(ref_grads), parts(allowances), parts(naive_errs), skipped
 
 
@@ -617,7 +607,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         ref_grads, rss = dict(zip(names, ref_grads)), dict(zip(names, rss))
         naive_errs = _naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, names)
         top = float(arrays.finfo(prec.compute).max)
-        allowances, unjudged = {}, {}
+        allowances = {}
         for n in names:
             biggest = float(np.abs(ref_grads[n]).max(initial=0.0))
             if biggest > top:
@@ -635,7 +625,6 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         # float64 softcap: against a long double reference, so the naive errs for real.
         ext = problem.extended_precision()
         if ext is None or heads * sq * sk * qh.shape[-1] > EXTENDED_MAX_WORK:
-            dense = False
             why = ("float64 softcap gradients are judged against a long double dense gradient, "
                    "which this platform lacks or which has no BLAS at this size")
         elif dense:

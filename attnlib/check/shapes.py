@@ -21,17 +21,11 @@ def other_layout(layout: str) -> str:
 
 
 def _dims(x, layout):
-    """``(batch, s, h, d)`` of a tensor in ``layout`` (batch ``()`` below 4-D, h 1 at 2-D)."""
+    """``(batch, s, h, d)`` of a 2-D, 3-D or 4-D tensor in ``layout`` (batch ``()`` below 4-D, h 1 at 2-D)."""
     if x.ndim == 2:
         return (), x.shape[0], 1, x.shape[1]
-    if x.ndim == 3:
-        s, h = (x.shape[0], x.shape[1]) if layout == "bshd" else (x.shape[1], x.shape[0])
-        return (), s, h, x.shape[2]
-    if x.ndim == 4:
-        b = x.shape[0]
-        s, h = (x.shape[1], x.shape[2]) if layout == "bshd" else (x.shape[2], x.shape[1])
-        return (b,), s, h, x.shape[3]
-    return None
+    *b, first, second, d = x.shape
+    return tuple(b), *((first, second) if layout == "bshd" else (second, first)), d
 
 
 def shape_problem(given, layout):
@@ -53,18 +47,15 @@ def shape_problem(given, layout):
         return "q", f"q has {hq} heads, not a multiple of k's {hk} ({layout} shapes q {q.shape}, k {k.shape})"
     dims = dict(batch=int(np.prod(bq, dtype=np.int64)), sq=sq, sk=sk, hq=hq, hk=hk, d=d, dv=dv,
                 squeeze=q.ndim == 2)
-    expected = {"out": _like(q, dv), "dq": q.shape, "dk": k.shape, "dv": v.shape, "dout": _like(q, dv),
-                "lse": bq + ((hq,) if q.ndim > 2 else ()) + (sq,), "qv": _like(q, dv), "dqv": _like(q, dv)}
+    like_q = q.shape[:-1] + (dv,)
+    expected = {"out": like_q, "dq": q.shape, "dk": k.shape, "dv": v.shape, "dout": like_q,
+                "lse": bq + ((hq,) if q.ndim > 2 else ()) + (sq,), "qv": like_q, "dqv": like_q}
     expected["max_scores"] = expected["lse"]
     for n, shape in expected.items():
         if n in given and given[n].shape != tuple(shape):
             like = "q" if n not in ("lse", "max_scores") else "(batch, nheads, seqlen_q)"
             return n, f"{n} must have shape {tuple(shape)} (like {like} in {layout}), got {given[n].shape}"
     return None, dims
-
-
-def _like(q, dv):
-    return q.shape[:-1] + (dv,)
 
 
 def check_shapes(given, layout, names):
@@ -77,9 +68,7 @@ def check_shapes(given, layout, names):
     if shape_problem(given, other)[0] is None:
         hint = f"; these shapes fit --layout {other} {AXES[other]}"
     elif bad in ("out", "dout", "dq") and given[bad].ndim >= 3:
-        swapped = dict(given)
-        swapped[bad] = np.swapaxes(given[bad], -2, -3)
-        if shape_problem(swapped, layout)[0] is None:
+        if shape_problem(given | {bad: np.swapaxes(given[bad], -2, -3)}, layout)[0] is None:
             hint = (f"; {bad} looks like {other} {AXES[other]} while the inputs are {layout}: "
                     "the kernel wrote it in the other layout")
     raise UnusableInput(f"{names[bad]}: {found}{hint}")

@@ -25,6 +25,7 @@ written line by line to a JSON-lines file, problems already there skipped).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -37,7 +38,7 @@ from ..core.masks import mask_specs
 from ..core.problem import precision
 from ..core.tiled import attention
 from . import memo
-from .calibration import _torch_dtype
+from .calibration import _to_numpy, _to_torch
 from .shapes import UnusableInput
 from .verdict import check_kernel
 
@@ -165,17 +166,10 @@ def kernels(prec_name: str) -> dict:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return found
-    dtype = _torch_dtype(torch, prec_name)
-
-    def tensors(p, grad):
-        return [torch.from_numpy(np.ascontiguousarray(x)).to(dtype).requires_grad_(grad) for x in (p.q, p.k, p.v)]
-
-    def numpy(t):
-        return t.detach().to(torch.float64).numpy()
 
     def backward(p, out, t):
-        out.backward(torch.from_numpy(p.dout).to(dtype))
-        return dict(dq=numpy(t[0].grad), dk=numpy(t[1].grad), dv=numpy(t[2].grad))
+        out.backward(_to_torch(prec_name, p.dout)[0])
+        return dict(dq=_to_numpy(t[0].grad), dk=_to_numpy(t[1].grad), dv=_to_numpy(t[2].grad))
 
     def sdpa(backends):
         def run(p, rng, grads):
@@ -184,12 +178,12 @@ def kernels(prec_name: str) -> dict:
             vis = _visible(p)
             if not vis.any(axis=-1).all():
                 return None  # a row with no visible key: SDPA returns NaN there, the contract 0
-            t = tensors(p, grads)
+            t = _to_torch(prec_name, p.q, p.k, p.v, grad=grads)
             with sdpa_kernel(backends), torch.set_grad_enabled(grads), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # why the flash kernel was not used
                 out = F.scaled_dot_product_attention(*t, attn_mask=torch.from_numpy(np.array(vis)),
                                                      scale=p.options.get("scale"), enable_gqa=True)
-            return dict(out=numpy(out)) | (backward(p, out, t) if grads else {})
+            return dict(out=_to_numpy(out)) | (backward(p, out, t) if grads else {})
         return run
 
     def flex(compiled):
@@ -217,9 +211,9 @@ def kernels(prec_name: str) -> dict:
                 fn, aux = torch.compile(flex_attention, fullgraph=True, dynamic=False), {}  # no LSE on the CPU
             with warnings.catch_warnings(), torch.no_grad():  # FlexAttention has no backward on the CPU
                 warnings.simplefilter("ignore")  # eager (unfused) on the CPU; return_lse's deprecation
-                got = fn(*tensors(p, False), score_mod=None if cap is None else score_mod,
+                got = fn(*_to_torch(prec_name, p.q, p.k, p.v), score_mod=None if cap is None else score_mod,
                          block_mask=mask, scale=p.options.get("scale"), enable_gqa=True, **aux)
-            return dict(out=numpy(got)) if compiled else dict(out=numpy(got[0]), lse=numpy(got[1]))
+            return dict(out=_to_numpy(got)) if compiled else dict(out=_to_numpy(got[0]), lse=_to_numpy(got[1]))
         return run
 
     version = torch.__version__
@@ -264,8 +258,7 @@ def run_problem(prec_name: str, seed: int, index: int) -> list[dict]:
             except UnusableInput as e:  # e.g. float16 scores beyond its range: no baseline
                 rows.append(row | dict(judged=False, why=str(e)[:200]))
                 continue
-            ratios = {"out": _ratio(r.out), "lse": _ratio(r.lse)}
-            ratios |= {n: _ratio(g) for n, g in r.grads.items()}
+            ratios = {n: _ratio(v) for n, v in ({"out": r.out, "lse": r.lse} | r.grads).items()}
             rows.append(row | dict(judged=True, passed=bool(r.passed),
                                    **{f"{n}_ratio": x for n, x in ratios.items() if x is not None}))
     return rows
@@ -290,8 +283,7 @@ def run(precisions=PRECISIONS, problems=100, seed=0, path=None, progress=None, c
             pass
         import os
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    out = None if path is None else open(path, "a", encoding="utf-8")
-    try:
+    with open(path, "a", encoding="utf-8") if path is not None else contextlib.nullcontext() as out:
         for prec_name in precisions:
             for index in range(problems):
                 if (prec_name, seed, index) in done:
@@ -305,9 +297,6 @@ def run(precisions=PRECISIONS, problems=100, seed=0, path=None, progress=None, c
                     out.flush()
                 if progress is not None and index % 100 == 99:
                     progress(f"{prec_name}: problem {index + 1} of {problems}")
-    finally:
-        if out is not None:
-            out.close()
     return [r for r in rows if r.get("kernel")]
 
 
@@ -339,9 +328,7 @@ def code_version() -> str:
 def upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
     """The exact (Clopper-Pearson) one-sided upper confidence bound on a rate seen as
     ``failures`` in ``runs``: with none, ``1 - (1 - confidence) ** (1 / runs)`` (~3 / runs)."""
-    if runs == 0:
-        return 1.0
-    if failures >= runs:
+    if runs == 0 or failures >= runs:
         return 1.0
     alpha = 1.0 - confidence
 

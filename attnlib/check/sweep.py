@@ -142,7 +142,6 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
         result = check_kernel(q, k, v, got["out"], lse=got.get("lse"), max_scores=got.get("max_scores"),
                               dout=dout if any(g is not None for g in grads.values()) else None, **grads,
                               **check_options)
-        judged = result.judged
         differ = sorted({n for r in runs[1:] for n in got
                          if n not in r or r[n].shape != got[n].shape or r[n].tobytes() != got[n].tobytes()})
         first = got if first is None else first
@@ -152,7 +151,7 @@ def sweep_kernel(kernel, q, k, v, *, knobs: dict, repeats: int = 1, dout=None, *
                 with np.errstate(invalid="ignore", over="ignore"):
                     d = np.abs(x.astype(np.float64) - first[n].astype(np.float64))
                 spread[n] = float(d.max()) if d.size else 0.0  # NaN where either holds one
-        ratio = max((float(t.ratio) for t in judged if t.ratio is not None), default=0.0)
+        ratio = max((float(t.ratio) for t in result.judged if t.ratio is not None), default=0.0)
         settings.append(Setting(setting, result.passed, ratio, differ, spread, format_text(result)))
     return Sweep(settings, repeats)
 

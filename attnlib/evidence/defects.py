@@ -357,8 +357,9 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
 )}
 
 
-def _backward_edits(**edits):
-    """The step ``"backward"``: ``edits[stage](x, **where)`` at its stages, the others as they are."""
+def _backward(name, description, **edits) -> Defect:
+    """A defect of the tiled backward's step ``"backward"``: ``edits[stage](x, **where)`` at its
+    stages, the others as they are."""
     def make():
         real = hooks.get("backward")
 
@@ -366,7 +367,7 @@ def _backward_edits(**edits):
             x, step = real(stage, x, **where), edits.get(stage)
             return x if step is None or x is None else step(x, **where)  # None: a dropped dq tile
         return edit
-    return {"backward": make}
+    return Defect(name, description, {"backward": make}, ("backward",))
 
 
 def _times(factor):
@@ -388,18 +389,13 @@ def _dq_drop_last(x, last=False, **_):
 
 #: Defects of the tiled backward (`attnlib.attention_backward`), for the gradients report.
 BACKWARD_DEFECTS: dict[str, Defect] = {d.name: d for d in (
-    Defect("bwd_matmul_3e-12", "the backward's three matmuls (ds k, ds^T q, p^T dout) off by a relative 3e-12",
-           _backward_edits(dq_tile=_times(1 + 3e-12), dk_tile=_times(1 + 3e-12), dv_tile=_times(1 + 3e-12)),
-           ("backward",)),
-    Defect("ds_1e-11", "ds = p (dp - D) off by a relative 1e-11", _backward_edits(ds=_times(1 + 1e-11)),
-           ("backward",)),
-    Defect("delta_1e-11", "D = rowsum(dout * out) off by a relative 1e-11",
-           _backward_edits(delta=_times(1 + 1e-11)), ("backward",)),
-    Defect("dv_one_key_off", "dv written one key off (key j's gradient at j + 1)",
-           _backward_edits(grads=_dv_one_key_off), ("backward",)),
-    Defect("dq_drops_last_tile", "dq leaves out each query tile's last visible key tile",
-           _backward_edits(dq_tile=_dq_drop_last), ("backward",)),
-    Defect("dsinks_sign", "dsinks with the wrong sign", _backward_edits(grads=_dsinks_sign), ("backward",)),
+    _backward("bwd_matmul_3e-12", "the backward's three matmuls (ds k, ds^T q, p^T dout) off by a relative 3e-12",
+              dq_tile=_times(1 + 3e-12), dk_tile=_times(1 + 3e-12), dv_tile=_times(1 + 3e-12)),
+    _backward("ds_1e-11", "ds = p (dp - D) off by a relative 1e-11", ds=_times(1 + 1e-11)),
+    _backward("delta_1e-11", "D = rowsum(dout * out) off by a relative 1e-11", delta=_times(1 + 1e-11)),
+    _backward("dv_one_key_off", "dv written one key off (key j's gradient at j + 1)", grads=_dv_one_key_off),
+    _backward("dq_drops_last_tile", "dq leaves out each query tile's last visible key tile", dq_tile=_dq_drop_last),
+    _backward("dsinks_sign", "dsinks with the wrong sign", grads=_dsinks_sign),
 )}
 
 

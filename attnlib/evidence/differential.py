@@ -8,7 +8,6 @@ gate's power.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict
 
 import numpy as np
@@ -16,10 +15,11 @@ import numpy as np
 from .defects import DEFECTS
 from ..core import hooks
 from ..judge.gate import Gate, GradientGate
-from .inputs import FAMILIES, adversarial_qkv
+from .inputs import FAMILIES, adversarial_qkv, random_qkv
 from ..judge.metrics import Errors, _gradient_figures, _visible_keys_per_row, gradient_errors
 from ..core.backward import attention_backward
-from ..core.reference import reference_attention, reference_scores
+from ..core.masks import SKIP
+from ..core.reference import reference_attention, reference_rescales, reference_scores
 from ..core.tiled import attention
 
 
@@ -85,8 +85,6 @@ def key_tiles(stats) -> int:
     sequence), the key tiles it did not skip.  At most 1: the kernel had nothing to combine
     across key tiles (no rescale, no merge of partial sums), so it can only differ from the
     dense reference inside one tile; 0: it processed no tile."""
-    from ..core.masks import SKIP
-
     stats = stats if isinstance(stats, (list, tuple)) else [stats]
     counts = [np.count_nonzero(np.asarray(s.tile_kind) != SKIP, axis=-1) for s in stats]
     return int(max((c.max(initial=0) for c in counts), default=0))
@@ -124,12 +122,10 @@ def run_case(case, defects=(), backends=()) -> dict:
 
     def call(stats=False, backend=None):
         on = _arrays_of(backend)  # the inputs as the backend's arrays, the results back as numpy's
-        if case.qv:  # MLA: the kernel takes q, k and qv; the gate judges it by the joined problem
-            q_, k_, qv = case.split_qv(q, k)
-            return on(attention(*on(q_, k_, v), qv=on(qv)[0], **case.mask_kwargs(), **case.kernel_kwargs(),
-                                return_lse=True, return_stats=stats))
-        return on(attention(*on(q, k, v), **case.mask_kwargs(), **case.kernel_kwargs(), return_lse=True,
-                            return_stats=stats))
+        # MLA: the kernel takes q, k and qv (else None); the gate judges it by the joined problem
+        q_, k_, qv = case.split_qv(q, k) if case.qv else (q, k, None)
+        return on(attention(*on(q_, k_, v), qv=on(qv)[0], **case.mask_kwargs(), **case.kernel_kwargs(),
+                            return_lse=True, return_stats=stats))
 
     split = []  # per PARTIAL tile asked: whether it was computed by document blocks
     real = hooks.get("document_blocks")
@@ -142,36 +138,32 @@ def run_case(case, defects=(), backends=()) -> dict:
     with hooks.replaced(document_blocks=document_blocks):  # counted, unchanged
         out, lse, stats = call(stats=True)
     row = {**asdict(case), "mask": case.mask_name, "features": case.features,
-           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse), **_tolerances(gate),
-           "total_rescales": stats.total_rescales, "document_block_tiles": sum(split),
+           **_judged(gate, out, lse), "total_rescales": stats.total_rescales, "document_block_tiles": sum(split),
            "crossing_fraction": crossing_fraction(case.sq, case.sk, case.block_k, case.causal,
                                                   case.causal_align),
            "key_tiles": key_tiles(stats), "visible_keys_max": _visible_keys_max(gate)}
     if defects:
         row["defects"] = _judge_defects(gate, defects, call, (out, lse))
     for backend in backends:
-        on = functools.partial(call, backend=backend)
-        out, lse = on()
-        row.setdefault("on", {})[backend] = {**Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
-                                             **gate.judge(out, lse),
-                                             "defects": _judge_defects(gate, defects, on, (out, lse)) if defects else {}}
+        out, lse = call(backend=backend)
+        judged = _judge_defects(gate, defects, lambda: call(backend=backend), (out, lse)) if defects else {}
+        row.setdefault("on", {})[backend] = {**_judged(gate, out, lse, tolerances=False), "defects": judged}
     return row
 
 
 def _arrays_of(backend):
     """A function of arrays (or of one result tuple): for ``backend`` ``"torch"``, numpy arrays
     in as torch CPU tensors and tensors out as numpy arrays; for None, all as they are."""
-    if backend not in (None, "torch"):
+    if backend is None:
+        return lambda *xs: tuple(xs[0]) if len(xs) == 1 and isinstance(xs[0], tuple) else xs
+    if backend != "torch":
         raise ValueError(f"unknown backend {backend!r}: None or 'torch'")
-    torch = None
-    if backend == "torch":
-        import torch
+    import torch
 
     def convert(*xs):
         if len(xs) == 1 and isinstance(xs[0], tuple):  # a result: back to numpy
-            return tuple(x.numpy() if torch is not None and isinstance(x, torch.Tensor) else x for x in xs[0])
-        return tuple(torch.from_numpy(np.ascontiguousarray(x)) if torch is not None and isinstance(x, np.ndarray)
-                     else x for x in xs)
+            return tuple(x.numpy() if isinstance(x, torch.Tensor) else x for x in xs[0])
+        return tuple(torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x for x in xs)
     return convert
 
 
@@ -180,10 +172,14 @@ def _visible_keys_max(gate) -> int:
     return int(np.max(gate.tol.visible_keys, initial=0))
 
 
-def _tolerances(gate) -> dict:
-    """The gate's largest per-row tolerances: ``tol_out`` (relative to ``P @ |V|``) and
-    ``tol_lse`` (absolute), the smallest defects it can be asked to catch there."""
-    return {"tol_out": float(np.max(gate.tol.out, initial=0.0)), "tol_lse": float(np.max(gate.tol.lse, initial=0.0))}
+def _judged(gate, out, lse, tolerances=True) -> dict:
+    """The `~attnlib.judge.metrics.Errors` fields of ``out`` and the gate's figures on ``(out, lse)``;
+    with ``tolerances``, the gate's largest per-row tolerances: ``tol_out`` (relative to ``P @ |V|``)
+    and ``tol_lse`` (absolute), the smallest defects it can be asked to catch there."""
+    row = {**Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse)}
+    if tolerances:
+        row.update(tol_out=float(np.max(gate.tol.out, initial=0.0)), tol_lse=float(np.max(gate.tol.lse, initial=0.0)))
+    return row
 
 
 def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, seed=0,
@@ -210,8 +206,7 @@ def run_family(family, n=4096, d=64, *, block_q=64, block_k=64, causal=True, see
     info = FAMILIES[family]
     row = {"family": family, "letter": info.letter, "purpose": info.purpose, "n": n, "d": d,
            "logit_min": float(visible.min()), "logit_max": float(visible.max()),
-           **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse), **_tolerances(gate),
-           "total_rescales": stats.total_rescales}
+           **_judged(gate, out, lse), "total_rescales": stats.total_rescales}
     if oracle:
         against = Gate(q, k, v, block_k=block_k, causal=causal, oracle=True)
         tiled, dense = against.judge(out, lse), against.judge(*reference_attention(
@@ -231,9 +226,6 @@ def sink_rescales(sinks, n=1024, d=64, heads=4, *, block_q=128, block_k=128, see
     value of ``sinks`` (None: no sink).  Per value: the kernel's rescale total, the
     independent count of `reference_rescales` (``agree``: every tile's count equal), the
     rows whose max never leaves the sink, and the gate's figures against the dense reference."""
-    from .inputs import random_qkv
-    from ..core.reference import reference_rescales
-
     q, k, v = random_qkv(n, n, d, batch=(1,), heads=heads, seed=seed)
     scores = reference_scores(q, k, causal=True)
     row_max = scores.max(axis=-1)  # (1, heads, n): every row sees at least its own key
@@ -248,7 +240,7 @@ def sink_rescales(sinks, n=1024, d=64, heads=4, *, block_q=128, block_k=128, see
                      "total_rescales": stats.total_rescales, "reference_rescales": int(want.sum()),
                      "agree": bool(np.array_equal(stats.rescales, want)),
                      "rows_held_by_sink": 0 if sink is None else int(np.count_nonzero(row_max <= value)),
-                     **Errors.of(out, gate.ref, gate.ref_abs).as_dict(), **gate.judge(out, lse)})
+                     **_judged(gate, out, lse, tolerances=False)})
     return rows
 
 
@@ -273,7 +265,7 @@ def run_varlen(case) -> dict:
     return {"sequences": len(case.lens_q), "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
             "longest": int(max(max(case.lens_q), max(case.lens_k))), "seqused_k": case.seqused_k is not None,
             "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d, "options": case.options,
-            **Errors.of(ob, gate.ref, gate.ref_abs).as_dict(), **gate.judge(ob, padded["lse"]), **_tolerances(gate),
+            **_judged(gate, ob, padded["lse"]),
             "key_tiles": key_tiles(stats), "visible_keys_max": _visible_keys_max(gate)}
 
 
@@ -296,8 +288,7 @@ def run_paged(case) -> dict:
     chunk = max(1, DEFAULT_CHUNK_KEYS // case.page_size) * case.page_size  # as `paged_forward` reads them
     return {"entries": len(case.lens), "keys": list(case.lens), "page_size": case.page_size, "sq": case.sq,
             "pages": int(k_cache.shape[0]), "heads": case.heads, "kv_heads": case.kv_heads, "d": case.d,
-            "options": case.options, **Errors.of(out, gate.ref, gate.ref_abs).as_dict(),
-            **gate.judge(out, lse), **_tolerances(gate),
+            "options": case.options, **_judged(gate, out, lse),
             "key_tiles": max((-(-int(n) // chunk) for n in case.lens), default=0),
             "visible_keys_max": _visible_keys_max(gate)}
 
@@ -318,9 +309,8 @@ def power_table(groups, defects=None, backend=None) -> list[dict]:
     groups = {"cases": groups} if isinstance(groups, list) else dict(groups)
     if backend is not None:
         groups = {g: [r["on"][backend] for r in rows if backend in r.get("on", {})] for g, rows in groups.items()}
-    names = list(DEFECTS) if defects is None else list(defects)
     table = []
-    for name in names:
+    for name in DEFECTS if defects is None else defects:
         entry = {"defect": name, "description": DEFECTS[name].description}
         results, caught = [], 0
         for group, rows in groups.items():

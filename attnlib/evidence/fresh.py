@@ -94,14 +94,8 @@ def run_fresh(fn, *args, timeout: float | None = 600.0, env: dict | None = None,
     try:
         request = json.dumps(dict(module=module, qualname=qualname, args=args, kwargs=kwargs,
                                   result=result_path, path=[str(p) for p in sys.path]))
-        child_env = None
-        if env is not None:
-            child_env = dict(os.environ)
-            for name, value in env.items():
-                if value is None:
-                    child_env.pop(name, None)
-                else:
-                    child_env[name] = str(value)
+        child_env = None if env is None else {
+            name: str(value) for name, value in {**os.environ, **env}.items() if value is not None}
         try:
             proc = subprocess.run([sys.executable, "-m", __spec__.name], input=request,
                                   capture_output=True, text=True, timeout=timeout, env=child_env)

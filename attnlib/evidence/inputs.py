@@ -63,10 +63,7 @@ def random_qkv(sq, sk=None, d=64, dv=None, *, batch=(), heads=None, kv_heads=Non
     validate.check_allocation(8 * sum(math.prod(s) for s in shapes),
                            f"random_qkv's q {shapes[0]}, k {shapes[1]} and v {shapes[2]} (float64)")
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal(_shape(batch, heads, sq, d))
-    k = rng.standard_normal(_shape(batch, kv_heads, sk, d))
-    v = rng.standard_normal(_shape(batch, kv_heads, sk, dv))
-    return q, k, v
+    return tuple(rng.standard_normal(s) for s in shapes)  # q, k, v in turn
 
 
 #: What an adversarial family measures.  "overflow safety": the softmax puts (nearly) all
@@ -130,11 +127,10 @@ FAMILIES = {
 
 def _last_visible_key(sq, sk, causal, causal_align):
     """Per query row, the last key it sees (``-1`` for rows that see none)."""
-    i = np.arange(sq)
     if not causal:
         return np.full(sq, sk - 1)
     o = sk - sq if causal_align == "bottom_right" else 0
-    return np.minimum(i + o, sk - 1)
+    return np.minimum(np.arange(sq) + o, sk - 1)
 
 
 def _directions(family, sq, sk, d, block_k, causal, causal_align, peak):
@@ -146,19 +142,17 @@ def _directions(family, sq, sk, d, block_k, causal, causal_align, peak):
     n_tiles = -(-sk // block_k)
     starts = np.arange(n_tiles) * block_k  # first key of each key tile
     sees = _last_visible_key(sq, sk, causal, causal_align) >= 0
-    if family == "negative":
+    if family not in ("first_tile", "last_tile"):  # every row along channel 0
         w[:, 0] = 1.0
+    if family == "negative":
         u[:, 0] = -1.0
     elif family in ("plateau", "ties", "sink"):
-        w[:, 0] = 1.0
         u[:, 0] = 1.0
         if family == "sink":
             u[0, 0] += 25.0 / peak
     elif family == "ramp":  # + 2 logit units per key tile on top of peak
-        w[:, 0] = 1.0
         u[:, 0] = 1.0 + (2.0 / peak) * np.arange(sk) / block_k
     elif family == "growing":
-        w[:, 0] = 1.0
         u[starts, 0] = (np.arange(n_tiles) + 1) / n_tiles
     elif family == "first_tile":
         w[sees, 0] = 1.0
@@ -325,6 +319,13 @@ class Case:
         return ", ".join(names) or "-"
 
 
+def _corner(c, sq, sk, shortest, max_len):
+    """Case ``c``'s ``(Sq, Sk)``: the first three pin the corners ``Sq = Sk = max_len``, ``Sq > Sk``
+    and ``Sq < Sk`` (no length below ``shortest``), any later one keeps its ``(sq, sk)``."""
+    corners = ((max_len, max_len), (max_len, max(shortest, max_len // 3)), (max(shortest, max_len // 5), max_len))
+    return corners[c] if c < len(corners) else (sq, sk)
+
+
 HEAD_DIMS = (16, 32, 59, 64, 128, 256)
 BLOCK_SIZES = (16, 32, 48, 64, 100, 128, 256)
 
@@ -343,13 +344,7 @@ def random_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096) -> list[Cas
     cases = []
     for c in range(n):
         sq, sk = (int(x) for x in np.exp(rng.uniform(0, np.log(max_len), 2)).round())
-        sq, sk = max(1, min(sq, max_len)), max(1, min(sk, max_len))
-        if c == 0:
-            sq = sk = max_len
-        elif c == 1:
-            sq, sk = max_len, max(1, max_len // 3)
-        elif c == 2:
-            sq, sk = max(1, max_len // 5), max_len
+        sq, sk = _corner(c, max(1, min(sq, max_len)), max(1, min(sk, max_len)), 1, max_len)
         d = int(rng.choice(HEAD_DIMS))
         dv = d if rng.random() < 0.75 else int(rng.choice(HEAD_DIMS))
         heads = int(rng.choice((1, 2, 4)))
@@ -396,13 +391,7 @@ def differential_cases(n: int = 50, *, seed: int = 0, max_len: int = 4096, d: in
     cases = []
     for c in range(n):
         sq, sk = (int(x) for x in np.exp(rng.uniform(np.log(min_len), np.log(max_len), 2)).round())
-        sq, sk = (min(max(x, min_len), max_len) for x in (sq, sk))
-        if c == 0:
-            sq = sk = max_len
-        elif c == 1:
-            sq, sk = max_len, max(min_len, max_len // 3)
-        elif c == 2:
-            sq, sk = max(min_len, max_len // 5), max_len
+        sq, sk = _corner(c, min(max(sq, min_len), max_len), min(max(sk, min_len), max_len), min_len, max_len)
         mask = int(rng.integers(3))
         causal, align = mask > 0, "top_left" if mask == 2 else "bottom_right"
         longest = longest_row(sq, sk, causal, align)
@@ -595,11 +584,10 @@ class Packed:
     def arrays(self):
         """``(q (total_q, Hq, D), k, v (total_k, Hk, D), cu_seqlens_q, cu_seqlens_k, options)``."""
         rng = np.random.default_rng(self.seed)
-        cu_q = np.concatenate([[0], np.cumsum(self.lens_q, dtype=np.int64)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(self.lens_k, dtype=np.int64)]).astype(np.int32)
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(n, dtype=np.int64)]).astype(np.int32)
+                      for n in (self.lens_q, self.lens_k))
         q = rng.standard_normal((int(cu_q[-1]), self.heads, self.d))
-        k = rng.standard_normal((int(cu_k[-1]), self.kv_heads, self.d))
-        v = rng.standard_normal((int(cu_k[-1]), self.kv_heads, self.d))
+        k, v = (rng.standard_normal((int(cu_k[-1]), self.kv_heads, self.d)) for _ in range(2))
         return q, k, v, cu_q, cu_k, _layout_options(self.options, self.heads, rng)
 
 
@@ -650,14 +638,11 @@ class Paged:
         rng = np.random.default_rng(self.seed)
         need = [-(-n // self.page_size) for n in self.lens]
         num_blocks = sum(need) + self.spare_pages
-        k_cache = rng.standard_normal((num_blocks, self.page_size, self.kv_heads, self.d))
-        v_cache = rng.standard_normal((num_blocks, self.page_size, self.kv_heads, self.d))
+        k_cache, v_cache = (rng.standard_normal((num_blocks, self.page_size, self.kv_heads, self.d)) for _ in range(2))
         order = rng.permutation(num_blocks)
         table = np.full((len(self.lens), max(need, default=0) + 1), -1, dtype=np.int32)
-        start = 0
-        for b, m in enumerate(need):
+        for b, (m, start) in enumerate(zip(need, np.cumsum([0] + need))):  # entry b's pages: the next m of order
             table[b, :m] = order[start:start + m]
-            start += m
         q = rng.standard_normal((len(self.lens), self.heads, self.sq, self.d))
         return (q, k_cache, v_cache, table, np.array(self.lens, dtype=np.int32),
                 _layout_options(self.options, self.heads, rng))

@@ -37,9 +37,6 @@ ALL_PATHS = PATHS + ("stream", "paged", "tiled_backward", "dense_backward")
 CAP_BYTES = 32 * 2**20
 
 
-TOOLS = ("peak", "tracemalloc", "rss")
-
-
 def _in_subprocess(case: dict, timeout: float) -> dict:
     if case["path"] not in ALL_PATHS:
         raise ValueError(f"path must be one of {ALL_PATHS}, got {case['path']!r}")
@@ -123,26 +120,21 @@ def _call(case, q, k, v, grad_inputs=None):
     from ..core.stream import attention_stream
     from ..core.reference import reference_attention
 
-    if case["path"] == "tiled_backward":
-        out, lse, dout = grad_inputs
-        return attention_backward(q, k, v, out, lse, dout, causal=case["causal"],
-                                  block_q=case["block_q"], block_k=case["block_k"], workers=1)
-    if case["path"] == "dense_backward":
-        return reference_attention_backward(q, k, v, grad_inputs[2], causal=case["causal"])
-    if case["path"] == "stream":
+    path, causal = case["path"], case["causal"]
+    tiled = dict(causal=causal, block_q=case["block_q"], block_k=case["block_k"], workers=1)  # tiled kernels' options
+    if path == "tiled_backward":  # grad_inputs: (out, lse, dout)
+        return attention_backward(q, k, v, *grad_inputs, **tiled)
+    if path == "dense_backward":
+        return reference_attention_backward(q, k, v, grad_inputs[2], causal=causal)
+    if path == "stream":
         sk, step = k.shape[-2], case.get("chunk", 65536)
         chunks = ((k[..., i:i + step, :], v[..., i:i + step, :]) for i in range(0, max(sk, 1), step))
-        return attention_stream(q, chunks, causal=case["causal"], total_keys=sk,
-                                block_q=case["block_q"], block_k=case["block_k"], return_lse=True,
-                                workers=1)
-    if case["path"] == "paged":
-        table, lens = grad_inputs
-        return attention(q, k, v, block_table=table, cache_seqlens=lens, causal=case["causal"],
-                         block_q=case["block_q"], block_k=case["block_k"], return_lse=True, workers=1)
-    if case["path"] == "tiled":
-        return attention(q, k, v, causal=case["causal"], block_q=case["block_q"],
-                         block_k=case["block_k"], return_lse=True, workers=1)
-    return reference_attention(q, k, v, causal=case["causal"], return_lse=True)
+        return attention_stream(q, chunks, total_keys=sk, return_lse=True, **tiled)
+    if path == "paged":  # grad_inputs: (block_table, cache_seqlens)
+        return attention(q, k, v, block_table=grad_inputs[0], cache_seqlens=grad_inputs[1], return_lse=True, **tiled)
+    if path == "tiled":
+        return attention(q, k, v, return_lse=True, **tiled)
+    return reference_attention(q, k, v, causal=causal, return_lse=True)
 
 
 def _traced(case, q, k, v, grad_inputs=None):
@@ -209,7 +201,6 @@ def _rss(case, q, k, v, grad_inputs=None, max_samples=1 << 16):
     import numpy as np
     from memory_profiler import memory_usage
 
-    mib = 2**20
     buf = np.ones((3, max_samples))  # seconds, anon, file: resident before the baseline
     state = {"n": 0, "base": None, "peak": [0, 0]}
     done, started = threading.Event(), threading.Event()
@@ -245,7 +236,7 @@ def _rss(case, q, k, v, grad_inputs=None, max_samples=1 << 16):
     t0 = time.time()
     usage, result = memory_usage((measured, (t0,), {}),
                                  interval=case["interval"], timestamps=True, retval=True)
-    samples = [(t - t0, (m - base) * mib) for m, t in usage]
+    samples = [(t - t0, (m - base) * 2**20) for m, t in usage]  # memory_profiler's MiB as bytes
     measured_split = state["base"] is not None
     n = state["n"]
     extra = {"rss_split": PROC_STATUS if measured_split else
@@ -287,50 +278,39 @@ def _measure(case: dict) -> dict:
     from ..core.problem import STRICT
 
     np.seterr(**STRICT)
-    backward = case["path"].endswith("_backward")
 
-    def grads_for(q, k, v, seed):  # forward results and an upstream gradient, made untraced
-        if not backward:
-            return None
-        from ..core.tiled import attention
+    def prepared(q, k, v, seed):
+        """The call's ``(q, k, v, grad_inputs)``, made untraced.  For a backward: the forward's
+        ``out`` and ``lse`` and an upstream gradient; for "paged": q as (1, 1, Sq, D), a cache of
+        cache_pages pages holding k, v on random pages, the table and the length (every page of
+        the cache that the sequence does not use is random too); else None."""
+        if case["path"].endswith("_backward"):
+            from ..core.tiled import attention
 
-        out, lse = attention(q, k, v, causal=case["causal"], return_lse=True)
-        return out, lse, np.random.default_rng(seed).standard_normal(out.shape)
-
-    def paged(q, k, v, seed):
-        """q as (1, 1, Sq, D), a cache of cache_pages pages holding k, v on random pages, the
-        table and the length (every page of the cache that the sequence does not use is
-        random too)."""
+            out, lse = attention(q, k, v, causal=case["causal"], return_lse=True)
+            return q, k, v, (out, lse, np.random.default_rng(seed).standard_normal(out.shape))
+        if case["path"] != "paged":
+            return q, k, v, None
         rng = np.random.default_rng(seed)
         size, sk = case["page_size"], k.shape[-2]
         need = -(-sk // size)
         total = max(need, case["cache_pages"])
         table = rng.permutation(total)[:max(need, 1)][None]
-        kc = rng.standard_normal((total, size, 1, k.shape[-1]))
-        vc = rng.standard_normal((total, size, 1, v.shape[-1]))
+        kc, vc = (rng.standard_normal((total, size, 1, x.shape[-1])) for x in (k, v))
         pad = need * size - sk
-        kc[table[0, :need]] = np.concatenate([k, np.zeros((pad, k.shape[-1]))]).reshape(need, size, 1, -1)
-        vc[table[0, :need]] = np.concatenate([v, np.zeros((pad, v.shape[-1]))]).reshape(need, size, 1, -1)
-        return q[None, None], kc, vc, table, np.array([sk])
+        for cache, x in ((kc, k), (vc, v)):  # the sequence's keys (values) on its pages, zero-padded
+            cache[table[0, :need]] = np.concatenate([x, np.zeros((pad, x.shape[-1]))]).reshape(need, size, 1, -1)
+        return q[None, None], kc, vc, (table, np.array([sk]))
 
-    warm = random_qkv(256, 256, case["d"], seed=1)
-    if case["path"] == "paged":  # (q, k_cache, v_cache) and, in grad_inputs' place, the table
-        warm_paged = paged(*warm, 1)
-        _call(case, *warm_paged[:3], warm_paged[3:])
-    else:
-        _call(case, *warm, grads_for(*warm, 1))  # warm-up: imports, BLAS buffers, code paths
+    _call(case, *prepared(*random_qkv(256, 256, case["d"], seed=1), 1))  # warm-up: imports, BLAS buffers, code paths
     with tempfile.TemporaryDirectory(prefix="attnlib-kv-") as folder:
-        table = None
         if case["path"] == "stream":  # only q in memory; k and v on disk
             q = random_qkv(case["sq"], 0, case["d"], seed=case["seed"])[0]
             k, v = _memmap_cache(folder, case["sk"], case["d"], case["seed"])
-            in_memory = q.nbytes
         else:
             q, k, v = random_qkv(case["sq"], case["sk"], case["d"], seed=case["seed"])
-            if case["path"] == "paged":
-                q, k, v, *table = paged(q, k, v, case["seed"] + 1)
-            in_memory = q.nbytes + k.nbytes + v.nbytes
-        grad_inputs = grads_for(q, k, v, case["seed"] + 1) if table is None else table
+        q, k, v, grad_inputs = prepared(q, k, v, case["seed"] + 1)
+        in_memory = q.nbytes if case["path"] == "stream" else q.nbytes + k.nbytes + v.nbytes
         if grad_inputs is not None:
             in_memory += sum(x.nbytes for x in grad_inputs)
         run = _rss if case["tool"] == "rss" else _traced

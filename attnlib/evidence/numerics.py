@@ -7,6 +7,8 @@ epsilons where that is the natural unit.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..judge.gate import Gate
@@ -43,19 +45,17 @@ def float64_vs_oracle(ns, ds, logit_scales, *, causal=True, seed=0) -> list[dict
     one's ratio to one implementation's share of the verdict gate (`~attnlib.judge.gate.Gate`
     with ``oracle=True``: out and lse; <= 1 is within what float64 rounding allows)."""
     rows = []
-    for n in ns:
-        for d in ds:
-            for scale in logit_scales:
-                q, k, v = _scaled_qkv(n, d, scale, seed)
-                gate = Gate(q, k, v, causal=causal, oracle=True)
-                row = {"n": n, "d": d, "logit_std": scale}
-                for name, (out, lse) in (
-                        ("dense", reference_attention(q, k, v, causal=causal, return_lse=True)),
-                        ("tiled", attention(q, k, v, causal=causal, return_lse=True))):
-                    judged = gate.judge(out, lse)
-                    row[f"{name}_eps"] = _max_err(out, gate.ref) / EPS64
-                    row[f"{name}_gate_ratio"] = max(judged["out_ratio"], judged["lse_ratio"])
-                rows.append(row)
+    for n, d, scale in itertools.product(ns, ds, logit_scales):
+        q, k, v = _scaled_qkv(n, d, scale, seed)
+        gate = Gate(q, k, v, causal=causal, oracle=True)
+        row = {"n": n, "d": d, "logit_std": scale}
+        for name, (out, lse) in (
+                ("dense", reference_attention(q, k, v, causal=causal, return_lse=True)),
+                ("tiled", attention(q, k, v, causal=causal, return_lse=True))):
+            judged = gate.judge(out, lse)
+            row[f"{name}_eps"] = _max_err(out, gate.ref) / EPS64
+            row[f"{name}_gate_ratio"] = max(judged["out_ratio"], judged["lse_ratio"])
+        rows.append(row)
     return rows
 
 
@@ -63,20 +63,19 @@ def precision_vs_oracle(ns, blocks, logit_scales, dtypes, *, d=64, causal=True, 
     """FlashAttention's test rule: tiled vs naive same-precision error, both against the oracle of
     the inputs rounded to that precision (as `attention_ref` upcasts the kernel's own inputs)."""
     rows = []
-    for n in ns:
-        for scale in logit_scales:
-            qkv = _scaled_qkv(n, d, scale, seed, heads=2)
-            for dt in dtypes:
-                # The oracle of the rounded inputs: both kernels are judged on their arithmetic only.
-                q, k, v = _rounded(dt, *qkv)
-                oracle = oracle_attention(q, k, v, causal=causal)
-                naive = _max_err(reference_attention(q, k, v, causal=causal, compute_dtype=dt), oracle)
-                for block in blocks:
-                    tiled = _max_err(attention(q, k, v, causal=causal, compute_dtype=dt,
-                                               block_q=block, block_k=block), oracle)
-                    rows.append({"dtype": dt, "n": n, "block": block, "logit_std": scale,
-                                 "tiled_err": tiled, "naive_err": naive,
-                                 "ratio": tiled / naive if naive else float("nan")})
+    for n, scale in itertools.product(ns, logit_scales):
+        qkv = _scaled_qkv(n, d, scale, seed, heads=2)
+        for dt in dtypes:
+            # The oracle of the rounded inputs: both kernels are judged on their arithmetic only.
+            q, k, v = _rounded(dt, *qkv)
+            oracle = oracle_attention(q, k, v, causal=causal)
+            naive = _max_err(reference_attention(q, k, v, causal=causal, compute_dtype=dt), oracle)
+            for block in blocks:
+                tiled = _max_err(attention(q, k, v, causal=causal, compute_dtype=dt,
+                                           block_q=block, block_k=block), oracle)
+                rows.append({"dtype": dt, "n": n, "block": block, "logit_std": scale,
+                             "tiled_err": tiled, "naive_err": naive,
+                             "ratio": tiled / naive if naive else float("nan")})
     return rows
 
 
@@ -112,21 +111,19 @@ def lazy_rescaling(taus, dtypes, *, n=1024, d=64, block=64, families=(), seed=0)
                 out, lse, stats = attention(q, k, v, causal=True, block_q=block, block_k=block,
                                             rescale_threshold=tau, compute_dtype=dt, return_lse=True,
                                             return_stats=True)
-                row = {"inputs": name, "dtype": dt, "tau": tau, "rescales": stats.total_rescales,
-                       "error": _max_err(out, oracle), "lse_error": None, "out_ratio": None, "lse_ratio": None,
-                       "gate_ratio": None, "naive_error": None, "naive_lse_error": None,
-                       "rule_ratio": None}  # None: the other precision's rule
-                if dt == "float64":
+                error = _max_err(out, oracle)
+                if dt == "float64":  # the gate's figures
                     judged = gate.judge(out, lse)
-                    row.update(lse_error=judged["lse_error"], out_ratio=judged["out_ratio"],
-                               lse_ratio=judged["lse_ratio"])
-                    row["gate_ratio"] = max(judged["out_ratio"], judged["lse_ratio"])
-                else:
-                    row.update(naive_error=naive, naive_lse_error=naive_lse, lse_error=_max_err(lse, oracle_lse))
-                    row["out_ratio"] = row["error"] / (2 * naive + LOW_EPS[dt])
-                    row["lse_ratio"] = row["lse_error"] / (2 * naive_lse + LOW_EPS[dt])
-                    row["rule_ratio"] = max(row["out_ratio"], row["lse_ratio"])
-                rows.append(row)
+                    lse_error, out_ratio, lse_ratio = judged["lse_error"], judged["out_ratio"], judged["lse_ratio"]
+                else:  # FlashAttention's rule
+                    lse_error = _max_err(lse, oracle_lse)
+                    out_ratio, lse_ratio = error / (2 * naive + LOW_EPS[dt]), lse_error / (2 * naive_lse + LOW_EPS[dt])
+                ratio = max(out_ratio, lse_ratio)
+                rows.append({"inputs": name, "dtype": dt, "tau": tau, "rescales": stats.total_rescales, "error": error,
+                             "lse_error": lse_error, "out_ratio": out_ratio, "lse_ratio": lse_ratio,
+                             "gate_ratio": ratio if dt == "float64" else None, "naive_error": naive,
+                             "naive_lse_error": naive_lse,
+                             "rule_ratio": None if dt == "float64" else ratio})  # None: the other precision's rule
     return rows
 
 

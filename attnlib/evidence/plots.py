@@ -71,11 +71,11 @@ class Table:
 
         if len(self.rows) <= SHOWN:
             return table(self.rows, self.title or "")
+        title = f"{self.title}: " if self.title else ""
+        every = (f"<details><summary>all {len(self.rows):,} rows"
+                 f"{' of ' + html.escape(self.title) if self.title else ''}</summary>{table(self.rows)}</details>")
         if self.summary is not None:  # the line, and every row once, collapsed
-            title = f"{self.title}: " if self.title else ""
-            return (f"<p><b>{html.escape(title + self.summary)}</b></p><details><summary>all "
-                    f"{len(self.rows):,} rows{' of ' + html.escape(self.title) if self.title else ''}</summary>"
-                    f"{table(self.rows)}</details>")
+            return f"<p><b>{html.escape(title + self.summary)}</b></p>{every}"
         if self.worst is None:
             shown, which = self.rows[:SHOWN], f"the first {SHOWN}"
         else:
@@ -83,10 +83,7 @@ class Table:
             shown = sorted(self.rows, key=key, reverse=True)[:SHOWN]
             which = (f"the {SHOWN} largest by {self.worst}" if not callable(self.worst)
                      else f"the {SHOWN} worst")
-        title = f"{self.title}: " if self.title else ""
-        summary = f"{title}{len(self.rows):,} rows; {which} shown, every row in the section below"
-        return (table(shown, summary) + f"<details><summary>all {len(self.rows):,} rows"
-                f"{' of ' + html.escape(self.title) if self.title else ''}</summary>{table(self.rows)}</details>")
+        return table(shown, f"{title}{len(self.rows):,} rows; {which} shown, every row in the section below") + every
 
     def __str__(self):
         lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
@@ -180,13 +177,18 @@ def gate_power(rows, defects):
     return fig
 
 
-def tile_map(tile_kind, title="Tile classes"):
-    """SKIP / PARTIAL / FULL map over (query tile, key tile)."""
+def _tile_classes(ax, kinds):
+    """SKIP / PARTIAL / FULL tiles drawn grey / orange / green on ``ax``."""
     from matplotlib.colors import ListedColormap
 
+    return ax.imshow(kinds, cmap=ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"]), vmin=-0.5, vmax=2.5,
+                     interpolation="nearest")
+
+
+def tile_map(tile_kind, title="Tile classes"):
+    """SKIP / PARTIAL / FULL map over (query tile, key tile)."""
     fig, ax = _figure(figsize=(5, 4.5))
-    cmap = ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"])
-    im = ax.imshow(tile_kind, cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest")
+    im = _tile_classes(ax, tile_kind)
     cbar = fig.colorbar(im, ax=ax, ticks=[SKIP, PARTIAL, FULL])
     cbar.ax.set_yticklabels([TILE_KIND_NAMES[k] for k in (SKIP, PARTIAL, FULL)])
     ax.set_xlabel("key tile")
@@ -198,15 +200,10 @@ def tile_map(tile_kind, title="Tile classes"):
 
 def tile_map_grid(maps: dict, columns=5):
     """Several SKIP / PARTIAL / FULL maps side by side, ``{title: (n_q_tiles, n_k_tiles)}``."""
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-
     rows = -(-len(maps) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 3.3 * rows), squeeze=False)
-    plt.close(fig)
-    cmap = ListedColormap(["#f0f0f0", "#f4a261", "#2a9d8f"])
+    fig, axes = _figure(rows, columns, figsize=(2.6 * columns, 3.3 * rows), squeeze=False)
     for ax, (title, kinds) in zip(axes.flat, maps.items()):
-        ax.imshow(kinds, cmap=cmap, vmin=-0.5, vmax=2.5, interpolation="nearest")
+        _tile_classes(ax, kinds)
         skipped = float(np.mean(kinds == SKIP)) if kinds.size else 0.0
         ax.set_title(f"{title}\n{skipped:.0%} SKIP", fontsize=9)
         ax.set_xticks([])
@@ -221,18 +218,6 @@ def tile_map_grid(maps: dict, columns=5):
     return fig
 
 
-def _heatmap(ax, counts, title, skipped=None):
-    data = np.asarray(counts, dtype=np.float64)
-    if skipped is not None:
-        data = np.where(skipped, np.nan, data)  # SKIP tiles: blank, not 0
-    top = max(1.0, float(np.nanmax(data))) if np.isfinite(data).any() else 1.0
-    im = ax.imshow(data, cmap="viridis", interpolation="nearest", vmin=0, vmax=top)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("key tile")
-    ax.set_ylabel("query tile")
-    return im
-
-
 def rescale_heatmaps(panels: dict, tile_kind=None, columns=2):
     """Per-tile rescale counts, one heatmap per entry of ``panels`` (title -> counts).
 
@@ -244,7 +229,14 @@ def rescale_heatmaps(panels: dict, tile_kind=None, columns=2):
     fig, axes = _figure(rows, cols, figsize=(5.2 * cols, 4.4 * rows), squeeze=False)
     skipped = None if tile_kind is None else np.asarray(tile_kind) == SKIP
     for ax, (title, counts) in zip(axes.flat, panels.items()):
-        im = _heatmap(ax, counts, f"{title}\ntotal {int(np.sum(counts)):,}", skipped)
+        data = np.asarray(counts, dtype=np.float64)
+        if skipped is not None:
+            data = np.where(skipped, np.nan, data)  # SKIP tiles: blank, not 0
+        top = max(1.0, float(np.nanmax(data))) if np.isfinite(data).any() else 1.0
+        im = ax.imshow(data, cmap="viridis", interpolation="nearest", vmin=0, vmax=top)
+        ax.set_title(f"{title}\ntotal {int(np.sum(counts)):,}", fontsize=10)
+        ax.set_xlabel("key tile")
+        ax.set_ylabel("query tile")
         fig.colorbar(im, ax=ax, label="rescale events")
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
@@ -625,11 +617,8 @@ def power_by_magnitude(rows, apart=None):
     ``dout`` (`attnlib.check.power`), correct kernels (circles) below 1, wrong ones (crosses)
     above it; the kernel named ``apart`` (the rule's own reference rounded, which cannot
     fail) in grey, not among the correct kernels."""
-    import matplotlib.pyplot as plt
-
     precs = list(dict.fromkeys(r["precision"] for r in rows))
-    fig, axes = plt.subplots(1, len(precs), figsize=(4.2 * len(precs), 3.6), sharey=True, squeeze=False)
-    plt.close(fig)
+    fig, axes = _figure(1, len(precs), figsize=(4.2 * len(precs), 3.6), sharey=True, squeeze=False)
     for ax, prec in zip(axes[0], precs):
         for kind, style, shift, label in (
                 ("correct", dict(marker="o", color="tab:green"), 0.85, "correct kernels"),

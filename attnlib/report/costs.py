@@ -92,11 +92,6 @@ def _arrays(heads, sq, sk, d, dv=None) -> int:
     return 8 * heads * (sq * d + sk * (d + dv) + sq * (dv + 1))
 
 
-def _dense(heads, sq, sk) -> int:
-    """The dense reference's ``(heads, Sq, Sk)`` float64 arrays (`attnlib.judge.sizing.dense_bytes`)."""
-    return dense_bytes(sq, sk, heads)
-
-
 def _pass(heads, sq, sk, d, block_q=256, block_k=256) -> int:
     """Work of one attention pass over every pair (an upper bound under any mask), with
     `TILE_WORK` for each tile of ``block_q x block_k`` (tiles never exceed the lengths)."""
@@ -104,12 +99,13 @@ def _pass(heads, sq, sk, d, block_q=256, block_k=256) -> int:
     return heads * sq * sk * (4 * d + PAIR_WORK) + TILE_WORK * tiles
 
 
-def _torch_installed() -> bool:
+def _importable(name: str) -> bool:
+    """Whether module ``name`` is found here (without importing it)."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a blocked import, or a module without a spec
         return False
 
 
@@ -121,36 +117,36 @@ def _equivalence_costs(p):
     b, dmax = min(BLOCK_SIZES), max(HEAD_DIMS)
     n, d = p["max_len"], p["d"]
     yield Cost(("n_cases", "max_len", "d"), "the differential run (up to 4 heads of max_len x max_len)",
-               _arrays(4, n, n, d) + _dense(8, n, n),
+               _arrays(4, n, n, d) + dense_bytes(n, n, 8),
                p["n_cases"] * runs * _pass(4, n, n, d, min(DIFFERENTIAL_BLOCKS), min(DIFFERENTIAL_BLOCKS)))
     n = p["broad_max_len"]
     yield Cost(("broad_cases", "broad_max_len"), "the broad run (up to 4 heads, head dim up to 256)",
-               _arrays(4, n, n, dmax) + _dense(8, n, n), p["broad_cases"] * 3 * _pass(4, n, n, dmax, b, b))
+               _arrays(4, n, n, dmax) + dense_bytes(n, n, 8), p["broad_cases"] * 3 * _pass(4, n, n, dmax, b, b))
     n = p["feature_max_len"]
     for name in ("feature_cases", "sink_cases"):  # up to 2 x 4 heads, head dim up to 256
         yield Cost((name, "feature_max_len"), f"the {name.split('_')[0]} run (up to 8 heads of "
-                   "feature_max_len x feature_max_len)", _arrays(8, n, n, dmax) + _dense(16, n, n),
+                   "feature_max_len x feature_max_len)", _arrays(8, n, n, dmax) + dense_bytes(n, n, 16),
                    p[name] * runs * _pass(8, n, n, dmax, b, b))
     n = p["document_max_len"]  # up to 2 x 2 heads, head dim up to 128; the visible pairs are few
     yield Cost(("document_cases", "document_max_len"), "the packed-documents run (up to 4 heads of "
-               "document_max_len x document_max_len)", _arrays(4, n, n, 128) + _dense(8, n, n),
+               "document_max_len x document_max_len)", _arrays(4, n, n, 128) + dense_bytes(n, n, 8),
                p["document_cases"] * runs * _pass(4, n, n, 128, 256, 256))
     n = p["sink_n"]  # 4 heads; their scores kept for the recount, the gate's reference per sink
     yield Cost(("sink_n",), "the sink sweep (13 sinks on 4 heads of sink_n x sink_n)",
-               _arrays(4, n, n, 64) + 8 * 4 * n * n + _dense(16, n, n), 13 * 4 * _pass(4, n, n, 64, 128, 128))
+               _arrays(4, n, n, 64) + 8 * 4 * n * n + dense_bytes(n, n, 16), 13 * 4 * _pass(4, n, n, 64, 128, 128))
     n = p["layout_max_len"]  # varlen: up to 6 sequences x 4 heads padded into a batch
     yield Cost(("layout_cases", "layout_max_len"), "the varlen run (up to 24 padded heads of "
-               "layout_max_len x layout_max_len)", 2 * _arrays(24, n, n, 64) + _dense(48, n, n),
+               "layout_max_len x layout_max_len)", 2 * _arrays(24, n, n, 64) + dense_bytes(n, n, 48),
                p["layout_cases"] * 4 * _pass(24, n, n, 64))
     yield Cost(("layout_cases", "layout_max_len"), "the paged run (up to 32 heads of 64 queries over "
-               "layout_max_len keys, on pages of one key)", 2 * _arrays(32, 64, n, 64) + _dense(64, 64, n),
+               "layout_max_len keys, on pages of one key)", 2 * _arrays(32, 64, n, 64) + dense_bytes(64, n, 64),
                p["layout_cases"] * 4 * _pass(32, 64, n, 64, 64, 1))
     pages = max(p["paged_pages"])  # a cache of 16-key pages of k and v, head dim 64, made in memory
     yield Cost(("paged_pages",), "the paged memory run's cache", 2 * 8 * 16 * 64 * pages + 8 * pages,
                PAIR_WORK * 2 * 16 * 64 * sum(p["paged_pages"]))
     n, d = p["adversarial_n"], p["adversarial_d"]
     yield Cost(("adversarial_n", "adversarial_d", "block_q", "block_k"), "the adversarial families",
-               _arrays(1, n, n, d) + _dense(2, n, n),
+               _arrays(1, n, n, d) + dense_bytes(n, n, 2),
                len(FAMILIES) * runs * _pass(1, n, n, d, p["block_q"], p["block_k"]))
     if n <= p["oracle_max_n"]:  # the accuracy families against the long-double oracle
         accuracy = sum(f.purpose == "accuracy" for f in FAMILIES.values())
@@ -168,14 +164,14 @@ def _rescales_costs(p):
                _ceil(n, bq) * _ceil(n, bk) * (9 * runs + 16))
     yield Cost(("n", "d", "block_q", "block_k"), "the tiled runs", work=runs * _pass(1, n, n, d, bq, bk))
     if n <= p["dense_check_max_n"]:
-        yield Cost(("n", "dense_check_max_n"), "the dense recount", _dense(1, n, n) + _arrays(1, n, n, d),
+        yield Cost(("n", "dense_check_max_n"), "the dense recount", dense_bytes(n, n, 1) + _arrays(1, n, n, d),
                    2 * _pass(1, n, n, d, bq, bk))
 
 
 def _memory_costs(p):
     n, d, sweep = p["n"], p["d"], p["sweep"]
     yield Cost(("n", "d"), "memory over time at n (tiled and dense, tracemalloc and RSS)",
-               _arrays(1, n, n, d) + _dense(1, n, n), 4 * _pass(1, n, n, d))
+               _arrays(1, n, n, d) + dense_bytes(n, n, 1), 4 * _pass(1, n, n, d))
     yield Cost(("sweep", "d", "dense_max_n"), "the peak vs n runs (tiled, then dense up to dense_max_n)",
                _arrays(1, sweep[-1], sweep[-1], d),
                sum(_pass(1, m, m, d) * (2 if m <= p["dense_max_n"] else 1) for m in sweep))
@@ -194,17 +190,16 @@ def _gradients_costs(p):
     # the forward, the tiled backward clean and with each defect, the dense forward and backward
     runs = 2 + BACKWARD * (2 + len(BACKWARD_DEFECTS))
     b, dmax, n = min(BLOCK_SIZES), max(HEAD_DIMS), p["max_len"]
-    yield Cost(("n_cases", "max_len"), "the random shapes (up to 4 heads, head dim up to 256)",
-               2 * _arrays(4, n, n, dmax) + _dense(8, n, n), p["n_cases"] * runs * _pass(4, n, n, dmax, b, b))
-    yield Cost(("sink_cases", "max_len"), "the sink problems (up to 8 heads, head dim up to 256)",
-               2 * _arrays(8, n, n, dmax) + _dense(16, n, n),
-               p["sink_cases"] * runs * _pass(8, n, n, dmax, b, b))
+    for name, what, heads in (("n_cases", "the random shapes", 4), ("sink_cases", "the sink problems", 8)):
+        yield Cost((name, "max_len"), f"{what} (up to {heads} heads, head dim up to 256)",
+                   2 * _arrays(heads, n, n, dmax) + dense_bytes(n, n, 2 * heads),
+                   p[name] * runs * _pass(heads, n, n, dmax, b, b))
     m = max(8, n // 2)  # up to 6 sequences x 4 heads, padded into a batch for the dense gradient
     yield Cost(("varlen_cases", "max_len"), "the varlen problems (up to 24 padded heads of max_len / 2)",
-               2 * _arrays(24, m, m, 64) + _dense(48, m, m), p["varlen_cases"] * 10 * _pass(24, m, m, 64))
+               2 * _arrays(24, m, m, 64) + dense_bytes(m, m, 48), p["varlen_cases"] * 10 * _pass(24, m, m, 64))
     n, d = p["adversarial_n"], p["adversarial_d"]
     yield Cost(("adversarial_n", "adversarial_d", "block_q", "block_k"), "the adversarial families",
-               2 * _arrays(1, n, n, d) + _dense(2, n, n),
+               2 * _arrays(1, n, n, d) + dense_bytes(n, n, 2),
                len(FAMILIES) * runs * _pass(1, n, n, d, p["block_q"], p["block_k"]))
     sweep = p["sweep"]
     yield Cost(("sweep", "dense_max_n"), "the backward memory runs (head dim 64)",
@@ -213,20 +208,19 @@ def _gradients_costs(p):
 
 
 def _performance_costs(p):
-    from ..bench import BenchCase
+    torch = _importable("torch")
+    workers, reps, cases = p["workers"], p["repeats"], p["cases"]
 
-    torch = _torch_installed()
-    workers, reps = p["workers"], p["repeats"]
+    def one(case, *tiles):  # a pass over a [batch, heads, seqlen, headdim, causal] case
+        return _pass(case[0] * case[1], case[2], case[2], case[3], *tiles)
+
     yield Cost(("workers",), "the kernel's threads (each with its own tile buffers and stack)",
                workers[-1] * THREAD_BYTES)
-    cases = [BenchCase(*c) for c in p["cases"]]
     impls = 2 + len(workers) + torch  # the default, each thread count, dense numpy, torch SDPA
-    forward = sum(_pass(c.b * c.h, c.n, c.n, c.d) for c in cases)
-    backward = sum(_pass(c.b * c.h, c.n, c.n, c.d) for c in (BenchCase(*c) for c in p["backward_cases"]))
-    first = _pass(cases[0].b * cases[0].h, cases[0].n, cases[0].n, cases[0].d)
+    forward, backward = sum(map(one, cases)), sum(map(one, p["backward_cases"]))
     yield Cost(("repeats", "workers", "cases", "dense_cases", "backward_cases"), "the forward and backward "
                "cases, phases and the run under load",
-               work=(reps + 1) * (impls * forward + BACKWARD * impls * backward + 4 * first))
+               work=(reps + 1) * (impls * forward + BACKWARD * impls * backward + 4 * one(cases[0])))
     n = p["mask_n"]
     # Per (query, key) pair: the boolean masks given to torch (SDPA's, FlexAttention's) and,
     # with torch, FlexAttention eager's three float64 (Sq, Sk) arrays (6.4 GB measured at
@@ -254,14 +248,13 @@ def _performance_costs(p):
     case = cases[1] if len(cases) > 1 else cases[0]
     sizes = p["sweep_sizes"]
     yield Cost(("sweep_sizes", "repeats", "cases"), "the tile-size sweep",
-               work=reps * sum(_pass(case.b * case.h, case.n, case.n, case.d, bq, bk)
-                               for bq in sizes for bk in sizes))
+               work=reps * sum(one(case, bq, bk) for bq in sizes for bk in sizes))
 
 
 def _numerics_costs(p):
     ns, ds, stds = p["ns"], p["ds"], p["logit_stds"]
     yield Cost(("ns", "ds", "logit_stds"), "float64 against the oracle (dense, tiled, long double)",
-               _arrays(1, ns[-1], ns[-1], ds[-1]) + 3 * 16 * ns[-1] ** 2 + 2 * _dense(1, ns[-1], ns[-1]),
+               _arrays(1, ns[-1], ns[-1], ds[-1]) + 3 * 16 * ns[-1] ** 2 + 2 * dense_bytes(ns[-1], ns[-1], 1),
                len(stds) * sum((LONG_DOUBLE + 4) * _pass(1, n, n, d) for n in ns for d in ds))
     blocks = p["blocks"]
     for names, lengths, tiles in ((("precision_n", "blocks", "logit_stds"), [p["precision_n"]], blocks),
@@ -327,12 +320,12 @@ def _scaleout_costs(p):
 
 def _flex_gallery_costs(p):
     n, heads, d, block, reps = p["n"], p["heads"], p["d"], p["block"], p["repeats"]
-    torch = _torch_installed()
+    torch = _importable("torch")
     padded = _ceil(n, block) * block
     # inputs, the gate's reference, P @ |V| and sizes for every head, the dense mask and its
     # index arrays; FlexAttention eager's scores and probabilities per head
     yield Cost(("n", "heads", "d"), "the gallery runs at n (every head's dense reference and mask)",
-               2 * _arrays(heads, n, n, d) + _dense(4 * heads, n, n) + (9 + 16 * torch) * heads * n * n)
+               2 * _arrays(heads, n, n, d) + dense_bytes(n, n, 4 * heads) + (9 + 16 * torch) * heads * n * n)
     yield Cost(("n", "heads", "d", "block", "repeats", "memory_entries"), "the gallery runs at n",
                # per entry: the gate, the built-in, the gradients and the timing; then the memory runs
                work=(GALLERY_ENTRIES * (6 + (reps + 1) * (1 + torch))

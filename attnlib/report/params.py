@@ -65,33 +65,35 @@ def seconds(name, x):
     return float(x)
 
 
-def sizes(name, x):
+def _list(name, x, what, check, increasing=False):
+    """A non-empty list of ``what``, each item as ``check("name[i]", item)`` returns it;
+    strictly increasing where ``increasing``."""
     if not isinstance(x, (list, tuple)) or not x:
-        raise TypeError(f"parameter {name} must be a non-empty list of integers, got {x!r}")
-    values = [positive(f"{name}[{i}]", v) for i, v in enumerate(x)]
-    if values != sorted(set(values)):
+        raise TypeError(f"parameter {name} must be a non-empty list of {what}, got {x!r}")
+    values = [check(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    if increasing and values != sorted(set(values)):
         raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
     return values
+
+
+def sizes(name, x):
+    return _list(name, x, "integers", positive, increasing=True)
 
 
 def thresholds(name, x):
     """A strictly increasing list of lazy-rescale thresholds, each as `attention` accepts it."""
-    if not isinstance(x, (list, tuple)) or not x:
-        raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
-    try:
-        values = [validate.threshold(v) for v in x]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"parameter {name}: {e}") from None
-    if values != sorted(set(values)):
-        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
-    return values
+    def threshold(_, v):
+        try:
+            return validate.threshold(v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"parameter {name}: {e}") from None
+
+    return _list(name, x, "numbers", threshold, increasing=True)
 
 
 def precisions(name, x):
     """A non-empty list of distinct kernel precisions, as `check_kernel` takes them."""
-    if not isinstance(x, (list, tuple)) or not x:
-        raise TypeError(f"parameter {name} must be a non-empty list of precisions, got {x!r}")
-    values = [text(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    values = _list(name, x, "precisions", text)
     for v in values:
         try:
             problem.precision(v)
@@ -103,30 +105,21 @@ def precisions(name, x):
     return values
 
 
-def _shape_list(name, x, fields):
-    """A non-empty list of ``[*fields]``: positive integers, then a causal flag last."""
-    if not isinstance(x, (list, tuple)) or not x:
-        raise TypeError(f"parameter {name} must be a non-empty list of shapes, got {x!r}")
-    shapes = []
-    for i, shape in enumerate(x):
-        if not isinstance(shape, (list, tuple)) or len(shape) != len(fields):
-            raise ValueError(f"parameter {name}[{i}] must be [{', '.join(fields)}], got {shape!r}")
-        dims = [positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(shape[:-1])]
-        shapes.append(dims + [flag(f"{name}[{i}][{len(fields) - 1}]", shape[-1])])  # lists: papermill passes JSON
-    return shapes
+def _shape_list(name, x, fields, what="shapes", causal=True):
+    """A non-empty list of ``[*fields]``: positive integers, then (``causal``) a causal flag last."""
+    def shape(name, s):
+        if not isinstance(s, (list, tuple)) or len(s) != len(fields):
+            raise ValueError(f"parameter {name} must be [{', '.join(fields)}], got {s!r}")
+        dims = [positive(f"{name}[{j}]", v) for j, v in enumerate(s[:-1] if causal else s)]
+        return dims + [flag(f"{name}[{len(fields) - 1}]", s[-1])] if causal else dims  # lists: papermill passes JSON
+
+    return _list(name, x, what, shape)
 
 
 def model_cases(name, x):
     """A non-empty list of ``[heads, n, block]`` (positive integers): runs of the scale-out
     cost model."""
-    if not isinstance(x, (list, tuple)) or not x:
-        raise TypeError(f"parameter {name} must be a non-empty list of [heads, n, block], got {x!r}")
-    cases = []
-    for i, case in enumerate(x):
-        if not isinstance(case, (list, tuple)) or len(case) != 3:
-            raise ValueError(f"parameter {name}[{i}] must be [heads, n, block], got {case!r}")
-        cases.append([positive(f"{name}[{i}][{j}]", v) for j, v in enumerate(case)])
-    return cases
+    return _shape_list(name, x, ("heads", "n", "block"), "[heads, n, block]", causal=False)
 
 
 def case_count(name, x):
@@ -156,16 +149,12 @@ def backward_defect(name, x):
 
 def magnitudes(name, x):
     """A strictly increasing, non-empty list of positive finite numbers."""
-    if not isinstance(x, (list, tuple)) or not x:
-        raise TypeError(f"parameter {name} must be a non-empty list of numbers, got {x!r}")
-    values = []
-    for i, v in enumerate(x):
+    def magnitude(name, v):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
-            raise ValueError(f"parameter {name}[{i}] must be a positive finite number, got {v!r}")
-        values.append(float(v))
-    if values != sorted(set(values)):
-        raise ValueError(f"parameter {name} must be strictly increasing, got {x!r}")
-    return values
+            raise ValueError(f"parameter {name} must be a positive finite number, got {v!r}")
+        return float(v)
+
+    return _list(name, x, "numbers", magnitude, increasing=True)
 
 
 def power_shapes(name, x):

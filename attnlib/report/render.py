@@ -70,13 +70,12 @@ def verdict_block(data: dict, notebook: str = "") -> str:
             what = "; ".join(([f"{details} summed up by the claims above, case by case"] if details else [])
                              + ([f"{len(rest) - details} only shown, not gated"] if details < len(rest) else []))
             parts.append(f"<details><summary>{len(rest)} more claims ({what})</summary>{table(rest)}</details>")
-    mode = ("every kernel call ran under " + STRICT_TEXT if verdict.strict
+    mode = ("Every kernel call ran under " + STRICT_TEXT if verdict.strict  # a sentence of its own, after the time
             else "NOT run in strict floating-point mode")
     where = f"<code>notebooks/{html.escape(notebook)}.ipynb</code>" if notebook else "its notebook"
     env = data.get("environment", {})
     made = (f"Run finished {html.escape(finished(data))} UTC (attnlib {html.escape(str(env.get('attnlib', '?')))}, "
             f"commit {html.escape(str(env.get('git commit', '?')))}), the time in the report's JSON. ")
-    mode = mode[:1].upper() + mode[1:]  # a sentence of its own, after the time
     parts.append(f"<p><small>{made}{html.escape(mode)}. The code is hidden here: it is {where}; every "
                  "figure is also in the report's JSON beside this page.</small></p>")
     return "\n".join(parts)

@@ -21,6 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .costs import _importable
 from .notebook import PROGRESS_ENV, ROOT, Verdict, _now
 from .params import NOTEBOOKS, check_params
 from .render import FULL, _banner, _write_json, render_html, write_index
@@ -69,17 +70,7 @@ INSTALL_REPORT = "pip install 'attnlib[report]'"
 
 def missing_report_modules() -> list[str]:
     """The `REPORT_MODULES` that cannot be imported here (found without importing them)."""
-    import importlib.util
-
-    missing = []
-    for name in REPORT_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):  # a blocked import, or a module without a spec
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
+    return [name for name in REPORT_MODULES if not _importable(name)]
 
 
 def _needs_report_extra(missing) -> ReportError:
