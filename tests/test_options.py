@@ -116,3 +116,34 @@ def test_an_entry_point_given_options_or_keywords_computes_the_same():
     out, lse = attnlib.attention(Q, K, V, return_lse=True, **opts.given())
     assert gate.judge(out, lse)["passed"]
     np.testing.assert_array_equal(gate.ref, attnlib.Gate(Q, K, V, causal=True, window=(3, 0), softcap=5.0).ref)
+
+
+@pytest.mark.parametrize("bad, error, name", [
+    (dict(kv_splits=0), ValueError, "kv_splits"), (dict(block_q=-1), ValueError, "block_q"),
+    (dict(block_k=1.5), TypeError, "block_k"), (dict(workers=0), ValueError, "workers"),
+    (dict(rescale_threshold=-1.0), ValueError, "rescale_threshold"), (dict(return_lse=2), TypeError, "return_lse"),
+    (dict(return_stats="yes"), TypeError, "return_stats"), (dict(compute_dtype="int8"), ValueError, "compute_dtype"),
+    (dict(lse_base=3, return_lse=True), ValueError, "lse_base"), (dict(lse_sink="in"), ValueError, "lse_sink"),
+])
+def test_a_call_is_bound_once_every_argument_checked_by_name(bad, error, name):
+    """`Call.bind` (what `attention`'s body binds from its arguments) checks each argument of
+    the run, the outputs and the precision, naming it, the same as `attention` refuses it."""
+    from attnlib.core.options import Call
+    with pytest.raises(error, match=name):
+        Call.bind({"causal": True, **bad})
+    with pytest.raises(error, match=name):
+        attnlib.attention(Q, K, V, **bad)
+
+
+def test_a_bound_call_holds_what_the_kernel_reads():
+    from attnlib.core.options import Call
+    from attnlib.core.tiled import forward, run_call
+    call = Call.bind(dict(causal=True, window=(2, None), q=Q, unrelated=1), return_lse=True, kv_splits=2,
+                     compute_dtype="float32", block_k=4, workers=1)
+    assert call.options.causal and call.options.window == (2, None) and call.return_lse
+    assert (call.kv_splits, call.block_k, call.block_q, call.workers, call.precision.name) == (2, 4, None, 1, "float32")
+    expected = attnlib.attention(Q, K, V, causal=True, window=(2, None), return_lse=True, kv_splits=2,
+                                 compute_dtype="float32", block_k=4, workers=1)
+    for got in (forward(Q, K, V, call), run_call(Q, K, V, call)):
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    assert Call.bind(options=call.options).options is call.options  # already checked: not parsed again

@@ -98,30 +98,31 @@ def parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_score
     return conv
 
 
-def apply(conv, opts, run, return_lse: bool, return_max_scores: bool = False, *, check_sinks=None):
-    """``run(options)``'s result ``(out, [lse], [max_scores], [stats])`` in the convention
-    ``conv`` (`parse_for_output`; None: as it is): with the sink excluded, ``run`` attends
-    without the sinks and ``out`` is weighted by them after (`without_sink`); ``lse`` and
-    ``max_scores`` in its base, ``lse``'s empty rows as it says.
+def apply(call, run, *, check_sinks=None):
+    """``run(call)``'s result ``(out, [lse], [max_scores], [stats])`` in ``call.convention``
+    (an `options.Call`; None: as it is): with the sink excluded, ``run`` attends without the
+    sinks and ``out`` is weighted by them after (`without_sink`); ``lse`` and ``max_scores``
+    in its base, ``lse``'s empty rows as it says.
 
     ``check_sinks(sinks)``: the checks the kernel makes of the sinks it is given
     (`check_sinks_for`), returning them as given; called before ``run`` when the sinks are
     taken out of it, so that they are checked, with the same errors, whatever the
     convention."""
+    conv, opts = call.convention, call.options
     if conv is None:
-        return run(opts)
-    excluded = return_lse and conv.sink == "excluded" and opts.sinks is not None
+        return run(call)
+    excluded = call.return_lse and conv.sink == "excluded" and opts.sinks is not None
     if excluded:
         if check_sinks is None:
             raise TypeError("lse_conventions.apply needs check_sinks to take the sinks out of the run")
         sinks = check_sinks(opts.sinks)
-    out, *rest = run(replace(opts, sinks=None) if excluded else opts)
-    if return_lse:
+    out, *rest = run(call.replace(options=replace(opts, sinks=None)) if excluded else call)
+    if call.return_lse:
         if excluded:  # the keys' own lse; out weighted by the sinks after
             out = without_sink(out, rest[0], sinks)
         rest[0] = conv.from_natural(rest[0])
-    if return_max_scores and conv.factor != 1.0:
-        at = 1 if return_lse else 0
+    if call.return_max_scores and conv.factor != 1.0:
+        at = 1 if call.return_lse else 0
         rest[at] = rest[at] / conv.factor  # -inf stays -inf
     return (out, *rest)
 

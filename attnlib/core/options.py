@@ -1,12 +1,14 @@
-"""The contract's masking and score options of one call, parsed and validated once.
+"""One call's arguments, checked and bound once: the object the kernels read.
 
 Every entry point (the forward, stream, paged, varlen, backward, the references, the
-distributed oracle, the check and the gate) takes its keyword arguments as before, turns
-them into one `Options` with `Options.parse`, and hands that object on: to `mask_specs`
+distributed oracle, the check and the gate) keeps its keyword arguments (FlashAttention's
+and PyTorch's spirit) and binds them on entry: the masking and score options into one
+`Options` (`Options.of` picks them out of the entry's arguments), handed on to `mask_specs`
 through `Options.specs`, to the per-head terms through `Options.score_terms`, to the
 programmable masks through `Options.mods`, and to another entry point through
-`Options.given`.  Adding an option is one field here, its check in `Options.parse`, and
-the kernels that read it.
+`Options.given`; the forward's whole call, the options with the precision, the outputs and
+how it runs, into one `Call` (`Call.bind`).  Adding an option is one field here, its check
+in `Options.parse`, and the kernels that read it.
 
 What can be checked without the problem's shapes is checked in `parse` (types, ranges,
 callables, a FlexAttention block mask converted); what needs them (lengths against the
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 import numpy as np
 
-from . import flex, problem, validate
+from . import flex, lse_conventions, problem, validate
 from .masks import mask_specs
 from .tilesizes import TileSizes
 
@@ -117,6 +119,12 @@ class Options:
         )
 
     @classmethod
+    def of(cls, arguments: dict, /, **given) -> "Options":
+        """The checked options among an entry point's ``arguments`` (its parameters by name, as
+        ``locals()`` holds them on entry), with ``given`` on top; other names are left out."""
+        return cls.parse(**{**{n: arguments[n] for n in _names() if n in arguments}, **given})
+
+    @classmethod
     def split(cls, options: "Options | None" = None, /, *, entry: str | None = None, accept=None,
               **given) -> tuple:
         """``(Options.parse(options, **the fields among given), the rest of given)``: for an
@@ -194,6 +202,53 @@ class Options:
         return flex.mods_for(self.mask_mod, self.score_mod, block_mask, pb, pb.sq, pb.sk, tiles)
 
 
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One forward call of `attnlib.attention` (or a reference), bound: its `Options`, the
+    precision it computes in, what it returns (in which LSE convention) and how it runs.
+    Every field is checked by `bind`; the kernels read them as they are."""
+
+    options: Options
+    precision: problem.Precision
+    return_lse: bool = False
+    return_max_scores: bool = False
+    return_stats: bool = False
+    convention: "lse_conventions.LseConvention | None" = None  # None: attnlib's own
+    block_q: int | None = None  # None: the backend's tiles (or the block mask's)
+    block_k: int | None = None
+    kv_splits: int = 1
+    workers: int | None = None  # None: the backend's default
+    rescale_threshold: float = 0.0
+    check_finite: bool = True
+    device: Any = None  # as given: resolved with the inputs (`device.resolve`)
+
+    @classmethod
+    def bind(cls, arguments: dict | None = None, /, *, options: Options | None = None, **given) -> "Call":
+        """The checked call of an entry point's ``arguments`` (``locals()`` on entry) with
+        ``given`` on top: the options among them (on top of ``options``), ``compute_dtype``,
+        ``return_lse``/``return_max_scores``/``return_stats``, ``lse_base``/``lse_sink``/
+        ``lse_empty``, ``block_q``/``block_k``, ``kv_splits``, ``workers``,
+        ``rescale_threshold``, ``check_finite`` and ``device``; other names are left out.
+        Each bad value is a ``TypeError`` or ``ValueError`` naming its argument."""
+        a = {**(arguments or {}), **given}
+        opts = Options.parse(options, **{n: a[n] for n in _names() if n in a})
+        lse, most, stats = (validate.flag(a.get(n, False), n) for n in
+                            ("return_lse", "return_max_scores", "return_stats"))
+        tiles = {n: None if a.get(n) is None else validate.positive_int(a[n], n) for n in ("block_q", "block_k")}
+        return cls(opts, problem.precision(a.get("compute_dtype")), lse, most, stats,
+                   lse_conventions.parse_for_output(a.get("lse_base"), a.get("lse_sink"), a.get("lse_empty"),
+                                                    lse, most),
+                   **tiles, kv_splits=validate.positive_int(a.get("kv_splits", 1), "kv_splits"),
+                   workers=None if a.get("workers") is None else validate.workers(a["workers"]),
+                   rescale_threshold=validate.threshold(a.get("rescale_threshold", 0.0)),
+                   check_finite=a.get("check_finite", True), device=a.get("device"))
+
+    def replace(self, **changes) -> "Call":
+        """This call with ``changes`` to its fields (``options=`` an `Options`), unchecked:
+        for a kernel's own sub-calls."""
+        return replace(self, **changes)
+
+
 def _callable(fn, name):
     if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be callable as FlexAttention's, got {type(fn).__name__}")
@@ -211,4 +266,4 @@ def _names() -> tuple:
 
 _DEFAULTS = {f.name: f.default for f in fields(Options)}
 
-__all__ = ["Options", "MASKING", "SCORES", "MODS", "PAGING", "SPARSE"]
+__all__ = ["Call", "Options", "MASKING", "SCORES", "MODS", "PAGING", "SPARSE"]

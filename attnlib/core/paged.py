@@ -26,7 +26,7 @@ from . import arrays
 from .arrays import as_numpy
 from . import problem
 from . import validate
-from .options import Options
+from .options import Call
 from .stream import stream_forward
 from .tilesizes import DEFAULT_TILES
 from .parallel import run_tiles
@@ -98,18 +98,17 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, causal=F
     float64 and its score tile per thread, plus the queries' state and the output;
     independent of the number of pages in the cache.
     """
-    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
-                         alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, block_table=block_table,
-                         cache_seqlens=cache_seqlens)
-    return paged_forward(q, k_cache, v_cache, opts, block_q=block_q, chunk_keys=chunk_keys, workers=workers,
-                         return_lse=return_lse, check_finite=check_finite)
+    if chunk_keys is not None:  # the call's block_k below
+        validate.positive_int(chunk_keys, "chunk_keys")
+    return paged_forward(q, k_cache, v_cache, Call.bind(locals(), block_k=chunk_keys))
 
 
-def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_keys=None, workers=None,
-                  return_lse=False, check_finite=True, dev=None):
-    """`paged_attention` with its options (the page table among them) parsed into ``opts``.
-    ``dev``: a torch device, where the pages are gathered and attended to with torch
-    (`attnlib.core.stream` on the torch backend), torch tensors out; None: numpy."""
+def paged_forward(q, k_cache, v_cache, call: Call, dev=None):
+    """`paged_attention` of the bound ``call`` (the page table among its options; ``block_k``
+    the keys gathered at a time).  ``dev``: a torch device, where the pages are gathered and
+    attended to with torch (`attnlib.core.stream` on the torch backend), torch tensors out;
+    None: numpy."""
+    opts, check_finite, block_q = call.options, call.check_finite, call.block_q
     block_table, cache_seqlens = opts.block_table, opts.cache_seqlens
     if dev is None:
         q = arrays.as_float_array(q, "q")
@@ -138,10 +137,8 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
     if page_size == 0:
         raise ValueError("the cache's page_size (axis 1 of k_cache) must be at least 1")
     table, lens = page_tables(block_table, cache_seqlens, batch, num_blocks, page_size)
-    chunk = DEFAULT_CHUNK_KEYS if chunk_keys is None else validate.positive_int(chunk_keys, "chunk_keys")
-    pages_per_chunk = max(1, chunk // page_size)
-    workers = validate.workers(workers)
-    return_lse = validate.flag(return_lse, "return_lse")
+    pages_per_chunk = max(1, (call.block_k or DEFAULT_CHUNK_KEYS) // page_size)
+    workers = validate.workers(call.workers)
     slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", batch, hq)
     sink = problem.per_entry(opts.sinks, "sinks", batch, hq)
     if dev is None:
@@ -179,15 +176,13 @@ def paged_forward(q, k_cache, v_cache, opts: Options, *, block_q=None, chunk_key
         block_k = min(pages_per_chunk * page_size, max(1, int(lens[b])))
         # This entry's slopes and sinks: already checked, so set without a second parse.
         entry_opts = replace(opts, alibi_slopes=slopes(b), sinks=sink(b), block_table=None, cache_seqlens=None)
-        if dev is None:
-            out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
-                                            block_k=block_k, workers=1, return_lse=True, check_finite=False)
-        else:  # the torch backend's own threads on the CPU
-            out[b], lse[b] = stream_forward(q[b], chunks(b), entry_opts, total_keys=int(lens[b]), block_q=block_q,
-                                            block_k=block_k, return_lse=True, check_finite=False, device=dev)
+        # The torch backend runs its own threads on the CPU; numpy one thread per entry.
+        entry_call = call.replace(options=entry_opts, block_k=block_k, return_lse=True, check_finite=False,
+                                  workers=1 if dev is None else None, device=dev)
+        out[b], lse[b] = stream_forward(q[b], chunks(b), entry_call, total_keys=int(lens[b]))
 
     run_tiles(entry, range(batch), min(workers, max(1, batch)) if dev is None else 1)
-    return (out, lse) if return_lse else out
+    return (out, lse) if call.return_lse else out
 
 
 def gather_pages(cache, block_table, cache_seqlens) -> np.ndarray:

@@ -18,7 +18,7 @@ from . import validate
 from . import flex
 from .backend import NUMPY, backend_for
 from .device import on_device, resolve as device_of
-from .options import Options
+from .options import Call, Options
 
 
 def reference_scores(q, k, *, check_finite=True, **options):
@@ -165,21 +165,18 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
     before ``exp`` (where it is finite) so that nothing overflows and logits of ``-1e4``
     do not all underflow to 0.
     """
-    opts = dense_options(**options)
+    call = Call.bind(locals(), options=dense_options(**options))
     q, k, v = mla.inputs(q, k, v, qv, False, q_descale, k_descale, v_descale, check_finite)
-    return_max_scores = validate.flag(return_max_scores, "return_max_scores")
-    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores)
-    return lse_conventions.apply(
-        conv, opts, lambda o: _dense_on(q, k, v, o, device, return_lse, check_finite, compute_dtype,
-                                        return_max_scores), return_lse, return_max_scores,
-        check_sinks=lse_conventions.check_sinks_for(q, k, v, compute_dtype=compute_dtype))
+    return lse_conventions.apply(call, lambda c: _dense_on(q, k, v, c),
+                                 check_sinks=lse_conventions.check_sinks_for(q, k, v, compute_dtype=compute_dtype))
 
 
-def _dense_on(q, k, v, opts: Options, device, return_lse, check_finite, compute_dtype, return_max_scores=False):
-    """`dense_attention` with numpy, or with torch on the device `attention`'s rule picks."""
-    dev = device_of(device, q, k, v)
-    result = dense_attention(q, k, v, opts, return_lse=return_lse, check_finite=check_finite,
-                             compute_dtype=compute_dtype, return_max_scores=return_max_scores, dev=dev)
+def _dense_on(q, k, v, call: Call):
+    """`dense_attention` of the bound ``call`` with numpy, or with torch on the device
+    `attention`'s rule picks."""
+    dev = device_of(call.device, q, k, v)
+    result = dense_attention(q, k, v, call.options, return_lse=call.return_lse, check_finite=call.check_finite,
+                             compute_dtype=call.precision, return_max_scores=call.return_max_scores, dev=dev)
     return result if dev is None else on_device(result, (q, k, v))
 
 

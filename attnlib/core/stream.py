@@ -14,11 +14,11 @@ import numpy as np
 from . import arrays
 from . import problem
 from . import validate
-from .options import MODS, SPARSE, Options
+from .options import MODS, SPARSE, Call
 from .masks import SKIP, MaskSpec, sink_tokens
 from .tilesizes import DEFAULT_TILES, TileSizes
 from . import hooks
-from .backend import NUMPY
+from .backend import NUMPY, backend_for
 from . import tiles  # noqa: F401  (declares the steps absorb looks up)
 from .parallel import run_tiles
 from .device import on_device, resolve as device_of
@@ -83,36 +83,28 @@ def attention_stream(q, kv_chunks, *, causal=False, causal_align="bottom_right",
     >>> bool(np.allclose(out, attnlib.reference_attention(q, k, v, causal=True), atol=1e-14))
     True
     """
-    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
-                         alibi_slopes=alibi_slopes, sinks=sinks, scale=scale, attention_chunk=attention_chunk,
-                         sink_token_length=sink_token_length)
-    return stream_forward(q, kv_chunks, opts, total_keys=total_keys, block_q=block_q, block_k=block_k,
-                          workers=workers, return_lse=return_lse, check_finite=check_finite, device=device)
+    if total_keys is not None:
+        total_keys = validate.count(total_keys, "total_keys")
+    return stream_forward(q, kv_chunks, Call.bind(locals()), total_keys=total_keys)
 
 
-def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None, block_k=None,
-                   workers=None, return_lse=False, check_finite=True, device=None):
-    """`attention_stream` with its options already parsed into ``opts``."""
+def stream_forward(q, kv_chunks, call: Call, total_keys=None):
+    """`attention_stream` of the bound ``call`` (``total_keys`` checked)."""
+    opts, workers, check_finite = call.options, call.workers, call.check_finite
     refused = sorted(opts.given(("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "key_leftpad")
                                 + MODS + SPARSE))
     if refused:
         raise ValueError(f"{', '.join(refused)} cannot be combined with streamed keys")
-    dev = device_of(device, q)
-    xp = NUMPY
-    if dev is not None:
-        from .torch_backend import Torch
-        xp = Torch(dev, None if workers is None else validate.workers(workers))
+    dev = device_of(call.device, q)
+    xp = NUMPY if dev is None else backend_for(dev, workers)
     base = DEFAULT_TILES
     if xp is not NUMPY:
         from .tilesizes import device_tiles
         base = device_tiles(dev, int(np.prod(np.shape(q)[:-2])) if len(np.shape(q)) >= 2 else 1)
-    tiles = TileSizes(base.block_q if block_q is None else block_q, base.block_k if block_k is None else block_k)
+    tiles = TileSizes(call.block_q or base.block_q, call.block_k or base.block_k)
     causal, causal_align, win, cap = opts.causal, opts.causal_align, opts.window, opts.softcap
     alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
-    return_lse = validate.flag(return_lse, "return_lse")
     workers = validate.workers(workers) if xp is NUMPY else xp.workers
-    if total_keys is not None:
-        total_keys = validate.count(total_keys, "total_keys")
     needs_offset = (causal or win != (None, None) or alibi_slopes is not None
                     or opts.attention_chunk is not None)
     if needs_offset and causal_align == "bottom_right" and total_keys is None:
@@ -121,7 +113,7 @@ def stream_forward(q, kv_chunks, opts: Options, *, total_keys=None, block_q=None
             "i + total_keys - Sq (or pass causal_align='top_left')")
     with xp.threads(workers):
         out, lse = _stream(q, kv_chunks, opts, xp, tiles, win, total_keys, workers, check_finite)
-    result = (out, lse) if return_lse else out
+    result = (out, lse) if call.return_lse else out
     return on_device(result, (q,)) if dev is not None else result
 
 

@@ -20,7 +20,7 @@ from . import flex
 from . import hooks
 from .backend import NUMPY, backend_for
 from .masks import SKIP
-from .options import Options
+from .options import Call, Options
 from .paged import paged_forward
 from .parallel import _unit_of, run_tiles, work_units
 from .tilesizes import DEFAULT_TILES, LARGE_HEAD_TILES, TileSizes, default_tiles
@@ -215,86 +215,70 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
     >>> attnlib.attention_errors(out, q, k, v, causal=True, window=(64, None)).rel_error < 1e-12
     True
     """
-    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, kv_lengths=kv_lengths,
-                         q_lengths=q_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                         key_leftpad=key_leftpad, attention_chunk=attention_chunk,
-                         sink_token_length=sink_token_length, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, scale=scale,
-                         mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask,
-                         block_table=block_table, cache_seqlens=cache_seqlens,
-                         gather_kv_indices=gather_kv_indices)
-    return_max_scores = validate.flag(return_max_scores, "return_max_scores")
-    run = dict(block_q=block_q, block_k=block_k, kv_splits=kv_splits, workers=workers,
-               rescale_threshold=rescale_threshold, compute_dtype=compute_dtype, return_lse=return_lse,
-               return_stats=return_stats, check_finite=check_finite, return_max_scores=return_max_scores)
-    q, k, v = mla.inputs(q, k, v, qv, opts.paged, q_descale, k_descale, v_descale, check_finite)
-    conv = lse_conventions.parse_for_output(lse_base, lse_sink, lse_empty, return_lse, return_max_scores)
-    return lse_conventions.apply(conv, opts, lambda o: forward_on(q, k, v, o, device=device, **run),
-                                 return_lse, return_max_scores,
-                                 check_sinks=lse_conventions.check_sinks_for(q, k, v, paged=opts.paged,
+    call = Call.bind(locals())  # every argument checked once, read by the kernel as bound
+    q, k, v = mla.inputs(q, k, v, qv, call.options.paged, q_descale, k_descale, v_descale, check_finite)
+    return lse_conventions.apply(call, lambda c: run_call(q, k, v, c),
+                                 check_sinks=lse_conventions.check_sinks_for(q, k, v, paged=call.options.paged,
                                                                              compute_dtype=compute_dtype))
 
 
-def forward_on(q, k, v, opts: Options, *, device=None, **run):
-    """`forward`, with numpy, or with torch on the device that ``device`` or torch inputs name
-    (`attnlib.core.device.resolve`): results as the inputs came (numpy for numpy inputs)."""
-    dev = device_of(device, q, k, v)
+def forward_on(q, k, v, opts: Options, **run):
+    """`run_call` of ``opts`` and the run's keywords (`Call.bind`'s: ``return_lse``,
+    ``workers``, ``device``, ...)."""
+    return run_call(q, k, v, Call.bind(options=opts, **run))
+
+
+def run_call(q, k, v, call: Call):
+    """`forward`, with numpy, or with torch on the device that ``call.device`` or torch inputs
+    name (`attnlib.core.device.resolve`): results as the inputs came (numpy for numpy inputs)."""
+    dev = device_of(call.device, q, k, v)
     if dev is None:
-        return forward(q, k, v, opts, **run)
-    return on_device(forward(q, k, v, opts, dev=dev, **run), (q, k, v))
+        return forward(q, k, v, call)
+    return on_device(forward(q, k, v, call, dev=dev), (q, k, v))
 
 
-def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, workers=None,
-            rescale_threshold=0.0, compute_dtype=None, return_lse=False, return_stats=False,
-            check_finite=True, dev=None, return_max_scores=False):
-    """`attention` with its masking and score options already parsed into ``opts``; ``dev``:
-    a torch device to compute on (`attnlib.core.torch_backend`), or None for numpy."""
+def forward(q, k, v, call: Call, dev=None):
+    """`attention`'s forward of the bound ``call``; ``dev``: a torch device to compute on
+    (`attnlib.core.torch_backend`), or None for numpy."""
+    opts, prec = call.options, call.precision
     if opts.paged:
         unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
                                      "key_leftpad", "attention_chunk", "sink_token_length",
                                      "mask_mod", "score_mod", "block_mask", "gather_kv_indices")),
-                       "return_stats": return_stats or None,
-                       "kv_splits": None if kv_splits == 1 else kv_splits,
-                       "rescale_threshold": rescale_threshold or None,
-                       "return_max_scores": return_max_scores or None,
-                       "compute_dtype": None if compute_dtype in (None, "float64") else compute_dtype}
+                       "return_stats": call.return_stats or None,
+                       "kv_splits": None if call.kv_splits == 1 else call.kv_splits,
+                       "rescale_threshold": call.rescale_threshold or None,
+                       "return_max_scores": call.return_max_scores or None,
+                       "compute_dtype": None if prec.is_float64 else prec.name}
         given = sorted(name for name, value in unsupported.items() if value is not None)
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with a paged KV cache "
                              "(cache_seqlens gives the key lengths)")
-        if block_k is not None:  # paged_attention calls it chunk_keys
-            validate.positive_int(block_k, "block_k")
-        return paged_forward(q, k, v, opts, block_q=block_q, chunk_keys=block_k, workers=workers,
-                             return_lse=return_lse, check_finite=check_finite, dev=dev)
-    kv_splits = validate.positive_int(kv_splits, "kv_splits")
-    workers = validate.workers(workers) if dev is None or workers is not None else None
-    tau = validate.threshold(rescale_threshold)
-    prec = problem.precision(compute_dtype)
-    return_lse = validate.flag(return_lse, "return_lse")
-    return_stats = validate.flag(return_stats, "return_stats")
+        return paged_forward(q, k, v, call, dev=dev)  # block_k: the keys gathered at a time
+    workers = validate.workers(None) if dev is None and call.workers is None else call.workers
     xp = NUMPY if dev is None else backend_for(dev, workers)
-    q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
-    setup = prepare(q5, k5, v5, pb, opts, block_q=block_q, block_k=block_k, prec=prec, tau=tau, xp=xp,
-                    extremes=extremes)
+    q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, call.check_finite)
+    setup = prepare(q5, k5, v5, pb, opts, block_q=call.block_q, block_k=call.block_k, prec=prec,
+                    tau=call.rescale_threshold, xp=xp, extremes=extremes)
     workers = xp.workers if xp is not NUMPY else workers
     tiles = setup.tiles
     n_k_tiles = -(-pb.sk // tiles.block_k)
     # More ranges than key tiles would only add empty ones (each a pass over the queries).
-    splits = np.array_split(np.arange(n_k_tiles), max(1, min(kv_splits, n_k_tiles)))
+    splits = np.array_split(np.arange(n_k_tiles), max(1, min(call.kv_splits, n_k_tiles)))
     # The sink joins the first key range's state only: once per row, whatever the split.
     # float64 partials keep their lse in two parts (m, log l), which merge without the loss
     # of a one-float lse at large scores; a low precision merges its lse, as its kernel does.
     parts = len(splits) > 1 and prec.is_float64
-    sel = setup.selection
+    sel, stats, maxes = setup.selection, call.return_stats, call.return_max_scores
     if sel is not None and len(splits) == 1 and xp is NUMPY and sel.prefer_gather(tiles.block_q, tiles.block_k):
         # Top-k lists: the listed keys gathered, at a cost that follows them (`sparse.gathered`).
         partials = [sparse.gathered(q5, k5, v5, pb, setup, sel, workers=workers,
-                                    count_rescales=return_stats, max_scores=return_max_scores)]
-        return _results(pb, tiles, prec, *partials[0][:2], partials, return_lse, return_stats)
+                                    count_rescales=stats, max_scores=maxes)]
+        return _results(pb, tiles, call, *partials[0][:2], partials)
     with xp.threads(workers):
         partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
                              (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
-                             count_rescales=return_stats, lse_parts=parts, max_scores=return_max_scores)
+                             count_rescales=stats, lse_parts=parts, max_scores=maxes)
                     for r, part in enumerate(splits)]
         xp.finish()  # the errors a device gathered, raised once
         if len(partials) == 1:
@@ -304,20 +288,20 @@ def forward(q, k, v, opts: Options, *, block_q=None, block_k=None, kv_splits=1, 
             lse = lse_of(merged, xp)
         else:
             out, lse = _merged([p[:2] for p in partials], xp)
-        return _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats, xp)
+        return _results(pb, tiles, call, out, lse, partials, xp)
 
 
-def _results(pb, tiles, prec, out, lse, partials, return_lse, return_stats, xp=NUMPY):
+def _results(pb, tiles, call, out, lse, partials, xp=NUMPY):
     """`stats.results` of the merged ``out, lse`` of the key ranges' ``partials`` (and their
     ``max_scores``, the largest of theirs, when they carry one)."""
-    maxes = None
+    maxes, prec = None, call.precision
     if partials[0][4] is not None:
         maxes = functools.reduce(xp.maximum, [p[4] for p in partials])
     if not prec.is_float64:  # what a kernel in that precision would write out
         out, lse = xp.astype(out, prec.compute), xp.astype(lse, prec.accumulate)
         maxes = None if maxes is None else xp.astype(maxes, prec.accumulate)
-    return results(pb, tiles, out, lse, sum(p[2] for p in partials) if return_stats else None, partials[0][3],
-                   return_lse=return_lse, return_stats=return_stats, max_scores=maxes)
+    return results(pb, tiles, out, lse, sum(p[2] for p in partials) if call.return_stats else None,
+                   partials[0][3], return_lse=call.return_lse, return_stats=call.return_stats, max_scores=maxes)
 
 
 @dataclass(frozen=True, eq=False)

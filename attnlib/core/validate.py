@@ -169,6 +169,41 @@ def cli_window(values):
     return tuple(None if x < 0 else x for x in values)
 
 
+def add_mask_flags(p, qv: bool = False) -> None:
+    """The contract's masking and score options that fit a command line, as flags of the
+    argparse parser ``p`` (every CLI's: `cli_options` reads them back); ``qv``: the CLI takes
+    MLA's ``--qv``, which changes the default scale."""
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right",
+                   help="causal alignment when seqlen_q != seqlen_k (default bottom_right, FlashAttention's)")
+    p.add_argument("--window", nargs=2, type=window_side, metavar=("L", "R"),
+                   help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
+    p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="softmax scale (default 1/sqrt(headdim)"
+                        + ("; with --qv 1/sqrt(headdim + Dv), the joined head dims, Dv being v's head dim" if qv else "")
+                        + "); give the kernel's exact value, e.g. 0.08838834764831845 for 1/sqrt(128), not a "
+                          "rounded one")
+    p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="valid keys per batch entry (padding)")
+    p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N",
+                   help="valid query rows per batch entry (padded rows must be 0)")
+    p.add_argument("--key-leftpad", type=int, nargs="+", default=None, metavar="N",
+                   help="left-padded keys: the first valid key per batch entry (FlashAttention's cache_leftpad)")
+    p.add_argument("--attention-chunk", type=int, default=0, metavar="C",
+                   help="chunked attention: a query sees the keys of its own chunk of C positions (0: off)")
+    p.add_argument("--sink-token-length", type=int, default=0, metavar="N",
+                   help="the first N keys stay visible through the window's left bound (sink tokens)")
+
+
+def cli_options(args) -> dict:
+    """The options of `add_mask_flags`' flags in ``args``, as `attnlib.attention` takes them."""
+    return dict(causal=args.causal, causal_align=args.align, window=cli_window(args.window),
+                softcap=args.softcap or None, scale=args.scale, kv_lengths=args.kv_lengths,
+                q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
+                attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length)
+
+
 def _integers(x, name):
     arr = np.asarray(x)
     if arr.size == 0 and arr.dtype == np.float64 and not isinstance(x, np.ndarray):

@@ -22,7 +22,7 @@ from . import mla, problem
 from . import validate
 from .backward import _score_mod_grad, dense_backward, tiled_backward
 from . import device as dev_mod
-from .options import Options
+from .options import Call, Options
 from .reference import dense_attention
 from .tiled import forward
 
@@ -228,9 +228,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, max
     return_stats = validate.flag(return_stats, "return_stats")
     dev = dev_mod.resolve(device, q, k, v)
     q, k, v = _joined(q, k, v, qv, dev, options.get("check_finite", True))
-    def kernel(*a, **o):
-        return forward(*a, dev=dev, **o)
-    out, lse, extras = _run(lambda *a, **o: kernel(*a, return_lse=True, return_stats=return_stats, **o),
+    def kernel(q_b, k_b, v_b, opts, **run):
+        return forward(q_b, k_b, v_b, Call.bind(options=opts, return_lse=True, return_stats=return_stats, **run),
+                       dev=dev)
+    out, lse, extras = _run(kernel,
                             q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                             max_seqlen_k, dict(options), dev=dev)
     result = [out] + ([lse] if return_lse else []) + ([[e[0] for e in extras]] if return_stats else [])
