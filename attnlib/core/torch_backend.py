@@ -180,8 +180,10 @@ class Torch:
         12.8 ms and of finite scores 4.1 ((8, 512, 512), one thread, AMD EPYC, measured), so the
         ``-inf`` are set to 0 first and ``p`` multiplied by where they were above ``-inf`` (on
         (2, 256, 256) with half -inf, one thread, Intel Xeon: 423 us, ``isfinite`` 670, a plain
-        ``exp_`` 322).  ``visible`` alone would not do: an overflowed shift is visible."""
-        keep = s > -math.inf
+        ``exp_`` 322).  ``visible`` alone would not do: an overflowed shift is visible.  The
+        comparison writes 1.0 / 0.0 into a float64 tensor: a bool factor cost a conversion
+        (a (256, 256) tile, one thread, Intel Xeon: 70 against 130 us for the four steps)."""
+        keep = self.torch.gt(s, -math.inf, out=self.torch.empty_like(s))
         return s.nan_to_num_(neginf=0.0).exp_().mul_(keep)
 
     def _bias(self, visible):
