@@ -101,9 +101,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     float64 kernel is held to the float64 rounding bound of the verdict gate.  ``docs/semantics.md`` has the
     contract (masks, alignment, empty rows, sinks).
     """
-    options = dict(locals())  # the keyword arguments, every one check_kernel's
-    for name in ("out", "q", "k", "v"):
-        del options[name]
+    # the keyword arguments, every one check_kernel's
+    options = {name: x for name, x in locals().items() if name not in ("out", "q", "k", "v")}
     result = check_kernel(q, k, v, out, **options)
     if not result.passed:
         raise AssertionError("attention output not close to the float64 reference\n\n"

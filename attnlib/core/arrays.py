@@ -208,9 +208,7 @@ def as_float_array(x, name: str) -> np.ndarray:
     (exactly): numpy does not count them as floating, but they are real floats.  torch
     tensors (any device, any float type, with or without grad) are read exactly as well.
     """
-    if type(x) is not np.ndarray:  # tensors, lists, subclasses (masked arrays): read exactly or refused
-        x = as_numpy(x, name)
-    arr = np.asarray(x)
+    arr = np.asarray(as_numpy(x, name))  # tensors, lists, subclasses (masked arrays): read exactly or refused
     if not np.issubdtype(arr.dtype, np.floating):
         if _is_ml_float(arr.dtype):
             return arr.astype(np.float64)
@@ -248,8 +246,6 @@ def check_finite(x: np.ndarray, name: str) -> float:
                 f"{name} contains NaN or inf (first at index {tuple(int(w) for w in where)});"
                 " pass check_finite=False to skip this check"
             )
-
-
 
 
 def abs_max(x: np.ndarray) -> float:

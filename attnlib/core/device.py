@@ -103,8 +103,7 @@ def as_tensor(x, name: str, dev):
 
 def index_tensor(x, dev, dtype=None):
     """Integers computed on the host (positions, lengths, ids) as a tensor on ``dev``."""
-    torch = _torch()
-    return torch.as_tensor(np.array(x), device=dev, dtype=dtype)  # a copy: small, and writable
+    return _torch().as_tensor(np.array(x), device=dev, dtype=dtype)  # a copy: small, and writable
 
 
 def _first_bad(t, name):

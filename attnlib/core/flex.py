@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import validate
+from .arrays import _is_torch_tensor
 from .device import float64_default
 from .masks import FULL, PARTIAL, SKIP
 from .tilesizes import DEFAULT_TILES
@@ -54,29 +55,14 @@ class BlockMask:
     def shape(self) -> tuple:
         return self.kinds.shape
 
-    def sparsity(self) -> float:
-        """The share of (b, h, tile) triples that are SKIP."""
-        return float(np.mean(self.kinds == SKIP)) if self.kinds.size else 0.0
-
     def for_heads(self, b, h, a: int) -> np.ndarray:
         """``(n_k_tiles,)`` classes of query tile ``a`` for the heads ``(b, h)`` (broadcast
         index arrays) processed together: SKIP where SKIP for all of them, FULL where FULL
         for all, else PARTIAL."""
-        bb = np.asarray(b) if self.kinds.shape[0] > 1 else np.zeros_like(np.asarray(b))
-        hh = np.asarray(h) if self.kinds.shape[1] > 1 else np.zeros_like(np.asarray(h))
-        bb, hh = np.broadcast_arrays(bb, hh)
-        rows = self.kinds[bb.ravel(), hh.ravel(), a]  # (heads, n_k_tiles)
-        return combine_kinds(rows, axis=0)
-
-
-def combine_kinds(kinds: np.ndarray, axis=0) -> np.ndarray:
-    """Classes of several heads' (or masks') tiles taken together: SKIP only where all are,
-    FULL only where all are, else PARTIAL."""
-    if kinds.shape[axis] == 0:
-        return np.full(np.delete(kinds.shape, axis), SKIP, dtype=np.int8)
-    all_skip = np.all(kinds == SKIP, axis=axis)
-    all_full = np.all(kinds == FULL, axis=axis)
-    return np.where(all_skip, SKIP, np.where(all_full, FULL, PARTIAL)).astype(np.int8)
+        bb, hh = (x.ravel() * (n > 1) for x, n in zip(np.broadcast_arrays(b, h), self.kinds.shape))  # size 1: index 0
+        rows = self.kinds[bb, hh, a]  # (heads, n_k_tiles); all over no heads: SKIP
+        return np.where(np.all(rows == SKIP, axis=0), SKIP,
+                        np.where(np.all(rows == FULL, axis=0), FULL, PARTIAL)).astype(np.int8)
 
 
 def intersect_kinds(builtin: np.ndarray, mod: np.ndarray) -> np.ndarray:
@@ -88,17 +74,11 @@ def intersect_kinds(builtin: np.ndarray, mod: np.ndarray) -> np.ndarray:
 def _check_callable(fn, name):
     if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be callable as FlexAttention's, got {type(fn).__name__}")
-    return fn
 
 
 #: The functions found to be written with torch operations (see `_call`): called with
 #: tensors from then on, as `from_torch` would.
 _TORCH_WRITTEN = weakref.WeakKeyDictionary()
-
-
-def _torch_result(x) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _call(fn, args, name):
@@ -117,7 +97,7 @@ def _call(fn, args, name):
             raise
         failure = e
     else:
-        if not _torch_result(out):
+        if not _is_torch_tensor(out):
             return out
         if _torch_source(fn) is not None:  # already called with tensors (from_torch): read it
             return out.detach().cpu().numpy()
@@ -415,12 +395,11 @@ def mods_for(mask_mod, score_mod, block_mask, pb, sq, sk, tiles):
     if mask_mod is None and score_mod is None and block_mask is None:
         return None
     check_elementwise(mask_mod, score_mod, sq, sk)
-    block_mask = as_block_mask(block_mask)
+    block_mask, nb = as_block_mask(block_mask), math.prod(pb.batch)
     if block_mask is not None:
         if (block_mask.sq, block_mask.sk) != (sq, sk):
             raise ValueError(f"block_mask is for Sq={block_mask.sq}, Sk={block_mask.sk}, the inputs have "
                              f"Sq={sq}, Sk={sk}")
-        nb = math.prod(pb.batch)
         if block_mask.kinds.shape[0] not in (1, nb) or block_mask.kinds.shape[1] not in (1, pb.hq):
             raise ValueError(f"block_mask has B={block_mask.kinds.shape[0]}, H={block_mask.kinds.shape[1]}; "
                              f"the inputs have {nb} batch entries and {pb.hq} query heads (or use None: 1)")
@@ -434,8 +413,7 @@ def mods_for(mask_mod, score_mod, block_mask, pb, sq, sk, tiles):
                 mask_mod=both)
         mask_mod = both
     elif mask_mod is not None:
-        depends = (None if math.prod(pb.batch) <= 1 else math.prod(pb.batch), pb.hq)
-        block_mask = create_block_mask(mask_mod, depends[0], depends[1], sq, sk, tiles.block_q, tiles.block_k)
+        block_mask = create_block_mask(mask_mod, nb if nb > 1 else None, pb.hq, sq, sk, tiles.block_q, tiles.block_k)
     return mask_mod, score_mod, block_mask
 
 

@@ -93,17 +93,16 @@ _tokens = itertools.count()
 
 def declare(name: str, default) -> None:
     """Record ``default`` as step ``name``'s default (called once, by its defining module)."""
-    if name not in STEPS:
-        raise ValueError(f"{name!r} is not a declared step; the steps are {', '.join(STEPS)}")
+    _checked(name, declaring=True)
     with _lock:
         _defaults[name] = default
         _current.setdefault(name, default)
 
 
-def _checked(name: str) -> str:
+def _checked(name: str, declaring: bool = False) -> str:
     if name not in STEPS:
         raise ValueError(f"{name!r} is not a declared step; the steps are {', '.join(STEPS)}")
-    if name not in _defaults:  # declared by its module on import; every kernel imports tiles
+    if not declaring and name not in _defaults:  # declared by its module on import; every kernel imports tiles
         raise LookupError(f"step {name!r} has no default yet: import attnlib.core.tiles, which "
                           "declares every step")
     return name

@@ -140,12 +140,6 @@ class MaskSpec:
         """Whether a row sees a diagonal band rather than every key (causal or window)."""
         return self.left is not None or self.right is not None
 
-    @property
-    def by_position(self) -> bool:
-        """Whether visibility depends on positions at all (else every pair is visible)."""
-        return (self.banded or self.rows < self.sq or self.keys < self.sk
-                or self.q_segments is not None or self.key_lo > 0 or self.chunk is not None)
-
     def visible(self, i, j, keys_first: bool = False) -> np.ndarray:
         """Boolean ``(len(i), len(j))``: may query ``i`` see key ``j``?  ``keys_first``: the
         transposed grid ``(len(j), len(i))``.  Only the rules in force are evaluated (a
@@ -167,10 +161,8 @@ class MaskSpec:
 
         if i.size and i.max() >= self.rows:
             vis = both(i < self.rows)
-        if j.size and j.max() >= self.keys:
-            vis = both(j < self.keys)
-        if j.size and j.min() < self.key_lo:
-            vis = both(j >= self.key_lo)
+        if j.size and (j.max() >= self.keys or j.min() < self.key_lo):
+            vis = both((j < self.keys) & (j >= self.key_lo))
         o = self.offset
         if self.left is not None:
             rule = j >= i + o - self.left
@@ -214,12 +206,10 @@ class MaskSpec:
         last = (int(rows[-1]) if contiguous else int(rows.max())) if rows.size else -1  # the tile's last row
         if last >= self.rows:
             vis = both(self._grid(rows < self.rows, np.ones(cols.size, bool), keys_first))
-        if cols.size and k1 > self.keys:
-            vis = both(self._grid(np.ones(rows.size, bool), cols < self.keys, keys_first))
-        if cols.size and k0 < self.key_lo:
-            vis = both(self._grid(np.ones(rows.size, bool), cols >= self.key_lo, keys_first))
+        if cols.size and (k1 > self.keys or k0 < self.key_lo):
+            vis = both(self._grid(np.ones(rows.size, bool), (cols < self.keys) & (cols >= self.key_lo), keys_first))
         if self.chunk is not None and rows.size and cols.size:
-            vis = both(self._grid_of(self._chunk_of(rows + self.offset), self._chunk_of(cols), keys_first))
+            vis = both(self._grid(self._chunk_of(rows + self.offset), self._chunk_of(cols), keys_first, np.equal))
         if self.q_segments is not None:
             vis = both(self._documents(rows, cols, keys_first))
         return np.ones(shape, dtype=bool) if vis is None else vis
@@ -229,15 +219,9 @@ class MaskSpec:
         return (np.asarray(pos) - self.kv_start) // self.chunk
 
     @staticmethod
-    def _grid_of(row_chunk, col_chunk, keys_first):
-        """``row_chunk == col_chunk`` over the tile's pairs, laid out as the tile."""
-        return (col_chunk[:, None] == row_chunk[None, :] if keys_first
-                else row_chunk[:, None] == col_chunk[None, :])
-
-    @staticmethod
-    def _grid(row_ok, col_ok, keys_first):
-        """``row_ok & col_ok`` over the tile's pairs, laid out as the tile."""
-        return col_ok[:, None] & row_ok[None, :] if keys_first else row_ok[:, None] & col_ok[None, :]
+    def _grid(row_x, col_x, keys_first, op=np.bitwise_and):
+        """``op(row_x, col_x)`` over the tile's pairs (``&``, or ``==`` of ids), laid out as the tile."""
+        return op(col_x[:, None], row_x[None, :]) if keys_first else op(row_x[:, None], col_x[None, :])
 
     def _band(self, rows, cols, keys_first, contiguous, cache):
         """The band rules' mask of a tile, None where they hide nothing (see `tile_visible`)."""
@@ -279,13 +263,10 @@ class MaskSpec:
             shape = (cols.size, rows.size) if keys_first else (rows.size, cols.size)
             vis = np.zeros(shape, dtype=bool)
             for r0, r1, c0, c1 in blocks:
-                if keys_first:
-                    vis[c0:c1, r0:r1] = True
-                else:
-                    vis[r0:r1, c0:c1] = True
+                at = (slice(r0, r1), slice(c0, c1))
+                vis[at[::-1] if keys_first else at] = True
             return vis
-        q_ids, kv_ids = self.q_segments[rows], self.kv_segments[cols]
-        return kv_ids[:, None] == q_ids[None, :] if keys_first else q_ids[:, None] == kv_ids[None, :]
+        return self._grid(self.q_segments[rows], self.kv_segments[cols], keys_first, np.equal)
 
     def document_blocks(self, rows, cols):
         """A tile's documents as rectangles, when its ids ascend along the rows and along

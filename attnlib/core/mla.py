@@ -40,24 +40,19 @@ def join(q, k, v, qv, dev=None, check_finite=True):
     ``q`` is None), in float64: numpy arrays, or torch tensors on ``dev``.  ``check_finite``:
     each part refused by its own name (and index) for NaN or inf, before the join hides it."""
     check(q, k, v, qv)
+    names = ("q", "k", "v", "qv")
     if dev is None:
-        parts = [None if x is None else as_float_array(x, n).astype(np.float64, copy=False)
-                 for x, n in ((q, "q"), (k, "k"), (v, "v"), (qv, "qv"))]
-        cat = np.concatenate
+        read = lambda x, n: as_float_array(x, n).astype(np.float64, copy=False)
+        cat, finite = np.concatenate, check_finite_array
     else:
         torch = dev_mod._torch()
-        parts = [None if x is None else dev_mod.as_tensor(x, n, dev).to(torch.float64)
-                 for x, n in ((q, "q"), (k, "k"), (v, "v"), (qv, "qv"))]
-        cat = torch.cat
-    q, k, v, qv = parts
+        read = lambda x, n: dev_mod.as_tensor(x, n, dev).to(torch.float64)
+        cat, finite = torch.cat, dev_mod._first_bad  # raises, naming the first NaN or inf
+    q, k, v, qv = (None if x is None else read(x, n) for x, n in zip((q, k, v, qv), names))
     if check_finite:
-        for x, name in ((q, "q"), (k, "k"), (v, "v"), (qv, "qv")):
-            if x is None:
-                continue
-            if dev is None:
-                check_finite_array(x, name)
-            else:
-                dev_mod._first_bad(x, name)  # raises, naming the first NaN or inf
+        for x, name in zip((q, k, v, qv), names):
+            if x is not None:
+                finite(x, name)
     if q is None:
         return qv, v
     return cat((q, qv), -1), cat((k, v), -1)

@@ -123,9 +123,7 @@ def _decimal_dense(q5, k5, v5, pb, opts):
         c = None if cap is None else Decimal(cap)
         for idx in np.ndindex(lead):
             slope = None if distance is None else Decimal(float(slopes[idx]))
-            qs = [[Decimal(x) for x in row] for row in q5[idx].tolist()]
-            ks = [[Decimal(x) for x in row] for row in k5[idx].tolist()]
-            vs = [[Decimal(x) for x in row] for row in v5[idx].tolist()]
+            qs, ks, vs = ([[Decimal(x) for x in row] for row in a[idx].tolist()] for a in (q5, k5, v5))
             for i, q_i in enumerate(qs):
                 keys = np.flatnonzero(visible[idx][i]).tolist()
                 if not keys and sink is None:

@@ -43,8 +43,7 @@ def work_units(lead: tuple, n_rows: int, n_keys: int, n_q_tiles: int, itemsize: 
     per_unit = max(1, _UNIT_BYTES // (itemsize * head_tile))
     # Split further for more units, but not into tiles too small to be worth a step.
     smallest = -(-_UNIT_BYTES // (8 * itemsize * head_tile))
-    per_unit = min(per_unit, max(smallest, n // -(-_MIN_UNITS // max(1, n_q_tiles))))
-    per_unit = max(1, per_unit)
+    per_unit = min(per_unit, max(smallest, n // -(-_MIN_UNITS // max(1, n_q_tiles))))  # both >= 1
     # The unit spans axes j.. whole (their product fits), and a chunk of axis j - 1.
     j = len(lead)
     while j > 0 and math.prod(lead[j - 1:]) <= per_unit:

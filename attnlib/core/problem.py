@@ -158,23 +158,17 @@ def precision(x) -> Precision:
     if name not in _PRECISIONS:
         raise ValueError("compute_dtype must be one of None, 'float64', 'float32', 'float16', "
                          f"'bfloat16', 'float8_e4m3fn', got {x!r}")
-    if name == "float64":
-        return Precision("float64", np.dtype(np.float64), np.dtype(np.float64), float(np.finfo(np.float64).eps))
-    if name in ("float32", "float16"):
+    if name in ("float64", "float32", "float16"):  # numpy's own: the state in float32 below float64
         dt = np.dtype(name)
-        return Precision(name, dt, np.dtype(np.float32), float(np.finfo(dt).eps))
+        return Precision(name, dt, np.dtype(np.float64 if name == "float64" else np.float32), float(np.finfo(dt).eps))
     try:
         import ml_dtypes
     except ImportError:
         raise ValueError(f"compute_dtype={name!r} needs the ml_dtypes package "
                          "(pip install attnlib[lowp])") from None
-    bf16 = np.dtype(ml_dtypes.bfloat16)
-    if name == "bfloat16":
-        return Precision(name, bf16, np.dtype(np.float32), float(finfo(bf16).eps))
-    if name == "float8_e4m3fn":
-        return Precision(name, bf16, np.dtype(np.float32), float(finfo(bf16).eps),
-                         np.dtype(ml_dtypes.float8_e4m3fn))
-    raise AssertionError(name)  # unreachable: every name of _PRECISIONS is handled above
+    bf16 = np.dtype(ml_dtypes.bfloat16)  # bfloat16, or float8_e4m3fn: bfloat16 with fp8 weights
+    p_type = np.dtype(ml_dtypes.float8_e4m3fn) if name == "float8_e4m3fn" else None
+    return Precision(name, bf16, np.dtype(np.float32), float(finfo(bf16).eps), p_type)
 
 
 def extended_precision() -> Precision | None:
@@ -234,13 +228,9 @@ def parse(q, k, v, *, scale, check_finite_inputs: bool):
     ``k5: (*batch, hk, 1, sk, d)`` and ``v5: (*batch, hk, 1, sk, dv)``: GQA by splitting
     the head axis (a view), never by repeating k and v.
     """
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    finite = None
-    if check_finite_inputs:
-        finite = lambda: tuple(check_finite(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    return group(q, k, v, scale=scale, maxima=finite)
+    q, k, v = (as_float_array(x, name) for x, name in zip((q, k, v), "qkv"))
+    finite = lambda: tuple(check_finite(x, name) for x, name in zip((q, k, v), "qkv"))
+    return group(q, k, v, scale=scale, maxima=finite if check_finite_inputs else None)
 
 
 def group(q, k, v, *, scale, maxima=None):
@@ -291,12 +281,9 @@ def group(q, k, v, *, scale, maxima=None):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale!r}")
-    g = hq // hk
-    q5 = q.reshape(batch + (hk, g, sq, d))  # splitting one axis: always a view
-    k5 = k[..., None, :, :]
-    v5 = v[..., None, :, :]
-    problem = Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze, maxima)
-    return q5, k5, v5, problem
+    q5 = q.reshape(batch + (hk, hq // hk, sq, d))  # splitting one axis: always a view
+    k5, v5 = k[..., None, :, :], v[..., None, :, :]
+    return q5, k5, v5, Problem(batch, hq, hk, sq, sk, d, dv, float(scale), squeeze, maxima)
 
 
 def safe_threshold(tau, prec, n_keys, v_max):
@@ -319,8 +306,7 @@ def safe_threshold(tau, prec, n_keys, v_max):
     """
     if not tau:
         return tau
-    if not isinstance(prec, Precision):
-        prec = precision(prec)
+    prec = precision(prec)  # a Precision as it is
     margin = math.log(2.0)
     bound = (math.log(float(finfo(prec.accumulate).max)) - math.log(max(n_keys, 1))
              - math.log(max(v_max, 1.0)) - margin)

@@ -52,8 +52,7 @@ class Selection:
         """The checked lists of ``indices`` for the problem ``pb`` (None stays None)."""
         if indices is None:
             return None
-        x = as_numpy(indices, "gather_kv_indices")
-        x = np.asarray(x)
+        x = np.asarray(as_numpy(indices, "gather_kv_indices"))
         if x.dtype == bool or not np.issubdtype(x.dtype, np.integer):
             raise TypeError(f"gather_kv_indices must hold integers, got dtype {x.dtype}")
         nb = len(pb.batch)
@@ -102,27 +101,21 @@ class Selection:
     def __call__(self, b, h, q_idx, kv_idx):
         """``mask_mod(b, h, q_idx, kv_idx)``: is key ``kv_idx`` in query ``q_idx``'s list?
         Broadcast index arrays (numpy, or torch tensors on any device)."""
-        sq = self.keys.shape[2]
         if _is_torch_tensor(kv_idx):
             from .device import _torch
-            torch = _torch()
-            dev = kv_idx.device
+            torch, dev = _torch(), str(kv_idx.device)
             cache = self.__dict__.setdefault("_device_codes", {})
-            if str(dev) not in cache:
-                cache[str(dev)] = torch.as_tensor(self._codes, device=dev)
-            codes = cache[str(dev)]
-            code = (self._row(b, h) * sq + q_idx) * (self.sk + 1) + kv_idx
-            if codes.numel() == 0:
-                return torch.zeros(torch.broadcast_shapes(code.shape), dtype=torch.bool, device=dev)
-            pos = torch.searchsorted(codes, code.contiguous()).clamp_(max=codes.numel() - 1)
-            return (codes[pos] == code) & (kv_idx >= 0) & (kv_idx < self.sk)
-        code = (self._row(np.asarray(b), np.asarray(h)) * sq + np.asarray(q_idx)) * (self.sk + 1) \
-            + np.asarray(kv_idx)
-        codes = self._codes
-        if not codes.size:
-            return np.zeros(code.shape, dtype=bool)
-        pos = np.minimum(np.searchsorted(codes, code), codes.size - 1)
-        return (codes[pos] == code) & (np.asarray(kv_idx) >= 0) & (np.asarray(kv_idx) < self.sk)
+            if dev not in cache:
+                cache[dev] = torch.as_tensor(self._codes, device=dev)
+            codes, search = cache[dev], lambda codes, code: torch.searchsorted(codes, code.contiguous())
+        else:
+            b, h, q_idx, kv_idx = (np.asarray(x) for x in (b, h, q_idx, kv_idx))
+            codes, search = self._codes, np.searchsorted
+        code = (self._row(b, h) * self.keys.shape[2] + q_idx) * (self.sk + 1) + kv_idx
+        if not len(codes):
+            return code != code  # nothing listed: all False, an array of code's kind and shape
+        pos = search(codes, code).clip(max=len(codes) - 1)
+        return (codes[pos] == code) & (kv_idx >= 0) & (kv_idx < self.sk)
 
     def tile(self, b, h, rows, k0: int, k1: int, keys_first: bool = False) -> np.ndarray:
         """``(*lead, len(rows), k1 - k0)`` (keys first: the last two axes swapped): the listed
@@ -158,20 +151,15 @@ class Selection:
         cached = self.__dict__.get("_tile_counts_made")
         if cached is not None and cached[0] == (block_q, block_k):
             return cached[1]
-        counts = self._tile_counts(block_q, block_k)
-        counts.flags.writeable = False
-        self.__dict__["_tile_counts_made"] = ((block_q, block_k), counts)
-        return counts
-
-    def _tile_counts(self, block_q: int, block_k: int) -> np.ndarray:
         nb, nh, sq, width = self.keys.shape
         nq, nk = -(-sq // block_q), -(-self.sk // block_k)
         validate.check_allocation(8 * nb * nh * nq * nk, f"top-k tile counts of {nq} x {nk} tiles")
-        valid = self.keys < self.sk
         a = (np.arange(sq) // block_q)[:, None]  # each row's query tile
         cell = ((np.arange(nb * nh).reshape(nb, nh, 1, 1) * nq + a) * nk + self.keys // block_k)
-        counts = np.bincount(cell[valid], minlength=nb * nh * nq * nk)
-        return counts.reshape(nb, nh, nq, nk)
+        counts = np.bincount(cell[self.keys < self.sk], minlength=nb * nh * nq * nk).reshape(nb, nh, nq, nk)
+        counts.flags.writeable = False
+        self.__dict__["_tile_counts_made"] = ((block_q, block_k), counts)
+        return counts
 
     def block_mask(self, pb: "problem.Problem", tiles):
         """`flex.BlockMask` of the lists over the ``tiles``: SKIP where no row of the query tile
@@ -278,22 +266,17 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
     if count_rescales:
         rescales = np.zeros((nb, pb.hk, g, n_q, n_k), dtype=np.int64)
         kinds = np.empty((nb, n_q, n_k), dtype=np.int8)
-    specs = setup.specs
-    mods = setup.mods
-    from .flex import Mods, index_grids
+    specs, mods = setup.specs, setup.mods
+    from .flex import Mods, index_grids, score_values
     low = not prec.is_float64
     v_exp = problem.value_exponent(setup.v_max, pb.sk, prec.accumulate)
     v_scale = math.ldexp(1.0, -v_exp)
     items = [(e, hk, a) for e in range(nb) for hk in range(pb.hk) for a in range(n_q)]
-    entry_of = np.arange(nb).reshape(pb.batch) if pb.batch else np.zeros((), dtype=np.int64)
-    index_of = {int(entry_of[idx]): idx for idx in np.ndindex(pb.batch)} if pb.batch else {0: ()}
-
-    def spec_of(e):
-        return specs[()] if () in specs else specs[index_of[e]]
+    index_of = dict(enumerate(np.ndindex(pb.batch)))  # entry e (C order) -> its batch index
 
     def item(n):
         e, hk, a = items[n]
-        spec = spec_of(e)
+        spec = specs[()] if () in specs else specs[index_of[e]]
         q0, q1 = a * bq, min(sq, (a + 1) * bq)
         r = q1 - q0
         row = e * sel.keys.shape[1] + (hk if sel.per_head else 0)
@@ -304,9 +287,8 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
         if kinds is not None and hk == 0:  # the classes over all heads, as the dense tiles'
             builtin = spec.tile_kind(q0, q1, *spec.key_tiles(bk))
             kinds[e, a] = Mods(*mods, b_grid, h_grid).tile_kinds(a, builtin)
-        cap, slopes, sink = setup.cap, setup.slopes, setup.sink
-        slopes = None if slopes is None else np.broadcast_to(slopes, pb.batch + (pb.hk, g)).reshape(nb, pb.hk, g)[e, hk]
-        sink = None if sink is None else np.broadcast_to(sink, pb.batch + (pb.hk, g)).reshape(nb, pb.hk, g)[e, hk]
+        slopes, sink = (None if x is None else np.broadcast_to(x, pb.batch + (pb.hk, g)).reshape(nb, pb.hk, g)[e, hk]
+                        for x in (setup.slopes, setup.sink))
         if low:
             q_i = prec.round(q4[e, hk, :, q0:q1, :])[:, :, None, :]  # (g, r, 1, d)
             dtype = prec.accumulate
@@ -331,10 +313,9 @@ def gathered(q, k, v, pb, setup, sel: Selection, *, workers=1, count_rescales=Fa
             if v_scale != 1.0:  # exact: a power of two
                 v_j = v_j * v_scale
             vis3 = vis[:, None, :]  # (r, 1, t), as s's (g, r, 1, t)
-            s, _ = scores_of(q_i, k_j, spec, i, None, PARTIAL, cap, None, post_scale=pb.scale if low else None,
+            s, _ = scores_of(q_i, k_j, spec, i, None, PARTIAL, setup.cap, None, post_scale=pb.scale if low else None,
                              check=setup.check, vis=vis3, mods=None)
             if heads is not None and heads.score_mod is not None:  # score_mod on the gathered pairs
-                from .flex import score_values
                 s[...] = np.where(vis3, score_values(heads.score_mod, s, heads.b[:, None, None, None],
                                                      heads.h[:, None, None, None], i[:, None, None],
                                                      j[:, None, :]), -np.inf)

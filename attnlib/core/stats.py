@@ -63,7 +63,6 @@ def tile_stats(rescales, kinds, pb, tiles) -> AttentionStats:
     )
 
 
-
 def results(pb, tiles, out, lse, rescales, kinds, *, return_lse: bool, return_stats: bool, max_scores=None):
     """A forward's return value in the caller's layout: ``out``, then ``lse``, ``max_scores``
     (when given) and the stats as asked (``rescales``: the per-tile counts summed over the key

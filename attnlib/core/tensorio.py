@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import zipfile
 import zlib
@@ -130,8 +131,7 @@ def _load(path, key, where, dtype):
         if key is not None:
             raise TensorFileError(f"{where}: a .npy file holds one array; drop ':{key}'")
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            return _read_npy(f, size, where, "not an .npy file", dtype)
+            return _read_npy(f, os.fstat(f.fileno()).st_size, where, "not an .npy file", dtype)
     if suffix == ".npz":
         return _from_npz(path, key, where, dtype)
     if suffix == ".safetensors":
@@ -166,15 +166,10 @@ def _is_count(x) -> bool:
 def _check_shape(shape, where):
     if len(shape) > MAX_NDIM:
         raise TensorFileError(f"{where}: shape has {len(shape)} dimensions (at most {MAX_NDIM})")
-    count = 1
-    for d in shape:
-        count *= d
-    bound = 1
-    for d in shape:  # even with a zero dimension numpy cannot index beyond int64
-        bound *= max(d, 1)
-    if bound >= 2 ** 62:
+    # even with a zero dimension numpy cannot index beyond int64
+    if math.prod(max(d, 1) for d in shape) >= 2 ** 62:
         raise TensorFileError(f"{where}: shape {tuple(shape)} is impossibly large")
-    return count
+    return math.prod(shape)
 
 
 # -- .npy ------------------------------------------------------------------------------------
@@ -268,17 +263,13 @@ def _from_npz(path, key, where, dtype):
 def _read_npz(path, key, where, dtype):
     size = os.path.getsize(path)
     with zipfile.ZipFile(path) as archive:
-        infos = {}
-        for info in archive.infolist():
-            if info.filename.endswith(".npy"):
-                infos[info.filename[:-4]] = info
+        infos = {i.filename[:-4]: i for i in archive.infolist() if i.filename.endswith(".npy")}
         others = [i.filename for i in archive.infolist() if not i.filename.endswith(".npy")]
         if key is not None and key not in infos and key in others:
             raise TensorFileError(f"{where}: member {key!r} is not an .npy array")
         if not infos:
             raise TensorFileError(f"{where}: holds no .npy arrays (members: {others[:8]})")
-        name = _pick(infos, key, where)
-        info = infos[name]
+        info = infos[_pick(infos, key, where)]
         what = f"member {info.filename!r}"
         if info.flag_bits & 0x1:
             raise TensorFileError(f"{where}: {what} is encrypted")
@@ -328,9 +319,7 @@ def _from_safetensors(path, key, where, dtype):
                                   f"{type(header).__name__}, not an object")
         header.pop("__metadata__", None)
         data_size = size - 8 - n
-        entries = {}
-        for name, entry in header.items():
-            entries[name] = _safetensors_entry(name, entry, data_size, where)
+        entries = {name: _safetensors_entry(name, entry, data_size, where) for name, entry in header.items()}
         name = _pick(entries, key, where)
         kind, shape, start, end = entries[name]
         known = _SAFETENSORS_INT if dtype == _INDICES else _SAFETENSORS

@@ -25,9 +25,7 @@ def on_device(fn, name: str, dev):
     if fn is None:
         return None
     torch = dev_mod._torch()
-    source = flex._torch_source(fn)  # a `flex.from_torch` wrapper: the torch function inside
-    if source is not None:
-        fn = source
+    fn = flex._torch_source(fn) or fn  # a `flex.from_torch` wrapper: the torch function inside
     state = {}  # "torch" once the function has taken tensors, "host" once it has not
 
     def host(*args):
@@ -56,14 +54,6 @@ def on_device(fn, name: str, dev):
 
     call.__name__ = getattr(fn, "__name__", name)
     return call
-
-
-def mask_values(mask_fn, b, h, q0, q1, k0, k1, shape, dev):
-    """``mask_mod`` over a tile as a bool tensor of ``shape`` (``(*heads, r, c)``)."""
-    torch = dev_mod._torch()
-    q_idx = torch.arange(q0, q1, device=dev)[:, None]
-    kv_idx = torch.arange(k0, k1, device=dev)[None, :]
-    return checked_mask(mask_fn(b[..., None, None], h[..., None, None], q_idx, kv_idx), shape)
 
 
 def checked_mask(m, shape):
@@ -110,18 +100,17 @@ def block_mask(mask_mod, pb, tiles, dev) -> flex.BlockMask:
     back to the host once."""
     torch = dev_mod._torch()
     fn = on_device(mask_mod, "mask_mod", dev)
-    nb = int(np.prod(pb.batch)) if pb.batch else 1
-    nb = nb if nb > 1 else 1
+    nb = max(1, int(np.prod(pb.batch)))
     bq, bk = tiles.block_q, tiles.block_k
     nq, nk = -(-pb.sq // bq), -(-pb.sk // bk)
-    b = torch.arange(nb, device=dev)[:, None]
-    h = torch.arange(pb.hq, device=dev)[None, :]
+    b = torch.arange(nb, device=dev)[:, None, None, None]
+    h = torch.arange(pb.hq, device=dev)[None, :, None, None]
     kinds = torch.empty((nb, pb.hq, nq, nk), dtype=torch.int8, device=dev)
     for a in range(nq):
-        q0, q1 = a * bq, min(pb.sq, (a + 1) * bq)
+        q_idx = torch.arange(a * bq, min(pb.sq, (a + 1) * bq), device=dev)[:, None]
         for t in range(nk):
-            k0, k1 = t * bk, min(pb.sk, (t + 1) * bk)
-            m = mask_values(fn, b, h, q0, q1, k0, k1, (nb, pb.hq, q1 - q0, k1 - k0), dev)
+            kv_idx = torch.arange(t * bk, min(pb.sk, (t + 1) * bk), device=dev)[None, :]
+            m = checked_mask(fn(b, h, q_idx, kv_idx), (nb, pb.hq, len(q_idx), kv_idx.shape[1]))
             some, every = m.any(dim=-1).any(dim=-1), m.all(dim=-1).all(dim=-1)
             kinds[:, :, a, t] = torch.where(every, FULL, torch.where(some, PARTIAL, SKIP)).to(torch.int8)
     return flex.BlockMask(kinds.cpu().numpy(), bq, bk, pb.sq, pb.sk, mask_mod)

@@ -19,7 +19,7 @@ import os
 import sys
 
 
-from ..core.validate import cli_window, window_side
+from ..core.validate import add_mask_flags, cli_options
 from ..core.tensorio import TensorFileError, load_indices, load_tensor, split_spec
 
 
@@ -38,19 +38,7 @@ def _parser():
     p.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd",
                    help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
                         "bhsd: (batch, nheads, seqlen, headdim); the output is written in the same layout")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--align", choices=("bottom_right", "top_left"), default="bottom_right")
-    p.add_argument("--window", nargs=2, type=window_side, metavar=("L", "R"),
-                   help="sliding window: keys i-L .. i+R visible; -1 = unbounded")
-    p.add_argument("--softcap", type=float, default=0.0, help="softcap C (0: off)")
-    p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(headdim))")
-    p.add_argument("--kv-lengths", type=int, nargs="+", default=None, metavar="N")
-    p.add_argument("--q-lengths", type=int, nargs="+", default=None, metavar="N")
-    p.add_argument("--key-leftpad", type=int, nargs="+", default=None, metavar="N",
-                   help="the first valid key per batch entry (left padding)")
-    p.add_argument("--attention-chunk", type=int, default=0, metavar="C", help="chunked attention (0: off)")
-    p.add_argument("--sink-token-length", type=int, default=0, metavar="N",
-                   help="keys exempt from the window's left bound")
+    add_mask_flags(p)
     p.add_argument("--gather-kv-indices", default="", metavar="FILE",
                    help="top-k sparse keys: integer lists (batch, seqlen_q, topk), or per kv head in the "
                         "layout's order; -1 or out-of-range entries select no key")
@@ -77,12 +65,8 @@ def main(argv=None) -> int:
     from .engine import BlockError, attention
 
     args = _parser().parse_args(argv)
-    options = dict(causal=args.causal, causal_align=args.align, window=cli_window(args.window),
-                   softcap=args.softcap or None, scale=args.scale, kv_lengths=args.kv_lengths,
-                   q_lengths=args.q_lengths, key_leftpad=args.key_leftpad,
-                   attention_chunk=args.attention_chunk or None, sink_token_length=args.sink_token_length,
-                   block_q=args.block_q, kv_block=args.kv_block,
-                   layout=args.layout, progress=args.progress, device=args.piece_device)
+    options = dict(cli_options(args), block_q=args.block_q, kv_block=args.kv_block, layout=args.layout,
+                   progress=args.progress, device=args.piece_device)
     try:
         q, k, v = (_input(getattr(args, n), f"--{n}") for n in ("q", "k", "v"))
         lists = load_indices(args.gather_kv_indices, "--gather-kv-indices") if args.gather_kv_indices else None

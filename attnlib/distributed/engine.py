@@ -126,12 +126,6 @@ def _meter(label):
     return context_meter.meter(label)
 
 
-def _stored_shape(x: Input) -> tuple:
-    """An input's shape as the caller stores it (``(..., S, H, D)`` for bshd)."""
-    s = x.shape
-    return s[:-3] + (s[-2], s[-3], s[-1]) if x.bshd else s
-
-
 def _piece_factors(factors, p, g) -> dict:
     """The piece's rows of the laid-out descales (`descale.factors`): its entry, its kv heads
     (and their query heads, ``g`` each, for q's)."""
@@ -140,24 +134,17 @@ def _piece_factors(factors, p, g) -> dict:
             for n, a in factors.items()}
 
 
-def _lists_of(sel, pb, p):
-    """The piece's rows of the sorted lists: ``(1, H', bq, T)`` (the batch entry's, its kv heads'
-    or the shared ones)."""
-    e = int(np.ravel_multi_index(p.entry, pb.batch)) if pb.batch else 0
-    heads = slice(p.h0, p.h1) if sel.per_head else slice(0, 1)
-    return sel.keys[e:e + 1, heads, p.q0:p.q1]
-
-
 def _lists_hit(sel, pb, p) -> bool:
     """Whether a row of the piece lists one of its keys ``[k0, k1)``."""
-    keys = _lists_of(sel, pb, p)
-    return bool(((keys >= p.k0) & (keys < p.k1)).any())
+    return bool((_piece_lists(sel, pb, p) >= 0).any())
 
 
 def _piece_lists(sel, pb, p):
     """The piece's lists in its own key positions, ``(bq, T)`` or ``(H', bq, T)`` as its q is
     laid out: entries outside ``[k0, k1)`` become -1 (no key)."""
-    keys = _lists_of(sel, pb, p)[0]
+    # The piece's rows of the sorted lists, (H', bq, T): the batch entry's, its kv heads' or the shared ones.
+    e = int(np.ravel_multi_index(p.entry, pb.batch)) if pb.batch else 0
+    keys = sel.keys[e, slice(p.h0, p.h1) if sel.per_head else slice(0, 1), p.q0:p.q1]
     local = np.where((keys >= p.k0) & (keys < p.k1), keys - p.k0, -1)
     return local if sel.per_head else local[0]
 
@@ -229,15 +216,11 @@ def _client(client):
         with Client(client) as c:
             yield c
         return
+    if client is None:
+        with contextlib.suppress(ValueError):  # no current client
+            client = get_client()
     if client is not None:
         yield client
-        return
-    try:
-        current = get_client()
-    except ValueError:
-        current = None
-    if current is not None:
-        yield current
         return
     with LocalCluster(n_workers=validate.available_cpus(), threads_per_worker=1, processes=True,
                       dashboard_address=":0") as cluster, Client(cluster) as c:
@@ -254,8 +237,7 @@ def _output(path, shape, chunks, name):
     if path.lower().endswith((".npz", ".safetensors", ".pt")):
         raise ValueError(f"{name}={path!r}: give a .npy path or a zarr store path")
     if path.endswith(".npy"):
-        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape)
-        return arr, path
+        return np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=shape), path
     try:
         import zarr
     except ImportError:
@@ -379,12 +361,7 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         mla.check(*stand_ins, np.broadcast_to(np.zeros(()), qv_input.shape))
         dv = stand_ins[2].shape[-1]
         stand_ins[:2] = [np.broadcast_to(np.zeros(()), x.shape[:-1] + (x.shape[-1] + dv,)) for x in stand_ins[:2]]
-    opts = Options.parse(causal=causal, causal_align=causal_align, window=window, q_lengths=q_lengths,
-                         kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                         key_leftpad=key_leftpad, attention_chunk=attention_chunk,
-                         sink_token_length=sink_token_length,
-                         scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                         gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout, _stored_shape(inputs[0])))
+    opts = Options.of(locals(), gather_kv_indices=sparse.in_bhsd(gather_kv_indices, layout, inputs[0].stored_shape))
     _, _, _, pb = problem.parse(*stand_ins, scale=opts.scale, check_finite_inputs=False)
     specs = opts.specs(pb)
     sel = opts.selection(pb)  # the lists, checked against the problem (None without)
@@ -399,13 +376,9 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
                  else pb.batch + (pb.hq, pb.sq, pb.dv))
     lse_shape = (pb.sq,) if squeeze else pb.batch + (pb.hq, pb.sq)
 
-    def q_index(entry, h0, h1, q0, q1):
-        rows = (slice(q0, q1), slice(None))
-        return rows if squeeze else entry + (slice(h0 * g, h1 * g),) + rows
-
-    def kv_index(entry, h0, h1, k0, k1):
-        keys = (slice(k0, k1), slice(None))
-        return keys if squeeze else entry + (slice(h0, h1),) + keys
+    def in_index(entry, h0, h1, a, b, per_head=1):  # a q (per_head=g), k or v slice
+        rows = (slice(a, b), slice(None))
+        return rows if squeeze else entry + (slice(h0 * per_head, h1 * per_head),) + rows
 
     def out_index(b):
         rows, heads = slice(b.q0, b.q1), slice(b.h0 * g, b.h1 * g)
@@ -460,11 +433,13 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
         # The stand-ins of every slice a piece reads: q by block, k and v by key range.
         q_keys = sorted({(p.entry, p.h0, p.h1, p.q0, p.q1) for b in blocks for p in b.pieces})
         kv_keys = sorted({(p.entry, p.h0, p.h1, p.k0, p.k1) for b in blocks for p in b.pieces})
-        q_parts = dict(zip(q_keys, inputs[0].parts(c, [q_index(*key) for key in q_keys])))
-        v_parts = dict(zip(kv_keys, inputs[2].parts(c, [kv_index(*key) for key in kv_keys])))
-        k_parts = v_parts if k is v else dict(zip(kv_keys, inputs[1].parts(c, [kv_index(*key)
-                                                                                 for key in kv_keys])))
-        qv_parts = {} if qv_input is None else dict(zip(q_keys, qv_input.parts(c, [q_index(*key) for key in q_keys])))
+
+        def parts(x, keys, per_head=1):  # {key: stand-in} of the slices of x
+            return dict(zip(keys, x.parts(c, [in_index(*key, per_head) for key in keys])))
+
+        q_parts, v_parts = parts(inputs[0], q_keys, g), parts(inputs[2], kv_keys)
+        k_parts = v_parts if k is v else parts(inputs[1], kv_keys)
+        qv_parts = {} if qv_input is None else parts(qv_input, q_keys, g)
         flow = _Flow(c, blocks, out_arr if out_target is None else None,
                      lse_arr if out_target is None else None, out_index, lse_index, bshd)
         try:
@@ -514,10 +489,8 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
 
 def _result(out, lse_out, out_arr, lse_arr, return_lse):
     """What `attention` returns: the arrays, or the output files opened read-only."""
-    if out is not None:
-        opened = _reopen(out)
-        lse_opened = _reopen(lse_out) if lse_out is not None else None
-        return (opened, lse_opened) if return_lse else opened
+    if out is not None:  # with return_lse, lse_out is a path too
+        out_arr, lse_arr = _reopen(out), _reopen(lse_out) if return_lse else None
     return (out_arr, lse_arr) if return_lse else out_arr
 
 
@@ -604,10 +577,7 @@ class _Flow:
         self.block_of.pop(future.key, None)
         self.freed += self.frees.pop(future.key, 0)
         if b is not None and self.out_arr is not None:
-            o, parts = value
-            self.out_arr[self.out_index(b)] = np.swapaxes(o, -2, -3) if self.bshd else o
-            if self.lse_arr is not None:
-                self.lse_arr[self.lse_index(b)] = lse_of(parts)
+            _write(value, self.out_arr, self.out_index(b), self.lse_arr, self.lse_index(b), self.bshd)
         # Settled: not held here any more.  Only a block's result is released outright; a
         # merge's result stays alive through the chain (`_MergeChain.result`) until the
         # next merge is submitted, which then keeps it in Dask until it runs.

@@ -103,12 +103,10 @@ def make_plan(batch: tuple, hk: int, sq: int, sk: int, specs: dict, block_q: int
                 h1 = min(hk, h0 + heads_per_task)
                 pieces = tuple(Piece(entry, h0, h1, q0, q_stop, int(k_starts[t]), int(k_stops[t]),
                                      int(kinds[t])) for t in candidates)
-                if not pieces:
-                    blocks.append(Block(entry, h0, h1, q0, q1, ()))
-                    continue
-                blocks.append(Block(entry, h0, h1, q0, q_stop, pieces))
-                if q_stop < q1:
-                    blocks.append(Block(entry, h0, h1, q_stop, q1, ()))
+                stop = q_stop if pieces else q1
+                blocks.append(Block(entry, h0, h1, q0, stop, pieces))
+                if stop < q1:
+                    blocks.append(Block(entry, h0, h1, stop, q1, ()))
     return blocks
 
 
@@ -128,12 +126,7 @@ def merge_groups(n: int, fanin: int = MERGE_FANIN) -> list:
     """
     if n <= 1:
         return []
-    groups = [list(range(min(n, fanin)))]
-    i = len(groups[0])
-    while i < n:
-        groups.append(list(range(i, min(n, i + fanin - 1))))
-        i = groups[-1][-1] + 1
-    return groups
+    return [list(range(min(n, fanin)))] + [list(range(i, min(n, i + fanin - 1))) for i in range(fanin, n, fanin - 1)]
 
 
 def count_tasks(blocks: list) -> dict:

@@ -60,9 +60,8 @@ class NpyFile:
     @classmethod
     def of_memmap(cls, x: np.memmap, name: str) -> "NpyFile":
         """The file behind a memmap of a whole file (not of a view into one)."""
-        order_f = x.flags.f_contiguous and not x.flags.c_contiguous
         return cls.checked(os.path.abspath(os.fspath(x.filename)), int(x.offset), x.shape, x.dtype,
-                           order_f, name)
+                           x.flags.f_contiguous and not x.flags.c_contiguous, name)
 
     @classmethod
     def checked(cls, path, offset, shape, dtype, fortran, name) -> "NpyFile":
@@ -112,12 +111,9 @@ class Slice:
         return np.swapaxes(block, -2, -3) if self.swap else block
 
 
-def _is_zarr(x) -> bool:
-    return type(x).__module__.split(".")[0] == "zarr" and hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _is_dask(x) -> bool:
-    return type(x).__module__.split(".")[0] == "dask" and hasattr(x, "__dask_graph__")
+def _is_of(x, package: str, *attrs) -> bool:
+    """Whether ``x`` is an object of ``package`` (zarr, dask) with every one of ``attrs``."""
+    return type(x).__module__.split(".")[0] == package and all(hasattr(x, a) for a in attrs)
 
 
 class Input:
@@ -127,10 +123,10 @@ class Input:
         self.name = name
         self.kind, self.source = self._classify(x, name)
         meta = self.source.array if isinstance(self.source, Zarr) else self.source
-        shape = tuple(int(n) for n in meta.shape)
+        self.stored_shape = tuple(int(n) for n in meta.shape)
         # bshd: stored (..., S, H, D); seen here, as by the kernel, as (..., H, S, D).
-        self.bshd = bshd and len(shape) >= 3
-        self.shape = shape[:-3] + (shape[-2], shape[-3], shape[-1]) if self.bshd else shape
+        self.bshd = bshd and len(self.stored_shape) >= 3
+        self.shape = _stored(self.stored_shape) if self.bshd else self.stored_shape
         self.dtype = np.dtype(meta.dtype)
         if not (np.issubdtype(self.dtype, np.floating) or arrays._is_ml_float(self.dtype)):
             raise TypeError(f"{name} must hold real floating numbers, got dtype {self.dtype}")
@@ -143,9 +139,9 @@ class Input:
         # or copy-on-write one may hold edits the file does not, so its data is sent.
         if isinstance(x, np.memmap) and isinstance(x.base, mmap.mmap) and x.filename and x.mode == "r":
             return "file", NpyFile.of_memmap(x, name)
-        if _is_zarr(x):
+        if _is_of(x, "zarr", "shape", "dtype"):
             return "zarr", Zarr(x)
-        if _is_dask(x):
+        if _is_of(x, "dask", "__dask_graph__"):
             if any(isinstance(n, float) and n != n for n in x.shape):
                 raise ValueError(f"{name}: a dask array with unknown chunk sizes {x.shape}; call "
                                  "its compute_chunk_sizes() first")
@@ -174,7 +170,8 @@ class Input:
 
 
 def _stored(index: tuple) -> tuple:
-    """An index ``(..., heads, rows, cols)`` in the stored bshd order ``(..., rows, heads, cols)``."""
+    """An index ``(..., heads, rows, cols)`` in the stored bshd order ``(..., rows, heads, cols)``
+    (and back: a shape stored bshd in the kernel's order)."""
     return index[:-3] + (index[-2], index[-3], index[-1])
 
 
@@ -186,8 +183,7 @@ def materialize(part) -> np.ndarray:
     to BLAS but multiplies it with its own loop, in another order, so the same piece would
     give other bits on another run.  Such a block is copied (aligned) first.
     """
-    block = part.read() if isinstance(part, Slice) else np.asarray(part)
-    return aligned(block)
+    return aligned(part.read() if isinstance(part, Slice) else np.asarray(part))
 
 
 def aligned(x) -> np.ndarray:

@@ -167,9 +167,7 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, dev
     """
     dev = device_of(device, q, k)
     q_given, k_given = q, k  # read where they are by `row_stats` on a device
-    q = arrays.as_float_array(q, "q")
-    k = arrays.as_float_array(k, "k")
-    v = arrays.as_float_array(v, "v")
+    q, k, v = (arrays.as_float_array(x, name) for x, name in zip((q, k, v), "qkv"))
     block_k = validate.positive_int(DEFAULT_TILES.block_k if block_k is None else block_k, "block_k")
     d, sq, sk = q.shape[-1], q.shape[-2], k.shape[-2]
     given.pop("score_mod_grad", None)  # the backward's: not a forward option
@@ -177,9 +175,6 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, dev
     scale = 1.0 / math.sqrt(d) if opts.scale is None else opts.scale
     cap = opts.softcap
     slopes = opts.alibi_slopes
-    # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
-    # any other), and a row with no visible key then has lse = sink.
-    sinks = opts.sinks
     stats = row_stats(*((q, k) if dev is None else (q_given, k_given)), block_q=block_q,
                       options=replace(opts, scale=scale, alibi_slopes=None, sinks=None), device=dev)
     sigma, n_vis = stats[:2]
@@ -189,16 +184,17 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, dev
     # A score_mod's result is taken as rounded once, like a product: u |score_mod(s)| on
     # each exponent, with the same 3x as the scores (the max and the subtraction).
     mod_term = 3 * U * stats[2] if len(stats) == 3 else 0.0
-    terms = n_vis + (sinks is not None)  # the terms of l
+    # A sink is one more term of l (its logit is exact, its weight exp(sink - m) rounds like
+    # any other), and a row with no visible key then has lse = sink.
+    terms = n_vis + (opts.sinks is not None)  # the terms of l
     s_max = sigma if cap is None else np.minimum(sigma, cap)
+    a_max = 0.0
     if slopes is not None:
         # |slope_h| (|o| + max(Sq, Sk)) bounds |i + o - j|, |j| and |i + o| for any alignment.
         # The slopes come back from the scores of q = 0 with ALiBi at distance 1 (Sq = Sk = 2).
         pb_q, pb_k = np.zeros(q.shape[:-2] + (2, 1)), np.zeros(k.shape[:-2] + (2, 1))
         slope = np.abs(reference_scores(pb_q, pb_k, alibi_slopes=slopes, scale=1.0)[..., 0, 1])
         a_max = slope[..., None] * (abs(sk - sq) + max(sq, sk))  # (..., Hq, 1)
-    else:
-        a_max = 0.0
     # Each size times U first: 3 (s_max + a_max) itself overflows at scores of 1e308.
     delta = (_g(d + 1) * sigma + 3 * U * s_max + 3 * U * a_max + (3 * U * cap if cap is not None else 0.0)
              + mod_term)
@@ -262,13 +258,13 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
             kinds = spec.tile_kind(q0, q1, k_starts, k_ends, ranges)  # (n_k_tiles,)
             for t in np.flatnonzero(kinds != SKIP):
                 a, b = int(k_starts[t]), int(k_ends[t])
+                qi, ki = np.arange(q0, q1), np.arange(a, b)
                 with xp.ignore_overflow():  # an overflowing size is an infinite one
-                    s, _ = tile_scores(qa[idx][..., q0:q1, :], ka[idx][..., a:b, :], spec,
-                                       np.arange(q0, q1), np.arange(a, b), kinds[t], xp=xp)
-                rows = (...,) + (slice(q0, q1),)
+                    s, _ = tile_scores(qa[idx][..., q0:q1, :], ka[idx][..., a:b, :], spec, qi, ki, kinds[t], xp=xp)
+                rows = (..., slice(q0, q1))
                 if mask_mod is not None or score_mod is not None:
                     mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, idx))
-                    vis = mods.visible(None, np.arange(q0, q1), np.arange(a, b))
+                    vis = mods.visible(None, qi, ki)
                     if vis is not None:
                         s = np.where(vis, s, -np.inf)
                     if score_mod is not None:  # the modified scores' size, over visible pairs
@@ -277,17 +273,14 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
                                                np.swapaxes(k5[idx][..., a:b, :], -1, -2))
                             if cap is not None:
                                 signed = cap * np.tanh(signed / cap)
-                            modded = np.abs(flex.score_values(score_mod, signed, *mods.grids(
-                                np.arange(q0, q1), np.arange(a, b))))
+                            modded = np.abs(flex.score_values(score_mod, signed, *mods.grids(qi, ki)))
                         modded = np.where(np.isfinite(s) & np.isfinite(modded), modded, 0.0)
                         mod_size[idx][rows] = np.maximum(mod_size[idx][rows], modded.max(axis=-1, initial=0.0))
                 # Masked pairs are -inf: they neither raise the max (sigma >= 0) nor count.
                 sigma[idx][rows] = xp.maximum(sigma[idx][rows], xp.amax(s, -1))
                 n_vis[idx][rows] += xp.isfinite(s).sum(-1)
-    sigma, n_vis = pb.merge_heads(xp.to_host(sigma), 1), pb.merge_heads(xp.to_host(n_vis), 1)
-    if mod_size is not None:
-        return sigma, n_vis, pb.merge_heads(mod_size, 1)
-    return sigma, n_vis
+    sizes = (xp.to_host(sigma), xp.to_host(n_vis)) + (() if mod_size is None else (mod_size,))
+    return tuple(pb.merge_heads(x, 1) for x in sizes)
 
 
 def _ratio(err, tol):
@@ -421,9 +414,7 @@ class GradientGate:
         self.sizes = first[1] if sizes else None
         _, dot = dense_backward(q, k, v, dout, self.options, mod_grad, return_rss="dot")
         self.names = ("dq", "dk", "dv", "dsinks")[:len(self.ref)]
-        q = arrays.as_float_array(q, "q")
-        k = arrays.as_float_array(k, "k")
-        v = arrays.as_float_array(v, "v")
+        q, k, v = (arrays.as_float_array(x, name) for x, name in zip((q, k, v), "qkv"))
         rows = tolerance(q, k, v, None, block_k=1, options=self.options)
         # The (query row, key) pairs visible over every head and batch entry: 0 leaves nothing to
         # differentiate (every gradient exactly 0, whatever the kernel), a problem that tests nothing.

@@ -24,9 +24,9 @@ _BY_QUERY = ("q", "out", "dout", "dq", "qv", "dqv")
 _BY_KEY = ("k", "v", "dk", "dv")
 
 
-def _pad(x, starts, ends, width):
-    """Rows ``starts[b]:ends[b]`` of ``x (total, ...)`` as ``(batch, width, ...)``, zero after."""
-    out = np.zeros((len(starts), width) + x.shape[1:], dtype=x.dtype)
+def _pad(x, starts, ends, width, fill=0):
+    """Rows ``starts[b]:ends[b]`` of ``x (total, ...)`` as ``(batch, width, ...)``, ``fill`` (zero) after."""
+    out = np.full((len(starts), width) + x.shape[1:], fill, dtype=x.dtype)
     for b, (s, e) in enumerate(zip(starts, ends)):
         out[b, :e - s] = x[s:e]
     return out
@@ -47,10 +47,9 @@ def unpack_varlen(given: dict, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, nam
         seqs = sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], seqused_k)
     except (ValueError, TypeError) as e:
         raise UnusableInput(str(e)) from None
-    q0, q1 = np.array([s[0] for s in seqs]), np.array([s[1] for s in seqs])
-    k0 = np.array([s[2] for s in seqs])
-    k_end = np.array([s[3] for s in seqs])  # the keys each sequence uses: the kernel reads no others
-    q_lengths, kv_lengths = q1 - q0, np.array([s[3] - s[2] for s in seqs])
+    # k_end: the keys each sequence uses (the kernel reads no others)
+    q0, q1, k0, k_end = (np.array([s[i] for s in seqs]) for i in range(4))
+    q_lengths, kv_lengths = q1 - q0, k_end - k0
     wq, wk = max(1, int(q_lengths.max(initial=0))), max(1, int(kv_lengths.max(initial=0)))
     out = {}
     for name, x in given.items():
@@ -68,10 +67,8 @@ def unpack_varlen(given: dict, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, nam
         fill = np.full((len(seqs), lse.shape[0]), empty)
         if sinks is not None and (conv is None or conv.sink == "included"):
             fill[...] = np.asarray(sinks, dtype=np.float64) / (1.0 if conv is None else conv.factor)
-        padded = np.repeat(fill[:, :, None], wq, axis=2).astype(lse.dtype)  # (batch, H, wq)
-        for b, (s, e) in enumerate(zip(q0, q1)):
-            padded[b, :, :e - s] = lse[:, s:e]
-        out["lse"] = padded
+        padded = _pad(lse.T, q0, q1, wq, fill[:, None, :])  # (batch, wq, H)
+        out["lse"] = np.ascontiguousarray(np.swapaxes(padded, 1, 2))  # (batch, H, wq)
     return out, q_lengths, kv_lengths
 
 
