@@ -210,11 +210,10 @@ class Torch:
 
     def log_where(self, x, where, out):
         torch = self.torch
-        out.copy_(torch.where(where, torch.log(torch.where(where, x, 1.0)), out))
-        return out
+        return torch.where(where, torch.log(torch.where(where, x, 1.0)), out, out=out)
 
     def copy_where(self, dst, src, where):
-        return dst.copy_(self.torch.where(where, src, dst))
+        return self.torch.where(where, src, dst, out=dst)
 
     def abs_max(self, x) -> float:
         return float(x.abs().max()) if x.numel() else 0.0
