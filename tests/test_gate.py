@@ -276,3 +276,10 @@ def test_sink_cases_draw_no_qv():
     cases = attnlib.evidence.inputs.sink_cases(24, seed=0, max_len=256)
     assert all(c.sinks is not None and not c.qv for c in cases)
     assert any(c.qv for c in attnlib.evidence.inputs.feature_cases(24, seed=0, max_len=256))
+
+
+def test_sink_cases_are_no_problem_of_the_feature_run():
+    """The equivalence and gradients reports run both: a sink problem equal to a feature one
+    would count twice."""
+    features = attnlib.feature_cases(24, seed=0, max_len=256)
+    assert not set(attnlib.evidence.inputs.sink_cases(24, seed=0, max_len=256)) & set(features)

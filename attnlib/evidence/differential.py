@@ -356,19 +356,18 @@ def _gate_figures(gate, grads, defects, backward) -> dict:
     the problem's visible (query row, key) pairs (``visible_pairs``; 0: nothing to differentiate,
     the problem tests nothing) and, with ``defects``, whether it fails ``backward()`` run with each one active
     (``defects_caught``; None where the defect moves no entry by more than twice the real
-    backward's own error there)."""
+    backward's own error there and 4 units of rounding of the entry's size, `_moved`)."""
     verdict = gate.judge(grads)
     row = {"gate_e": gate.e, "gate_ratio": max(verdict[f"{n}_ratio"] for n in gate.names),
            "gate_passed": verdict["passed"], "visible_pairs": gate.visible_pairs}
     caught = {}
-    # The kernel's own rounding, entry by entry: a defect that moves no entry by more than
-    # twice it is below what float64 resolves there (None: not counted).
-    noise = [2 * np.abs(np.asarray(g, dtype=np.float64) - r) for g, r in zip(grads, gate.ref)]
+    # A defect that moves no entry by more than twice the kernel's own error there and 4 units
+    # of rounding of the entry's size is below what float64 resolves there (None: not counted).
+    u = np.finfo(np.float64).eps / 2
     for defect in defects:  # each through the same gate
         with defect.active():
             bad = backward()
-        changed = any(np.any(np.abs(np.asarray(b, dtype=np.float64) - g) > e)
-                      for b, g, e in zip(bad, grads, noise))
+        changed = any(_moved(b, g, r, 4 * u * size) for b, g, r, size in zip(bad, grads, gate.ref, gate.size))
         caught[defect.name] = (not gate.judge(bad)["passed"]) if changed else None
     if defects:
         row["defects_caught"] = caught
@@ -382,8 +381,8 @@ def run_case_gradients(case, defects=(), backends=()) -> dict:
     gradient gate (`attnlib.judge.gate.GradientGate`: ``gate_ratio``, ``gate_passed``, ``gate_e``)
     and, for each of ``defects`` (`attnlib.evidence.defects.BACKWARD_DEFECTS` values), whether the
     gate fails the backward with it injected (``defects_caught``; None where it moves no
-    entry by more than twice the real backward's own error there: below float64's
-    resolution on that problem).  ``backends``: further backends the backward runs on (``"torch"``:
+    entry by more than twice the real backward's own error there and 4 units of rounding of
+    the entry's size: below float64's resolution on that problem).  ``backends``: further backends the backward runs on (``"torch"``:
     torch CPU tensors), each judged by the same gate with the same defects: ``"on": {backend:
     {"gate_ratio", "gate_passed", "defects_caught", ...}}`` (the one kernel, `attnlib.core.backend`)."""
     q, k, v = case.qkv()  # with qv: the joined problem, whose dk holds dv's second part (`attnlib.core.mla`)

@@ -488,10 +488,11 @@ def sink_cases(n: int = 12, *, seed: int = 0, max_len: int = 1024) -> list[Case]
     padding, documents, softcap, ALiBi, split-KV, lazy rescaling, the 2026 mask variants
     (not MLA's qv: its joined head dims, up to 512, lie beyond the range the backward
     defects of the gradients report are sized for, and a qv row there is the joined plain
-    problem's, which the feature run covers)."""
+    problem's, which the feature run covers).  Drawn from a seed of their own, so that none is a
+    problem of ``feature_cases(seed=seed)`` (some of which draw sinks themselves)."""
     rng = np.random.default_rng(seed + 104729)
     cases = [c if c.sinks is not None else replace(c, sinks=tuple(float(x) for x in 2.0 * rng.standard_normal(c.heads)))
-             for c in feature_cases(n, seed=seed, max_len=max_len)]
+             for c in feature_cases(n, seed=seed + 104729, max_len=max_len)]
     return [replace(c, qv=False) for c in cases]
 
 

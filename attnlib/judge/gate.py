@@ -422,8 +422,9 @@ class GradientGate:
         self.e = gradient_rounding(float(np.max(rows.delta, initial=0.0)), max(q.shape[-2], k.shape[-2]),
                                    v.shape[-1], self.options.softcap)
         e_dot = 2 * _g(v.shape[-1])  # dp's and D's sums of Dv terms, each implementation
-        self.tol = tuple(2 * (self.e * np.maximum(np.abs(r) + s, TINY) + e_dot * t)
-                         for r, s, t in zip(self.ref, rss, dot))
+        #: Each entry's size, what its rounding scales with: ``|ref|`` and its terms' root-sum-square.
+        self.size = tuple(np.abs(r) + s for r, s in zip(self.ref, rss))
+        self.tol = tuple(2 * (self.e * np.maximum(size, TINY) + e_dot * t) for size, t in zip(self.size, dot))
 
     def judge(self, grads) -> dict:
         """Per gradient, ``<name>_ratio = max |g - ref| / tol``; ``passed`` when every one is
