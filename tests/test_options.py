@@ -147,3 +147,20 @@ def test_a_bound_call_holds_what_the_kernel_reads():
     for got in (forward(Q, K, V, call), run_call(Q, K, V, call)):
         assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     assert Call.bind(options=call.options).options is call.options  # already checked: not parsed again
+
+
+def test_a_misspelt_keyword_of_a_bound_call_is_refused_not_a_default():
+    from attnlib.core.options import Call
+    from attnlib.core.tiled import forward_on
+    with pytest.raises(TypeError, match="retrun_lse"):
+        Call.bind(retrun_lse=True)
+    with pytest.raises(TypeError, match="retrun_lse"):
+        forward_on(Q, K, V, Options.parse(causal=True), retrun_lse=True)
+    with pytest.raises(TypeError, match="lse_base"):  # a convention is attention's to apply
+        forward_on(Q, K, V, Options.parse(causal=True), return_lse=True, lse_base=2)
+    Call.bind({"retrun_lse": True, "q": Q})  # an entry point's own locals: its other parameters pass by
+
+
+def test_the_block_mask_keeps_its_sparsity():
+    bm = attnlib.create_block_mask(lambda b, h, i, j: i >= j, 1, 1, 256, 256, block_q=64, block_k=64)
+    assert bm.sparsity() == pytest.approx(6 / 16)

@@ -55,6 +55,10 @@ class BlockMask:
     def shape(self) -> tuple:
         return self.kinds.shape
 
+    def sparsity(self) -> float:
+        """The share of (b, h, tile) triples that are SKIP."""
+        return float(np.mean(self.kinds == SKIP)) if self.kinds.size else 0.0
+
     def for_heads(self, b, h, a: int) -> np.ndarray:
         """``(n_k_tiles,)`` classes of query tile ``a`` for the heads ``(b, h)`` (broadcast
         index arrays) processed together: SKIP where SKIP for all of them, FULL where FULL

@@ -230,6 +230,10 @@ class Call:
         ``lse_empty``, ``block_q``/``block_k``, ``kv_splits``, ``workers``,
         ``rescale_threshold``, ``check_finite`` and ``device``; other names are left out.
         Each bad value is a ``TypeError`` or ``ValueError`` naming its argument."""
+        unknown = sorted(set(given) - set(_names()) - set(_CALL_ARGUMENTS))
+        if unknown:  # a keyword given by name must be one the call reads (a misspelling is no default)
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; a call takes the options and "
+                            f"{', '.join(_CALL_ARGUMENTS)}")
         a = {**(arguments or {}), **given}
         opts = Options.parse(options, **{n: a[n] for n in _names() if n in a})
         lse, most, stats = (validate.flag(a.get(n, False), n) for n in
@@ -247,6 +251,12 @@ class Call:
         """This call with ``changes`` to its fields (``options=`` an `Options`), unchecked:
         for a kernel's own sub-calls."""
         return replace(self, **changes)
+
+
+#: What `Call.bind` reads besides the options.
+_CALL_ARGUMENTS = ("compute_dtype", "return_lse", "return_max_scores", "return_stats", "lse_base", "lse_sink",
+                   "lse_empty", "block_q", "block_k", "kv_splits", "workers", "rescale_threshold", "check_finite",
+                   "device")
 
 
 def _callable(fn, name):

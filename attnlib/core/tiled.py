@@ -224,7 +224,10 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
 
 def forward_on(q, k, v, opts: Options, **run):
     """`run_call` of ``opts`` and the run's keywords (`Call.bind`'s: ``return_lse``,
-    ``workers``, ``device``, ...)."""
+    ``workers``, ``device``, ...; not an LSE convention, which `attention` applies)."""
+    conventions = sorted(n for n in ("lse_base", "lse_sink", "lse_empty") if run.get(n) is not None)
+    if conventions:
+        raise TypeError(f"forward_on returns attnlib's own lse: {', '.join(conventions)} is applied by attention")
     return run_call(q, k, v, Call.bind(options=opts, **run))
 
 
