@@ -422,3 +422,28 @@ def test_empty_batches_with_per_entry_masks_in_the_device_reference():
     q = torch.zeros(0, 2, 5, 4, dtype=torch.float64)
     for kw in ({"kv_lengths": np.array([], dtype=int)}, {"q_lengths": np.array([], dtype=int)}):
         assert attnlib.reference_attention(q, q, q, **kw).shape == (0, 2, 5, 4)
+
+
+def test_one_head_of_small_tiles_runs_one_worker_with_torchs_threads(monkeypatch):
+    """`Torch.fit_workers`: where every head's tiles together are at most half a work unit and
+    torch's threads pay here, the default workers become one (torch's threads inside each op);
+    a caller's workers are never changed, and the bits are the same either way."""
+    from attnlib.core import device, torch_backend
+    monkeypatch.setattr(device, "threads_pay", lambda: True)
+    seen = []
+    real = torch_backend.Torch.fit_workers
+
+    def spy(self, unit_bytes):
+        real(self, unit_bytes)
+        seen.append((unit_bytes, self.workers))
+    monkeypatch.setattr(torch_backend.Torch, "fit_workers", spy)
+    q, k, v = (torch.from_numpy(x) for x in attnlib.random_qkv(600, 600, 32, heads=1, batch=(1,), seed=0))
+    options = dict(causal=True, window=(100, None), return_lse=True)
+    default = attnlib.attention(q, k, v, **options)
+    assert seen[-1] == (8 * 256 * 256, 1)
+    two = attnlib.attention(q, k, v, workers=2, **options)
+    assert seen[-1][1] == 2  # the caller's choice
+    assert all(torch.equal(a, b) for a, b in zip(default, two))
+    q4, k4, v4 = (x.expand(1, 4, -1, -1).contiguous() for x in (q, k, v))
+    attnlib.attention(q4, k4, v4, **options)  # four heads fill a unit: the workers stay
+    assert seen[-1][1] == torch_backend.Torch(torch.device("cpu")).workers

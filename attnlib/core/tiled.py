@@ -263,8 +263,10 @@ def forward(q, k, v, call: Call, dev=None):
     q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, call.check_finite)
     setup = prepare(q5, k5, v5, pb, opts, block_q=call.block_q, block_k=call.block_k, prec=prec,
                     tau=call.rescale_threshold, xp=xp, extremes=extremes)
-    workers = xp.workers if xp is not NUMPY else workers
     tiles = setup.tiles
+    if xp is not NUMPY:  # every head's score tile together bounds a unit's
+        xp.fit_workers(8 * math.prod(pb.batch) * pb.hq * min(tiles.block_q, pb.sq) * min(tiles.block_k, pb.sk))
+        workers = xp.workers
     n_k_tiles = -(-pb.sk // tiles.block_k)
     # More ranges than key tiles would only add empty ones (each a pass over the queries).
     splits = np.array_split(np.arange(n_k_tiles), max(1, min(call.kv_splits, n_k_tiles)))

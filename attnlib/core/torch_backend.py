@@ -37,6 +37,7 @@ class Torch:
         # torch thread each: tile-sized ops lose to torch's own threads, 330 against 165 us for
         # a (256, 64) @ (64, 256) product on 2 threads, measured); a GPU takes every head at once.
         self.workers = (validate.workers(None) if workers is None else workers) if dev.type == "cpu" else 1
+        self.chosen = workers is not None  # the caller's thread count, never changed (`fit_workers`)
         self._local = threading.local()
         self._flags = []  # every thread's {message: first position}, read by `finish`
         self._bands = {}  # device copies of the band masks, shared by the threads
@@ -337,6 +338,20 @@ class Torch:
         stack.enter_context(torch.no_grad())
         stack.enter_context(dev_mod.threads(self.dev, 1 if self.workers > 1 else None))
         return stack
+
+    def fit_workers(self, unit_bytes: int) -> None:
+        """One worker, with torch's own threads inside each op, for a forward whose every head's
+        score tiles together, ``unit_bytes``, are at most half of `parallel._UNIT_BYTES` (one head
+        of 256 x 256 tiles: a window or documents on one head), where the workers were left to
+        the default and torch's threads pay on such a tile here (`device.threads_pay`).  Such a tile's ops
+        take tens of microseconds, and two Python workers spend them waiting for each other's
+        GIL (Intel Xeon, 2 cores, medians of 5: a 256-key window at n = 16384 took 90 ms on
+        two workers, 79 on one; 16 documents 181 and 156; at 512 x 512 tiles or more heads two
+        workers won by 5 to 13%)."""
+        from .parallel import _UNIT_BYTES
+        if (self.dev.type == "cpu" and not self.chosen and self.workers > 1 and unit_bytes <= _UNIT_BYTES // 2
+                and dev_mod.threads_pay()):
+            self.workers = 1
 
     def worker_start(self):
         if self.workers > 1:  # a worker thread of `run_tiles`: one torch thread of its own first
