@@ -41,19 +41,14 @@ def format_text(check: KernelCheck) -> str:
     def ints(x):
         return [int(n) for n in np.ravel(x)]
 
-    extras = [f"softcap {o['softcap']}" if o["softcap"] else "",
-              f"q_lengths {ints(o['q_lengths'])}" if o.get("q_lengths") is not None else "",
-              f"kv_lengths {ints(o['kv_lengths'])}" if o["kv_lengths"] is not None else "",
-              f"sinks {np.shape(o['sinks'])}" if o.get("sinks") is not None else "",
-              f"key_leftpad {ints(o['key_leftpad'])}" if o.get("key_leftpad") is not None else "",
-              f"attention_chunk {o['attention_chunk']}" if o.get("attention_chunk") else "",
-              f"sink_token_length {o['sink_token_length']}" if o.get("sink_token_length") else "",
-              f"gather_kv_indices {np.shape(o['gather_kv_indices'])}" if o.get("gather_kv_indices") is not None
-              else "",
-              f"qv {tuple(o['qv'])} (MLA)" if o.get("qv") is not None else "",
-              *(f"{n} {np.shape(o[n])}" for n in ("q_descale", "k_descale", "v_descale") if o.get(n) is not None),
-              f"lse {o['lse_convention']}" if o.get("lse_convention") else "",
-              o.get("layout_note", "")]
+    # Each option given, as it reads: lengths by value, arrays by shape (a number 0: not given).
+    shown = (("softcap", str), ("q_lengths", ints), ("kv_lengths", ints), ("sinks", np.shape), ("key_leftpad", ints),
+             ("attention_chunk", str), ("sink_token_length", str), ("gather_kv_indices", np.shape))
+    extras = [f"{n} {fmt(o[n])}" for n, fmt in shown
+              if o.get(n) is not None and not (np.ndim(o[n]) == 0 and not o[n])]
+    extras += [f"qv {tuple(o['qv'])} (MLA)" if o.get("qv") is not None else "",
+               *(f"{n} {np.shape(o[n])}" for n in ("q_descale", "k_descale", "v_descale") if o.get(n) is not None),
+               f"lse {o['lse_convention']}" if o.get("lse_convention") else "", o.get("layout_note", "")]
     dv = "" if s["dv"] == s["d"] else f" (v: {s['dv']})"
     lines = [
         "attnlib check: the kernel's output against attnlib's float64 reference",

@@ -275,9 +275,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         given_as = f"{dtype!r}" if dtype is not None else f"q's storage type {stored['q'].name}"
         raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
                             f"float16, bfloat16, float8_e4m3fn; got {given_as} (pass dtype=/--dtype)") from None
-    kv_lengths = as_numpy(kv_lengths, names.get("kv_lengths", "kv_lengths"))
-    q_lengths = as_numpy(q_lengths, names.get("q_lengths", "q_lengths"))
-    key_leftpad = as_numpy(key_leftpad, names.get("key_leftpad", "key_leftpad"))
+    kv_lengths, q_lengths, key_leftpad = (as_numpy(x, names.get(n, n)) for x, n in (
+        (kv_lengths, "kv_lengths"), (q_lengths, "q_lengths"), (key_leftpad, "key_leftpad")))
     if block_mask is not None:
         # The rule runs the reference at other tilings too (the naive baselines): the mask,
         # not one tiling's map of it (a mask_mod and another function's block mask: both).

@@ -94,8 +94,7 @@ class Numpy:
         from .arrays import check_finite
         return check_finite(x, name)
 
-    def concat(self, xs, axis):
-        return np.concatenate(xs, axis=axis)
+    concat = staticmethod(np.concatenate)
 
     def astype(self, x, dt):
         """``x`` converted to the numpy dtype ``dt`` (ml_dtypes' too)."""
@@ -107,8 +106,7 @@ class Numpy:
         return np.repeat(x, n, axis=axis)
 
     # -- elementwise and reductions, in numpy's spelling ----------------------------------
-    def matmul(self, a, b, out=None):
-        return np.matmul(a, b, out=out)
+    matmul = staticmethod(np.matmul)
 
     swapaxes = staticmethod(np.swapaxes)
     where = staticmethod(np.where)
@@ -116,14 +114,12 @@ class Numpy:
     isnan = staticmethod(np.isnan)
     isposinf = staticmethod(np.isposinf)
 
-    def maximum(self, a, b, out=None):
-        return np.maximum(a, b, out=out)
+    maximum = staticmethod(np.maximum)
 
     def amax(self, x, axis):
         return x.max(axis=axis)
 
-    def exp(self, x, out=None):
-        return np.exp(x, out=out)
+    exp = staticmethod(np.exp)
 
     def scale_(self, x, factor):
         x *= factor

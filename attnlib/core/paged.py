@@ -15,14 +15,14 @@ number of pages in the cache, and pages no sequence owns are never read.
 
 from __future__ import annotations
 
-import functools
 import math
 
 from dataclasses import replace
 
 import numpy as np
 
-from . import arrays
+from . import device as dev_mod
+from .backend import NUMPY, backend_for
 from .arrays import as_numpy
 from . import problem
 from . import validate
@@ -108,18 +108,9 @@ def paged_forward(q, k_cache, v_cache, call: Call, dev=None):
     the keys gathered at a time).  ``dev``: a torch device, where the pages are gathered and
     attended to with torch (`attnlib.core.stream` on the torch backend), torch tensors out;
     None: numpy."""
-    opts, check_finite, block_q = call.options, call.check_finite, call.block_q
-    block_table, cache_seqlens = opts.block_table, opts.cache_seqlens
-    if dev is None:
-        q = arrays.as_float_array(q, "q")
-        k_cache = arrays.as_float_array(k_cache, "k_cache")
-        v_cache = arrays.as_float_array(v_cache, "v_cache")
-    else:
-        from . import device
-
-        torch = device._torch()
-        q, k_cache, v_cache = (device.as_tensor(x, name, dev) for x, name in
-                               ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    opts, check_finite = call.options, call.check_finite
+    xp = NUMPY if dev is None else backend_for(dev)  # the arrays' backend: reading, checks, buffers
+    q, k_cache, v_cache = (xp.read(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     if q.ndim != 4:
         raise ValueError(f"q must be (batch, Hq, Sq, D) with a paged cache, got shape {tuple(q.shape)}")
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -128,24 +119,18 @@ def paged_forward(q, k_cache, v_cache, call: Call, dev=None):
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must have the same pages and heads, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
-    if check_finite and dev is None:  # the pages are checked as they are read (only those read)
-        arrays.check_finite(q, "q")
-    elif check_finite and not bool(torch.isfinite(device._extremes(q)).all()):
-        device._first_bad(q, "q")
+    if check_finite:  # the pages are checked as they are read (only those read)
+        xp.checked_max(q, "q")
     batch, hq = q.shape[0], q.shape[1]
     num_blocks, page_size = k_cache.shape[:2]
     if page_size == 0:
         raise ValueError("the cache's page_size (axis 1 of k_cache) must be at least 1")
-    table, lens = page_tables(block_table, cache_seqlens, batch, num_blocks, page_size)
+    table, lens = page_tables(opts.block_table, opts.cache_seqlens, batch, num_blocks, page_size)
     pages_per_chunk = max(1, (call.block_k or DEFAULT_CHUNK_KEYS) // page_size)
     workers = validate.workers(call.workers)
     slopes = problem.per_entry(opts.alibi_slopes, "alibi_slopes", batch, hq)
     sink = problem.per_entry(opts.sinks, "sinks", batch, hq)
-    if dev is None:
-        out, lse = np.empty(q.shape[:3] + (v_cache.shape[-1],)), np.empty(q.shape[:3])
-    else:
-        out = torch.empty(tuple(q.shape[:3]) + (v_cache.shape[-1],), dtype=torch.float64, device=dev)
-        lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float64, device=dev)
+    out, lse = xp.empty(tuple(q.shape[:3]) + (v_cache.shape[-1],)), xp.empty(tuple(q.shape[:3]))
 
     def chunks(b):
         n = int(lens[b])
@@ -154,14 +139,14 @@ def paged_forward(q, k_cache, v_cache, call: Call, dev=None):
             pages = table[b, p0:min(p0 + pages_per_chunk, used)]
             keys = min(n - p0 * page_size, pages.size * page_size)
             if dev is not None:  # the page numbers, as an index on the device
-                pages = device.index_tensor(pages, dev)
+                pages = dev_mod.index_tensor(pages, dev)
             # (pages, page_size, Hk, D) -> (pages * page_size, Hk, D) -> (Hk, keys, D)
             k = k_cache[pages].reshape((-1,) + tuple(k_cache.shape[2:]))[:keys]
             v = v_cache[pages].reshape((-1,) + tuple(v_cache.shape[2:]))[:keys]
             if check_finite:
                 for x, name in ((k, "k_cache"), (v, "v_cache")):
                     bad = np.argwhere(~np.isfinite(x)) if dev is None else \
-                        torch.nonzero(~torch.isfinite(x)).cpu().numpy()  # a synchronisation per chunk
+                        xp.torch.nonzero(~xp.isfinite(x)).cpu().numpy()  # a synchronisation per chunk
                     if bad.size:
                         j = p0 * page_size + int(bad[0][0])  # the key's position in its sequence
                         raise ValueError(f"{name} page {int(table[b, j // page_size])} holds NaN or inf "
@@ -169,8 +154,7 @@ def paged_forward(q, k_cache, v_cache, call: Call, dev=None):
                                          "skip this check")
             yield k.swapaxes(0, 1), v.swapaxes(0, 1)
         if n == 0:  # no keys: one empty chunk, so that the stream knows the shapes
-            empty = np.zeros if dev is None else functools.partial(torch.zeros, dtype=torch.float64, device=dev)
-            yield empty((k_cache.shape[2], 0, k_cache.shape[3])), empty((v_cache.shape[2], 0, v_cache.shape[3]))
+            yield xp.zeros((k_cache.shape[2], 0, k_cache.shape[3])), xp.zeros((v_cache.shape[2], 0, v_cache.shape[3]))
 
     def entry(b):
         block_k = min(pages_per_chunk * page_size, max(1, int(lens[b])))

@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import arrays
 from . import problem
 from . import validate
 from .options import MODS, SPARSE, Call
@@ -102,24 +101,22 @@ def stream_forward(q, kv_chunks, call: Call, total_keys=None):
         from .tilesizes import device_tiles
         base = device_tiles(dev, int(np.prod(np.shape(q)[:-2])) if len(np.shape(q)) >= 2 else 1)
     tiles = TileSizes(call.block_q or base.block_q, call.block_k or base.block_k)
-    causal, causal_align, win, cap = opts.causal, opts.causal_align, opts.window, opts.softcap
-    alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
     workers = validate.workers(workers) if xp is NUMPY else xp.workers
-    needs_offset = (causal or win != (None, None) or alibi_slopes is not None
+    needs_offset = (opts.causal or opts.window != (None, None) or opts.alibi_slopes is not None
                     or opts.attention_chunk is not None)
-    if needs_offset and causal_align == "bottom_right" and total_keys is None:
+    if needs_offset and opts.causal_align == "bottom_right" and total_keys is None:
         raise ValueError(
             "total_keys is needed: the bottom_right alignment puts query i at key position "
             "i + total_keys - Sq (or pass causal_align='top_left')")
     with xp.threads(workers):
-        out, lse = _stream(q, kv_chunks, opts, xp, tiles, win, total_keys, workers, check_finite)
+        out, lse = _stream(q, kv_chunks, opts, xp, tiles, total_keys, workers, check_finite)
     result = (out, lse) if call.return_lse else out
     return on_device(result, (q,)) if dev is not None else result
 
 
-def _stream(q, kv_chunks, opts, xp, tiles, win, total_keys, workers, check_finite):
+def _stream(q, kv_chunks, opts, xp, tiles, total_keys, workers, check_finite):
     """`stream_forward`'s loop over the chunks: ``(out, lse)`` in the caller's layout."""
-    causal, causal_align, cap = opts.causal, opts.causal_align, opts.softcap
+    causal, causal_align, cap, win = opts.causal, opts.causal_align, opts.softcap, opts.window
     alibi_slopes, sinks, scale, window = opts.alibi_slopes, opts.sinks, opts.scale, opts.window
     q_arr = xp.read(q, "q")
     if check_finite and q_arr.ndim >= 2:

@@ -22,7 +22,7 @@ from .backend import NUMPY, backend_for
 from .masks import SKIP
 from .options import Call, Options
 from .paged import paged_forward
-from .parallel import _unit_of, run_tiles, work_units
+from .parallel import _unit_of, run_tiles
 from .tilesizes import DEFAULT_TILES, LARGE_HEAD_TILES, TileSizes, default_tiles
 from .online import _merged, lse_of, merge_parts
 from .stats import AttentionStats, results
@@ -245,15 +245,13 @@ def forward(q, k, v, call: Call, dev=None):
     (`attnlib.core.torch_backend`), or None for numpy."""
     opts, prec = call.options, call.precision
     if opts.paged:
-        unsupported = {**opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids",
-                                     "key_leftpad", "attention_chunk", "sink_token_length",
-                                     "mask_mod", "score_mod", "block_mask", "gather_kv_indices")),
-                       "return_stats": call.return_stats or None,
-                       "kv_splits": None if call.kv_splits == 1 else call.kv_splits,
-                       "rescale_threshold": call.rescale_threshold or None,
-                       "return_max_scores": call.return_max_scores or None,
-                       "compute_dtype": None if prec.is_float64 else prec.name}
-        given = sorted(name for name, value in unsupported.items() if value is not None)
+        given = sorted([*opts.given(("kv_lengths", "q_lengths", "q_segment_ids", "kv_segment_ids", "key_leftpad",
+                                     "attention_chunk", "sink_token_length", "mask_mod", "score_mod", "block_mask",
+                                     "gather_kv_indices")),
+                        *(name for name, on in (("return_stats", call.return_stats), ("kv_splits", call.kv_splits > 1),
+                                                ("rescale_threshold", call.rescale_threshold),
+                                                ("return_max_scores", call.return_max_scores),
+                                                ("compute_dtype", not prec.is_float64)) if on)])
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with a paged KV cache "
                              "(cache_seqlens gives the key lengths)")

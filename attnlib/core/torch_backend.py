@@ -130,9 +130,7 @@ class Torch:
 
     # -- elementwise and reductions ---------------------------------------------------------
     def matmul(self, a, b, out=None):
-        if out is None:
-            return self.torch.matmul(a, b)
-        return self.torch.matmul(a, b, out=out)
+        return self.torch.matmul(a, b) if out is None else self.torch.matmul(a, b, out=out)
 
     def swapaxes(self, x, a, b):
         return x.transpose(a, b)

@@ -267,9 +267,7 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_
     """
     q, k, v = _packed(q, k, v)
     hq = q.shape[1]
-    out = arrays.as_float_array(out, "out")
-    dout = arrays.as_float_array(dout, "dout")
-    lse = arrays.as_float_array(lse, "lse")
+    out, dout, lse = (arrays.as_float_array(x, name) for x, name in ((out, "out"), (dout, "dout"), (lse, "lse")))
     for x, name, shape in ((out, "out", q.shape[:2] + v.shape[2:]), (dout, "dout", q.shape[:2] + v.shape[2:]),
                            (lse, "lse", (hq, q.shape[0]))):
         if x.shape != shape:
