@@ -116,7 +116,7 @@ def apply(call, run, *, check_sinks=None):
         if check_sinks is None:
             raise TypeError("lse_conventions.apply needs check_sinks to take the sinks out of the run")
         sinks = check_sinks(opts.sinks)
-    out, *rest = run(call.replace(options=replace(opts, sinks=None)) if excluded else call)
+    out, *rest = run(replace(call, options=replace(opts, sinks=None)) if excluded else call)
     if call.return_lse:
         if excluded:  # the keys' own lse; out weighted by the sinks after
             out = without_sink(out, rest[0], sinks)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import numpy as np
@@ -246,11 +246,6 @@ class Call:
                    workers=None if a.get("workers") is None else validate.workers(a["workers"]),
                    rescale_threshold=validate.threshold(a.get("rescale_threshold", 0.0)),
                    check_finite=a.get("check_finite", True), device=a.get("device"))
-
-    def replace(self, **changes) -> "Call":
-        """This call with ``changes`` to its fields (``options=`` an `Options`), unchecked:
-        for a kernel's own sub-calls."""
-        return replace(self, **changes)
 
 
 #: What `Call.bind` reads besides the options.

@@ -161,8 +161,8 @@ def paged_forward(q, k_cache, v_cache, call: Call, dev=None):
         # This entry's slopes and sinks: already checked, so set without a second parse.
         entry_opts = replace(opts, alibi_slopes=slopes(b), sinks=sink(b), block_table=None, cache_seqlens=None)
         # The torch backend runs its own threads on the CPU; numpy one thread per entry.
-        entry_call = call.replace(options=entry_opts, block_k=block_k, return_lse=True, check_finite=False,
-                                  workers=1 if dev is None else None, device=dev)
+        entry_call = replace(call, options=entry_opts, block_k=block_k, return_lse=True, check_finite=False,
+                             workers=1 if dev is None else None, device=dev)
         out[b], lse[b] = stream_forward(q[b], chunks(b), entry_call, total_keys=int(lens[b]))
 
     run_tiles(entry, range(batch), min(workers, max(1, batch)) if dev is None else 1)

@@ -356,7 +356,7 @@ def _gate_figures(gate, grads, defects, backward) -> dict:
     the problem's visible (query row, key) pairs (``visible_pairs``; 0: nothing to differentiate,
     the problem tests nothing) and, with ``defects``, whether it fails ``backward()`` run with each one active
     (``defects_caught``; None where the defect moves no entry by more than twice the real
-    backward's own error there and 4 units of rounding of the entry's size, `_moved`)."""
+    backward's own error there and 4 units of rounding of the entry's size, `_moved`, and passes)."""
     verdict = gate.judge(grads)
     row = {"gate_e": gate.e, "gate_ratio": max(verdict[f"{n}_ratio"] for n in gate.names),
            "gate_passed": verdict["passed"], "visible_pairs": gate.visible_pairs}
@@ -367,8 +367,9 @@ def _gate_figures(gate, grads, defects, backward) -> dict:
     for defect in defects:  # each through the same gate
         with defect.active():
             bad = backward()
-        changed = any(_moved(b, g, r, 4 * u * size) for b, g, r, size in zip(bad, grads, gate.ref, gate.size))
-        caught[defect.name] = (not gate.judge(bad)["passed"]) if changed else None
+        failed = not gate.judge(bad)["passed"]  # a failure counts as a change (the equivalence report's rule)
+        caught[defect.name] = failed if failed or any(_moved(b, g, r, 4 * u * size) for b, g, r, size in zip(
+            bad, grads, gate.ref, gate.size)) else None
     if defects:
         row["defects_caught"] = caught
     return row

@@ -181,9 +181,9 @@ def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = No
         if full is not None:
             fv = Verdict(full["passed"], full["verdict"], bool(full.get("strict")))
             hover = f'{full["verdict"]} ({full.get("seconds", "?")} s)'
+            at = ", ".join(str(full.get("environment", {}).get(n, "?")) for n in ("git commit", "run finished (UTC)"))
             item += (f' · <a href="{full_dir.name}/{name}.html" title="{html.escape(hover)}">full run</a>: '
-                     f'{_badge(fv.label)} <small>({html.escape(str(full.get("environment", {}).get("git commit", "?")))})'
-                     '</small>')
+                     f'{_badge(fv.label)} <small>(at {html.escape(at)})</small>')
         if full_status is not None:
             item += f' · full run: {_badge("ERROR")} {html.escape(full_status["error"])}'
     lines.append(item)
@@ -210,8 +210,9 @@ li {{ margin-bottom: .6em; }}
 .nondefault {{ background: #d35400; }} small {{ color: #555; }}
 </style></head><body>
 <h1>attnlib: the evidence</h1>
-<p>Each line: a notebook run by papermill (<code>make report</code>; the full runs:
-<code>make report-full</code>), its verdict, its key figure and the commit it ran at; its whole
+<p>Each line: a notebook run by papermill (<code>make report</code>; the full runs, hours long and made
+less often: <code>make report-full</code>, each at the commit and time it names), its verdict, its key
+figure and the commit; its whole
 verdict line and its time are on the link (hover), and first on its page. Every kernel call ran under
 <code>{html.escape(STRICT_TEXT)}</code> unless the line says NOT strict.</p>
 <ul>
