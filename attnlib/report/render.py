@@ -181,9 +181,10 @@ def _index_item(name: str, title: str, out_dir: Path, full_dir: Path | None = No
         if full is not None:
             fv = Verdict(full["passed"], full["verdict"], bool(full.get("strict")))
             hover = f'{full["verdict"]} ({full.get("seconds", "?")} s)'
-            at = ", ".join(str(full.get("environment", {}).get(n, "?")) for n in ("git commit", "run finished (UTC)"))
+            env = full.get("environment", {})  # the full run's commit and day (it may be older than this run)
+            at = f'{env.get("git commit", "?")}, {(str(env.get("run finished (UTC)", "")).split() or ["?"])[0]}'
             item += (f' · <a href="{full_dir.name}/{name}.html" title="{html.escape(hover)}">full run</a>: '
-                     f'{_badge(fv.label)} <small>(at {html.escape(at)})</small>')
+                     f'{_badge(fv.label)} <small>({html.escape(at)})</small>')
         if full_status is not None:
             item += f' · full run: {_badge("ERROR")} {html.escape(full_status["error"])}'
     lines.append(item)
