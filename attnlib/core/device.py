@@ -214,8 +214,6 @@ def threads_pay() -> bool:
     return median(1) >= 1.3 * median(n_threads)
 
 
-
-
 def on_device(result, given):
     """A result as the caller gave its inputs: tensors stay on the device; numpy inputs run
     with ``device=`` get numpy back (stats and other host objects pass through)."""

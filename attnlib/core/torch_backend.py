@@ -34,8 +34,8 @@ class Torch:
         self.dev = dev
         self.float64, self.int64 = torch.float64, torch.int64
         # The CPU runs (head block, query tile) units on threads, as the numpy kernel does (one
-        # torch thread each: tile-sized ops lose to torch's own threads, 330 against 165 us for
-        # a (256, 64) @ (64, 256) product on 2 threads, measured); a GPU takes every head at once.
+        # torch thread each; `fit_workers` may take one worker with torch's threads instead, where
+        # those pay: an AMD EPYC took 330 against 165 us for a (256, 64) @ (64, 256) product on 2).
         self.workers = (validate.workers(None) if workers is None else workers) if dev.type == "cpu" else 1
         self.chosen = workers is not None  # the caller's thread count, never changed (`fit_workers`)
         self._local = threading.local()
