@@ -251,6 +251,29 @@ def test_numpy_calls_never_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.slow
+def test_vml_functions_are_first_called_by_one_thread_alone():
+    # MKL's VML picks a function's kernel on its first call; racing first calls can run a
+    # low-accuracy one (`device.warm_vml`).  A fresh process: the first exp is the warm-up's,
+    # made by the calling thread before the two workers of the backward start.
+    code = ("import threading, numpy as np, torch, attnlib\n"
+            "from attnlib.core import device\n"
+            "calls, exp = [], torch.exp\n"
+            "torch.exp = lambda *a, **k: (calls.append(threading.current_thread().name), exp(*a, **k))[1]\n"
+            "q, k, v = attnlib.random_qkv(256, 256, 16, seed=0)\n"
+            "out, lse = attnlib.attention(q, k, v, return_lse=True)  # numpy: no torch op yet\n"
+            "t = [torch.from_numpy(x) for x in (q, k, v, out, lse, np.ones_like(out))]\n"
+            "attnlib.attention_backward(*t, workers=2, block_q=64, block_k=64)\n"
+            "assert device._vml_warm and calls[0] == 'MainThread', calls[:3]\n"
+            "assert len(set(calls)) > 1, 'the backward ran on one thread: nothing tested'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_every_warmed_vml_function_exists_in_torch():
+    from attnlib.core import device
+    assert all(callable(getattr(torch, name)) for name in device._VML_FUNCTIONS)
+
+
 @pytest.mark.parametrize("compute_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("kw", [{}, {"causal": True, "kv_splits": 3},
                                 {"softcap": 3.0, "alibi_slopes": np.linspace(0.1, 0.5, 4), "sinks": np.arange(4.0)},

@@ -19,6 +19,7 @@ from ..core import problem
 from ..core.options import Options
 from ..evidence.inputs import random_qkv
 from ..judge.sizing import dense_fits
+from ..core.device import warm_vml
 from ..core.oracle import ORACLE_PRECISION, oracle_attention
 from ..core.reference import reference_attention
 from ..core.tiled import attention
@@ -70,6 +71,7 @@ def correct_kernels(prec_name: str) -> dict:
     except ImportError:
         return kernels
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    warm_vml()  # before these kernels' first torch ops (`device.warm_vml`)
 
     def sdpa(backend):
         def run(q, k, v, c):

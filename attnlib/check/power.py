@@ -31,6 +31,7 @@ import numpy as np
 
 from ..core.problem import precision
 from ..core.backward import tiled_backward
+from ..core.device import warm_vml
 from ..core.options import Options
 from ..core.tiled import attention, forward_on
 from . import memo
@@ -157,6 +158,7 @@ def _torch_kernels(prec_name) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return {}
+    warm_vml()  # before these kernels' first torch ops (`device.warm_vml`)
 
     def sdpa(backend):
         def run(q, k, v, dout, c):

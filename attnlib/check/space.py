@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.device import warm_vml
 from ..core.masks import mask_specs
 from ..core.problem import precision
 from ..core.tiled import attention
@@ -166,6 +167,7 @@ def kernels(prec_name: str) -> dict:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return found
+    warm_vml()  # before these kernels' first torch ops (`device.warm_vml`)
 
     def backward(p, out, t):
         out.backward(_to_torch(prec_name, p.dout)[0])

@@ -31,7 +31,34 @@ def _torch():
         import torch
     except ImportError:
         raise ValueError("device= needs torch: pip install attnlib[torch]") from None
+    if not _vml_warm:
+        warm_vml()
     return torch
+
+
+#: The unary functions ATen hands to MKL's VML on the CPU (``aten/src/ATen/cpu/vml.h``).
+_VML_FUNCTIONS = ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "tanh", "sin", "cos", "tan",
+                  "asin", "acos", "atan", "erf", "erfc", "trunc")
+_vml_lock = threading.Lock()
+_vml_warm = False
+
+
+def warm_vml():
+    """Each function torch hands to MKL's VML called once, by this thread alone, in float64 and
+    float32.  oneMKL 2024.2 (torch 2.13's CPU wheels) picks a VML kernel on a function's first
+    call, and first calls racing on several threads can run part of it with a low-accuracy kernel
+    (pytorch/pytorch#188792: 216 of 4,160 racing first calls wrong, 0 of 5,200 after a warm-up):
+    the likely cause of a torch CPU backward, its process's first, seen once off by a gate ratio
+    of 1380 (1e-9 noise in one tile's ``exp`` gives that; not reproduced in 323 fresh processes).
+    About 5 ms once per process; later calls unchanged."""
+    global _vml_warm
+    import torch
+    with _vml_lock:
+        for dtype in () if _vml_warm else (torch.float64, torch.float32):
+            x = torch.full((16,), 0.5, dtype=dtype)  # 16 entries: computed in this thread alone
+            for name in _VML_FUNCTIONS:
+                getattr(torch, name)(x)
+        _vml_warm = True
 
 
 def parse_name(device, accepted="a torch device"):
@@ -163,9 +190,8 @@ _worker = threading.local()
 def hold_one_thread():
     """The calling thread's torch threads held to one, once per thread: a worker thread's
     OpenMP and MKL settings are its own, which `threads` (run in the caller's thread) does not
-    reach.  Without it a worker's first products ran with the process's default team, and in
-    about 1 of 100 fresh processes under load one tile came out wrong by 1.6e-9 (measured on
-    the backward; never with OMP_NUM_THREADS=1, nor with this, in 210 runs)."""
+    reach, and each worker's products would start a team of the process's default size on
+    cores the other workers already use."""
     if not getattr(_worker, "held", False):
         _torch().set_num_threads(1)
         _worker.held = True
