@@ -44,9 +44,7 @@ class Table:
     def __init__(self, rows, columns, formats=None, title=None, worst=None, summary=None):
         self.rows, self.columns = list(rows), list(columns)
         self.formats = formats or {}
-        self.title = title
-        self.worst = worst
-        self.summary = summary
+        self.title, self.worst, self.summary = title, worst, summary
 
     def _cell(self, row, col):
         value = row.get(col, "")
@@ -124,9 +122,8 @@ def error_histogram(rows, bound=BOUND, series=None, lo=-18.0, hi=-6.0, title=Non
         edges, counts = log10_histogram([r[key] for r in rows], lo, hi)
         ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
     ax.axvline(math.log10(bound), color="crimson", lw=2, label=f"the contract's bound, {bound:.0e}")
-    ax.set_xlabel("log10(error)   (exact 0 and values below 1e-18 are counted in the first bin)")
-    ax.set_ylabel("cases")
-    ax.set_title(title or f"Tiled vs dense float64 reference, {len(rows)} random shapes")
+    ax.set(xlabel="log10(error)   (exact 0 and values below 1e-18 are counted in the first bin)", ylabel="cases",
+           title=title or f"Tiled vs dense float64 reference, {len(rows)} random shapes")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: off the bars and the bound
     fig.tight_layout()
     return fig
@@ -164,8 +161,7 @@ def gate_power(rows, defects):
     ax.axvline(0.0, color="black", lw=1.5)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(lo - 0.3, hi + 0.3)
-    ax.set_xlabel("log10(error / gate tolerance), per case")
+    ax.set(xlim=(lo - 0.3, hi + 0.3), xlabel="log10(error / gate tolerance), per case")
     ax.set_title(f"The gate's power: the real kernel and {len(defects)} injected defects, {len(rows)} cases\n"
                  "(a defect on the cases it changes only)", fontsize=10)
     handles = [Line2D([], [], color="black", lw=1.5, label="gate: error = tolerance"),
@@ -191,8 +187,7 @@ def tile_map(tile_kind, title="Tile classes"):
     im = _tile_classes(ax, tile_kind)
     cbar = fig.colorbar(im, ax=ax, ticks=[SKIP, PARTIAL, FULL])
     cbar.ax.set_yticklabels([TILE_KIND_NAMES[k] for k in (SKIP, PARTIAL, FULL)])
-    ax.set_xlabel("key tile")
-    ax.set_ylabel("query tile")
+    ax.set(xlabel="key tile", ylabel="query tile")
     counts = {TILE_KIND_NAMES[k]: int(np.count_nonzero(tile_kind == k)) for k in (SKIP, PARTIAL, FULL)}
     ax.set_title(f"{title}\n" + ", ".join(f"{k} {v}" for k, v in counts.items()), fontsize=10)
     return fig
@@ -206,8 +201,7 @@ def tile_map_grid(maps: dict, columns=5):
         _tile_classes(ax, kinds)
         skipped = float(np.mean(kinds == SKIP)) if kinds.size else 0.0
         ax.set_title(f"{title}\n{skipped:.0%} SKIP", fontsize=9)
-        ax.set_xticks([])
-        ax.set_yticks([])
+        ax.set(xticks=[], yticks=[])
         ax.set_xlabel(f"key tile (0..{kinds.shape[-1] - 1})", fontsize=8)
         ax.set_ylabel(f"query tile (0..{kinds.shape[0] - 1})", fontsize=8)
     for ax in list(axes.flat)[len(maps):]:
@@ -235,8 +229,7 @@ def rescale_heatmaps(panels: dict, tile_kind=None, columns=2):
         top = max(1.0, float(np.nanmax(data))) if np.isfinite(data).any() else 1.0
         im = ax.imshow(data, cmap="viridis", interpolation="nearest", vmin=0, vmax=top)
         ax.set_title(f"{title}\ntotal {int(np.sum(counts)):,}", fontsize=10)
-        ax.set_xlabel("key tile")
-        ax.set_ylabel("query tile")
+        ax.set(xlabel="key tile", ylabel="query tile")
         fig.colorbar(im, ax=ax, label="rescale events")
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
@@ -263,10 +256,8 @@ def rescales_vs_expected(measured, expected, maximum=None, sigma=None):
                         lw=0, label="expected ± 1 sigma per key tile (i.i.d. model)")
     if maximum is not None:
         ax.plot(x, per_key_tile(maximum), ":", color="grey", label=f"maximum possible, total {int(np.sum(maximum)):,}")
-    ax.set_yscale("log")
-    ax.set_xlabel("key tile")
-    ax.set_ylabel("rescale events (all query rows)")
-    ax.set_title("Where the running max grows: a new max in tile b has probability c / C")
+    ax.set(yscale="log", xlabel="key tile", ylabel="rescale events (all query rows)",
+           title="Where the running max grows: a new max in tile b has probability c / C")
     ax.legend(fontsize=8)
     return fig
 
@@ -349,10 +340,8 @@ def memory_vs_n(tiled, dense, dense_model, cap_bytes, machine_bytes=None,
     if machine_bytes:
         ax.axhline(machine_bytes / MIB, color="black", ls=":", label=f"this machine's memory, {machine_bytes / 2**30:.0f} GiB")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("n = Sq = Sk (tokens, log2 scale)")
-    ax.set_ylabel("traced memory over the inputs (MiB, log scale)")
-    ax.set_title(title)
+    ax.set(yscale="log", xlabel="n = Sq = Sk (tokens, log2 scale)",
+           ylabel="traced memory over the inputs (MiB, log scale)", title=title)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig
@@ -384,9 +373,7 @@ def decode_memory(traced, rss, cap_bytes):
                label=f"KV cache on disk, {last['cache_bytes'] / MIB:,.0f} MiB")
     ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label=f"cap, {cap_bytes / MIB:.0f} MiB")
     ax.set_yscale("symlog", linthresh=0.1)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("time since the call started (s)")
-    ax.set_ylabel("RSS over the pre-call level (MiB, symlog)")
+    ax.set(ylim=(0, None), xlabel="time since the call started (s)", ylabel="RSS over the pre-call level (MiB, symlog)")
     ax.set_title(f"RSS during the decode of {last['sq']} queries over {last['sk']:,} keys", fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16))  # below the axes
 
@@ -405,9 +392,7 @@ def decode_memory(traced, rss, cap_bytes):
     ax.axhline(cap_bytes / MIB, color="crimson", ls="--", label="cap")
     ax.axhline(traced[0]["cache_bytes"] / 100 / MIB, color="grey", ls="-.", label="1% of the cache")
     ax.set_xticks(x, [str(r["sq"]) for r in traced])
-    ax.set_xlabel("decode queries per call (count)")
-    ax.set_yscale("log")
-    ax.set_ylabel("memory (MiB, log scale)")
+    ax.set(xlabel="decode queries per call (count)", yscale="log", ylabel="memory (MiB, log scale)")
     ax.set_title("Per run: traced working vs RSS growth by kind", fontsize=10)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -434,10 +419,8 @@ def time_vs_n(rows, names, title="Forward time vs sequence length"):
         ns = np.array([p[0] for p in ref], dtype=float)
         ax.plot(ns, t0 * (ns / n0) ** 2, ":", color="grey", label=f"n² through {names[0]} at n = {n0}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length n = Sq = Sk (tokens, log scale)")
-    ax.set_ylabel("seconds per call (log scale)")
-    ax.set_title(title)
+    ax.set(yscale="log", xlabel="sequence length n = Sq = Sk (tokens, log scale)",
+           ylabel="seconds per call (log scale)", title=title)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
@@ -461,8 +444,7 @@ def tile_sweep_heatmap(sweep, default=None):
             (j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="crimson", linewidth=2.5))
     ax.set_xticks(range(len(sizes)), sizes)
     ax.set_yticks(range(len(sizes)), sizes)
-    ax.set_xlabel("block_k (keys per tile)")
-    ax.set_ylabel("block_q (queries per tile)")
+    ax.set(xlabel="block_k (keys per tile)", ylabel="block_q (queries per tile)")
     ax.set_title(f"Tile-size sweep, {sweep['case']}, workers={sweep['workers']}\n"
                  f"median (min–max) seconds of {sweep.get('repeats', 'the')} repeats"
                  + (f"; outlined: the default {default[0]}×{default[1]}" if drawn else
@@ -485,9 +467,7 @@ def lines(rows, x, y, group, *, logx=False, logy=True, xlabel=None, ylabel=None,
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
-    ax.set_xlabel(xlabel or x)
-    ax.set_ylabel(ylabel or y)
-    ax.set_title(title or f"{y} vs {x}")
+    ax.set(xlabel=xlabel or x, ylabel=ylabel or y, title=title or f"{y} vs {x}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
@@ -506,13 +486,11 @@ def sink_rescales(rows, rows_total):
     for r in rows:
         if r["sink"] == "none":
             ax.axhline(r["total_rescales"], color="gray", ls="--", label="no sink")
-    ax.set_xlabel("sink logit (every head)")
-    ax.set_ylabel("rescale events")
+    ax.set(xlabel="sink logit (every head)", ylabel="rescale events")
     right = ax.twinx()
     right.plot(xs, [r["rows_held_by_sink"] / rows_total for r in with_sink], "s:", color="C2",
                label="rows whose max stays the sink")
-    right.set_ylabel("share of rows held by the sink")
-    right.set_ylim(0, 1.05)
+    right.set(ylabel="share of rows held by the sink", ylim=(0, 1.05))
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="center left")
     ax.set_title("Rescales against the sink: a sink below the scores adds each row's first tile, "
@@ -541,9 +519,8 @@ def kernel_error_heatmap(head_row_ratio, max_columns=512):
     cbar = fig.colorbar(im, ax=ax)
     cbar.ax.axhline(1.0, color="cyan", lw=2)
     cbar.set_label("max |kernel - ref| / allowance (cyan: 1)")
-    ax.set_xlabel("query position")
-    ax.set_ylabel("head")
-    ax.set_title(f"Kernel error by head and query position ({int((binned > 1).sum())} binned cells fail)")
+    ax.set(xlabel="query position", ylabel="head",
+           title=f"Kernel error by head and query position ({int((binned > 1).sum())} binned cells fail)")
     return fig
 
 
@@ -557,10 +534,8 @@ def kernel_error_vs_position(row_ratio, row_naive_ratio=None):
     if row_naive_ratio is not None:
         ax.plot(pos, np.maximum(row_naive_ratio, floor), lw=1, alpha=0.8, label="naive, same precision")
     ax.axhline(1.0, color="crimson", lw=1.5, ls="--", label="allowance")
-    ax.set_yscale("log")
-    ax.set_xlabel("query position")
-    ax.set_ylabel("max |x - ref| / allowance over batch, heads, dims")
-    ax.set_title("Error along the query position")
+    ax.set(yscale="log", xlabel="query position", ylabel="max |x - ref| / allowance over batch, heads, dims",
+           title="Error along the query position")
     ax.legend(fontsize=8, loc="best")
     return fig
 
@@ -580,10 +555,8 @@ def kernel_error_histogram(ratios, naive_ratios=None):
         edges, counts = log10_histogram(data, lo, hi)
         ax.hist(edges[:-1], bins=edges, weights=counts, label=label, **style)
     ax.axvline(0.0, color="crimson", lw=2, label="allowance (ratio 1)")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"log10 (|x - ref| / allowance)   (zeros and values below 1e{lo:.0f} in the first bin)")
-    ax.set_ylabel("entries")
-    ax.set_title(f"Errors of {np.size(ratios):,} output entries, in units of their allowance")
+    ax.set(yscale="log", xlabel=f"log10 (|x - ref| / allowance)   (zeros and values below 1e{lo:.0f} in the first bin)",
+           ylabel="entries", title=f"Errors of {np.size(ratios):,} output entries, in units of their allowance")
     ax.legend(fontsize=8, loc="best")
     return fig
 
@@ -603,10 +576,9 @@ def check_rule_ratios(rows):
             x, y = zip(*pts)
             ax.scatter(np.maximum(x, 1e-6), np.array(y) + offset, s=22, alpha=0.7, label=label, **style)
     ax.axvline(1.0, color="black", lw=1.5, ls="--", label="allowance (ratio 1)")
-    ax.set_xscale("log")
     ax.set_yticks(range(len(precs)), precs)
-    ax.set_xlabel("worst |kernel - ref| / allowance over the seeds (one point per shape and kernel)")
-    ax.set_title("The check rule: correct kernels below 1, defects above")
+    ax.set(xscale="log", xlabel="worst |kernel - ref| / allowance over the seeds (one point per shape and kernel)",
+           title="The check rule: correct kernels below 1, defects above")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the data
     fig.tight_layout()
     return fig
@@ -630,10 +602,7 @@ def power_by_magnitude(rows, apart=None):
                 x, y = zip(*pts)
                 ax.scatter(np.array(x) * shift, np.clip(y, 1e-3, 1e9), s=18, alpha=0.6, label=label, **style)
         ax.axhline(1.0, color="black", lw=1.5, ls="--", label="allowance")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(prec)
-        ax.set_xlabel("magnitude of v and dout (standard deviation)")
+        ax.set(xscale="log", yscale="log", title=prec, xlabel="magnitude of v and dout (standard deviation)")
     axes[0][0].set_ylabel("worst |kernel - ref| / allowance")
     fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=4)  # off the data
     fig.suptitle("The check at every magnitude: correct kernels below 1, wrong kernels above")
