@@ -27,11 +27,7 @@ import threading
 
 import numpy as np
 
-from . import arrays
-from . import mla, problem
-from . import validate
-from . import flex
-from . import hooks
+from . import arrays, mla, problem, validate, flex, hooks
 from .masks import PARTIAL, SKIP
 from .options import Options
 from .reference import _scores
@@ -40,8 +36,6 @@ from .backend import NUMPY, backend_for
 from .parallel import Turns, _unit_of, run_tiles
 from .tiled import attention, prepare
 from . import device as dev_mod
-
-
 
 
 def _options(scale, options: dict, entry: str):

@@ -24,8 +24,7 @@ import numpy as np
 from . import device as dev_mod
 from .backend import NUMPY, backend_for
 from .arrays import as_numpy
-from . import problem
-from . import validate
+from . import problem, validate
 from .options import Call
 from .stream import stream_forward
 from .tilesizes import DEFAULT_TILES

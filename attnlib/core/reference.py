@@ -12,10 +12,7 @@ import numbers
 
 import numpy as np
 
-from . import arrays
-from . import lse_conventions, mla, problem
-from . import validate
-from . import flex
+from . import arrays, lse_conventions, mla, problem, validate, flex
 from .backend import NUMPY, backend_for
 from .device import on_device, resolve as device_of
 from .options import Call, Options

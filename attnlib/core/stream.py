@@ -11,12 +11,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import problem
-from . import validate
+from . import problem, validate, hooks
 from .options import MODS, SPARSE, Call
 from .masks import SKIP, MaskSpec, sink_tokens
 from .tilesizes import DEFAULT_TILES, TileSizes
-from . import hooks
 from .backend import NUMPY, backend_for
 from . import tiles  # noqa: F401  (declares the steps absorb looks up)
 from .parallel import run_tiles

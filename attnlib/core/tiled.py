@@ -14,10 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from . import lse_conventions, mla, problem, sparse
-from . import validate
-from . import flex
-from . import hooks
+from . import lse_conventions, mla, problem, sparse, validate, flex, hooks
 from .backend import NUMPY, backend_for
 from .masks import SKIP
 from .options import Call, Options

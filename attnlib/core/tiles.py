@@ -8,8 +8,7 @@ import math
 
 import numpy as np
 
-from . import problem
-from . import hooks
+from . import problem, hooks
 from .backend import KEYS_FIRST_MIN_ROWS, NUMPY  # noqa: F401  (KEYS_FIRST_MIN_ROWS: read from here too)
 from .masks import PARTIAL, SKIP
 from .online import OnlineSoftmax  # the state absorb updates (its import declares the "state" step)

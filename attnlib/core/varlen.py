@@ -16,10 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import arrays
+from . import arrays, mla, problem, validate
 from .arrays import as_numpy
-from . import mla, problem
-from . import validate
 from .backward import _score_mod_grad, dense_backward, tiled_backward
 from . import device as dev_mod
 from .options import Call, Options

@@ -10,12 +10,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..core import descale, mla, problem, sparse
-from ..core import validate
+from ..core import descale, mla, problem, sparse, validate
 from ..core.online import lse_of, merge_parts
 from ..core.options import Options
-from ..core.backend import NUMPY
-from ..core.backend import backend_for
+from ..core.backend import NUMPY, backend_for
 from ..core.tiled import prepare, run_keys
 from .plan import MERGE_FANIN, make_plan
 from .sources import Input, aligned, materialize

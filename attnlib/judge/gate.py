@@ -92,11 +92,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..core import arrays
-from ..core import problem
-from ..core import validate
-from ..core import flex
-from ..core.backend import NUMPY
+from ..core import arrays, problem, validate, flex
+from ..core.backend import NUMPY, backend_for
 from ..core.masks import SKIP
 from .metrics import BOUND, TINY, reference_with_abs
 from ..core.oracle import oracle_attention
@@ -104,7 +101,6 @@ from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.reference import dense_options, reference_scores
 from ..core.tilesizes import DEFAULT_TILES
-from ..core.backend import backend_for
 from ..core.tiles import tile_scores
 
 #: Unit roundoff of float64.

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..core import arrays
-from ..core import validate
+from ..core import arrays, validate
 from ..core.backward import reference_attention_backward
 from ..core.masks import MaskSpec
 from ..core.options import Options
