@@ -49,86 +49,19 @@ Everything a notebook, a test or another module uses is importable from here.
 """
 
 from .notebook import (
-    CLAIMS_SHOWN,
-    HEADLINE_WORDS,
-    KEY_WORDS,
-    PROGRESS_ENV,
-    ROOT,
-    STRICT,
-    STRICT_TEXT,
-    UNRESOLVED,
-    Claim,
-    Verdict,
-    against,
-    combined,
-    compare,
-    environment,
-    is_strict,
-    on_page,
-    outcome,
-    provenance,
-    ratio_range,
-    save_results,
-    spread_text,
-    decided_format,
-    stage,
-    strict,
-    tally,
-    timing_claim,
-)
+    CLAIMS_SHOWN, HEADLINE_WORDS, KEY_WORDS, PROGRESS_ENV, ROOT, STRICT, STRICT_TEXT, UNRESOLVED, Claim,
+    Verdict, against, combined, compare, environment, is_strict, on_page, outcome, provenance, ratio_range,
+    save_results, spread_text, decided_format, stage, strict, tally, timing_claim)
 from .costs import (
-    BACKWARD,
-    FALLBACK_MEMORY,
-    GALLERY_ENTRIES,
-    LONG_DOUBLE,
-    PAIR_WORK,
-    PIECE_BYTES,
-    PIECE_WORK,
-    PROCESS_BYTES,
-    TASK_WORK,
-    THREAD_BYTES,
-    TILE_WORK,
-    WORK_LIMIT,
-    Cost,
-    check_costs,
-    disk_limit,
-    memory_limit,
-)
+    BACKWARD, FALLBACK_MEMORY, GALLERY_ENTRIES, LONG_DOUBLE, PAIR_WORK, PIECE_BYTES, PIECE_WORK, PROCESS_BYTES,
+    TASK_WORK, THREAD_BYTES, TILE_WORK, WORK_LIMIT, Cost, check_costs, disk_limit, memory_limit)
 from .params import (
-    NOTEBOOKS,
-    Notebook,
-    backward_defect,
-    check_params,
-    check_resources,
-    check_shapes,
-    model_cases,
-    flag,
-    magnitudes,
-    non_negative,
-    positive,
-    power_shapes,
-    precisions,
-    seconds,
-    sizes,
-    text,
-    thresholds,
-)
+    NOTEBOOKS, Notebook, backward_defect, check_params, check_resources, check_shapes, model_cases, flag,
+    magnitudes, non_negative, positive, power_shapes, precisions, seconds, sizes, text, thresholds)
 from .render import TEMPLATES, render_html, write_index
 from .runner import (
-    INSTALL_REPORT,
-    FULL_REPORTS,
-    LOCAL_REPORTS,
-    REPORT_MODULES,
-    REPORTS,
-    NotebookError,
-    ReportError,
-    execute,
-    missing_report_modules,
-    overridden,
-    plan,
-    run,
-    run_one,
-)
+    INSTALL_REPORT, FULL_REPORTS, LOCAL_REPORTS, REPORT_MODULES, REPORTS, NotebookError, ReportError, execute,
+    missing_report_modules, overridden, plan, run, run_one)
 from .cli import main
 
 __all__ = [

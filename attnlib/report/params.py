@@ -18,17 +18,8 @@ from ..core import problem, validate
 from ..core.oracle import ORACLE_PRECISION
 from ..judge.sizing import dense_fits
 from .costs import (
-    _check_rule_costs,
-    _equivalence_costs,
-    _flex_gallery_costs,
-    _gradients_costs,
-    _memory_costs,
-    _numerics_costs,
-    _performance_costs,
-    _rescales_costs,
-    _scaleout_costs,
-    check_costs,
-)
+    _check_rule_costs, _equivalence_costs, _flex_gallery_costs, _gradients_costs, _memory_costs,
+    _numerics_costs, _performance_costs, _rescales_costs, _scaleout_costs, check_costs)
 
 
 def _int(name, x, lo):
