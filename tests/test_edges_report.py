@@ -81,10 +81,10 @@ def test_defaults_and_quick_values_pass_the_bounds(defaults, quick):
 
 
 @pytest.mark.parametrize("names_, overrides", [
-    (["memory"], ["n=8192"]),  # README and Makefile: make report ARGS="--only memory -p n=8192"
+    (["memory"], ["n=8192"]),  # docs/reports.md and Makefile: make report ARGS="--only memory -p n=8192"
     (["equivalence"], ["n_cases=200", "seed=3"]),
     (None, ["rescales.block_k=128"]),
-    (["rescales"], ["n=2048", "block_q=32"]),  # the README's papermill line
+    (["rescales"], ["n=2048", "block_q=32"]),  # the papermill line of docs/reports.md
     (["equivalence", "rescales"], ["seed=7", "rescales.n=128", "block_q=32"]),  # tests/test_notebooks.py
 ])
 def test_documented_runs_pass_the_bounds(names_, overrides):

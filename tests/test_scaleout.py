@@ -292,9 +292,9 @@ def test_long_run_rss_gate_has_power(tmp_path):
     assert growth["planned"] < bound <= growth["whole key range"], (growth, bound)
 
 
-def test_readme_task_counts_of_the_projection_are_the_plans():
+def test_the_docs_task_counts_of_the_projection_are_the_plans():
     from pathlib import Path
 
     st = scaleout.plan_stats(1, 32, 2**20, 128, 8192)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text()
     assert f"{st['pieces']:,} piece tasks and {st['merges']:,} merges" in readme
