@@ -6,7 +6,6 @@ import sys
 COMMANDS = {"report": "attnlib.report", "bench": "attnlib.bench", "check": "attnlib.check",
             "reference": "attnlib.distributed.cli"}
 
-
 USAGE = f"""usage: attnlib {{{','.join(COMMANDS)}}} [options]   (or: python -m attnlib ...)
 
   report  run the evidence notebooks and render their HTML reports

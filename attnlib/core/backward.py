@@ -262,8 +262,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         return _unscale_grads(dense_backward(
             q, k, v, _scaled_dout(dout, e), opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
             rss_accumulate=rss_accumulate, rss_scores=rss_scores, check_finite=check_finite,
-            compute_dtype=compute_dtype,
-            formulation=formulation), e)
+            compute_dtype=compute_dtype, formulation=formulation), e)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type

@@ -180,12 +180,8 @@ class OnlineSoftmax:
         with xp.overflow_ok():  # a difference below -max is -inf: weight exactly 0
             a_self = xp.exp(self.m - shift)
             a_other = xp.exp(other.m - shift)
-        return OnlineSoftmax(
-            m,
-            a_self * self.l + a_other * other.l,
-            a_self[..., None] * self.acc + a_other[..., None] * other.acc,
-            xp,
-        )
+        return OnlineSoftmax(m, a_self * self.l + a_other * other.l,
+                             a_self[..., None] * self.acc + a_other[..., None] * other.acc, xp)
 
     def finalize(self) -> tuple[np.ndarray, np.ndarray]:
         """``(out, lse)``; rows with no visible key give ``out = 0`` and ``lse = -inf``.

@@ -49,18 +49,11 @@ def tile_stats(rescales, kinds, pb, tiles) -> AttentionStats:
     anywhere = processed.any(axis=tuple(range(processed.ndim - 2)))  # (nq, nk)
     n_processed = int(np.count_nonzero(processed))
     return AttentionStats(
-        block_q=tiles.block_q,
-        block_k=tiles.block_k,
-        tile_kind=kinds,
-        rescales=rescales,
-        rescale_counts={
-            (int(a) * tiles.block_q, int(b) * tiles.block_k): int(per_tile[a, b])
-            for a, b in np.argwhere(anywhere)
-        },
-        processed_tiles=n_processed * pb.hq,
-        skipped_tiles=(kinds.size - n_processed) * pb.hq,
-        total_rescales=int(rescales.sum()),
-    )
+        block_q=tiles.block_q, block_k=tiles.block_k, tile_kind=kinds, rescales=rescales,
+        rescale_counts={(int(a) * tiles.block_q, int(b) * tiles.block_k): int(per_tile[a, b])
+                        for a, b in np.argwhere(anywhere)},
+        processed_tiles=n_processed * pb.hq, skipped_tiles=(kinds.size - n_processed) * pb.hq,
+        total_rescales=int(rescales.sum()))
 
 
 def results(pb, tiles, out, lse, rescales, kinds, *, return_lse: bool, return_stats: bool, max_scores=None):

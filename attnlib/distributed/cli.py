@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 from ..core.validate import add_mask_flags, cli_options
 from ..core.tensorio import TensorFileError, load_indices, load_tensor, split_spec
 

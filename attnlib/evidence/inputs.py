@@ -83,46 +83,43 @@ class Family:
     purpose: str = "overflow safety"
 
 
-FAMILIES = {
-    f.name: f
-    for f in (
-        Family("first_tile", "a",
-               "One logit near +peak per row, at key 0 (in the first visible key tile); "
-               "every later tile holds only O(1) noise. The max is found at once and "
-               "never grows again: zero rescales, and the later tiles' weights "
-               "exp(noise - peak) underflow to 0."),
-        Family("last_tile", "b",
-               "One logit near +peak per row, at the first key of the row's last visible "
-               "key tile; earlier tiles hold O(1) noise. A late, huge rescale: "
-               "alpha = exp(noise - peak) underflows to 0 and must wipe out everything "
-               "accumulated before."),
-        Family("growing", "c",
-               "The first key of key tile b has logit peak * (b + 1) / n_k_tiles, above "
-               "O(1) noise: every row's max grows in every visible tile after its first, "
-               "the maximal number of rescales, each by exp(-peak / n_k_tiles)."),
-        Family("negative", "d",
-               "All logits near -peak (plus O(1) noise). Without the max shift every "
-               "exp underflows to 0 and the softmax becomes 0/0; the weight stays spread "
-               "over many keys.", "accuracy"),
-        Family("plateau", "e",
-               "All logits near +peak (plus O(1) noise): every key of every tile is near "
-               "the max, the weight is spread over all visible keys, and each score carries "
-               "a rounding error of about eps * peak.", "accuracy"),
-        Family("ramp", "f",
-               "Logits peak + 2 * j / block_k (plus O(1) noise): a slow ramp that raises the "
-               "max by about 2 in every key tile, so nearly every tile rescales while the "
-               "weight stays spread over the last few tiles.", "accuracy"),
-        Family("ties", "g",
-               "Every key is the same vector (no key noise), so each row's logits, near "
-               "+peak, tie exactly across all its tiles: no rescale after the first tile, "
-               "and the output is the plain mean of the visible values.", "accuracy"),
-        Family("sink", "h",
-               "An attention sink: key 0 at peak + 25, every other key near +peak (plus "
-               "O(1) noise). The sink holds the max, yet the other keys' weights, each "
-               "about exp(-25) ~ 1e-11, add up to a share float64 resolves: a kernel that "
-               "skips tiles far below the running max is caught here.", "accuracy"),
-    )
-}
+FAMILIES = {f.name: f for f in (
+    Family("first_tile", "a",
+           "One logit near +peak per row, at key 0 (in the first visible key tile); "
+           "every later tile holds only O(1) noise. The max is found at once and "
+           "never grows again: zero rescales, and the later tiles' weights "
+           "exp(noise - peak) underflow to 0."),
+    Family("last_tile", "b",
+           "One logit near +peak per row, at the first key of the row's last visible "
+           "key tile; earlier tiles hold O(1) noise. A late, huge rescale: "
+           "alpha = exp(noise - peak) underflows to 0 and must wipe out everything "
+           "accumulated before."),
+    Family("growing", "c",
+           "The first key of key tile b has logit peak * (b + 1) / n_k_tiles, above "
+           "O(1) noise: every row's max grows in every visible tile after its first, "
+           "the maximal number of rescales, each by exp(-peak / n_k_tiles)."),
+    Family("negative", "d",
+           "All logits near -peak (plus O(1) noise). Without the max shift every "
+           "exp underflows to 0 and the softmax becomes 0/0; the weight stays spread "
+           "over many keys.", "accuracy"),
+    Family("plateau", "e",
+           "All logits near +peak (plus O(1) noise): every key of every tile is near "
+           "the max, the weight is spread over all visible keys, and each score carries "
+           "a rounding error of about eps * peak.", "accuracy"),
+    Family("ramp", "f",
+           "Logits peak + 2 * j / block_k (plus O(1) noise): a slow ramp that raises the "
+           "max by about 2 in every key tile, so nearly every tile rescales while the "
+           "weight stays spread over the last few tiles.", "accuracy"),
+    Family("ties", "g",
+           "Every key is the same vector (no key noise), so each row's logits, near "
+           "+peak, tie exactly across all its tiles: no rescale after the first tile, "
+           "and the output is the plain mean of the visible values.", "accuracy"),
+    Family("sink", "h",
+           "An attention sink: key 0 at peak + 25, every other key near +peak (plus "
+           "O(1) noise). The sink holds the max, yet the other keys' weights, each "
+           "about exp(-25) ~ 1e-11, add up to a share float64 resolves: a kernel that "
+           "skips tiles far below the running max is caught here.", "accuracy"),
+)}
 
 
 def _last_visible_key(sq, sk, causal, causal_align):

@@ -296,9 +296,7 @@ def execute(path: Path, params: dict, target: Path, *, banner: str = "", progres
             with _kernel_environment(progress_file), _progress_pump(progress_file, progress):
                 papermill.execute_notebook(
                     str(path), str(executed), parameters={**params, "results_json": str(results)},
-                    kernel_name="python3", progress_bar=False, cwd=str(path.parent),
-                    **_kernel_options(),
-                )
+                    kernel_name="python3", progress_bar=False, cwd=str(path.parent), **_kernel_options())
         except papermill.PapermillExecutionError as e:
             failure = NotebookError(path.name, _failed_cell(executed), f"{e.ename}: {e.evalue}")
         except Exception as e:  # the kernel died (killed, e.g. out of memory) or never started
