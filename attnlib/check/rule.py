@@ -260,16 +260,16 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
 
         def run(q, k, v, o):
             return on_cluster(q, k, v, return_lse=True, client=scheduler, **o.given())
-    ref, ref_lse = run(qh, kh, vh, opts)
-    # P @ |V|: the size of what each entry sums, by the same tiled kernel.
-    ref_abs = run(qh, kh, np.abs(vh), opts)[0]
-    empty = np.isneginf(ref_lse)
-    if prec.is_float64:
+    if prec.is_float64:  # with P @ |V|, the size of what each entry sums: one pass over [v, |v|]
+        both, ref_lse = run(qh, kh, np.concatenate([vh, np.abs(vh)], axis=-1), opts)
+        ref, ref_abs = both[..., :vh.shape[-1]], both[..., vh.shape[-1]:]
         tol = tolerance(*((qh, kh) if on is None else (on.put(qh), on.put(kh))), vh, ref_lse, block_k=1,
                         options=opts)
         allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))
         return Expected(ref, ref_lse, allowance, tol.lse, None, None,
                         "float64 rounding bound (the verdict gate, any tiling)")
+    ref, ref_lse = run(qh, kh, vh, opts)
+    empty = np.isneginf(ref_lse)
     naive_err, naive_lse_err, baseline = _naive_errors(qh, kh, vh, opts, prec, workers, dense,
                                                        ref, ref_lse, on)
     # Each entry's own size: |ref| (errors relative to the whole, as in 1 / l) plus the
