@@ -337,3 +337,34 @@ def test_a_kernel_in_a_lower_precision_is_named(claimed, actual):
     assert r.diagnosis == [f"judged as a {actual} kernel the output passes: the kernel computes in {actual}, "
                            f"not {claimed}; check its input casts and matmul precision settings, or pass "
                            f"--dtype {actual}"]
+
+
+def test_the_printed_rule_is_the_documented_one():
+    import re
+    from pathlib import Path
+    from attnlib.check.rule import FINAL_ROUNDINGS
+    from attnlib.check.text import rule_text
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "semantics.md").read_text()
+    printed = rule_text("bfloat16")
+    # The contract's size, its subscripts dropped, is the printed one; so are the + 2 and the pooling.
+    size = re.search(r"size\s+= (.*)\n", doc).group(1).strip()
+    assert re.sub(r"_(ij|jc|ic|i|j)\b", "", size) in printed
+    allowance = re.search(r"allowance = (\(2 max\(\|naive - ref\| / unit\) \+ (\d+)\) unit)\s+\(max over the tensor\)",
+                          doc)
+    assert allowance and int(allowance.group(2)) == FINAL_ROUNDINGS
+    assert f"(2 r + {FINAL_ROUNDINGS:g}) u per entry" in printed and "r = max over the tensor" in printed
+
+
+def test_errors_are_given_in_ulps_of_each_entrys_size():
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in attnlib.random_qkv(128, 128, 32, heads=2, batch=(1,), seed=3))
+    good = attnlib.attention(q, k, v, causal=True, compute_dtype="bfloat16").astype(ml_dtypes.bfloat16)
+    bad = attnlib.attention(q, k, v, compute_dtype="bfloat16").astype(ml_dtypes.bfloat16)  # no causal mask
+    for out, passed in ((good, True), (bad, False)):
+        verdict = check.check_kernel(q, k, v, out, layout="bhsd", causal=True).out
+        assert verdict.passed is passed
+        for w in verdict.worst:  # err / allowance = (err / u) / (allowance / u): the same u
+            assert w["ulps"] / w["allowance_ulps"] == pytest.approx(w["ratio"], rel=1e-12)
+            assert w["ulps"] <= verdict.max_ulps
+        # One pooled r: every entry's allowance is the same number of its own ulps, 2 r + 2.
+        assert len({round(w["allowance_ulps"], 9) for w in verdict.worst}) == 1
+    assert " u), allowance " in check.format_text(check.check_kernel(q, k, v, bad, layout="bhsd", causal=True))

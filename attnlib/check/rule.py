@@ -137,7 +137,8 @@ class TensorVerdict:
     naive_max: float | None  # the naive baseline's max error (None: float64 gate, or no baseline)
     passed: bool | None  # None: reported, not judged
     heads: list = field(default_factory=list)  # per head: head, max, median, naive_max, ratio, passed
-    worst: list = field(default_factory=list)  # the worst entries by ratio: position, kernel, ref, err, allowance
+    worst: list = field(default_factory=list)  # the worst entries by ratio: position, kernel, ref, err, allowance (ulps)
+    max_ulps: float | None = None  # max |err| / u: the error in ulps of each entry's own size (`unit`)
     nan: int = 0
     inf: int = 0
     nonfinite_at: list = field(default_factory=list)
@@ -159,6 +160,7 @@ class Expected:
     naive_err: np.ndarray | None  # below float64: |naive - ref|, the larger of both orders
     naive_lse_err: np.ndarray | None  # (..., Hq, Sq), 0 on rows with no visible key
     baseline: str  # how the allowance was made, in words
+    unit: np.ndarray | None = None  # (..., Hq, Sq, Dv): u, an ulp of the kernel's type at each entry's size
 
     @property
     def empty(self) -> np.ndarray:
@@ -267,7 +269,7 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
                         options=opts)
         allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))
         return Expected(ref, ref_lse, allowance, tol.lse, None, None,
-                        "float64 rounding bound (the verdict gate, any tiling)")
+                        "float64 rounding bound (the verdict gate, any tiling)", unit(ref_abs, np.float64))
     ref, ref_lse = run(qh, kh, vh, opts)
     empty = np.isneginf(ref_lse)
     naive_err, naive_lse_err, baseline = _naive_errors(qh, kh, vh, opts, prec, workers, dense,
@@ -290,7 +292,8 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
     lse_allowance = naive_allowance(naive_lse_err[..., None], scores[..., None], prec.accumulate,
                                     pool)[..., 0]
     lse_allowance = np.where(empty, 0.0, lse_allowance)
-    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline)
+    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline,
+                    unit(size, prec.compute))
 
 
 def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse, on=None):
@@ -355,10 +358,12 @@ def ratios(kernel, ref, allowance):
     return err, ratio
 
 
-def judge(name, kernel, ref, allowance, naive_err, describe):
+def judge(name, kernel, ref, allowance, naive_err, describe, u=None):
     """The rule on one tensor ``(..., H, S, X)``: ``(verdict, err, ratio)``; ``naive_err``
-    is the naive baseline's ``|naive - ref|`` (None for the float64 rule)."""
+    is the naive baseline's ``|naive - ref|`` (None for the float64 rule); ``u``: each entry's
+    `unit`, in which the errors are also given (``ulps``)."""
     err, ratio = ratios(kernel, ref, allowance)
+    u = None if u is None else np.broadcast_to(u, err.shape)  # u > 0: it holds the smallest subnormal
     allowance = np.broadcast_to(allowance, err.shape)
     heads = []
     if err.ndim >= 3:
@@ -379,7 +384,10 @@ def judge(name, kernel, ref, allowance, naive_err, describe):
     top = top[np.argsort(rank[top], kind="stable")[::-1]]
     worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
                   ref=float(ref.ravel()[i]), err=float(err.ravel()[i]),
-                  allowance=float(allowance.ravel()[i]), ratio=float(flat[i])) for i in top]
+                  allowance=float(allowance.ravel()[i]), ratio=float(flat[i]))
+             | ({} if u is None else {"ulps": float(err.ravel()[i] / u.flat[i]),
+                                      "allowance_ulps": float(allowance.ravel()[i] / u.flat[i])})
+             for i in top]
     nan, inf = int(np.count_nonzero(np.isnan(kernel))), int(np.count_nonzero(np.isinf(kernel)))
     max_ratio = float(flat.max()) if flat.size else 0.0
     verdict = TensorVerdict(
@@ -388,13 +396,14 @@ def judge(name, kernel, ref, allowance, naive_err, describe):
         allowance=worst[0]["allowance"] if worst else None,
         naive_max=None if naive_err is None else float(naive_err.max(initial=0.0)),
         passed=max_ratio <= 1, heads=heads, worst=worst, nan=nan, inf=inf,
+        max_ulps=None if u is None else float(np.max(err / u, initial=0.0)),
         nonfinite_at=[describe(ix) for ix in np.argwhere(~np.isfinite(kernel))[:5]])
     return verdict, err, ratio
 
 
 def judge_out(out, expected: Expected):
     """``out`` (bhsd, float64 values) against the expectation: ``(verdict, err, ratio)``."""
-    return judge("out", out, expected.ref, expected.allowance, expected.naive_err, positions())
+    return judge("out", out, expected.ref, expected.allowance, expected.naive_err, positions(), expected.unit)
 
 
 def _judge_row_values(name, kernel, ref, empty, allowance, naive_err, stored, convention) -> TensorVerdict:
@@ -555,8 +564,8 @@ def _naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref
     return errs
 
 
-def _split_qv(d, ref_grads, allowances, naive_errs, unjudged):
-    """The joined problem's ``(ref, allowance, naive error)`` per gradient as the kernel's
+def _split_qv(d, ref_grads, allowances, naive_errs, unjudged, units):
+    """The joined problem's ``(ref, allowance, naive error, unit)`` per gradient as the kernel's
     ``dq, dqv, dk, dv`` (`judge_grads`'s ``qv_dim``)."""
     def parts(x):
         if x is None:
@@ -568,7 +577,7 @@ def _split_qv(d, ref_grads, allowances, naive_errs, unjudged):
         return out | {n: y for n, y in x.items() if n not in ("dq", "dk", "dv")}  # dsinks
 
     skipped = unjudged | {part: unjudged[n] for n, part in (("dq", "dqv"), ("dk", "dv")) if n in unjudged}
-    return parts(ref_grads), parts(allowances), parts(naive_errs), skipped
+    return parts(ref_grads), parts(allowances), parts(naive_errs), skipped, parts(units)
 
 
 def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
@@ -590,7 +599,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
     # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays (measured:
     # 528 MiB against 384 MiB at n = 4096); with its sizes, or in long double, twice that.
     dense = dense_fits(sq, heads=4 * heads, sk=sk)
-    allowances, naive_errs, unjudged = None, {}, {}
+    allowances, naive_errs, unjudged, units = None, {}, {}, {}  # units: each entry's u (`unit`), for ulps
     why = "the dense gradient the rule needs would not fit in memory at this length"
     if dense and prec.is_float64 and opts.softcap is None:
         # float64: the first-order rounding bound on the componentwise size.
@@ -598,6 +607,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         ref_grads, sizes = dict(zip(names, ref_grads)), dict(zip(names, sizes))
         e_g = gradient_rounding(qh, kh, vh, opts, prec)
         allowances = {n: 2 * e_g * sizes[n] for n in names}
+        units = {n: unit(sizes[n], np.float64) for n in names}
         naive_errs = dict.fromkeys(names)
     elif dense and not prec.is_float64:
         # The naive backward in the kernel's precision, in ulps of each entry's own size.
@@ -619,6 +629,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
                                f"{prec.name} baseline to judge it by; scale dout or v down")
             else:
                 allowances[n] = naive_allowance(naive_errs[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
+                units[n] = unit(np.abs(ref_grads[n]) + rss[n], prec.compute)
     else:
         grads = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device)
         ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
@@ -631,18 +642,20 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             ref_grads = dict(zip(names, dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=ext)))
             naive, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True)
             naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
-            allowances = {n: naive_allowance(naive_errs[n], np.abs(ref_grads[n].astype(np.float64)) + r,
-                                             np.float64) for n, r in zip(names, rss)}
+            sizes = {n: np.abs(ref_grads[n].astype(np.float64)) + r for n, r in zip(names, rss)}
+            allowances = {n: naive_allowance(naive_errs[n], sizes[n], np.float64) for n in names}
+            units = {n: unit(sizes[n], np.float64) for n in names}
     def as_tensor(name, x):  # dsinks (..., H) as (..., H, 1, 1), a head's one entry
         return x[..., None, None] if name == "dsinks" else x
 
     if allowances is not None:
         allowances = {n: as_tensor(n, np.asarray(a)) for n, a in allowances.items()}
         naive_errs = {n: None if e is None else as_tensor(n, np.asarray(e)) for n, e in naive_errs.items()}
+        units = {n: as_tensor(n, np.asarray(x)) for n, x in units.items()}
     ref_grads = {n: as_tensor(n, np.asarray(r, dtype=np.float64)) for n, r in ref_grads.items()}
     if qv_dim is not None:
-        ref_grads, allowances, naive_errs, unjudged = _split_qv(qv_dim, ref_grads, allowances, naive_errs,
-                                                                unjudged)
+        ref_grads, allowances, naive_errs, unjudged, units = _split_qv(qv_dim, ref_grads, allowances, naive_errs,
+                                                                       unjudged, units)
     verdicts = {}
     for name, g in kernel_grads.items():
         if g is None:
@@ -661,7 +674,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             v.passed, v.ratio = None, None
             v.notes.append(f"no verdict: {unjudged.get(name, why)}")
         else:
-            v = judge(name, kernel, ref_grads[name], allowances[name], naive_errs[name], describe)[0]
+            v = judge(name, kernel, ref_grads[name], allowances[name], naive_errs[name], describe, units.get(name))[0]
             if context is not None:
                 context[name] = dict(kernel=kernel, ref=ref_grads[name], allowance=allowances[name])
         verdicts[name] = v

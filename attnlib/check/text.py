@@ -69,10 +69,16 @@ def format_text(check: KernelCheck) -> str:
     return "\n".join(lines)
 
 
+def _in_u(worst_entry, key) -> str:
+    """`` (12.5 u)``: a worst entry's figure in ulps of its own size, where the rule has them."""
+    return f" ({worst_entry[key]:.3g} u)" if key in worst_entry else ""
+
+
 def format_tensor(v: TensorVerdict) -> list:
     naive = "" if v.naive_max is None else f", naive {_fmt(v.naive_max)}"
+    ulps = "" if v.max_ulps is None else f"; largest err {v.max_ulps:.3g} u"
     lines = [f"{v.name}: {_verdict_word(v.passed)}  max |err| {_fmt(v.max_err)}{naive}, median "
-             f"{_fmt(v.median_err)}; worst err / allowance {_ratio(v.ratio)}"]
+             f"{_fmt(v.median_err)}; worst err / allowance {_ratio(v.ratio)}{ulps}"]
     if v.nonfinite:
         at = "; ".join(where(p) for p in v.nonfinite_at)
         lines.append(f"  {v.nan} NaN and {v.inf} inf values" + (f", first at {at}" if at else ""))
@@ -90,6 +96,7 @@ def format_tensor(v: TensorVerdict) -> list:
             lines.append(f"  ({len(v.heads) - 16} more heads; the 16 worst shown)")
     if v.worst and (v.max_err > 0 or v.nonfinite):
         lines.append("  worst: " + "; ".join(
-            f"{where(w)}: kernel {w['kernel']:.9g}, ref {w['ref']:.9g}, err {w['err']:.2e}"
-            + ("" if v.passed is None else f", allowance {w['allowance']:.2e}") for w in v.worst[:3]))
+            f"{where(w)}: kernel {w['kernel']:.9g}, ref {w['ref']:.9g}, err {w['err']:.2e}" + _in_u(w, "ulps")
+            + ("" if v.passed is None else f", allowance {w['allowance']:.2e}" + _in_u(w, "allowance_ulps"))
+            for w in v.worst[:3]))
     return lines
