@@ -382,12 +382,14 @@ def judge(name, kernel, ref, allowance, naive_err, describe, u=None):
     rank = flat if np.isfinite(allowance).any() else err.ravel()
     top = np.argsort(rank)[::-1][:5] if rank.size <= 5 else np.argpartition(rank, -5)[-5:]
     top = top[np.argsort(rank[top], kind="stable")[::-1]]
-    worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
-                  ref=float(ref.ravel()[i]), err=float(err.ravel()[i]),
-                  allowance=float(allowance.ravel()[i]), ratio=float(flat[i]))
-             | ({} if u is None else {"ulps": float(err.ravel()[i] / u.flat[i]),
-                                      "allowance_ulps": float(allowance.ravel()[i] / u.flat[i])})
-             for i in top]
+    with np.errstate(over="ignore"):  # an error over a subnormal unit: infinitely many ulps
+        ulps = None if u is None else err / u
+        worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
+                      ref=float(ref.ravel()[i]), err=float(err.ravel()[i]),
+                      allowance=float(allowance.ravel()[i]), ratio=float(flat[i]))
+                 | ({} if u is None else {"ulps": float(ulps.flat[i]),
+                                          "allowance_ulps": float(allowance.ravel()[i] / u.flat[i])})
+                 for i in top]
     nan, inf = int(np.count_nonzero(np.isnan(kernel))), int(np.count_nonzero(np.isinf(kernel)))
     max_ratio = float(flat.max()) if flat.size else 0.0
     verdict = TensorVerdict(
@@ -396,7 +398,7 @@ def judge(name, kernel, ref, allowance, naive_err, describe, u=None):
         allowance=worst[0]["allowance"] if worst else None,
         naive_max=None if naive_err is None else float(naive_err.max(initial=0.0)),
         passed=max_ratio <= 1, heads=heads, worst=worst, nan=nan, inf=inf,
-        max_ulps=None if u is None else float(np.max(err / u, initial=0.0)),
+        max_ulps=None if ulps is None else float(np.max(ulps, initial=0.0)),
         nonfinite_at=[describe(ix) for ix in np.argwhere(~np.isfinite(kernel))[:5]])
     return verdict, err, ratio
 
