@@ -368,3 +368,12 @@ def test_errors_are_given_in_ulps_of_each_entrys_size():
         # One pooled r: every entry's allowance is the same number of its own ulps, 2 r + 2.
         assert len({round(w["allowance_ulps"], 9) for w in verdict.worst}) == 1
     assert " u), allowance " in check.format_text(check.check_kernel(q, k, v, bad, layout="bhsd", causal=True))
+
+
+def test_ulps_of_an_error_on_a_row_without_keys_run_in_strict_mode():
+    q, k, v = attnlib.random_qkv(64, 64, 16, heads=2, batch=(1,), seed=1)  # float64: 1 / 5e-324 overflows
+    out = np.zeros(q.shape)
+    out[0, 0, 0, 0] = 1.0  # every row sees no key: out must be 0, its unit the smallest subnormal
+    with np.errstate(divide="raise", over="raise", invalid="raise"):
+        verdict = check.check_kernel(q, k, v, out, kv_lengths=[0], layout="bhsd", causal=True).out
+    assert verdict.passed is False and verdict.max_ulps == np.inf
