@@ -201,6 +201,12 @@ def write_index(out_dir: Path) -> Path:
     full_dir = out_dir / FULL
     full_dir = full_dir if full_dir.is_dir() else None
     items = [_index_item(name, nb.title, out_dir, full_dir) for name, nb in NOTEBOOKS.items()]
+    # The full runs' own measured times (each full report's ``seconds``), not a word for them.
+    full_seconds = [] if full_dir is None else [
+        float(data["seconds"]) for data in (_load(full_dir, name)[0] for name in NOTEBOOKS)
+        if data is not None and isinstance(data.get("seconds"), (int, float))]
+    full_runs = "the full runs" + (f" ({len(full_seconds)} of them, {sum(full_seconds):,.0f} s together in their last runs)"
+                                   if full_seconds else "")
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>attnlib reports</title>
 <style>
@@ -211,7 +217,7 @@ li {{ margin-bottom: .6em; }}
 .nondefault {{ background: #d35400; }} small {{ color: #555; }}
 </style></head><body>
 <h1>attnlib: the evidence</h1>
-<p>Each line: a notebook run by papermill (<code>make report</code>; the full runs, hours long and made
+<p>Each line: a notebook run by papermill (<code>make report</code>; {full_runs}, made
 less often: <code>make report-full</code>, each at the commit and time it names), its verdict, its key
 figure and the commit; its whole
 verdict line and its time are on the link (hover), and first on its page. Every kernel call ran under
