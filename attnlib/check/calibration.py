@@ -103,6 +103,12 @@ def defective_kernels(prec_name: str, perturbation: float) -> dict:
     }
 
 
+def one_head_perturbation(prec_name: str) -> float:
+    """The one-head defect's default relative size in ``prec_name``: 1e-9 in float64, 1e-4 in
+    float32, else 64 eps (ulps of 1) of the type (see `measure`)."""
+    return {"float64": 1e-9, "float32": 1e-4}.get(prec_name, 64 * problem.precision(prec_name).eps)
+
+
 def _problem(shape, prec, seed):
     b, h, sq, sk, d, causal = shape
     q, k, v = random_qkv(sq, sk, d, batch=(b,), heads=h, seed=seed)
@@ -123,7 +129,7 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
     """
     prec = problem.precision(prec_name)
     if perturbation is None:
-        perturbation = {"float64": 1e-9, "float32": 1e-4}.get(prec_name, 64 * prec.eps)
+        perturbation = one_head_perturbation(prec_name)
     good = correct_kernels(prec_name)
     if kernels:
         good = {name: fn for name, fn in good.items() if any(s in name for s in kernels)}
@@ -226,7 +232,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["measure", "summary", "correct_kernels", "defective_kernels", "SHAPES"]
+__all__ = ["measure", "summary", "correct_kernels", "defective_kernels", "one_head_perturbation", "SHAPES"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
