@@ -334,7 +334,9 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
             scored.append((hits / n_fail,
                            f"{hits / n_fail:.0%} of the failing rows{scope} ({hits} of {n_fail}) match "
                            f"attention with {words}; the others do not (e.g. {_row_words(p)})"))
-    return [words for _, words in sorted(scored, key=lambda s: -s[0])]
+    # A problem that explains every failing row makes the partial explanations noise: left out.
+    whole = any(score >= 1.5 for score, _ in scored)
+    return [words for score, words in sorted(scored, key=lambda s: -s[0]) if score >= 1.5 or not whole]
 
 
 def descale_variants(factors) -> list:
