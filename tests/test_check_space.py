@@ -163,9 +163,9 @@ def test_the_forward_allowance_pools_the_naive_error_over_the_tensor():
     captured = {}
     real = rule.naive_allowance
 
-    def spy(naive_err, size, dtype, pool=rule.per_head_max):
-        captured.setdefault("units", []).append(rule.unit(size, dtype))
-        return real(naive_err, size, dtype, pool)
+    def spy(naive_err, u, pool=rule.per_head_max):
+        captured.setdefault("units", []).append(u)
+        return real(naive_err, u, pool)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rule, "naive_allowance", spy)

@@ -205,11 +205,10 @@ def unit(size, dtype) -> np.ndarray:
     return float(fi.eps) * np.asarray(size, dtype=np.float64) + float(fi.smallest_subnormal)
 
 
-def naive_allowance(naive_err, size, dtype, pool=per_head_max) -> np.ndarray:
-    """``(2 r + 2) unit``, ``r = max(|naive - ref| / unit)`` over ``pool`` (a head by default):
+def naive_allowance(naive_err, u, pool=per_head_max) -> np.ndarray:
+    """``(2 r + 2) u``, ``r = max(|naive - ref| / u)`` over ``pool`` (a head by default):
     FlashAttention's "twice the naive baseline's error", with the error measured in ulps of
-    each entry's own size (`unit`), plus `FINAL_ROUNDINGS` ulps for the kernel's own."""
-    u = unit(size, dtype)
+    each entry's own size (``u``: its `unit`), plus `FINAL_ROUNDINGS` ulps for the kernel's own."""
     return (2 * pool(naive_err / u) + FINAL_ROUNDINGS) * u
 
 
@@ -285,15 +284,15 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
     rss, dev = forward_sizes(run, qh, kh, vh, opts, ref, ref_lse)
     state = float(arrays.finfo(prec.accumulate).eps) / float(arrays.finfo(prec.compute).eps)
     size = np.abs(ref) + rss + state * scores[..., None] * dev
-    allowance = naive_allowance(naive_err, size, prec.compute, pool)
+    u = unit(size, prec.compute)
+    allowance = naive_allowance(naive_err, u, pool)
     allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0
     # lse: the same rule in ulps (of the state's type) of the row's own size |lse| + sigma
     # (its score terms' rounding, sum_j p_j ds_j, is up to a few ulps of sigma).
-    lse_allowance = naive_allowance(naive_lse_err[..., None], scores[..., None], prec.accumulate,
+    lse_allowance = naive_allowance(naive_lse_err[..., None], unit(scores[..., None], prec.accumulate),
                                     pool)[..., 0]
     lse_allowance = np.where(empty, 0.0, lse_allowance)
-    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline,
-                    unit(size, prec.compute))
+    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline, u)
 
 
 def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse, on=None):
@@ -630,8 +629,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
                                f"(dp = dout . v or ds beyond the type's range): there is no "
                                f"{prec.name} baseline to judge it by; scale dout or v down")
             else:
-                allowances[n] = naive_allowance(naive_errs[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
                 units[n] = unit(np.abs(ref_grads[n]) + rss[n], prec.compute)
+                allowances[n] = naive_allowance(naive_errs[n], units[n])
     else:
         grads = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device)
         ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
@@ -644,9 +643,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             ref_grads = dict(zip(names, dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=ext)))
             naive, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True)
             naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
-            sizes = {n: np.abs(ref_grads[n].astype(np.float64)) + r for n, r in zip(names, rss)}
-            allowances = {n: naive_allowance(naive_errs[n], sizes[n], np.float64) for n in names}
-            units = {n: unit(sizes[n], np.float64) for n in names}
+            units = {n: unit(np.abs(ref_grads[n].astype(np.float64)) + r, np.float64) for n, r in zip(names, rss)}
+            allowances = {n: naive_allowance(naive_errs[n], units[n]) for n in names}
     def as_tensor(name, x):  # dsinks (..., H) as (..., H, 1, 1), a head's one entry
         return x[..., None, None] if name == "dsinks" else x
 

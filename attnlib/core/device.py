@@ -54,7 +54,9 @@ def warm_vml():
     global _vml_warm
     import torch
     with _vml_lock:
-        for dtype in () if _vml_warm else (torch.float64, torch.float32):
+        if _vml_warm:
+            return
+        for dtype in (torch.float64, torch.float32):
             x = torch.full((16,), 0.5, dtype=dtype)  # 16 entries: computed in this thread alone
             for name in _VML_FUNCTIONS:
                 getattr(torch, name)(x)
