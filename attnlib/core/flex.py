@@ -465,4 +465,54 @@ def from_torch(fn):
     return wrapped
 
 
-__all__ = ["BlockMask", "create_block_mask", "from_torch"]
+def tensor_mods(attn_mask=None, attn_bias=None, *, batch=(), heads: int, sq: int, sk: int) -> dict:
+    """A boolean mask or an additive bias tensor as FlexAttention's mods (`docs/semantics.md`,
+    "Mask and bias tensors"): ``{"mask_mod", "score_mod", "score_mod_grad"}`` for those given,
+    to pass to any entry point that takes mods (tiled like every ``mask_mod``).
+
+    ``attn_mask`` (bool, True: the pair takes part; PyTorch SDPA's) and ``attn_bias`` (float,
+    added to the score after the scale and softcap; ``-inf`` masks; SDPA's float ``attn_mask``,
+    FlashAttention's ``attn_bias``) each broadcast to ``batch + (heads, sq, sk)``; read
+    exactly (torch tensors included), never copied beyond that, never written.  Cost: the
+    tensor itself is ``Sq x Sk`` per head and entry it varies over; a ``mask_mod`` is the
+    long-context way.
+
+    >>> import numpy as np
+    >>> m = tensor_mods(attn_bias=np.array([[0.0, -np.inf]]), heads=1, sq=1, sk=2)
+    >>> m["score_mod"](np.ones((1, 1, 1, 2)), 0, 0, np.zeros((1, 1)), np.arange(2)[None])
+    array([[[[  1., -inf]]]])
+    """
+    from .arrays import as_float_array, as_numpy
+
+    shape = tuple(batch) + (validate.positive_int(heads, "heads"), int(sq), int(sk))
+
+    def grid(x, name):
+        try:
+            return np.broadcast_to(x, shape)
+        except ValueError:
+            raise ValueError(f"{name} of shape {tuple(np.shape(x))} does not broadcast to "
+                             f"(batch..., heads, Sq, Sk) = {shape}") from None
+
+    def at(g, b, h, q_idx, kv_idx):
+        lead = np.unravel_index(np.asarray(b, np.int64), tuple(batch)) if batch else ()
+        return g[(*lead, np.asarray(h, np.int64), np.asarray(q_idx, np.int64), np.asarray(kv_idx, np.int64))]
+
+    mods = {}
+    if attn_mask is not None:
+        m = np.asarray(as_numpy(attn_mask, "attn_mask"))
+        if m.dtype != np.bool_:
+            raise TypeError(f"attn_mask must be boolean (True: the pair takes part), got {m.dtype}; "
+                            "an additive float mask is attn_bias")
+        keep = grid(m, "attn_mask")
+        mods["mask_mod"] = lambda b, h, q_idx, kv_idx: at(keep, b, h, q_idx, kv_idx)
+    if attn_bias is not None:
+        x = np.asarray(as_float_array(attn_bias, "attn_bias"), np.float64)
+        if np.isnan(x).any() or np.isposinf(x).any():
+            raise ValueError("attn_bias holds NaN or +inf: a bias is finite, or -inf for a masked pair")
+        bias = grid(x, "attn_bias")
+        mods["score_mod"] = lambda s, b, h, q_idx, kv_idx: np.asarray(s) + at(bias, b, h, q_idx, kv_idx)
+        mods["score_mod_grad"] = lambda s, b, h, q_idx, kv_idx: np.ones_like(s)
+    return mods
+
+
+__all__ = ["BlockMask", "create_block_mask", "from_torch", "tensor_mods"]
