@@ -6,12 +6,52 @@
 >>> q, k, v = (x.astype(np.float32) for x in attnlib.random_qkv(64, 64, 16, heads=2, batch=(1,), seed=0))
 >>> out = attnlib.attention(q, k, v, causal=True, compute_dtype="float32", block_k=16)
 >>> assert_attention_close(out, q, k, v, layout="bhsd", causal=True)
+
+Every verdict `assert_attention_close` makes, passing or failing, is handed to whoever is
+`recording` (the pytest plugin's ``--attnlib-report``, `attnlib.pytest_plugin`); `record`
+hands them a verdict of one's own.
 """
 
 from __future__ import annotations
 
-from .check import check_kernel, format_text
+import contextlib
+
+from .check import KernelCheck, check_kernel, format_text
 from .check.sweep import Sweep, sweep_kernel
+
+#: The callables each verdict goes to (`record`): `recording`'s lists, the pytest plugin's.
+_listeners: list = []
+#: ``device=`` for the checks when the caller gives none (the plugin's ``--attnlib-device``).
+_default_device = None
+
+
+def record(result: KernelCheck) -> None:
+    """Hand a `~attnlib.check.KernelCheck` (``check_kernel``'s verdict) to every active
+    `recording`, as `assert_attention_close` does with each of its own: a kernel's suite that
+    calls ``check_kernel`` itself puts its verdicts in the ``--attnlib-report`` this way."""
+    if not isinstance(result, KernelCheck):
+        raise TypeError(f"result must be a KernelCheck (check_kernel's verdict), got {type(result).__name__}")
+    for listener in tuple(_listeners):  # a listener may stop listening while called
+        listener(result)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the verdicts `assert_attention_close` and `record` make while it is open.
+
+    >>> import numpy as np, attnlib
+    >>> q, k, v = attnlib.random_qkv(32, 32, 16, heads=2, seed=0)
+    >>> with recording() as verdicts:
+    ...     assert_attention_close(attnlib.attention(q, k, v), q, k, v, layout="bhsd")
+    >>> [v.passed for v in verdicts]
+    [True]
+    """
+    found = []
+    _listeners.append(found.append)
+    try:
+        yield found
+    finally:
+        _listeners.remove(found.append)  # bound methods compare by their list's identity
 
 
 def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None,
@@ -47,7 +87,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         compute precision (default: the type ``q`` is stored in).
     device : str or torch.device, optional
         Where the reference is computed with torch; default: torch tensors' own device (a
-        kernel's CUDA tensors are judged on its GPU), numpy inputs on the host's cores.
+        kernel's CUDA tensors are judged on its GPU), numpy inputs on the host's cores; under
+        ``pytest --attnlib-device DEVICE``, that device.
     cu_seqlens_q, cu_seqlens_k, seqused_k : array of int, optional
         A varlen kernel (``layout="thd"``, FlashAttention's ``flash_attn_varlen_func``).
     block_table, cache_seqlens : array of int, optional
@@ -75,7 +116,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         cluster for the float64 reference.
 
     Every keyword argument is `attnlib.check.check_kernel`'s, passed on as given (the two
-    signatures are kept equal by a test).
+    signatures are kept equal by a test).  The verdict, passing or failing, goes to any
+    `recording` first (`record`).
 
     Raises
     ------
@@ -102,8 +144,12 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     contract (masks, alignment, empty rows, sinks).
     """
     # the keyword arguments, every one check_kernel's
+    if device is None:
+        device = _default_device
     options = {name: x for name, x in locals().items() if name not in ("out", "q", "k", "v")}
     result = check_kernel(q, k, v, out, **options)
+    if _listeners:  # passing or failing, before raising
+        record(result)
     if not result.passed:
         raise AssertionError("attention output not close to the float64 reference\n\n"
                              + format_text(result))
@@ -146,6 +192,8 @@ def assert_invariant(kernel, q, k, v, *, knobs: dict, repeats: int = 1, determin
     >>> len(sweep.settings)
     4
     """
+    if check_options.get("device") is None and _default_device is not None:
+        check_options["device"] = _default_device
     sweep = sweep_kernel(kernel, q, k, v, knobs=knobs, repeats=repeats, dout=dout, **check_options)
     if sweep.passed(deterministic):
         return sweep
@@ -161,4 +209,4 @@ def assert_invariant(kernel, q, k, v, *, knobs: dict, repeats: int = 1, determin
     raise AssertionError(text)
 
 
-__all__ = ["assert_attention_close", "assert_invariant"]
+__all__ = ["assert_attention_close", "assert_invariant", "record", "recording"]
