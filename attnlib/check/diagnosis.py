@@ -447,9 +447,12 @@ def _softcap_after_mask(opts: Options, shape) -> dict:
 def _mask_neighbours(mask_mod, sq, sk) -> list:
     """``(change, words)``: a ``mask_mod`` off by one key or query, or one key narrower or
     wider at either edge of its runs of visible keys (a window or document one key off)."""
+    def clip(x, top):  # in the index's own kind: numpy's, or torch's on a device path
+        return x.clamp(0, top) if hasattr(x, "clamp") else np.clip(x, 0, top)
+
     def at(di, dj):  # mask_mod at shifted positions, clipped into the problem
-        return lambda b, h, i, j: np.asarray(mask_mod(b, h, np.clip(i + di, 0, max(sq - 1, 0)),
-                                                      np.clip(j + dj, 0, max(sk - 1, 0))), dtype=bool)
+        return lambda b, h, i, j: np.asarray(mask_mod(b, h, clip(i + di, max(sq - 1, 0)),
+                                                      clip(j + dj, max(sk - 1, 0))), dtype=bool)
 
     def both(f, g, op):
         return lambda b, h, i, j: op(np.asarray(f(b, h, i, j), dtype=bool), g(b, h, i, j))
