@@ -18,7 +18,8 @@ TOL = 1e-13
 
 # ---- FlashAttention's references, transcribed (float64, no upcast) ---------------------------
 
-def local_mask(sq, sk, window, sink_token_length=0, qpm=None, kpm=None, key_leftpad=None):
+def positions(sq, sk, qpm, kpm, key_leftpad):
+    """Rows, key columns counted from the left padding (before it: 2**32), and the lengths."""
     row = torch.arange(sq)[:, None]
     col = torch.arange(sk)
     if key_leftpad is not None:
@@ -27,6 +28,11 @@ def local_mask(sq, sk, window, sink_token_length=0, qpm=None, kpm=None, key_left
         col = torch.where(col >= lp, col - lp, 2 ** 32)
     skk = sk if kpm is None else kpm.sum(-1).view(-1, 1, 1, 1)
     sqq = sq if qpm is None else qpm.sum(-1).view(-1, 1, 1, 1)
+    return row, col, skk, sqq
+
+
+def local_mask(sq, sk, window, sink_token_length=0, qpm=None, kpm=None, key_leftpad=None):
+    row, col, skk, sqq = positions(sq, sk, qpm, kpm, key_leftpad)
     if window[0] is None:
         return col > row + skk - sqq + window[1]
     skk = torch.full_like(col, sk) if kpm is None else skk
@@ -35,14 +41,7 @@ def local_mask(sq, sk, window, sink_token_length=0, qpm=None, kpm=None, key_left
 
 
 def chunk_mask(sq, sk, chunk, qpm=None, kpm=None, key_leftpad=None):
-    row = torch.arange(sq)[:, None]
-    col = torch.arange(sk)
-    if key_leftpad is not None:
-        lp = key_leftpad.view(-1, 1, 1, 1)
-        col = col.expand(lp.shape[0], 1, 1, sk)
-        col = torch.where(col >= lp, col - lp, 2 ** 32)
-    skk = sk if kpm is None else kpm.sum(-1).view(-1, 1, 1, 1)
-    sqq = sq if qpm is None else qpm.sum(-1).view(-1, 1, 1, 1)
+    row, col, skk, sqq = positions(sq, sk, qpm, kpm, key_leftpad)
     skk = torch.full_like(col, sk) if kpm is None else skk
     start = row + skk - sqq - (row + skk - sqq) % chunk
     return (col < start) | (col >= start + chunk)

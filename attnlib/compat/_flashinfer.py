@@ -306,6 +306,19 @@ def _rope_positions(r: _Request, spec: _Spec):
     return np.arange(r.qo_len) + (r.kv_len - r.qo_len), np.arange(r.kv_len)
 
 
+def _options(spec: _Spec, unmasked: bool, sinks) -> dict:
+    """attnlib's options of FlashInfer's causal (unless a custom mask overrides it), window, soft
+    cap (ALiBi's is in its ``score_mod``) and sinks."""
+    opts = {"causal": spec.causal and unmasked}
+    if spec.window_left >= 0:
+        opts["window"] = (spec.window_left, None)
+    if spec.soft_cap and spec.mode != "ALIBI":
+        opts["softcap"] = spec.soft_cap
+    if sinks is not None:
+        opts["sinks"] = sinks
+    return opts
+
+
 def _attend(q, kc, vc, reqs, spec: _Spec, *, hk: int, sinks=None, q_factor=None, out_factor=None):
     """``(out (total_q, Hq, Dv), lse (total_q, Hq) base 2)`` float64 of the requests; ``kc``/``vc``
     NHD pages ``(P, page_size, Hk, D)`` or rows ``(N, Hk, D)``; ``q_factor``/``out_factor``:
@@ -324,14 +337,7 @@ def _attend(q, kc, vc, reqs, spec: _Spec, *, hk: int, sinks=None, q_factor=None,
         qb = C.swap(q[r.q0:r.q1], 0, 1)  # (Hq, qo, D)
         if q_factor is not None:
             qb = C.float64(qb, "q") * _like(q_factor[:, None, None], qb)
-        causal = spec.causal and r.mask is None
-        opts = dict(scale=sm_scale, return_lse=True, lse_base=2, causal=causal)
-        if spec.window_left >= 0:
-            opts["window"] = (spec.window_left, None)
-        if spec.soft_cap and spec.mode != "ALIBI":
-            opts["softcap"] = spec.soft_cap
-        if sinks is not None:
-            opts["sinks"] = sinks
+        opts = dict(scale=sm_scale, return_lse=True, lse_base=2, **_options(spec, r.mask is None, sinks))
         if r.pages is not None and r.mask is None and spec.mode == "NONE":
             # attnlib's paged path: the request's pages read in place
             out, lse = attention(qb[None], kc, vc, block_table=r.pages[None], cache_seqlens=np.array([r.kv_len]),
@@ -458,13 +464,7 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
     opts = dict(layout="bshd", scale=sm_scale, q_lengths=qo, kv_lengths=kv)
     if "dtype" not in check:
         opts["dtype"] = _dtype_name(q)
-    opts["causal"] = spec.causal and all(r.mask is None for r in reqs)  # a custom mask overrides causal
-    if spec.window_left >= 0:
-        opts["window"] = (spec.window_left, None)
-    if spec.soft_cap and spec.mode != "ALIBI":
-        opts["softcap"] = spec.soft_cap
-    if sinks is not None:
-        opts["sinks"] = sinks
+    opts.update(_options(spec, all(r.mask is None for r in reqs), sinks))  # a custom mask overrides causal
     mods = {}
     if any(r.mask is not None for r in reqs):
         full = np.zeros((len(reqs), int(qo.max(initial=0)), int(kv.max(initial=0))), bool)

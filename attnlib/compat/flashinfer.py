@@ -30,7 +30,7 @@ request's pages).  Results are float64 tensors of the caller's kind.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -239,6 +239,26 @@ class _Wrapper:
             raise RuntimeError(f"{type(self).__name__}.run before plan: call plan(...) first")
         return self._planned
 
+    def _bind(self, q, paged_kv_cache, window_left):
+        """``(plan, k pages, v pages, spec)`` of a paged ``run``: ``window_left`` overrides the plan's."""
+        plan = self._plan()
+        _check_q(q, plan, self._q_shape)
+        kc, vc = _unpack_cache(paged_kv_cache, self._kv_layout)
+        _check_pages(plan, kc)
+        spec = plan.spec
+        if window_left is not None:
+            spec = replace(spec, window_left=_window_left(window_left))
+        return plan, kc, vc, spec
+
+    def _paged_run(self, q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse, window_left, sinks):
+        """A paged wrapper's ``run``: ``q_scale``/``k_scale`` multiply ``sm_scale``, ``v_scale`` the output."""
+        plan, kc, vc, spec = self._bind(q, paged_kv_cache, window_left)
+        qs, ks, vs = _factor(q_scale, "q_scale"), _factor(k_scale, "k_scale"), _factor(v_scale, "v_scale")
+        spec = _with_scale(spec, spec.scale_for(plan.d) * (qs or 1.0) * (ks or 1.0))
+        s = _sinks(sinks, plan.hq, bool(return_lse))
+        o, l = _attend(q, kc, vc, plan.reqs, spec, hk=plan.hk, sinks=s)
+        return _finish(o, l, vs, return_lse, s)
+
     def _run_checks(self, args, kv_cache_sf=None, skip_softmax_threshold_scale_factor=None, uses_spcompress=None):
         if args:
             raise ValueError(f"{len(args)} positional argument(s) after the cache: a custom kernel's (or fp8 "
@@ -357,16 +377,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
     begin_forward = plan
 
-    def _bind(self, q, paged_kv_cache, window_left):
-        plan = self._plan()
-        _check_q(q, plan, "(qo_indptr[-1], num_qo_heads, head_dim_qk)")
-        kc, vc = _unpack_cache(paged_kv_cache, self._kv_layout)
-        _check_pages(plan, kc)
-        spec = plan.spec
-        if window_left is not None:
-            from dataclasses import replace
-            spec = replace(spec, window_left=_window_left(window_left))
-        return plan, kc, vc, spec
+    _q_shape = "(qo_indptr[-1], num_qo_heads, head_dim_qk)"
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, kv_cache_sf=None,
@@ -379,12 +390,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         denominator (out only: not with ``return_lse``).  ``out``/``lse`` buffers are not
         written (the result is new float64 tensors)."""
         self._run_checks(args, kv_cache_sf, skip_softmax_threshold_scale_factor, uses_spcompress)
-        plan, kc, vc, spec = self._bind(q, paged_kv_cache, window_left)
-        qs, ks, vs = _factor(q_scale, "q_scale"), _factor(k_scale, "k_scale"), _factor(v_scale, "v_scale")
-        spec = _with_scale(spec, spec.scale_for(plan.d) * (qs or 1.0) * (ks or 1.0))
-        s = _sinks(sinks, plan.hq, bool(return_lse))
-        o, l = _attend(q, kc, vc, plan.reqs, spec, hk=plan.hk, sinks=s)
-        return _finish(o, l, vs, return_lse, s)
+        return self._paged_run(q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse, window_left, sinks)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
@@ -591,16 +597,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                      logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta)
         self._planned = _plan_of(reqs, spec, num_qo_heads, num_kv_heads, head_dim, None, page_size)
 
-    def _bind(self, q, paged_kv_cache, window_left):
-        plan = self._plan()
-        _check_q(q, plan, "(batch_size, num_qo_heads, head_dim)")
-        kc, vc = _unpack_cache(paged_kv_cache, self._kv_layout)
-        _check_pages(plan, kc)
-        spec = plan.spec
-        if window_left is not None:
-            from dataclasses import replace
-            spec = replace(spec, window_left=_window_left(window_left))
-        return plan, kc, vc, spec
+    _q_shape = "(batch_size, num_qo_heads, head_dim)"
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
             return_lse=False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
@@ -610,12 +607,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         self._run_checks(args, kv_cache_sf, skip_softmax_threshold_scale_factor)
         if q_len_per_req not in (None, 1):
             raise ValueError(f"q_len_per_req={q_len_per_req!r}: multi-token decode is not in this reference")
-        plan, kc, vc, spec = self._bind(q, paged_kv_cache, window_left)
-        qs, ks, vs = _factor(q_scale, "q_scale"), _factor(k_scale, "k_scale"), _factor(v_scale, "v_scale")
-        spec = _with_scale(spec, spec.scale_for(plan.d) * (qs or 1.0) * (ks or 1.0))
-        s = _sinks(sinks, plan.hq, bool(return_lse))
-        o, l = _attend(q, kc, vc, plan.reqs, spec, hk=plan.hk, sinks=s)
-        return _finish(o, l, vs, return_lse, s)
+        return self._paged_run(q, paged_kv_cache, q_scale, k_scale, v_scale, return_lse, window_left, sinks)
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
