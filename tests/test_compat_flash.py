@@ -222,17 +222,30 @@ def test_fa2_alibi_and_causal_lse_shift():
 
 
 def test_fa3_chunk_and_descale():
+    """FA3 applies descales to float8_e4m3fn inputs (and ignores them on others, hopper/flash_api.cpp)."""
     b, sq, sk, hq, hk, d = 2, 12, 20, 4, 2, 16
-    q, k, v = rand(b, sq, hq, d, seed=14), rand(b, sk, hk, d, seed=15), rand(b, sk, hk, d, seed=16)
-    qd, kd, vd = (torch.rand(b, hk, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) + 0.5
+    q, k, v = (rand(*s, seed=14 + i).to(torch.float8_e4m3fn) for i, s in enumerate([(b, sq, hq, d), (b, sk, hk, d),
+                                                                                    (b, sk, hk, d)]))
+    qd, kd, vd = (torch.rand(b, hk, dtype=torch.float32, generator=torch.Generator().manual_seed(s)) + 0.5
                   for s in (17, 18, 19))
     out, lse = fa3.flash_attn_func(q, k, v, causal=True, attention_chunk=6, q_descale=qd, k_descale=kd,
                                    v_descale=vd, return_attn_probs=True)
-    qq = q * qd.repeat_interleave(hq // hk, 1)[:, None, :, None]
-    ref, ref_lse, pv = attention_ref(qq, k * kd[:, None, :, None], v * vd[:, None, :, None], causal=True,
-                                     attention_chunk=6)
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    qq = q64 * qd.double().repeat_interleave(hq // hk, 1)[:, None, :, None]
+    ref, ref_lse, pv = attention_ref(qq, k64 * kd.double()[:, None, :, None], v64 * vd.double()[:, None, :, None],
+                                     causal=True, attention_chunk=6)
     close(out, ref, pv)
     lse_close(lse, ref_lse)
+    # the same packed: the descales of each sequence
+    cu = torch.tensor([0, sq, 2 * sq], dtype=torch.int32)
+    cuk = torch.tensor([0, sk, 2 * sk], dtype=torch.int32)
+    out_v = fa3.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cuk, sq, sk, causal=True,
+                                       attention_chunk=6, q_descale=qd, k_descale=kd, v_descale=vd)
+    close(out_v.view(b, sq, hq, d), ref, pv)
+    # bfloat16 inputs: FA3 reads no descales
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    plain = fa3.flash_attn_func(qb, kb, vb, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(plain, fa3.flash_attn_func(qb, kb, vb, causal=True))
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])
@@ -462,3 +475,82 @@ def test_clear_errors():
                                     rotary_sin=torch.ones(2, 4), cache_seqlens=2)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         fa3.flash_attn_with_kvcache(q, q, q, cu_seqlens_q=torch.tensor([0, 4]))
+
+
+def test_fa3_kvcache_rotary_positions_follow_its_local_rule():
+    """FA3 rotates each query at its own position when causal or local, local counting chunks and
+    windows below its clamps (left < seqlen_k - 1, right < seqlen_q - 1)."""
+    q, k_cache, v_cache, k, v, seqlens, cos, sin = kvcache_problem(90)
+    for kw, moving in [({"attention_chunk": 3}, True), ({"window_size": (-1, 5)}, False),
+                       ({"window_size": (20, -1)}, True), ({"window_size": (30, -1)}, False), ({}, False)]:
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = fa3.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens, **kw)
+        pos_q = seqlens.long()[:, None] + (torch.arange(q.shape[1])[None] if moving else 0 * torch.arange(q.shape[1])[None])
+        pos_k = seqlens.long()[:, None] + torch.arange(k.shape[1])[None]
+        q_ro, k_ro = rotary_ref(q, cos[pos_q], sin[pos_q], True), rotary_ref(k, cos[pos_k], sin[pos_k], True)
+        kc2, vc2 = k_cache.clone(), v_cache.clone()
+        for bi in range(3):
+            kc2[bi, seqlens[bi]:seqlens[bi] + 3], vc2[bi, seqlens[bi]:seqlens[bi] + 3] = k_ro[bi], v[bi]
+        kpm = torch.arange(24)[None] < (seqlens.long() + 3)[:, None]
+        window = fa23_window(kw.get("window_size", (-1, -1)), False, 24, 3)
+        ref, _, pv = attention_ref(q_ro, kc2, vc2, kpm=kpm, window=window, attention_chunk=kw.get("attention_chunk", 0))
+        close(out, ref, pv, str(kw))
+
+
+def test_pages_indices_and_sentinels():
+    q, k_cache, v_cache, k, v, seqlens, cos, sin = kvcache_problem(91)
+    page = 4
+    kp, vp = k_cache.reshape(-1, page, *k_cache.shape[2:]), v_cache.reshape(-1, page, *v_cache.shape[2:])
+    table = torch.arange(18, dtype=torch.int32).view(3, 6)
+    ref = fa2.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=seqlens, block_table=table)
+    sentinel = table.clone()
+    for bi, n in enumerate((seqlens + 3).tolist()):  # entries past each sequence are never read
+        sentinel[bi, -(-n // page):] = 4000
+    assert torch.equal(ref, fa2.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=seqlens,
+                                                         block_table=sentinel))
+    bad = table.clone()
+    bad[0, 0] = -1
+    with pytest.raises(ValueError, match="block_table"):
+        fa2.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=seqlens, block_table=bad)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        fa2.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=seqlens,
+                                    cache_batch_idx=torch.tensor([-1, 0, 1]))
+    with pytest.raises(ValueError, match="cache_batch_idx"):  # FA2 refuses pages with a batch index; FA3 takes it
+        fa2.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=seqlens, block_table=table,
+                                    cache_batch_idx=torch.tensor([2, 0, 1]))
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32)
+    out3 = fa3.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=seqlens, page_table=table,
+                                       cache_batch_idx=idx)
+    assert torch.equal(out3, fa3.flash_attn_with_kvcache(q, kp.clone(), vp.clone(), k, v, cache_seqlens=seqlens,
+                                                         page_table=table[idx.long()]))
+    # window sides as a tensor, as FlashAttention's tests draw them
+    w = torch.tensor([3, 0])
+    assert torch.equal(fa2.flash_attn_func(q, k_cache, v_cache, window_size=w),
+                       fa2.flash_attn_func(q, k_cache, v_cache, window_size=(3, 0)))
+
+
+def test_fa4_shared_kv_mla_lse_with_grad_and_fa3_qkvpacked():
+    b, sq, sk, hq = 1, 3, 5, 2
+    q, kv = rand(b, sq, hq, 512, seed=92), rand(b, sk, 1, 512, seed=93)
+    out, lse = fa4.flash_attn_func(q, kv, kv, return_lse=True)  # FA4's MLA path: scores q . v, scale 1/sqrt(512)
+    ref, ref_lse, pv = attention_ref(q, kv, kv, scale=512 ** -0.5)
+    close(out, ref, pv)
+    lse_close(lse.transpose(1, 2), ref_lse)  # (b, sq, hq) there
+    qg = rand(b, sq, hq, 16, seed=94).requires_grad_()
+    kg = rand(b, sk, hq, 16, seed=95)
+    assert fa4.flash_attn_func(qg, kg, kg)[1] is not None  # an input taking a gradient: FA4 returns the LSE
+    qkv = rand(b, sk, 3, hq, 16, seed=96)
+    assert torch.equal(fa3.flash_attn_qkvpacked_func(qkv, causal=True),
+                       fa3.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True))
+
+
+def test_fp8_kvcache_judged_in_fp8_and_empty_topk_lists():
+    q, k_cache, v_cache, k, v, seqlens, cos, sin = kvcache_problem(97)
+    with pytest.raises(ValueError, match="dtype"):  # a type the check cannot name: the caller says it
+        fa3.assert_flash_attn_with_kvcache_close(q, q.to(torch.int8).float().to(torch.float8_e5m2), k_cache,
+                                                 v_cache, k, v, cache_seqlens=seqlens)
+    qq, kk, vv = rand(1, 1, 2, 32, seed=98), rand(1, 1, 2, 32, seed=99), rand(1, 1, 2, 32, seed=100)
+    idx = torch.full((1, 1, 1), -1)
+    result = fa4.flash_attn_func(qq, kk, vv, gather_kv_indices=idx, return_lse=True)
+    assert (result[0] == 0).all() and torch.isneginf(result[1]).all()
+    fa4.assert_flash_attn_func_close(result, qq, kk, vv, gather_kv_indices=idx)

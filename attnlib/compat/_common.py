@@ -63,6 +63,16 @@ def ints(x, name: str, length: int | None = None) -> np.ndarray | None:
     return arr
 
 
+def like(x, template):
+    """``x`` in ``template``'s kind: a torch tensor on its device, or a numpy array."""
+    if is_torch(template) and not is_torch(x):
+        import torch
+        return torch.as_tensor(np.asarray(as_numpy(x, "array")), device=template.device)
+    if not is_torch(template) and is_torch(x):
+        return np.asarray(as_numpy(x, "array"))
+    return x
+
+
 def index(x, idx: np.ndarray):
     """``x[idx]`` (a gather along the first axis) with a host index, in ``x``'s kind."""
     if is_torch(x):

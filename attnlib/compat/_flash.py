@@ -29,9 +29,11 @@ FA2, FA3, FA4 = "FlashAttention 2", "FlashAttention 3", "FlashAttention 4"
 def window(version: str, window_size, causal: bool, seqlen_k: int) -> tuple:
     """``(left, right)`` in attnlib's terms (None: unbounded) of a version's ``window_size``
     and ``causal`` (``seqlen_k``: the key length the kernel clamps with)."""
+    if hasattr(window_size, "tolist"):  # a tensor or array of two ints, as FlashAttention's tests pass
+        window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (x.item() if hasattr(x, "item") and getattr(x, "ndim", 1) == 0 else x for x in window_size)
     for side in (left, right):
         if side is not None and (isinstance(side, bool) or not isinstance(side, (int, np.integer))):
             raise TypeError(f"window_size sides must be integers{' or None' if version == FA4 else ''}, "
@@ -59,6 +61,32 @@ def window(version: str, window_size, causal: bool, seqlen_k: int) -> tuple:
 
 def is_local(side_window: tuple) -> bool:
     return side_window != (None, None)
+
+
+def fp8_descales(version, q, given: dict) -> dict:
+    """FlashAttention 3 reads the descales of float8_e4m3fn inputs only (hopper/flash_api.cpp):
+    ``given`` without them for other inputs."""
+    if version == FA3 and "float8_e4m3fn" not in str(q.dtype):
+        return {n: x for n, x in given.items() if n not in ("q_descale", "k_descale", "v_descale")}
+    return given
+
+
+def descaled(q, k, v, seq_q, seq_k, hk, opts: dict):
+    """Packed ``q, k, v`` in float64 with their ``(b, hk)`` descales applied to each sequence's
+    rows (``seq_q``, ``seq_k``: each row's sequence), exact (fp8 times float32); ``opts`` without them."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if all(opts.get(n) is None for n in names):
+        return q, k, v, opts
+    out = []
+    for x, name, seq in zip((q, k, v), names, (seq_q, seq_k, seq_k)):
+        x = C.float64(x, name[0])
+        if opts.get(name) is not None:
+            f = C.as_host(C.float64(opts[name], name))
+            f = np.broadcast_to(f, (int(seq.max(initial=-1)) + 1, hk))[seq]  # (rows, hk)
+            f = np.repeat(f, x.shape[1] // hk, axis=1)[..., None]  # q's heads: their kv head's factor
+            x = x * C.like(f, x)
+        out.append(x)
+    return (*out, {n: x for n, x in opts.items() if n not in names})
 
 
 def options(version, *, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
@@ -179,6 +207,7 @@ def literal_window(opts: dict, sq: int, sk: int) -> dict:
 
 def func(version, q, k, v, *, qv=None, gather_kv_indices=None, **given):
     """``(out (b, sq, hq, dv), lse (b, hq, sq))`` of ``flash_attn_func``, float64."""
+    given = fp8_descales(version, q, given)
     C.refuse("q", None if q.ndim == 4 else q.ndim, "q must be (batch, seqlen, nheads, headdim)")
     opts = _func_options(version, q, k, gather_kv_indices, given)
     return _run(version, q, k, v, qv, opts)
@@ -208,6 +237,7 @@ def _key_count(extra, sk):
 
 
 def assert_func(version, result, q, k, v, *, qv=None, gather_kv_indices=None, check=None, lse_position=1, **given):
+    given = fp8_descales(version, q, given)
     out, lse = C.result_lse(result, "result", position=lse_position)
     opts = _func_options(version, q, k, gather_kv_indices, given)
     C.assert_close(out, q, k, v, layout="bshd", qv=qv, **_judged_lse(version, opts, lse),
@@ -247,11 +277,14 @@ def _judged_lse(version, opts, lse) -> dict:
 def varlen(version, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
            seqused_k=None, block_table=None, qv=None, **given):
     """``(out (total_q, hq, dv), lse (hq, total_q))`` of ``flash_attn_varlen_func``, float64."""
+    given = fp8_descales(version, q, given)
     from ..core.varlen import attention_varlen
     cu_q, cu_k = C.ints(cu_seqlens_q, "cu_seqlens_q"), C.ints(cu_seqlens_k, "cu_seqlens_k")
     k, v = _paged_to_packed(k, v, block_table, cu_k)
     opts = _no_literal(options(version, seqlen_k=int(max_seqlen_k) if max_seqlen_k is not None else k.shape[0],
                                **given))
+    q, k, v, opts = descaled(q, k, v, np.repeat(np.arange(len(cu_q) - 1), np.diff(cu_q)),
+                             np.repeat(np.arange(len(cu_k) - 1), np.diff(cu_k)), k.shape[1], opts)
     used = _used_rows(seqused_q, cu_q)
     qs, cu_qs = (q, cu_q) if used is None else (C.index(q, used[0]), used[1])
     qvs = qv if qv is None or used is None else C.index(qv, used[0])
@@ -272,8 +305,8 @@ def varlen(version, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def _no_literal(opts):
     if any(x is not None and x < 0 for x in opts["window"]):
-        raise ValueError(f"window_size={opts['window']}: negative sides are taken for batched calls "
-                         "(flash_attn_func) only, not for packed sequences")
+        raise ValueError(f"window_size={opts['window']}: negative sides are taken by flash_attn_func only, "
+                         "not by flash_attn_varlen_func")
     return opts
 
 
@@ -307,10 +340,15 @@ def _paged_to_packed(k, v, block_table, cu_k):
     """FlashAttention 2's varlen ``block_table``: the pages of each sequence, packed."""
     if block_table is None:
         return k, v
-    table = C.ints(block_table, "block_table")
     page = k.shape[1]
+    lengths = np.diff(cu_k)
+    table = C.ints(block_table, "block_table")
+    if table.ndim != 2 or table.shape[0] < len(lengths):
+        raise ValueError(f"block_table must be (batch, max_blocks) for the {len(lengths)} sequences, "
+                         f"got {tuple(table.shape)}")
+    table = used_pages(table[:len(lengths)], lengths, page, k.shape[0], "block_table")
     rows = []
-    for b, n in enumerate(np.diff(cu_k)):
+    for b, n in enumerate(lengths):
         pages = table[b, :-(-n // page)] if n else table[b, :0]
         rows.append((pages[:, None] * page + np.arange(page)[None]).reshape(-1)[:n])
     flat = np.concatenate(rows) if rows else np.zeros(0, np.int64)
@@ -320,6 +358,7 @@ def _paged_to_packed(k, v, block_table, cu_k):
 
 def assert_varlen(version, result, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                   seqused_q=None, seqused_k=None, block_table=None, qv=None, check=None, lse_position=1, **given):
+    given = fp8_descales(version, q, given)
     out, lse = C.result_lse(result, "result", position=lse_position)
     cu_q, cu_k = C.ints(cu_seqlens_q, "cu_seqlens_q"), C.ints(cu_seqlens_k, "cu_seqlens_k")
     k, v = _paged_to_packed(k, v, block_table, cu_k)
@@ -344,23 +383,29 @@ def assert_varlen(version, result, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
                    cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                   rotary_interleaved=True, rotary_seqlens=None, causal=False, window_size=None, update=True):
-    """What the kernel attends over: ``(q_ro, keys, values, attnlib options)``, with keys and
-    values ``(b, capacity, hk, d)`` float64 read from the caches after the new ``k, v`` (rotated)
-    are written into them (in place when ``update``, else into copies)."""
+                   rotary_interleaved=True, rotary_seqlens=None, causal=False, window_size=None,
+                   attention_chunk=0, update=True):
+    """What the kernel attends over: ``(q_ro, keys, values, window, attnlib options, where)``, with
+    keys and values ``(b, capacity, hk, d)`` float64 read from the caches after the new ``k, v``
+    (rotated) are written into them (in place when ``update``, else into copies) at the cache
+    indices ``where`` (None without new keys)."""
     b, sq = q.shape[0], q.shape[1]
     paged = block_table is not None
-    if paged and cache_batch_idx is not None:
-        raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table/page_table), "
-                         "as in FlashAttention")
+    if paged and cache_batch_idx is not None and version == FA2:
+        raise ValueError("cache_batch_idx cannot be combined with a paged cache (block_table) in FlashAttention 2")
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values) must be given together")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     table = C.ints(block_table, "block_table") if paged else None
     page = k_cache.shape[1]
-    capacity = table.shape[1] * page if paged else k_cache.shape[1]
     rows = C.ints(cache_batch_idx, "cache_batch_idx", b) if cache_batch_idx is not None else np.arange(b)
+    if ((rows < 0) | (rows >= (table.shape[0] if paged else k_cache.shape[0]))).any():
+        raise ValueError(f"cache_batch_idx must index the cache's {table.shape[0] if paged else k_cache.shape[0]} "
+                         f"rows, got {rows.tolist()}")
+    if paged:
+        table = table[rows]  # FA3: entry b reads page_table[cache_batch_idx[b]]
+    capacity = table.shape[1] * page if paged else k_cache.shape[1]
     seqlens = C.ints(cache_seqlens, "cache_seqlens", b)
     leftpad = C.ints(cache_leftpad, "cache_leftpad", b)
     s_new = 0 if k is None else k.shape[1]
@@ -371,6 +416,8 @@ def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         raise ValueError(f"cache_seqlens + seqlen_new must be within 0 and the cache's {capacity} slots")
     if leftpad is not None and ((leftpad < 0) | (leftpad > end)).any():
         raise ValueError("cache_leftpad must be within 0 and each entry's cache_seqlens")
+    if paged:
+        table = used_pages(table, end, page, k_cache.shape[0], "block_table/page_table")
     win = window(version, (None, None) if window_size is None and version == FA4 else
                  (-1, -1) if window_size is None else window_size, bool(causal), capacity)
     q64 = C.float64(q, "q")
@@ -383,7 +430,8 @@ def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                              f"headdim, got {tuple(cos.shape)} and {tuple(sin.shape)}")
         start = C.ints(rotary_seqlens, "rotary_seqlens", b) if rotary_seqlens is not None else seqlens
         k_pos = start[:, None] + np.arange(s_new)[None]
-        q_pos = start[:, None] + (np.arange(sq)[None] if causal or is_local(win) else np.zeros((1, sq), np.int64))
+        moving = causal or _rotary_local(version, window_size, win, attention_chunk, sq, capacity)
+        q_pos = start[:, None] + (np.arange(sq)[None] if moving else np.zeros((1, sq), np.int64))
         top = max(int(k_pos.max(initial=-1)), int(q_pos.max(initial=-1)))
         if top >= cos.shape[0]:
             raise ValueError(f"rotary_cos/rotary_sin have {cos.shape[0]} positions; position {top} is needed")
@@ -393,12 +441,13 @@ def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         k_new = None if k is None else C.float64(k, "k")
     if not update:
         k_cache, v_cache = (x.clone() if C.is_torch(x) else x.copy() for x in (k_cache, v_cache))
+    where = None
     if k is not None:  # written at [cache_seqlens, cache_seqlens + s_new) of each entry, in the cache's type
         slot = seqlens[:, None] + np.arange(s_new)[None]
         where = (table[np.arange(b)[:, None], slot // page], slot % page) if paged else (rows[:, None], slot)
         v_new = C.float64(v, "v")
         for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-            value = rounded_to(new, cache)
+            value = rounded_to(C.like(new, cache), cache)
             if C.is_torch(cache):
                 import torch
                 cache[tuple(torch.as_tensor(w, device=cache.device) for w in where)] = value
@@ -406,7 +455,34 @@ def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                 cache[where] = value
     keys, values = (_logical(c, table, rows, capacity) for c in (k_cache, v_cache))
     extra = {"kv_lengths": end if seqlens is not None else None, "key_leftpad": leftpad}
-    return q64, keys, values, win, {n: x for n, x in extra.items() if x is not None}
+    return q64, keys, values, win, {n: x for n, x in extra.items() if x is not None}, where
+
+
+def used_pages(table, lengths, page, num_pages, name):
+    """``table`` with the entries each entry reads (its first ``ceil(lengths / page)``) checked
+    to be pages of the cache (a ``ValueError`` naming ``name`` otherwise), the others, which
+    FlashAttention never reads (a sentinel such as -1 or any number), set to page 0."""
+    need = -(-np.asarray(lengths, np.int64) // page)
+    if (need > table.shape[1]).any():
+        raise ValueError(f"{name} has {table.shape[1]} pages per sequence; {int(need.max())} are needed")
+    read = np.arange(table.shape[1])[None, :] < need[:, None]
+    bad = read & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"{name}[{b}, {j}] = {int(table[b, j])} is not one of the cache's {num_pages} pages")
+    return np.where(read, table, 0)
+
+
+def _rotary_local(version, window_size, win, attention_chunk, sq, capacity) -> bool:
+    """Whether FlashAttention rotates each query at its own position (``cache_seqlens + i``) on a
+    non-causal call: a local one.  FA3 counts a window side as local only below its clamps
+    (``left < seqlen_k - 1``, ``right < seqlen_q - 1``, hopper/flash_api.cpp) and chunks as local."""
+    if version != FA3:
+        return is_local(win)
+    left, right = (-1, -1) if window_size is None else window(FA2, window_size, False, 1 << 62)
+    left = -1 if left is None or left >= capacity - 1 else left
+    right = -1 if right is None or right >= sq - 1 else right
+    return left >= 0 or right >= 0 or bool(attention_chunk)
 
 
 def _logical(cache, table, rows, capacity):
@@ -424,11 +500,12 @@ def kvcache(version, q, k_cache, v_cache, k=None, v=None, *, qv=None, rotary_cos
             rotary_interleaved=True, rotary_seqlens=None, causal=False, window_size=None, **given):
     """``(out (b, sq, hq, dv), lse (b, hq, sq))`` of ``flash_attn_with_kvcache``, float64; the new
     ``k, v`` written into the caches in place, as FlashAttention does."""
-    q64, keys, values, win, extra = kvcache_inputs(
+    given = fp8_descales(version, q, given)
+    q64, keys, values, win, extra, _ = kvcache_inputs(
         version, q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
-        causal=causal, window_size=window_size)
+        causal=causal, window_size=window_size, attention_chunk=given.get("attention_chunk", 0))
     opts = options(version, seqlen_k=keys.shape[1], causal=causal, window_size=window_size, **given)
     return _run(version, q64, keys, values, qv, opts, **extra)
 
@@ -441,52 +518,51 @@ def assert_kvcache(version, result, q, k_cache, v_cache, k=None, v=None, *, qv=N
     its call) with the new keys appended; ``k_cache_out``/``v_cache_out``, the caches after the
     kernel's call, judged too: the appended rows within a rounding of the exact rotated keys
     (values: exact), every other slot unchanged."""
+    given = fp8_descales(version, q, given)
     out, lse = C.result_lse(result, "result", position=lse_position)
-    q64, keys, values, win, extra = kvcache_inputs(
-        version, q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-        block_table=block_table, rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
-        causal=causal, window_size=window_size, update=False)
+    call = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens, causal=causal,
+                window_size=window_size, attention_chunk=given.get("attention_chunk", 0))
+    q64, keys, values, win, extra, where = kvcache_inputs(version, q, k_cache, v_cache, k, v, update=False, **call)
     opts = options(version, seqlen_k=keys.shape[1], causal=causal, window_size=window_size, **given)
     dtype = (check or {}).get("dtype") or _dtype_name(q)
     if k_cache_out is not None or v_cache_out is not None:
-        _judge_cache(q, k_cache, v_cache, k, v, k_cache_out, v_cache_out, rotary_cos, rotary_sin,
-                     cache_seqlens, cache_batch_idx, block_table, rotary_interleaved, rotary_seqlens)
+        _judge_cache(version, q, k_cache, v_cache, k, v, k_cache_out, v_cache_out, call)
     judged = judged_options(opts, q.shape[1], extra.get("kv_lengths", keys.shape[1]), extra.get("key_leftpad"))
     C.assert_close(out, q64, keys, values, layout="bshd", qv=qv, **{"dtype": dtype, **(check or {})},
                    **_judged_lse(version, opts, lse), **judged, **extra)
 
 
 def _dtype_name(x) -> str:
+    """The check's ``dtype`` of a kernel whose ``q`` is stored as ``x``'s (float8_e4m3fn: FlashAttention
+    3's fp8 arithmetic)."""
     name = str(x.dtype).replace("torch.", "")
-    return name if name in ("float64", "float32", "float16", "bfloat16") else "bfloat16"
+    if name not in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn"):
+        raise ValueError(f"q of type {name}: give the kernel's compute precision as dtype=")
+    return name
 
 
-def _judge_cache(q, k_cache, v_cache, k, v, k_out, v_out, cos, sin, seqlens, batch_idx, block_table,
-                 interleaved, rotary_seqlens):
+def _judge_cache(version, q, k_cache, v_cache, k, v, k_out, v_out, call: dict):
     """AssertionError unless the kernel's caches are the given ones with the new rows appended:
     values exactly (rounded once to the cache's type), keys within ``ulp(|k_ro|) + 4 eps32
     (|x0 cos| + |x1 sin|)`` of the exact rotated key (a rotation in float32, stored once), every
     other slot bit for bit."""
-    b = q.shape[0]
-    expect = {}
-    for name, given, new in (("k_cache", k_cache, k), ("v_cache", v_cache, v)):
-        expect[name] = given.clone() if C.is_torch(given) else given.copy()
-    _, _, _, win, _ = kvcache_inputs(FA2, q, expect["k_cache"], expect["v_cache"], k, v, rotary_cos=cos,
-                                     rotary_sin=sin, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
-                                     block_table=block_table, rotary_interleaved=interleaved,
-                                     rotary_seqlens=rotary_seqlens, update=True)
+    expect = {"k_cache": k_cache.clone() if C.is_torch(k_cache) else k_cache.copy(),
+              "v_cache": v_cache.clone() if C.is_torch(v_cache) else v_cache.copy()}
+    *_, where = kvcache_inputs(version, q, expect["k_cache"], expect["v_cache"], k, v, update=True, **call)
     slack = None
-    if k is not None and cos is not None:  # the rotation's own rounding: 4 eps32 (|x0 cos| + |x1 sin|)
-        seq = C.ints(seqlens, "cache_seqlens", b)
-        start = C.ints(rotary_seqlens, "rotary_seqlens", b) if rotary_seqlens is not None else seq
+    if k is not None and call["rotary_cos"] is not None:  # the rotation's own rounding: 4 eps32 (|x0 cos| + |x1 sin|)
+        b = q.shape[0]
+        seq = C.ints(call["cache_seqlens"], "cache_seqlens", b)
+        start = seq if call["rotary_seqlens"] is None else C.ints(call["rotary_seqlens"], "rotary_seqlens", b)
         pos = start[:, None] + np.arange(k.shape[1])[None]
         k64 = np.abs(C.as_host(C.float64(k, "k")))
-        c, s = (np.abs(C.as_host(C.float64(t, "rotary table"))) for t in (cos, sin))
-        mag = np.maximum(np.abs(rotary(k64, c, -s, pos, bool(interleaved))),  # |x0| c + |x1| s
-                         np.abs(rotary(k64, c, s, pos, bool(interleaved))))  # |x0| s + |x1| c
-        slack = 4 * 2.0 ** -24 * mag
-    for name, got, want, new in (("k_cache", k_out, expect["k_cache"], k), ("v_cache", v_out, expect["v_cache"], v)):
+        c, s = (np.abs(C.as_host(C.float64(call[n], n))) for n in ("rotary_cos", "rotary_sin"))
+        turn = bool(call["rotary_interleaved"])
+        mag = np.maximum(np.abs(rotary(k64, c, -s, pos, turn)), np.abs(rotary(k64, c, s, pos, turn)))
+        slack = 4 * 2.0 ** -24 * mag  # |x0| c + |x1| s, |x0| s + |x1| c
+    for name, got, want in (("k_cache", k_out, expect["k_cache"]), ("v_cache", v_out, expect["v_cache"])):
         if got is None:
             continue
         g, w = (C.as_host(C.float64(x, name)) for x in (got, want))
@@ -494,14 +570,14 @@ def _judge_cache(q, k_cache, v_cache, k, v, k_out, v_out, cos, sin, seqlens, bat
             raise AssertionError(f"{name}: the kernel's cache has shape {g.shape}, expected {w.shape}")
         allow = np.zeros_like(w)
         if name == "k_cache" and slack is not None:
-            _scatter_slack(allow, slack, seqlens, batch_idx, block_table, b)
+            allow[where] = slack
             allow += _ulp(w, got)
         bad = ~(np.abs(g - w) <= allow)
         if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            at = tuple(int(i) for i in np.argwhere(bad)[0])
             raise AssertionError(f"{name} after the kernel's call differs from the expected cache at {bad.sum()} "
-                                 f"entries, first at {where}: {g[where]!r} (expected {w[where]!r}, allowance "
-                                 f"{allow[where]:.3g}): new rows appended at the wrong position, rotated wrongly, "
+                                 f"entries, first at {at}: {g[at]!r} (expected {w[at]!r}, allowance "
+                                 f"{allow[at]:.3g}): new rows appended at the wrong position, rotated wrongly, "
                                  "or other slots written")
 
 
@@ -514,15 +590,3 @@ def _ulp(x, like):
     """An ulp of ``like``'s type at each ``|x|``."""
     eps = _EPS.get(str(like.dtype).replace("torch.", ""), 2.0 ** -52)
     return eps * np.exp2(np.floor(np.log2(np.maximum(np.abs(x), np.finfo(np.float64).tiny))))
-
-
-def _scatter_slack(allow, slack, seqlens, batch_idx, block_table, b):
-    seq = C.ints(seqlens, "cache_seqlens", b)
-    slot = seq[:, None] + np.arange(slack.shape[1])[None]
-    if block_table is not None:
-        table = C.ints(block_table, "block_table")
-        page = allow.shape[1]
-        allow[table[np.arange(b)[:, None], slot // page], slot % page] = slack
-    else:
-        rows = C.ints(batch_idx, "cache_batch_idx", b) if batch_idx is not None else np.arange(b)
-        allow[rows[:, None], slot] = slack

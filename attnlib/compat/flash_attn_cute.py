@@ -23,12 +23,28 @@ from . import _flash as F
 V = F.FA4
 
 
-def _refuse_cute(**given):
+def _refuse_cute(gather_kv_indices=None, **given):
+    if gather_kv_indices is not None:  # a plain index tensor, taken by flash_attn_func
+        raise ValueError("gather_kv_indices with packed sequences is not taken by this reference: give q, k "
+                         "and v batched to flash_attn_func")
     for name, x in given.items():
         if x is not None:
             raise ValueError(f"{name}: FlashAttention 4's CuTe-DSL callables and block-sparse tensors cannot run "
                              "in the float64 reference; pass torch-written mods to "
                              "attnlib.compat.pytorch.flex_attention, or attnlib's mask_mod/score_mod")
+
+
+def _shared_kv(q, k, v, qv):
+    """FlashAttention 4's MLA path: with ``k is v`` and ``dv == 512`` it drops ``q`` and ``k`` and
+    scores ``qv . v`` (``qv`` the caller's, else ``q``): ``(q, k, v, qv)`` as computed."""
+    if k is v and v.shape[-1] == 512:
+        return (q if qv is None else qv), v, v, None, True
+    return q, k, v, qv, False
+
+
+def _wants_lse(return_lse, *xs) -> bool:
+    """FA4 returns the LSE when asked, or when an input requires grad (its backward keeps it)."""
+    return bool(return_lse) or any(getattr(x, "requires_grad", False) for x in xs if x is not None)
 
 
 def _lse_layout(lse, qv):
@@ -43,9 +59,11 @@ def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None
     """``(out (b, sq, hq, dv), lse (b, hq, sq) or None)``."""
     _refuse_cute(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                  aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors)
+    wants = _wants_lse(return_lse, q, k, v, qv)
+    q, k, v, qv, shared = _shared_kv(q, k, v, qv)
     out, lse = F.func(V, q, k, v, qv=qv, gather_kv_indices=gather_kv_indices, softmax_scale=softmax_scale,
                       causal=causal, window_size=window_size, learnable_sink=learnable_sink, softcap=softcap)
-    return out, (_lse_layout(lse, qv) if return_lse else None)
+    return out, (_lse_layout(lse, qv if not shared else True) if wants else None)
 
 
 def _packed(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_table):
@@ -59,8 +77,14 @@ def _packed(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, page_
         q, qv = (None if x is None else x.reshape((-1,) + tuple(x.shape[2:])) for x in (q, qv))
         cu_seqlens_q = np.arange(batched[0] + 1) * batched[1]
     if page_table is not None:
+        if cu_seqlens_k is not None:
+            raise ValueError("page_table is not supported with cu_seqlens_k (FlashAttention 4's rule): the pages "
+                             "give each sequence's keys, seqused_k their counts")
         table = C.ints(page_table, "page_table")
-        k, v = (F._logical(x, table, None, table.shape[1] * x.shape[1]) for x in (k, v))
+        full = table.shape[1] * k.shape[1]
+        lengths = np.full(table.shape[0], full) if seqused_k is None else C.ints(seqused_k, "seqused_k", table.shape[0])
+        table = F.used_pages(table, np.minimum(lengths, full), k.shape[1], k.shape[0], "page_table")
+        k, v = (F._logical(x, table, None, full) for x in (k, v))
     if cu_seqlens_k is None and (page_table is not None or k.ndim == 4):
         cu_seqlens_k = np.arange(k.shape[0] + 1) * k.shape[1]
         k, v = (x.reshape((-1,) + tuple(x.shape[2:])) for x in (k, v))
@@ -81,6 +105,8 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     _refuse_cute(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                  aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
                  gather_kv_indices=gather_kv_indices)
+    wants = _wants_lse(return_lse, q, k, v, qv)
+    q, k, v, qv, shared = _shared_kv(q, k, v, qv)
     q2, k2, v2, qv2, cu_q, cu_k, batched = _packed(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                                    seqused_k, page_table)
     out, lse = F.varlen(V, q2, k2, v2, cu_q, cu_k, None, None, seqused_q=seqused_q, seqused_k=seqused_k, qv=qv2,
@@ -89,7 +115,7 @@ def flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=Non
     if batched is not None:
         out = out.reshape(tuple(batched) + tuple(out.shape[1:]))
         lse = C.swap(lse.reshape((lse.shape[0],) + tuple(batched)), 0, 1)  # (b, hq, sq)
-    return out, (_lse_layout(lse, qv) if return_lse else None)
+    return out, (_lse_layout(lse, qv if not shared else True) if wants else None)
 
 
 def assert_flash_attn_func_close(result, q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None,
@@ -103,7 +129,8 @@ def assert_flash_attn_func_close(result, q, k, v, qv=None, gather_kv_indices=Non
     _refuse_cute(score_mod=score_mod, score_mod_bwd=score_mod_bwd, mask_mod=mask_mod, aux_tensors=aux_tensors,
                  aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors)
     out, lse = C.result_lse(result, "result")
-    F.assert_func(V, (out, _lse_layout(lse, qv)), q, k, v, qv=qv, gather_kv_indices=gather_kv_indices, check=check,
+    q, k, v, qv, shared = _shared_kv(q, k, v, qv)
+    F.assert_func(V, (out, _lse_layout(lse, qv if not shared else True)), q, k, v, qv=qv, gather_kv_indices=gather_kv_indices, check=check,
                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                   learnable_sink=learnable_sink, softcap=softcap)
 
@@ -121,7 +148,8 @@ def assert_flash_attn_varlen_func_close(result, q, k, v, qv=None, cu_seqlens_q=N
                  aux_scalars=aux_scalars, block_sparse_tensors=block_sparse_tensors,
                  gather_kv_indices=gather_kv_indices)
     out, lse = C.result_lse(result, "result")
-    lse = _lse_layout(lse, qv)
+    q, k, v, qv, shared = _shared_kv(q, k, v, qv)
+    lse = _lse_layout(lse, qv if not shared else True)
     q2, k2, v2, qv2, cu_q, cu_k, batched = _packed(q, k, v, qv, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                                    seqused_k, page_table)
     if batched is not None:

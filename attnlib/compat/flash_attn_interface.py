@@ -31,6 +31,22 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     return (out, lse) if return_attn_probs else out
 
 
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None,
+                              v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                              deterministic=False, num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """`flash_attn_func` of ``qkv (b, s, 3, h, d)``, or ``(b, s, hq + 2 hk, d)`` with ``num_heads_q``
+    (GQA: the query heads first, then the key and the value heads)."""
+    if qkv.ndim == 5:
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+        if num_heads_q is None or (qkv.shape[2] - num_heads_q) % 2:
+            raise ValueError("a 4-D qkv (b, s, hq + 2 hk, d) needs num_heads_q, with an even remainder of heads")
+        hk = (qkv.shape[2] - num_heads_q) // 2
+        q, k, v = qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + hk], qkv[:, :, num_heads_q + hk:]
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, return_attn_probs=return_attn_probs)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None,
                            k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
@@ -114,5 +130,5 @@ def assert_flash_attn_with_kvcache_close(result, q, k_cache, v_cache, k=None, v=
                      v_descale=v_descale, attention_chunk=attention_chunk, softcap=softcap)
 
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "assert_flash_attn_func_close",
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "assert_flash_attn_func_close",
            "assert_flash_attn_varlen_func_close", "assert_flash_attn_with_kvcache_close"]

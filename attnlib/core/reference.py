@@ -207,8 +207,10 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False,
     low = prec is not None and not prec.is_float64
     sink = xp.from_host(problem.sinks(opts.sinks, pb, dtype), dtype)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, opts, dtype, xp)  # (..., hk, g, sq, sk)
-    if low:
-        s = xp.rounded(s, prec)  # a naive kernel stores its scores in the compute type
+    # A naive kernel stores its scores in the compute type (float32 kernels: already, no copy).
+    same = low and prec.compute == prec.accumulate and prec.p_type is None
+    if low and not same:
+        s = xp.rounded(s, prec)
     # -inf for rows with no key
     m = xp.amax(s, -1)[..., None] if pb.sk else xp.full(tuple(s.shape[:-1]) + (1,), -math.inf, s.dtype)
     maxes = m[..., 0]  # the keys' largest score: max_scores (the sink is no key's)
@@ -229,7 +231,7 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False,
         v_scaled = v_scaled * math.ldexp(1.0, -e)
     if softmax_first:  # the weights normalised, then rounded, then summed: softmax(s) @ v
         p = xp.divide_where(p, l, seen)
-    out = xp.matmul(xp.rounded_p(p, prec) if low else p, v_scaled)
+    out = xp.matmul(xp.rounded_p(p, prec) if low and not same else p, v_scaled)
     if not softmax_first:
         out = xp.divide_where(out, l, seen)
     out = problem.unscale_values(out, e, v_max)

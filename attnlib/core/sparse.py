@@ -94,7 +94,7 @@ class Selection:
         if codes is None:
             sq, width = self.keys.shape[2], self.keys.shape[3]
             rows = np.arange(self.keys.shape[0] * self.keys.shape[1] * sq, dtype=np.int64)
-            codes = (rows[:, None] * (self.sk + 1) + self.keys.reshape(-1, width)).ravel()
+            codes = (rows[:, None] * (self.sk + 1) + self.keys.reshape(rows.size, width)).ravel()  # width 0: no entry
             self.__dict__["_codes_made"] = codes  # frozen: a cache, made once
         return codes
 
