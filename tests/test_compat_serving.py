@@ -207,7 +207,7 @@ def test_vllm_bad_arguments():
         ref_paged_attn(query, kc, vc, ql, kl[:1], table, 0.1)
     with pytest.raises(TypeError, match="query_lens"):
         ref_paged_attn(query, kc, vc, [float(x) for x in ql], kl, table, 0.1)
-    with pytest.raises(ValueError, match="cache_seqlens|max_blocks"):
+    with pytest.raises(ValueError, match="kv_lens|cache_seqlens|max_blocks"):
         ref_paged_attn(query, kc, vc, ql, kl + 1000, table, 0.1)
     with pytest.raises(ValueError, match="multiple"):
         ref_paged_attn(query[:, :3], kc, vc, ql, kl, table, 0.1)
@@ -608,6 +608,10 @@ def test_single_prefill_twin_passes_correct_kernels(dtype, opts):
     g = torch.Generator().manual_seed(70)
     q, k, v = rand(g, 24, 8, 64, dtype=dtype), rand(g, 40, 2, 64, dtype=dtype), rand(g, 40, 2, 64, dtype=dtype)
     out, lse = fi_dense(q, k, v, dtype=dtype, **_fi_kw(opts))
+    if dtype == torch.float32 and opts.get("pos_encoding_mode") == "ROPE_LLAMA":  # refused: see the contract
+        with pytest.raises(ValueError, match="float32"):
+            fi.assert_single_prefill_close(out, q, k, v, **opts)
+        return
     fi.assert_single_prefill_close((out, lse), q, k, v, return_lse=True, **opts)
     fi.assert_single_prefill_close(out, q, k, v, **opts)
 
@@ -619,11 +623,16 @@ def test_batch_twins_pass_correct_kernels(dtype):
     q, cache = q.to(dtype), tuple(x.to(dtype) for x in cache)
     reqs = [(a.to(dtype), b.to(dtype), c.to(dtype), m) for a, b, c, m in reqs]
     w = fi.BatchPrefillWithPagedKVCacheWrapper(None)
+    rope = dtype != torch.float32  # a float32 kernel's RoPE is refused by the twins
     for opts in (dict(causal=True), dict(causal=True, pos_encoding_mode="ROPE_LLAMA"),
                  dict(causal=True, pos_encoding_mode="ALIBI", window_left=4)):
+        if opts.get("pos_encoding_mode") == "ROPE_LLAMA" and not rope:
+            continue
         w.plan(qo_indptr, kv_indptr, indices, last, 8, 2, 64, 16, **opts)
         out, lse = fi_batch(reqs, dtype=dtype, **_fi_kw(opts))
         w.assert_close((out, lse), q, cache)
+    if not rope:
+        return
     wd = fi.BatchDecodeWithPagedKVCacheWrapper(None)
     wd.plan(kv_indptr, indices, last, 8, 2, 64, 16, pos_encoding_mode="ROPE_LLAMA")
     qd = q[:4]
@@ -675,8 +684,9 @@ def test_packed_mask_twin_and_big_endian_defect():
                                     "last_page_len_off_by_one", "causal_top_left", "alibi_bottom_right_lse"])
 def test_batch_twin_fails_named_defects(defect):
     qo_indptr, kv_indptr, indices, last, q, cache, reqs = paged_fi_case(74, batch=3, page_size=4, hq=4, hk=2, d=32)
-    q, cache = q.float(), tuple(x.float() for x in cache)
-    reqs = [(a.float(), b.float(), c.float(), m) for a, b, c, m in reqs]
+    dt = torch.bfloat16 if defect == "rope_interleaved" else torch.float32  # float32 RoPE: refused
+    q, cache = q.to(dt), tuple(x.to(dt) for x in cache)
+    reqs = [(a.to(dt), b.to(dt), c.to(dt), m) for a, b, c, m in reqs]
     opts = dict(causal=True, window_left=3)
     if defect == "rope_interleaved":
         opts = dict(causal=True, pos_encoding_mode="ROPE_LLAMA")
@@ -684,7 +694,7 @@ def test_batch_twin_fails_named_defects(defect):
         opts = dict(causal=True, pos_encoding_mode="ALIBI")
     w = fi.BatchPrefillWithPagedKVCacheWrapper(None)
     w.plan(qo_indptr, kv_indptr, indices, last, 4, 2, 32, 4, **opts)
-    kw = dict(dtype=torch.float32, **_fi_kw(opts))
+    kw = dict(dtype=dt, **_fi_kw(opts))
     out, lse = fi_batch(reqs, **kw)
     w.assert_close((out, lse), q, cache)  # the correct kernel passes
     if defect == "window_exclusive":
@@ -800,8 +810,11 @@ def test_flashinfer_bad_arguments():
         w.run(qb, (cache[0][:, :2], cache[1][:, :2]))
     with pytest.raises(ValueError, match="q must be"):
         w.run(qb[1:], cache)
+    lse0 = w.run(qb, cache, return_lse=True)[1]  # FlashInfer's LSE includes the sink (its sink variant's m, d)
+    lse_s = w.run(qb, cache, sinks=torch.zeros(4), return_lse=True)[1]
+    assert torch.allclose(lse_s, torch.log2(torch.exp2(lse0) + 1.0), rtol=1e-14, atol=1e-14)
     with pytest.raises(ValueError, match="sinks"):
-        w.run(qb, cache, sinks=torch.zeros(4), return_lse=True)
+        w.run(qb, cache, sinks=torch.zeros(3), return_lse=True)
     with pytest.raises(ValueError, match="skip_softmax"):
         w.run(qb, cache, skip_softmax_threshold_scale_factor=1.0)
     with pytest.raises(ValueError, match="positional"):

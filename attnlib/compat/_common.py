@@ -108,6 +108,8 @@ def scalar(x, name: str, *, default=None, positive=False, allow_zero=True):
     """A real Python float (None and ``default`` as given): a clear error otherwise."""
     if x is None:
         return default
+    if getattr(x, "ndim", None) == 0 and hasattr(x, "item"):  # a 0-d tensor or array, as torch takes
+        x = x.item()
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {x!r}")
     x = float(x)

@@ -46,28 +46,42 @@ def get_alibi_slopes(n_heads: int, device=None):
     return m.float().double()
 
 
-def rope_llama(x, positions, rope_scale: float = 1.0, rope_theta: float = 1e4):
+def rope_llama(x, positions, rope_scale: float = 1.0, rope_theta: float = 1e4, *, kernel: bool = False):
     """FlashInfer's ``ROPE_LLAMA`` of ``x (..., S, D)`` at ``positions (S,)``, in float64:
     non-interleaved halves over the whole head dim, ``x_i cos(a_i) - x_{i+D/2} sin(a_i)`` for
     ``i < D/2`` and ``x_i cos(a_i) + x_{i-D/2} sin(a_i)`` after, with ``a_i = pos (1/rope_scale)
     (1/rope_theta)^(2 (i mod D/2) / D)`` (``pos_enc.cuh`` ``vec_apply_llama_rope``,
-    ``prefill.cuh`` ``compute_rope_freq``).  A float64 copy in ``x``'s kind."""
+    ``prefill.cuh`` ``compute_rope_freq``).  A float64 copy in ``x``'s kind.  ``kernel``: as
+    FlashInfer's kernels compute it, in float32 (the frequency, the angle ``pos * freq`` and its
+    cosine and sine rounded to float32, each output ``x cos + r sin`` one fused rounding of a
+    float32 product and sum), which at long positions differs from the exact rotation by far more
+    than float32's rounding of the result (the angle's own rounding, ``pos * freq * 2**-24``)."""
     x = C.float64(x, "x")
     d = int(x.shape[-1])
     if d % 2:
         raise ValueError(f"ROPE_LLAMA rotates halves of the head dim, which must be even; got {d}")
     half = d // 2
     i = np.arange(d)
-    freq = (1.0 / rope_scale) * (1.0 / rope_theta) ** (2.0 * (i % half) / d)
-    angle = np.asarray(positions, np.float64)[:, None] * freq[None, :]
-    cos, sin = np.cos(angle), np.sin(angle)
+    if kernel:
+        f32 = np.float32
+        freq = f32(1.0 / rope_scale) * np.power(f32(1.0 / rope_theta), (2 * (i % half)).astype(f32) / f32(d))
+        angle = (np.asarray(positions).astype(f32)[:, None] * freq[None, :]).astype(np.float64)
+        cos, sin = (np.float32(fn(angle)).astype(np.float64) for fn in (np.cos, np.sin))
+    else:
+        freq = (1.0 / rope_scale) * (1.0 / rope_theta) ** (2.0 * (i % half) / d)
+        angle = np.asarray(positions, np.float64)[:, None] * freq[None, :]
+        cos, sin = np.cos(angle), np.sin(angle)
     if C.is_torch(x):
         import torch
         cos, sin = (torch.as_tensor(a, device=x.device) for a in (cos, sin))
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     else:
         rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    if not kernel:
+        return x * cos + rotated * sin
+    x, rotated = (C.float64(C.like(np.float32(C.as_host(t)), t), "x") for t in (x, rotated))
+    turned = x * cos + C.float64(C.like(np.float32(C.as_host(rotated * sin)), x), "x")  # fma(x, cos, fl(r sin))
+    return C.float64(C.like(np.float32(C.as_host(turned)), x), "x")
 
 
 def unpack_mask_bits(packed, nbits: int, name: str = "packed_custom_mask", offset: int = 0) -> np.ndarray:
@@ -184,7 +198,7 @@ def _indptr(x, name: str) -> np.ndarray:
 
 
 def _bool_mask(mask, name: str) -> np.ndarray:
-    m = np.asarray(C.as_host(mask))
+    m = np.array(C.as_host(mask))  # a copy: FlashInfer packs the mask at plan time
     if m.dtype != np.bool_:
         raise TypeError(f"{name} must be a boolean tensor (True: the pair takes part), got {m.dtype}")
     return m
@@ -299,7 +313,9 @@ def _request_keys(r: _Request, kc, vc):
 
 def _rope_positions(r: _Request, spec: _Spec):
     """``(q positions, k positions)`` of ROPE_LLAMA: q at ``q_idx + kv_len - qo_len``, k at ``kv_idx``."""
-    if r.kv_len < r.qo_len and not (spec.causal and r.mask is None):
+    if r.kv_len == 0:  # no key: every row is 0, lse -inf, whatever the rotation
+        return np.zeros(r.qo_len, np.int64), np.zeros(0, np.int64)
+    if r.kv_len < r.qo_len and not (spec.causal and r.mask is None) and r.qo_len > 1:
         raise ValueError(f"ROPE_LLAMA with kv_len ({r.kv_len}) < qo_len ({r.qo_len}) without causal: "
                          "FlashInfer's query positions q_idx + kv_len - qo_len go negative in its unsigned "
                          "arithmetic (they wrap); not reproduced")
@@ -381,9 +397,6 @@ def _finish(out, lse, v_scale, return_lse, sinks):
 def _sinks(sinks, hq: int, return_lse: bool):
     if sinks is None:
         return None
-    if return_lse:
-        raise ValueError("sinks with return_lse=True: whether FlashInfer's LSE includes the sink is "
-                         "unconfirmed, so the reference returns out only with sinks")
     s = np.asarray(C.as_host(sinks), np.float64)
     if s.shape != (hq,):
         raise ValueError(f"sinks must have shape (num_qo_heads,) = ({hq},), got {s.shape}")
@@ -415,7 +428,7 @@ def _stack(parts, lens, like_shape_tail, like):
 
 def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return_lse_shape: str,
            sinks=None, q_scale_heads=None, k_scale_heads=None, v_scale_heads=None, scalar_q=None,
-           scalar_k=None, scalar_v=None):
+           scalar_k=None, scalar_v=None, return_lse=False):
     """Judge a kernel's ``result`` (``out`` or ``(out, lse)`` in FlashInfer's layout) against the
     requests' attention: the requests padded into a batch (their keys gathered, rotated in
     float64 for ROPE_LLAMA), their masks and ALiBi as mods, FlashInfer's LSE convention."""
@@ -425,6 +438,8 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
     if own:
         raise TypeError(f"{', '.join(own)}: set by the twin from FlashInfer's arguments")
     out, lse = C.result_lse(result, "result")
+    if return_lse and lse is None:
+        raise AssertionError("the call asked for the LSE (return_lse=True) and the result holds none")
     hq, d = int(q.shape[1]), int(q.shape[-1])
     dv = int(vc.shape[-1])
     total = int(q.shape[0])
@@ -437,10 +452,8 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
         if tuple(lse.shape) != want:
             raise AssertionError(f"lse has shape {tuple(lse.shape)}; FlashInfer's is {want} (token-major, "
                                  "base 2)")
-        if sinks is not None:
-            raise ValueError("sinks with an lse: whether FlashInfer's LSE includes the sink is unconfirmed; "
-                             "judge out alone")
-        lse = lse.reshape(total, hq)
+        lse = None if spec.mode == "ROPE_LLAMA" else lse.reshape(total, hq)  # RoPE: its shape checked, not its
+        # values (the kernel's rotated inputs round where the check's cannot: the contract says why)
     qo = np.array([r.qo_len for r in reqs], np.int64)
     kv = np.array([r.kv_len for r in reqs], np.int64)
     starts = np.array([r.q0 for r in reqs], np.int64)
@@ -449,13 +462,18 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
     sm_scale = spec.scale_for(d) * (scalar_q or 1.0) * (scalar_k or 1.0)
     qs, ks, vs = [], [], []
     rotated = spec.mode == "ROPE_LLAMA"
+    if rotated and (check.get("dtype") or _dtype_name(q)) in ("float32", "float64"):
+        raise ValueError("ROPE_LLAMA with a float32 kernel: FlashInfer's rotation (float32 angles, the GPU's "
+                         "fast sine and cosine) differs from any exact one by more than float32 attention's "
+                         "rounding at long positions; rotate q and k yourself and judge with "
+                         "attnlib.testing.assert_attention_close")
     for r in reqs:
         qb = q[r.q0:r.q1]
         k, v = _request_keys(r, kc, vc)
         if rotated:
             pq, pk = _rope_positions(r, spec)
-            qb = C.swap(rope_llama(C.swap(qb, 0, 1), pq, spec.rope_scale, spec.rope_theta), 0, 1)
-            k = C.swap(rope_llama(C.swap(k, 0, 1), pk, spec.rope_scale, spec.rope_theta), 0, 1)
+            qb = C.swap(rope_llama(C.swap(qb, 0, 1), pq, spec.rope_scale, spec.rope_theta, kernel=True), 0, 1)
+            k = C.swap(rope_llama(C.swap(k, 0, 1), pk, spec.rope_scale, spec.rope_theta, kernel=True), 0, 1)
         qs.append(qb), ks.append(k), vs.append(v)
     q_pad = _stack(qs, qo, (hq, d), q if not rotated else C.float64(q[:0], "q"))
     k_pad = _stack(ks, kv, tuple(kc.shape[-2:]), kc if not rotated else C.float64(kc[:0], "k"))

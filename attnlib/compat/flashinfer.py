@@ -154,6 +154,11 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     return _finish(out, lse, vs, return_lse, None)
 
 
+def single_prefill_with_kv_cache_return_lse(q, k, v, *args, **kwargs):
+    """`single_prefill_with_kv_cache` with ``return_lse=True``: ``(out, lse)`` (FlashInfer's alias)."""
+    return single_prefill_with_kv_cache(q, k, v, *args, **{**kwargs, "return_lse": True})
+
+
 def _with_scale(spec: _Spec, scale: float) -> _Spec:
     from dataclasses import replace
     return replace(spec, sm_scale=scale)
@@ -174,7 +179,7 @@ def assert_single_prefill_close(result, q, k, v, scale_q=None, scale_k=None, sca
         pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
         backend, kv_cache_sf, k_scale, v_scale)
     _judge(result, q3, k3, v3, reqs, spec, hk=hk, check=check, return_lse_shape="tokens", scalar_k=ks,
-           scalar_v=vs, **heads)
+           scalar_v=vs, return_lse=return_lse, **heads)
 
 
 def _single_decode_args(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
@@ -216,7 +221,7 @@ def assert_single_decode_close(result, q, k, v, kv_layout="NHD", pos_encoding_mo
         q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
         logits_soft_cap, sm_scale, rope_scale, rope_theta)
     _judge(result, q3, k3, v3, reqs, spec, hk=int(k3.shape[1]), check=check, return_lse_shape="single",
-           scalar_q=qs, scalar_k=ks, scalar_v=vs)
+           scalar_q=qs, scalar_k=ks, scalar_v=vs, return_lse=return_lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,11 +474,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
              q_data_type="float16", kv_data_type=None, o_data_type=None, non_blocking=True, prefix_len_ptr=None,
              token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, fixed_split_size=None,
              disable_split_kv=False, seq_lens=None, seq_lens_q=None, max_token_per_sequence=None,
-             max_sequence_kv=None, v_indptr=None):
+             max_sequence_kv=None, v_indptr=None, o_indptr=None):
         """Bind the batch (FlashInfer's arguments; note ``window_left`` and ``logits_soft_cap``
         come before ``sm_scale`` here)."""
         _ignored(prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-                 max_item_len_ptr=max_item_len_ptr, seq_lens=seq_lens, seq_lens_q=seq_lens_q, v_indptr=v_indptr)
+                 max_item_len_ptr=max_item_len_ptr, seq_lens=seq_lens, seq_lens_q=seq_lens_q, v_indptr=v_indptr,
+                 o_indptr=o_indptr)
         qo, kv = _indptr(qo_indptr, "qo_indptr"), _indptr(kv_indptr, "kv_indptr")
         if qo.size != kv.size:
             raise ValueError(f"qo_indptr and kv_indptr must have the same length (batch + 1), got {qo.size} and "
@@ -641,7 +647,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                scalar_v=_factor(v_scale, "v_scale"))
 
 
-__all__ = ["single_prefill_with_kv_cache", "single_decode_with_kv_cache", "BatchPrefillWithPagedKVCacheWrapper",
+__all__ = ["single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse", "single_decode_with_kv_cache", "BatchPrefillWithPagedKVCacheWrapper",
            "BatchPrefillWithRaggedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper",
            "assert_single_prefill_close", "assert_single_decode_close", "get_alibi_slopes", "rope_llama",
            "unpack_mask_bits"]

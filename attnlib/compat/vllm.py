@@ -49,6 +49,17 @@ def _lengths(query_lens, kv_lens, block_tables):
     return ql, kl, table[:ql.size]
 
 
+def _check_pages(table, kl, key_cache):
+    """The pages each sequence reads, checked in vLLM's names (``block_tables``, ``kv_lens``)."""
+    from ._flash import used_pages
+    page, pages = int(key_cache.shape[1]), int(key_cache.shape[0])
+    if (kl > table.shape[1] * page).any():
+        i = int(np.argmax(kl > table.shape[1] * page))
+        raise ValueError(f"kv_lens[{i}] = {int(kl[i])} exceeds block_tables' {table.shape[1]} blocks of "
+                         f"{page} slots")
+    used_pages(table, kl, page, pages, "block_tables")
+
+
 def _options(scale, sliding_window, soft_cap) -> dict:
     """attnlib's options of the reference: causal (bottom-right) always, ``sliding_window``
     keys including the diagonal (window ``(sw - 1, 0)``), softcap after the scale."""
@@ -78,6 +89,8 @@ def _check_shapes(query, key_cache, value_cache, ql):
             want = "(sum(query_lens), num_q_heads, head_size)" if nd == 3 else \
                 "(num_blocks, block_size, num_kv_heads, head_size)"
             raise ValueError(f"{name} must be {want}, got shape {None if x is None else getattr(x, 'shape', x)}")
+        if "float" not in str(x.dtype):
+            raise TypeError(f"{name} must hold floating values, got {x.dtype}")
     if int(query.shape[0]) != int(ql.sum()):
         raise ValueError(f"query has {query.shape[0]} tokens but sum(query_lens) = {int(ql.sum())}")
     if tuple(key_cache.shape[:3]) != tuple(value_cache.shape[:3]):
@@ -135,6 +148,7 @@ def ref_paged_attn(query, key_cache, value_cache, query_lens, kv_lens, block_tab
 
     ql, kl, table = _lengths(query_lens, kv_lens, block_tables)
     _check_shapes(query, key_cache, value_cache, ql)
+    _check_pages(table, kl, key_cache)
     opts = _options(scale, sliding_window, soft_cap)
     starts = np.concatenate([[0], np.cumsum(ql)])
     hq, dv = int(query.shape[1]), int(value_cache.shape[-1])
@@ -168,6 +182,7 @@ def assert_ref_paged_attn_close(output, query, key_cache, value_cache, query_len
         raise TypeError(f"{', '.join(own)}: set by assert_ref_paged_attn_close from vLLM's arguments")
     ql, kl, table = _lengths(query_lens, kv_lens, block_tables)
     _check_shapes(query, key_cache, value_cache, ql)
+    _check_pages(table, kl, key_cache)
     opts = _options(scale, sliding_window, soft_cap)
     if output is None or not hasattr(output, "shape") or tuple(output.shape[:2]) != tuple(query.shape[:2]):
         raise ValueError(f"output must be (sum(query_lens), num_q_heads, head_size_v) = "
