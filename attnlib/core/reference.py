@@ -207,8 +207,8 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False,
     low = prec is not None and not prec.is_float64
     sink = xp.from_host(problem.sinks(opts.sinks, pb, dtype), dtype)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, opts, dtype, xp)  # (..., hk, g, sq, sk)
-    # A naive kernel stores its scores in the compute type (float32 kernels: already, no copy).
-    same = low and prec.compute == prec.accumulate and prec.p_type is None
+    # A naive kernel stores its scores in the compute type (numpy float32 scores: already, no copy).
+    same = low and prec.compute == prec.accumulate and prec.p_type is None and s.dtype == prec.compute
     if low and not same:
         s = xp.rounded(s, prec)
     # -inf for rows with no key
