@@ -205,7 +205,7 @@ class Recorder:
 
     def listen(self, result):
         try:
-            self.rows.append(row(result, self.test))
+            self.rows.append(row(result, self.test, self._testing._entry.get()))
         except Exception as e:  # a row that cannot be made must not fail the test
             warnings.warn(pytest.PytestWarning(f"attnlib: a verdict of {self.test or 'no test'} was not "
                                                f"recorded: {type(e).__name__}: {e}"))
@@ -222,12 +222,12 @@ class Recorder:
 
     def pytest_sessionfinish(self, session):
         try:
-            self._finish()
+            self._finish(session)
         except OSError as e:  # a full disk, a folder removed: the tests' outcome stands
             warnings.warn(pytest.PytestWarning(f"attnlib: the kernel verdicts could not be written into "
                                                f"{self.dir}: {type(e).__name__}: {e}"))
 
-    def _finish(self):
+    def _finish(self, session):
         if self.worker is not None:  # the controller merges it
             _write_json(self.dir / f".{REPORT}-{self.worker}.json", self.rows)
             return
@@ -243,7 +243,8 @@ class Recorder:
         from ._version import __version__
 
         failed = sum(r["verdict"] == "FAIL" for r in rows)
-        _write_json(self.json, {"attnlib": __version__, "verdicts": len(rows), "failed": failed, "rows": rows})
+        _write_json(self.json, {"attnlib": __version__, "verdicts": len(rows), "failed": failed, "rows": rows,
+                                "run": _run_context(session, self.config.getoption("attnlib_device"))})
         for part in parts:
             part.unlink(missing_ok=True)
         tally = f"{len(rows)} kernel verdicts, {failed} failed"
@@ -276,7 +277,7 @@ class Recorder:
             terminalreporter.write_line(self.summary)
 
 
-def row(result, test: str = "") -> dict:
+def row(result, test: str = "", entry: str = "assert_attention_close") -> dict:
     """One verdict as a report row: the test, shape, options, precision, worst ratio, PASS or
     FAIL, the diagnosis and, for a failure, its error maps (binned to `MAP_COLUMNS`)."""
     import numpy as np
@@ -294,8 +295,11 @@ def row(result, test: str = "") -> dict:
         "ratios": {t.name: None if t.ratio is None else float(t.ratio) for t in result.judged},
         "verdict": "PASS" if result.passed else "FAIL",
         "diagnosis": [str(line) for line in result.diagnosis],
+        "entry": entry,  # the assert that judged it: assert_attention_close or a compat twin
     }
     if not result.passed:
+        from .check import format_text
+        data["text"] = format_text(result)  # the check's verdict in full: errors, allowances, worst entries
         head_row = np.asarray(result.head_row_ratio, dtype=np.float64)
         groups = np.array_split(np.arange(head_row.shape[-1]), min(head_row.shape[-1], MAP_COLUMNS))
         data["maps"] = {"seqlen_q": int(head_row.shape[-1]),
@@ -303,6 +307,30 @@ def row(result, test: str = "") -> dict:
                                            for r in np.stack([head_row[:, g].max(axis=1) for g in groups], axis=1)],
                         "row_ratio": [float(f"{np.max(result.row_ratio[g]):.4g}") for g in groups]}
     return data
+
+
+def _run_context(session, device) -> dict:
+    """How to reproduce the run: its command line, when, the torch and numpy versions, and
+    where the reference ran (``--attnlib-device``, else each tensor's own device)."""
+    import datetime
+    import sys
+
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    return {"command": "pytest " + " ".join(session.config.invocation_params.args),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "numpy": np.__version__, "torch": getattr(torch, "__version__", None),
+            "device": device or "each input's own (numpy: the host)",
+            "outcome": _outcome(session)}
+
+
+def _outcome(session) -> dict:
+    """The tests' own outcome (passed, failed, ...), as pytest's summary counts them."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(reporter, "stats", {}) or {}
+    return {k: len([r for r in v if getattr(r, "when", "call") in ("call", None) or k != "passed"])
+            for k, v in stats.items() if k in ("passed", "failed", "error", "skipped") and v}
 
 
 def _plain(x):

@@ -15,12 +15,15 @@ hands them a verdict of one's own.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 from .check import KernelCheck, check_kernel, format_text
 from .check.sweep import Sweep, sweep_kernel
 
 #: The callables each verdict goes to (`record`): `recording`'s lists, the pytest plugin's.
 _listeners: list = []
+#: The assert a verdict comes from, for the report's rows: an `attnlib.compat` twin sets its name.
+_entry = contextvars.ContextVar("attnlib_entry", default="assert_attention_close")
 #: ``device=`` for the checks when the caller gives none (the plugin's ``--attnlib-device``).
 _default_device = None
 

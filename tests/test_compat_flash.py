@@ -554,3 +554,15 @@ def test_fp8_kvcache_judged_in_fp8_and_empty_topk_lists():
     result = fa4.flash_attn_func(qq, kk, vv, gather_kv_indices=idx, return_lse=True)
     assert (result[0] == 0).all() and torch.isneginf(result[1]).all()
     fa4.assert_flash_attn_func_close(result, qq, kk, vv, gather_kv_indices=idx)
+
+
+def test_a_twin_names_itself_to_the_recorder():
+    from attnlib import testing
+    q = rand(1, 4, 2, 8, seed=101)
+    names = []
+    testing._listeners.append(lambda result: names.append(testing._entry.get()))
+    try:
+        fa2.assert_flash_attn_func_close(fa2.flash_attn_func(q, q, q), q, q, q)
+    finally:
+        testing._listeners.pop()
+    assert names == ["assert_flash_attn_func_close"] and testing._entry.get() == "assert_attention_close"

@@ -82,7 +82,12 @@ def test_the_report_holds_every_verdict_and_maps_the_failure(pytester):
     result.assert_outcomes(passed=3, failed=1)  # the report changes no outcome
     folder = pytester.path / "reports" / "kernels"
     assert sorted(p.name for p in folder.iterdir()) == ["pytest_report.html", "pytest_report.json"]
-    check_rows(json.loads((folder / "pytest_report.json").read_text()))
+    data = json.loads((folder / "pytest_report.json").read_text())
+    check_rows(data)
+    assert data["run"]["outcome"] == {"passed": 3, "failed": 1} and data["run"]["command"].startswith("pytest ")
+    assert {r["entry"] for r in data["rows"]} == {"assert_attention_close"}
+    failure = next(r for r in data["rows"] if r["verdict"] == "FAIL")
+    assert "worst:" in failure["text"] and "allowance" in failure["text"]  # the check's verdict in full
     result.stdout.fnmatch_lines([f"attnlib: 4 kernel verdicts, 1 failed: {folder / 'pytest_report.html'}"])
     page = (folder / "pytest_report.html").read_text()
     assert all(test in page for test in IDS)

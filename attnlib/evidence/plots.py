@@ -519,8 +519,23 @@ def kernel_error_heatmap(head_row_ratio, max_columns=512):
     cbar = fig.colorbar(im, ax=ax)
     cbar.ax.axhline(1.0, color="cyan", lw=2)
     cbar.set_label("max |kernel - ref| / allowance (cyan: 1)")
+    cells = f"{int((binned > 1).sum())} of {binned.size} " + ("binned " if binned.shape[1] < sq else "")
     ax.set(xlabel="query position", ylabel="head",
-           title=f"Kernel error by head and query position ({int((binned > 1).sum())} binned cells fail)")
+           title=f"Kernel error by head and query position ({cells}cells fail)")
+    return fig
+
+
+def kernel_error_by_head(ratio):
+    """A one-query (decode) problem's worst ``|err| / allowance`` per head, log scale; 1 fails."""
+    r = np.asarray(ratio, dtype=np.float64)
+    fig, ax = _figure(figsize=(9, 3))
+    heads = np.arange(len(r))
+    ax.bar(heads, np.clip(np.where(np.isfinite(r), r, np.nanmax(r[np.isfinite(r)], initial=1.0) * 10), 1e-4, None),
+           color=np.where(r > 1, "tab:red", "tab:blue"))
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_yscale("log")
+    ax.set(xlabel="head", ylabel="max |kernel - ref| / allowance",
+           title=f"Kernel error by head, one query ({int((r > 1).sum())} of {len(r)} heads fail)")
     return fig
 
 
