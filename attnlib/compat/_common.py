@@ -118,13 +118,6 @@ def scalar(x, name: str, *, default=None, positive=False, allow_zero=True):
     return x
 
 
-def refuse(name: str, value, why: str, default=None):
-    """A ``ValueError`` for an argument the reference cannot compute exactly (``value`` not
-    ``default``), naming it and why."""
-    if value is not None and not (value is default or (not hasattr(value, "shape") and value == default)):
-        raise ValueError(f"{name}={value!r}: {why}")
-
-
 def assert_close(out, q, k, v, **check):
     """The assert twins' one path: `attnlib.testing.assert_attention_close` (the plugin's
     recorder sees every verdict, under the twin's name: the nearest public ``assert_*`` caller)."""

@@ -208,7 +208,8 @@ def literal_window(opts: dict, sq: int, sk: int) -> dict:
 def func(version, q, k, v, *, qv=None, gather_kv_indices=None, **given):
     """``(out (b, sq, hq, dv), lse (b, hq, sq))`` of ``flash_attn_func``, float64."""
     given = fp8_descales(version, q, given)
-    C.refuse("q", None if q.ndim == 4 else q.ndim, "q must be (batch, seqlen, nheads, headdim)")
+    if q.ndim != 4:
+        raise ValueError(f"q must be (batch, seqlen, nheads, headdim), got shape {tuple(q.shape)}")
     opts = _func_options(version, q, k, gather_kv_indices, given)
     return _run(version, q, k, v, qv, opts)
 
