@@ -118,6 +118,19 @@ def scalar(x, name: str, *, default=None, positive=False, allow_zero=True):
     return x
 
 
+def dtype_name(x) -> str:
+    """The name of ``x``'s type as the check takes it (``dtype=``): torch's without ``torch.``."""
+    return str(x.dtype).replace("torch.", "")
+
+
+def no_own_keywords(check: dict, own, peer: str) -> None:
+    """A ``TypeError`` for check keywords a twin sets itself from the peer's own arguments."""
+    given = sorted(set(check) & set(own))
+    if given:
+        raise TypeError(f"{', '.join(given)}: given by {peer}'s own arguments (pass those instead), "
+                        "not by the check's keywords")
+
+
 def assert_close(out, q, k, v, **check):
     """The assert twins' one path: `attnlib.testing.assert_attention_close` (the plugin's
     recorder sees every verdict, under the twin's name: the nearest public ``assert_*`` caller)."""

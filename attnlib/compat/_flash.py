@@ -386,10 +386,10 @@ def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                    cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                    rotary_interleaved=True, rotary_seqlens=None, causal=False, window_size=None,
                    attention_chunk=0, update=True):
-    """What the kernel attends over: ``(q_ro, keys, values, window, attnlib options, where)``, with
-    keys and values ``(b, capacity, hk, d)`` float64 read from the caches after the new ``k, v``
-    (rotated) are written into them (in place when ``update``, else into copies) at the cache
-    indices ``where`` (None without new keys)."""
+    """What the kernel attends over: ``(q_ro, keys, values, window, attnlib options, where,
+    caches)``, with keys and values ``(b, capacity, hk, d)`` float64 read from the caches after the
+    new ``k, v`` (rotated) are written into them at the cache indices ``where`` (None without new
+    keys): in place when ``update``, else into copies; ``caches``: the two as written."""
     b, sq = q.shape[0], q.shape[1]
     paged = block_table is not None
     if paged and cache_batch_idx is not None and version == FA2:
@@ -456,7 +456,7 @@ def kvcache_inputs(version, q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                 cache[where] = value
     keys, values = (_logical(c, table, rows, capacity) for c in (k_cache, v_cache))
     extra = {"kv_lengths": end if seqlens is not None else None, "key_leftpad": leftpad}
-    return q64, keys, values, win, {n: x for n, x in extra.items() if x is not None}, where
+    return q64, keys, values, win, {n: x for n, x in extra.items() if x is not None}, where, (k_cache, v_cache)
 
 
 def used_pages(table, lengths, page, num_pages, name):
@@ -502,7 +502,7 @@ def kvcache(version, q, k_cache, v_cache, k=None, v=None, *, qv=None, rotary_cos
     """``(out (b, sq, hq, dv), lse (b, hq, sq))`` of ``flash_attn_with_kvcache``, float64; the new
     ``k, v`` written into the caches in place, as FlashAttention does."""
     given = fp8_descales(version, q, given)
-    q64, keys, values, win, extra, _ = kvcache_inputs(
+    q64, keys, values, win, extra, *_ = kvcache_inputs(
         version, q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         block_table=block_table, rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
@@ -525,33 +525,22 @@ def assert_kvcache(version, result, q, k_cache, v_cache, k=None, v=None, *, qv=N
                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
                 rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens, causal=causal,
                 window_size=window_size, attention_chunk=given.get("attention_chunk", 0))
-    q64, keys, values, win, extra, where = kvcache_inputs(version, q, k_cache, v_cache, k, v, update=False, **call)
+    q64, keys, values, win, extra, where, written = kvcache_inputs(version, q, k_cache, v_cache, k, v, update=False,
+                                                                   **call)
     opts = options(version, seqlen_k=keys.shape[1], causal=causal, window_size=window_size, **given)
-    dtype = (check or {}).get("dtype") or _dtype_name(q)
+    dtype = (check or {}).get("dtype") or C.dtype_name(q)  # q64 is float64: name the kernel's
     if k_cache_out is not None or v_cache_out is not None:
-        _judge_cache(version, q, k_cache, v_cache, k, v, k_cache_out, v_cache_out, call)
+        _judge_cache(q, k, written, where, k_cache_out, v_cache_out, call)
     judged = judged_options(opts, q.shape[1], extra.get("kv_lengths", keys.shape[1]), extra.get("key_leftpad"))
     C.assert_close(out, q64, keys, values, layout="bshd", qv=qv, **{"dtype": dtype, **(check or {})},
                    **_judged_lse(version, opts, lse), **judged, **extra)
 
 
-def _dtype_name(x) -> str:
-    """The check's ``dtype`` of a kernel whose ``q`` is stored as ``x``'s (float8_e4m3fn: FlashAttention
-    3's fp8 arithmetic)."""
-    name = str(x.dtype).replace("torch.", "")
-    if name not in ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn"):
-        raise ValueError(f"q of type {name}: give the kernel's compute precision as dtype=")
-    return name
-
-
-def _judge_cache(version, q, k_cache, v_cache, k, v, k_out, v_out, call: dict):
-    """AssertionError unless the kernel's caches are the given ones with the new rows appended:
-    values exactly (rounded once to the cache's type), keys within ``ulp(|k_ro|) + 4 eps32
-    (|x0 cos| + |x1 sin|)`` of the exact rotated key (a rotation in float32, stored once), every
-    other slot bit for bit."""
-    expect = {"k_cache": k_cache.clone() if C.is_torch(k_cache) else k_cache.copy(),
-              "v_cache": v_cache.clone() if C.is_torch(v_cache) else v_cache.copy()}
-    *_, where = kvcache_inputs(version, q, expect["k_cache"], expect["v_cache"], k, v, update=True, **call)
+def _judge_cache(q, k, expected, where, k_out, v_out, call: dict):
+    """AssertionError unless the kernel's caches are the ``expected`` ones (the given caches with
+    the new rows written at ``where``, `kvcache_inputs`): values exactly (rounded once to the
+    cache's type), keys within ``ulp(|k_ro|) + 4 eps32 (|x0 cos| + |x1 sin|)`` of the exact
+    rotated key (a rotation in float32, stored once), every other slot bit for bit."""
     slack = None
     if k is not None and call["rotary_cos"] is not None:  # the rotation's own rounding: 4 eps32 (|x0 cos| + |x1 sin|)
         b = q.shape[0]
@@ -563,7 +552,7 @@ def _judge_cache(version, q, k_cache, v_cache, k, v, k_out, v_out, call: dict):
         turn = bool(call["rotary_interleaved"])
         mag = np.maximum(np.abs(rotary(k64, c, -s, pos, turn)), np.abs(rotary(k64, c, s, pos, turn)))
         slack = 4 * 2.0 ** -24 * mag  # |x0| c + |x1| s, |x0| s + |x1| c
-    for name, got, want in (("k_cache", k_out, expect["k_cache"]), ("v_cache", v_out, expect["v_cache"])):
+    for name, got, want in zip(("k_cache", "v_cache"), (k_out, v_out), expected):
         if got is None:
             continue
         g, w = (C.as_host(C.float64(x, name)) for x in (got, want))
@@ -582,12 +571,9 @@ def _judge_cache(version, q, k_cache, v_cache, k, v, k_out, v_out, call: dict):
                                  "or other slots written")
 
 
-#: The spacing of 1.0 in the types a cache is kept in.
-_EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7,
-        "float8_e4m3fn": 2.0 ** -3, "float8_e5m2": 2.0 ** -2}
-
-
 def _ulp(x, like):
     """An ulp of ``like``'s type at each ``|x|``."""
-    eps = _EPS.get(str(like.dtype).replace("torch.", ""), 2.0 ** -52)
+    from ..core.arrays import _ml_dtype, finfo
+    name = C.dtype_name(like)
+    eps = float(finfo(np.dtype(name) if hasattr(np, name) else _ml_dtype(name, "the cache")).eps)
     return eps * np.exp2(np.floor(np.log2(np.maximum(np.abs(x), np.finfo(np.float64).tiny))))

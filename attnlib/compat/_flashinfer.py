@@ -79,9 +79,12 @@ def rope_llama(x, positions, rope_scale: float = 1.0, rope_theta: float = 1e4, *
         rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     if not kernel:
         return x * cos + rotated * sin
-    x, rotated = (C.float64(C.like(np.float32(C.as_host(t)), t), "x") for t in (x, rotated))
-    turned = x * cos + C.float64(C.like(np.float32(C.as_host(rotated * sin)), x), "x")  # fma(x, cos, fl(r sin))
-    return C.float64(C.like(np.float32(C.as_host(turned)), x), "x")
+
+    def f32(t):  # rounded to float32, held in float64, in t's kind
+        return t.float().double() if C.is_torch(t) else t.astype(np.float32).astype(np.float64)
+
+    x, rotated = f32(x), f32(rotated)
+    return f32(x * cos + f32(rotated * sin))  # fma(x, cos, fl(r sin)): x cos is exact in float64
 
 
 def unpack_mask_bits(packed, nbits: int, name: str = "packed_custom_mask", offset: int = 0) -> np.ndarray:
@@ -407,10 +410,6 @@ def _sinks(sinks, hq: int, return_lse: bool):
 # The assert twins' common path
 
 
-def _dtype_name(x) -> str:
-    return str(x.dtype).replace("torch.", "")
-
-
 def _stack(parts, lens, like_shape_tail, like):
     """Per-request arrays ``(len_i, ...)`` padded with zeros into ``(B, max len, ...)`` in the
     type and kind of ``like`` (or of the parts)."""
@@ -434,9 +433,7 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
     float64 for ROPE_LLAMA), their masks and ALiBi as mods, FlashInfer's LSE convention."""
     from ..core.flex import tensor_mods
 
-    own = sorted(set(check) & set(_OWN))
-    if own:
-        raise TypeError(f"{', '.join(own)}: set by the twin from FlashInfer's arguments")
+    C.no_own_keywords(check, _OWN, "FlashInfer's call")
     out, lse = C.result_lse(result, "result")
     if return_lse and lse is None:
         raise AssertionError("the call asked for the LSE (return_lse=True) and the result holds none")
@@ -462,7 +459,7 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
     sm_scale = spec.scale_for(d) * (scalar_q or 1.0) * (scalar_k or 1.0)
     qs, ks, vs = [], [], []
     rotated = spec.mode == "ROPE_LLAMA"
-    if rotated and (check.get("dtype") or _dtype_name(q)) in ("float32", "float64"):
+    if rotated and (check.get("dtype") or C.dtype_name(q)) in ("float32", "float64"):
         raise ValueError("ROPE_LLAMA with a float32 kernel: FlashInfer's rotation (float32 angles, the GPU's "
                          "fast sine and cosine) differs from any exact one by more than float32 attention's "
                          "rounding at long positions; rotate q and k yourself and judge with "
@@ -481,7 +478,7 @@ def _judge(result, q, kc, vc, reqs, spec: _Spec, *, hk: int, check: dict, return
     out_pad = _padded(out, qo)
     opts = dict(layout="bshd", scale=sm_scale, q_lengths=qo, kv_lengths=kv)
     if "dtype" not in check:
-        opts["dtype"] = _dtype_name(q)
+        opts["dtype"] = C.dtype_name(q)
     opts.update(_options(spec, all(r.mask is None for r in reqs), sinks))  # a custom mask overrides causal
     mods = {}
     if any(r.mask is not None for r in reqs):

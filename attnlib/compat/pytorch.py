@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core import validate
 from . import _common as C
 
 #: check_kernel keywords the twins derive from the peer's own arguments (not to be given again).
@@ -48,12 +49,6 @@ def _tensor(x, name: str):
     if not (arr.dtype.kind == "f" or arr.dtype.name.startswith(("bfloat16", "float8"))):
         raise TypeError(f"{name} must hold real floats, got {arr.dtype}")
     return arr
-
-
-def _flag(x, name: str) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {x!r}")
-    return bool(x)
 
 
 def _shape(x) -> tuple:
@@ -123,7 +118,7 @@ class _Call:
 def _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> _Call:
     """SDPA's arguments checked as torch checks them, laid out for `attnlib.attention`."""
     q, k, v = (_tensor(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
-    is_causal, enable_gqa = _flag(is_causal, "is_causal"), _flag(enable_gqa, "enable_gqa")
+    is_causal, enable_gqa = validate.flag(is_causal, "is_causal"), validate.flag(enable_gqa, "enable_gqa")
     p = C.scalar(dropout_p, "dropout_p", default=0.0)
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p!r}")
@@ -253,13 +248,6 @@ def _flat(x, lead: tuple, what: str, want=None):
     return _reshape(x, (math.prod(lead),) + shape[len(lead):])
 
 
-def _check_keywords(check: dict, derived: tuple, peer: str):
-    given = sorted(n for n in check if n in derived)
-    if given:
-        raise TypeError(f"{', '.join(given)}: given by {peer}'s own arguments (pass those instead), "
-                        "not by the check's keywords")
-
-
 def assert_sdpa_close(out, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                       scale=None, enable_gqa=False, **check):
     """Assert that a kernel's ``out`` is `scaled_dot_product_attention` of these arguments,
@@ -291,7 +279,7 @@ def assert_sdpa_close(out, query, key, value, attn_mask=None, dropout_p=0.0, is_
         Arguments SDPA refuses (as `scaled_dot_product_attention`), a keyword given twice,
         gradients of broadcast inputs, a wrongly shaped ``out``.
     """
-    _check_keywords(check, _SDPA_SET, "scaled_dot_product_attention")
+    C.no_own_keywords(check, _SDPA_SET, "scaled_dot_product_attention")
     call = _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if call.expanded and any(check.get(n) is not None for n in _GRADS):
         raise ValueError("dq, dk, dv are judged for query, key and value of the output's batch dims and "
@@ -340,7 +328,7 @@ def _flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa, retu
                return_aux) -> _Call:
     """FlexAttention's arguments checked as torch checks them, laid out for `attnlib.attention`."""
     q, k, v = (_tensor(x, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
-    enable_gqa, return_lse = _flag(enable_gqa, "enable_gqa"), _flag(return_lse, "return_lse")
+    enable_gqa, return_lse = validate.flag(enable_gqa, "enable_gqa"), validate.flag(return_lse, "return_lse")
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise TypeError(f"kernel_options must be a dict (FlexKernelOptions) or None, got "
                         f"{type(kernel_options).__name__}")
@@ -542,7 +530,7 @@ def assert_flex_attention_close(result, query, key, value, score_mod=None, block
         Arguments FlexAttention refuses (as `flex_attention`), a keyword given twice, ``dk``
         or ``dv`` of keys shared by the batch (``Bkv = 1 < B``).
     """
-    _check_keywords(check, _FLEX_SET, "flex_attention")
+    C.no_own_keywords(check, _FLEX_SET, "flex_attention")
     call = _flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
                       return_aux)
     if call.expanded and any(check.get(n) is not None for n in ("dk", "dv")):

@@ -177,9 +177,7 @@ def assert_ref_paged_attn_close(output, query, key_cache, value_cache, query_len
     ``**check``: `check_kernel`'s further keywords (``dtype``, ``workers``, ``names``,
     ``device``, ...); those this twin sets from the call are refused.
     """
-    own = sorted(set(check) & set(_OWN))
-    if own:
-        raise TypeError(f"{', '.join(own)}: set by assert_ref_paged_attn_close from vLLM's arguments")
+    C.no_own_keywords(check, _OWN, "ref_paged_attn")
     ql, kl, table = _lengths(query_lens, kv_lens, block_tables)
     _check_shapes(query, key_cache, value_cache, ql)
     _check_pages(table, kl, key_cache)
