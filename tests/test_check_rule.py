@@ -11,7 +11,8 @@ import pytest
 import attnlib
 from attnlib import check
 from attnlib.check import calibration
-from attnlib.check.rule import SEQUENTIAL_WORK, unit
+from attnlib.check.naive import SAMPLE_ROWS, naive_rows, sampled_ratio
+from attnlib.check.rule import unit
 from attnlib.core.oracle import oracle_attention
 
 
@@ -203,11 +204,41 @@ def test_calibration_counts_false_alarms_and_catches_defects():
         assert not any(r["shape"].startswith("(2, 2, 1,") and "off by one" in r["kernel"] for r in rows)
 
 
-def test_sequential_baseline_is_key_by_key_at_decode_and_bounded_at_prefill():
-    """Decode (one query tile) is summed key by key up to 262,144 keys: PyTorch's float32
-    decode sums 4096 keys in sequence, and a baseline in tiles of 4 keys failed it in 4 of
-    100 seeds."""
-    assert SEQUENTIAL_WORK == 1 << 18
+def test_key_by_key_order_adds_one_key_after_another():
+    """The key-by-key naive order is a sequential sum in the accumulator's type, bit for bit."""
+    from attnlib.core.reference import _key_by_key
+    rng = np.random.default_rng(0)
+    p = rng.random((2, 3, 5, 300)).astype(np.float32)
+    v = rng.standard_normal((2, 1, 300, 4)).astype(np.float32)
+    acc, l = _key_by_key(p, v, p)
+    want, total = np.zeros((2, 3, 5, 4), np.float32), np.zeros((2, 3, 5, 1), np.float32)
+    for j in range(300):
+        want = want + p[..., j:j + 1] * v[..., j:j + 1, :]
+        total = total + p[..., j:j + 1]
+    assert np.array_equal(acc, want) and np.array_equal(l, total)
+
+
+def test_naive_rows_spread_over_the_rows_that_see_a_key():
+    lse = np.full((2, 3, 5000), 1.0)
+    lse[..., :1000] = -np.inf  # bottom-right causal, Sq > Sk: rows without a key
+    assert naive_rows(lse[..., :SAMPLE_ROWS], SAMPLE_ROWS, 128) is None  # few rows: all of them
+    rows = naive_rows(lse, SAMPLE_ROWS, 128)
+    assert rows.size == SAMPLE_ROWS and rows[0] == 1000 and rows[-1] == 4999
+    assert np.all(np.diff(rows) > 0) and np.ptp(np.diff(rows)) <= 1
+
+
+def test_a_sampled_maximum_is_scaled_to_the_whole_tensor():
+    """The largest of N normal errors grows as sqrt(2 ln N): a sample of N_s entries has its
+    maximum scaled by sqrt(ln N / ln N_s), which brings it to the whole tensor's."""
+    rng = np.random.default_rng(1)
+    err = np.abs(rng.standard_normal((1, 8, 4096, 64)))
+    u, seen = np.ones_like(err), np.ones(err.shape[:-1] + (1,), bool)
+    whole = sampled_ratio([(None, err)], u, seen)[0, 0, 0, 0]
+    assert whole == err.max()
+    rows = np.arange(0, 4096, 64)
+    scaled = sampled_ratio([(rows, err[..., rows, :])], u, seen)[0, 0, 0, 0]
+    raw = err[..., rows, :].max()
+    assert raw < whole and abs(scaled - whole) < 0.1 * whole, (raw, scaled, whole)
 
 
 # -- gradients ----------------------------------------------------------------------------------

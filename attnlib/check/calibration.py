@@ -18,7 +18,6 @@ import numpy as np
 from ..core import problem
 from ..core.options import Options
 from ..evidence.inputs import random_qkv
-from ..judge.sizing import dense_fits
 from ..core.device import warm_vml
 from ..core.oracle import ORACLE_PRECISION, oracle_attention
 from ..core.reference import reference_attention
@@ -141,10 +140,9 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
     rows = {}
     for shape in map(tuple, shapes):
         b, h, sq, sk, d, causal = shape
-        dense = dense_fits(sq, heads=b * h, sk=sk)
         for seed in seeds:
             q, k, v, causal = _problem(shape, prec, seed)
-            expected = expect(q, k, v, Options.parse(causal=causal), prec, 1, dense)
+            expected = expect(q, k, v, Options.parse(causal=causal), prec, 1)
             exact = attention(q, k, v, causal=causal)  # once per problem, for the defects' test
             for kind, kernels in (("correct", good), ("defective", bad)):
                 for name, fn in kernels.items():

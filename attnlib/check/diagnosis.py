@@ -123,7 +123,7 @@ def trend(row_ratio) -> str:
     return f"no trend ({words})"
 
 
-def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, given, prec, dense,
+def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, given, prec,
              workers, device=None, mixups=()) -> list:
     """Likely causes of a failing ``out`` (``kernel``: bhsd, float64 values); ``device``: where
     the alternatives' references are computed with torch (None: the host); ``mixups``: the
@@ -170,9 +170,9 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
                      "correct kernel that sums or scales in yet another order can land here, while "
                      "the bugs the check looks for fail by orders of magnitude")
     if todo.any():
-        found += _input_mixups(kernel, mixups, prec, dense, workers, device)
+        found += _input_mixups(kernel, mixups, prec, workers, device)
         found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device,
-                               prec=prec, dense=dense)
+                               prec=prec)
         if not marginal:
             found += _tile_boundary(todo, qh, kh, opts, device)
     # The other layout, and axes swapped inside the output.
@@ -181,7 +181,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
         q1, k1, v1, kern1 = (to_bhsd(given[n], other).astype(np.float64) for n in ("q", "k", "v", "out"))
         # The mods as given: if the files are in the other layout, they were written for that
         # problem; one indexing a table by the declared heads fails here, and the reading with it.
-        if _matches(kern1, q1, k1, v1, opts, prec, workers, dense, device):
+        if _matches(kern1, q1, k1, v1, opts, prec, workers, device):
             found.append(f"read as --layout {other} {AXES[other]}, every tensor fits and the output "
                          f"passes: the files are in {other}, not {layout}")
     if shape["sq"] == shape["hq"] and given["out"].ndim >= 3:
@@ -195,7 +195,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
             found.append(f"only heads {np.flatnonzero(head_bad).tolist()} fail: look at the head "
                          "indexing (GQA mapping, strides)")
     if todo.any() and not marginal and len(found) == 0:
-        found += _lower_precision(kernel, qh, kh, vh, opts, prec, workers, dense, device)
+        found += _lower_precision(kernel, qh, kh, vh, opts, prec, workers, device)
     if not found:
         first = positions()(tuple(np.argwhere(row_bad)[0]) + (0,)) if row_bad.any() else None
         found.append("no known cause matched; see the worst positions and the error along the "
@@ -207,7 +207,7 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
 _LOWER = {"float64": ("float32",), "float32": ("bfloat16", "float16")}
 
 
-def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense, device=None) -> list:
+def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, device=None) -> list:
     """Whether the output passes when judged as a kernel of a lower precision."""
     for name in _LOWER.get(prec.name, ()):
         try:
@@ -216,7 +216,7 @@ def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, dense, de
             q, k, v = (low.round(x).astype(np.float64) for x in (qh, kh, vh))
         except DROPPED:  # bfloat16 without ml_dtypes, inputs beyond float16's range (a mod failing: _matches)
             continue
-        if _matches(kernel, q, k, v, opts, low, workers, dense, device):
+        if _matches(kernel, q, k, v, opts, low, workers, device):
             tf32 = " (or TF32, whose 10-bit mantissa is float16's)" if name == "float16" else ""
             return [f"judged as a {name} kernel the output passes: the kernel computes in {name}{tf32}, "
                     f"not {prec.name}; check its input casts and matmul precision settings, or pass "
@@ -240,7 +240,7 @@ def _rows_hold_mean_v(kernel, vh, rows, prec) -> bool:
 
 
 def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, workers, device=None,
-                  prec=None, dense=True) -> list:
+                  prec=None) -> list:
     """Other problems the failing rows match: scales, masks, alignment, padding.
 
     Each alternative's float64 reference is computed on the failing batch entries, and a
@@ -313,7 +313,7 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     for change, words in alternatives:
         try:  # the change checked as the user's options are (a scale x log2(e) beyond the range)
             if prec is not None and set(change) == {"scale"}:  # judged by its own problem's allowance
-                judged = expect(q, k, v, opts.replace(**change), prec, workers, dense, device=device, pool="head")
+                judged = expect(q, k, v, opts.replace(**change), prec, workers, device=device, pool="head")
                 alt, alt_allow = judged.ref, np.broadcast_to(per_head_max(judged.allowance), kern.shape)
             else:
                 alt, alt_allow = forward_on(q, k, v, opts.replace(**change), workers=workers, device=device), allow
@@ -357,12 +357,12 @@ def descale_variants(factors) -> list:
     return [(words, {**factors, **change}) for words, change in out]
 
 
-def _input_mixups(kernel, candidates, prec, dense, workers, device=None) -> list:
+def _input_mixups(kernel, candidates, prec, workers, device=None) -> list:
     """The first of ``candidates`` (``(words, (q, k, v), options)``: the inputs mishandled)
     whose attention the output matches, whole, by the rule's allowance for that problem (its
     values' sizes differ)."""
     for words, (q, k, v), opts in candidates:
-        if _matches(kernel, q, k, v, opts, prec, workers, dense, device):
+        if _matches(kernel, q, k, v, opts, prec, workers, device):
             return [f"the output matches attention with {words}"]
     return []
 
@@ -505,11 +505,11 @@ def _passes(kernel, ref, allowance) -> bool:
     return bool(ratios(kernel, ref, allowance)[1].max(initial=0.0) <= 1)
 
 
-def _matches(kernel, q, k, v, opts: Options, prec, workers, dense, device=None) -> bool:
+def _matches(kernel, q, k, v, opts: Options, prec, workers, device=None) -> bool:
     """Whether ``kernel`` passes as a kernel in ``prec`` of the problem ``q, k, v, opts`` (its
     mods guarded), by that problem's own allowance; False where the problem is dropped."""
     try:
-        alt = expect(q, k, v, guard_mods(opts), prec, workers, dense, device=device, pool="head")
+        alt = expect(q, k, v, guard_mods(opts), prec, workers, device=device, pool="head")
     except DROPPED:
         return False
     return _passes(kernel, alt.ref, alt.allowance)

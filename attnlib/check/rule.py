@@ -105,7 +105,8 @@ FlashAttention's ``attention_ref``): their allowance is 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -119,10 +120,10 @@ from ..judge.gate import C_EXP, LAMBDA, row_stats, tolerance
 from ..judge.sizing import dense_fits
 from ..judge.metrics import BOUND, TINY
 from ..core.reference import dense_attention
-from ..core.tilesizes import DEFAULT_TILES
 from ..core.tiled import forward_on
 from .shapes import UnusableInput, positions, to_bhsd
-from .sizes import doubled_options, forward_rss, forward_sizes, row_masks, score_size  # noqa: F401 (re-exported)
+from .naive import naive_errors, pool_axes, sampled_ratio
+from .sizes import doubled_options, forward_rss, forward_sizes, reference_sizes, row_masks, score_size  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -172,17 +173,10 @@ class Expected:
 #: long double matmul runs at ~0.4 GFLOP/s: about a minute at this size).
 EXTENDED_MAX_WORK = 1 << 31
 
-#: The key-by-key naive baseline's budget of (query tile, key step) pairs: within it every
-#: key is its own step; beyond it, key tiles of ``ceil(query tiles * Sk / SEQUENTIAL_WORK)``
-#: keys (summed by BLAS inside) bound its cost.  Decode (one query tile) is key by key up
-#: to 262,144 keys; prefill up to n = 2048.
-SEQUENTIAL_WORK = 1 << 18
-
 
 def per_head_max(x: np.ndarray) -> np.ndarray:
     """``max |x|`` over every axis but the head axis (-3), kept as size-1 axes."""
-    axes = None if x.ndim < 3 else tuple(a for a in range(x.ndim) if a != x.ndim - 3)
-    return np.max(x, axis=axes, keepdims=True, initial=0.0)
+    return np.max(x, axis=pool_axes(x.ndim, "head"), keepdims=True, initial=0.0)
 
 
 #: Ulps allowed beyond twice the naive error: the kernel's own rounding of its result and of
@@ -212,11 +206,6 @@ def naive_allowance(naive_err, u, pool=per_head_max) -> np.ndarray:
     return (2 * pool(naive_err / u) + FINAL_ROUNDINGS) * u
 
 
-def tensor_max(x: np.ndarray) -> np.ndarray:
-    """``max |x|`` over the whole tensor, as a size-1 array of ``x``'s rank."""
-    return np.max(x, keepdims=True, initial=0.0)
-
-
 class OnDevice:
     """The check's arrays on a torch device: ``put`` gives ``qh``, ``kh``, ``vh`` there once
     (each later call the same tensor), any other array by a copy (not kept); ``run`` is the
@@ -237,21 +226,21 @@ class OnDevice:
 
     def dense(self, q, k, v, o, **run):
         result = dense_attention(self.put(q), self.put(k), self.put(v), o, dev=self.device, **run)
-        return tuple(arrays.as_numpy(x, "the baseline") for x in result)
+        return tuple(tuple(arrays.as_numpy(y, "the baseline") for y in x) if isinstance(x, tuple)
+                     else arrays.as_numpy(x, "the baseline") for x in result)
 
 
-def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, device=None,
+def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None,
            pool="tensor") -> Expected:
     """The reference and the allowance for ``attention(qh, kh, vh, **opts.given())`` (bhsd
-    layout, float64) judged as a kernel in ``prec``; ``dense``: the dense naive baseline fits.
+    layout, float64) judged as a kernel in ``prec``.
     ``scheduler`` (a Dask client or scheduler address): the float64 reference and
     ``P @ |V|`` are computed on that cluster (`attnlib.distributed.attention`).  ``device``
     (a ``torch.device``): the reference, ``P @ |V|``, the score sizes of the allowance and the
-    tiled naive baselines are computed with torch there (`OnDevice`).  ``pool``: over what the
-    naive error's ratio is pooled, ``"tensor"`` (`tensor_max`) or ``"head"`` (`per_head_max`:
+    naive baselines are computed with torch there (`OnDevice`).  ``pool``: over what the
+    naive error's ratio is pooled (`pool_axes`), ``"tensor"`` or ``"head"`` (
     the diagnosis, so that one head's loose baseline lends a neighbouring problem no match
     in another head)."""
-    pool = {"tensor": tensor_max, "head": per_head_max}[pool]
     on = None if device is None or scheduler is not None else OnDevice(device, qh, kh, vh)
     if scheduler is None:
         def run(q, k, v, o):
@@ -269,10 +258,17 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
         allowance = np.minimum(tol.allowed(ref_abs), BOUND * np.maximum(ref_abs, TINY))
         return Expected(ref, ref_lse, allowance, tol.lse, None, None,
                         "float64 rounding bound (the verdict gate, any tiling)", unit(ref_abs, np.float64))
-    ref, ref_lse = run(qh, kh, vh, opts)
+    if scheduler is None:  # the reference and its entries' sizes in one pass
+        ref, ref_lse, rss, dev = reference_sizes(qh, kh, vh, opts, workers, None if on is None else on.device)
+    else:
+        ref, ref_lse = run(qh, kh, vh, opts)
+        rss, dev = forward_sizes(run, qh, kh, vh, opts, ref, ref_lse)
     empty = np.isneginf(ref_lse)
-    naive_err, naive_lse_err, baseline = _naive_errors(qh, kh, vh, opts, prec, workers, dense,
-                                                       ref, ref_lse, on)
+    # The row score sizes and the naive baselines, each mostly single-threaded numpy, side by side.
+    with ThreadPoolExecutor(1) as beside:
+        sizing = beside.submit(score_size, qh, kh, opts, ref_lse, None if on is None else on.device)
+        naive_err, naive_lse_err, baseline, draws, lse_draws = naive_errors(qh, kh, vh, opts, prec, ref, ref_lse, on)
+        scores = sizing.result()
     # Each entry's own size: |ref| (errors relative to the whole, as in 1 / l) plus the
     # root-sum-square of its terms (independent errors of p and of the sum); pooled over a
     # head in ulps of it, so a batch entry or row with large values lends the others nothing.
@@ -280,72 +276,20 @@ def expect(qh, kh, vh, opts: Options, prec, workers, dense, scheduler=None, devi
     # few ulps of the row's score size in the state's type (float32 for 16-bit kernels):
     # its root-sum-square is the third part of the size (without it a head of one decode
     # row lent its few naive errors a size they lacked: 4 float32 false alarms in 3,563).
-    scores = score_size(qh, kh, opts, ref_lse, None if on is None else on.device)
-    rss, dev = forward_sizes(run, qh, kh, vh, opts, ref, ref_lse)
     state = float(arrays.finfo(prec.accumulate).eps) / float(arrays.finfo(prec.compute).eps)
     size = np.abs(ref) + rss + state * scores[..., None] * dev
     u = unit(size, prec.compute)
-    allowance = naive_allowance(naive_err, u, pool)
+    seen = ~empty[..., None]
+    allowance = (2 * sampled_ratio(draws, u, seen, pool) + FINAL_ROUNDINGS) * u
     allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0
     # lse: the same rule in ulps (of the state's type) of the row's own size |lse| + sigma
     # (its score terms' rounding, sum_j p_j ds_j, is up to a few ulps of sigma).
-    lse_allowance = naive_allowance(naive_lse_err[..., None], unit(scores[..., None], prec.accumulate),
-                                    pool)[..., 0]
+    lse_u = unit(scores[..., None], prec.accumulate)
+    lse_allowance = ((2 * sampled_ratio(lse_draws, lse_u, seen, pool) + FINAL_ROUNDINGS) * lse_u)[..., 0]
     lse_allowance = np.where(empty, 0.0, lse_allowance)
     return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline, u)
 
 
-def _naive_errors(qh, kh, vh, opts: Options, prec, workers, dense, ref, ref_lse, on=None):
-    """``(naive_err, naive_lse_err, words)``: the larger error of plain attention in ``prec``
-    over its plain formulations (see the module docstring), entry by entry.  ``on``: an
-    `OnDevice`, where every formulation runs with torch."""
-    tiled_forward = forward_on if on is None else on.run
-    dense_forward = dense_attention if on is None else on.dense
-    sk, d = kh.shape[-2], qh.shape[-1]
-    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
-    root = math.sqrt(abs(scale))
-    unscaled = replace(opts, scale=1.0)  # q and k carry the scale
-    with np.errstate(over="ignore", invalid="ignore"):  # a naive that overflows is left out below
-        # q and k each scaled by sqrt(scale) and rounded, as PyTorch's math path does.
-        q_s = prec.round(qh * (root if scale >= 0 else -root)).astype(np.float64)
-        k_s = prec.round(kh * root).astype(np.float64)
-        def blocked(q, k, o):
-            if dense:
-                return dense_forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name,
-                                     check_finite=False)
-            return tiled_forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name, workers=workers,
-                                 check_finite=False)
-
-        order = "BLAS order" if dense else "tiled, BLAS order"
-        candidates = {order: blocked(qh, kh, opts)}
-        if np.isfinite(q_s).all() and np.isfinite(k_s).all():
-            candidates[f"{order}, q and k scaled by sqrt(scale) first"] = blocked(q_s, k_s, unscaled)
-            q_tiles = -(-qh.shape[-2] // DEFAULT_TILES.block_q)
-            if dense and not prec.name.startswith("float8"):  # PyTorch's math path, FlashAttention's
-                # test reference: softmax(s), rounded, @ v (not fp8: p ~ 1/Sk among its subnormals)
-                candidates["softmax first, q and k scaled first"] = dense_forward(
-                    q_s, k_s, vh, unscaled, return_lse=True, compute_dtype=prec.name, check_finite=False,
-                    softmax_first=True)
-            candidates["key by key, q and k scaled first"] = tiled_forward(
-                q_s, k_s, vh, unscaled, return_lse=True, compute_dtype=prec.name, workers=workers,
-                block_k=max(1, -(-q_tiles * sk // SEQUENTIAL_WORK)))
-    empty = np.isneginf(ref_lse)
-    r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
-    naive_err = np.zeros(ref.shape)
-    naive_lse_err = np.zeros(ref_lse.shape)
-    used = []
-    for name, (out, lse) in candidates.items():
-        out = out.astype(np.float64)
-        if not (np.isfinite(out).all() and np.isfinite(np.where(empty, 0.0, lse)).all()):
-            continue  # e.g. float16 scores beyond 65504: the kernel may keep them in float32
-        np.maximum(naive_err, np.abs(out - ref), out=naive_err)
-        np.maximum(naive_lse_err, np.abs(np.where(empty, 0.0, lse) - r), out=naive_lse_err)
-        used.append(name)
-    if not used:
-        raise UnusableInput(f"plain attention in {prec.name} overflows on these inputs in every "
-                            "formulation (scores beyond the type's range): there is no "
-                            f"{prec.name} baseline to judge a kernel by; scale q or k down")
-    return naive_err, naive_lse_err, f"{prec.name}: " + "; ".join(used)
 def ratios(kernel, ref, allowance):
     """``(err, ratio)``: ``|kernel - ref|`` (0 at NaN/inf) and ``err / allowance`` (inf at
     NaN/inf and wherever an error meets a zero allowance)."""
@@ -383,12 +327,11 @@ def judge(name, kernel, ref, allowance, naive_err, describe, u=None):
     top = top[np.argsort(rank[top], kind="stable")[::-1]]
     with np.errstate(over="ignore"):  # an error over a subnormal unit: infinitely many ulps
         ulps = None if u is None else err / u
-        worst = [dict(describe(np.unravel_index(i, err.shape)), kernel=float(kernel.ravel()[i]),
-                      ref=float(ref.ravel()[i]), err=float(err.ravel()[i]),
-                      allowance=float(allowance.ravel()[i]), ratio=float(flat[i]))
-                 | ({} if u is None else {"ulps": float(ulps.flat[i]),
-                                          "allowance_ulps": float(allowance.ravel()[i] / u.flat[i])})
-                 for i in top]
+        at = [np.unravel_index(i, err.shape) for i in top]  # (ravel would copy a broadcast array)
+        worst = [dict(describe(ix), kernel=float(kernel[ix]), ref=float(ref[ix]), err=float(err[ix]),
+                      allowance=float(allowance[ix]), ratio=float(flat[i]))
+                 | ({} if u is None else {"ulps": float(ulps[ix]), "allowance_ulps": float(allowance[ix] / u[ix])})
+                 for i, ix in zip(top, at)]
     nan, inf = int(np.count_nonzero(np.isnan(kernel))), int(np.count_nonzero(np.isinf(kernel)))
     max_ratio = float(flat.max()) if flat.size else 0.0
     verdict = TensorVerdict(

@@ -210,6 +210,60 @@ class OnlineSoftmax:
         return out, parts
 
 
+class SizedSoftmax(OnlineSoftmax):
+    """The online softmax with its weights squared beside it, for values laid out as
+    ``[v, v**2, v, 1]`` (`attnlib.check.sizes.reference_sizes`: the check's entry sizes): ``acc`` sums ``p v`` over the first ``Dv``
+    columns as `OnlineSoftmax` does (the same arithmetic: the reference's bits), ``acc2`` sums
+    ``p**2 [v**2, v, 1]`` over the rest, rescaled by ``alpha**2``, and `finalize` divides it
+    by ``l**2``: ``sum_j p_j**2 x_j`` of the normalised weights, one pass for both (one key
+    range: no partials to merge)."""
+
+    __slots__ = ("acc2",)
+
+    @classmethod
+    def empty(cls, rows_shape, dv, dtype=np.float64, keys_first=False, sink=None, xp=None, **backend):
+        split = (dv - 1) // 3  # [v, v**2, v, 1]: Dv value columns, then 2 Dv + 1
+        xp = {} if xp is None else {"xp": xp}
+        state = super().empty(rows_shape, split, dtype, keys_first, sink, **xp)
+        # acc's layout (keys first: column by column); a sink's weight, 1 at m = sink, squared is 1.
+        state.acc2 = super().empty(rows_shape, dv - split, dtype, keys_first, None, **xp).acc
+        if sink is not None:
+            state.acc2[..., -1] = 1.0
+        return state
+
+    def update(self, s, v, *, keys_first=False, overwrite_s=False, **given):
+        xp, split, m_old = self.xp, self.acc.shape[-1], self.m
+        if not overwrite_s:  # p is formed in s's memory below: a copy, as `OnlineSoftmax.update`
+            s = xp.copy(xp.from_host(s, self.acc.dtype))
+        rescaled = super().update(s, v[..., :split], keys_first=keys_first, overwrite_s=True, **given)
+        with xp.overflow_ok():  # as update's alpha: 0 for rows with m = -inf
+            alpha = xp.exp(m_old - _shift(self.m, xp))
+        p2 = s * s  # s holds p now
+        self.acc2 *= (alpha * alpha)[..., None]
+        if keys_first:  # (..., W, bk) @ (..., bk, rows), as update forms p @ v
+            self.acc2 += xp.swapaxes(xp.matmul(xp.swapaxes(v[..., split:], -1, -2), p2), -1, -2)
+        else:
+            self.acc2 += xp.matmul(p2, v[..., split:])
+        return rescaled
+
+    def rows(self, r0, r1):
+        part = super().rows(r0, r1)
+        part.acc2 = self.acc2[..., r0:r1, :]
+        return part
+
+    def put_rows(self, r0, r1, part):
+        whole = self.acc2
+        super().put_rows(r0, r1, part)  # takes part's acc2 (a view of these rows): the whole back
+        whole[..., r0:r1, :] = part.acc2
+        self.acc2 = whole
+
+    def finalize(self):
+        out, lse = super().finalize()
+        seen = (self.l > 0)[..., None]
+        squares = self.xp.divide_where(self.acc2, (self.l * self.l)[..., None], seen)
+        return self.xp.concat([out, squares], -1), lse
+
+
 def _real_float(x, name: str) -> np.ndarray:
     """``x`` as float64; refused (TypeError) unless it holds real floating numbers.
 

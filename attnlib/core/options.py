@@ -221,6 +221,10 @@ class Call:
     rescale_threshold: float = 0.0
     check_finite: bool = True
     device: Any = None  # as given: resolved with the inputs (`device.resolve`)
+    #: The online-softmax state class of the tiled forward, None: the declared step "state"
+    #: (`attnlib.core.hooks`).  Not an argument: set by the check for its sizes
+    #: (`attnlib.check.sizes.SizedSoftmax`), with ``dataclasses.replace``.
+    state: Any = None
 
     @classmethod
     def bind(cls, arguments: dict | None = None, /, *, options: Options | None = None, **given) -> "Call":

@@ -86,7 +86,7 @@ def oracle_attention(q, k, v, *, method=None, return_lse=False, check_finite=Tru
     opts = dense_options(**options)
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     if method == "longdouble":
-        out, lse, _ = _dense(q5, k5, v5, pb, np.longdouble, opts)
+        (out,), (lse,), _ = _dense(q5, k5, v5, pb, np.longdouble, opts)
     else:
         work = int(np.prod(pb.batch, dtype=np.int64)) * pb.hq * pb.sq * pb.sk * pb.d
         if work > DECIMAL_MAX_WORK:

@@ -42,16 +42,17 @@ def dense_options(options=None, /, **given) -> Options:
     return opts
 
 
-def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY):
+def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None):
     """The scores ``(..., hk, g, sq, sk)`` in ``dtype``, ``-inf`` where invisible; ``xp``'s
-    arrays (`attnlib.core.backend`: numpy, or torch on a device)."""
-    visible, distance, cap, slopes = pair_terms(pb, opts, dtype)
+    arrays (`attnlib.core.backend`: numpy, or torch on a device).  ``rows``: the query
+    positions ``q5`` holds (default all ``pb.sq``), for the scores of those rows only."""
+    visible, distance, cap, slopes = pair_terms(pb, opts, dtype, rows)
     visible = xp.from_host(visible)
     mask_mod, score_mod = flex.visible_mod(opts.mask_mod, opts.block_mask), opts.score_mod  # a block mask's own too
     flex.check_elementwise(mask_mod, score_mod, pb.sq, pb.sk)
     # Each head's batch entry and query head, (*batch, hk, g), over the whole grid as one tile.
     mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, ()))
-    i, j = np.arange(pb.sq), np.arange(pb.sk)
+    i, j = (np.arange(pb.sq) if rows is None else rows), np.arange(pb.sk)
     if mask_mod is not None:  # AND the built-in masks
         visible = mods.visible(visible, i, j, False, xp)
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
@@ -82,29 +83,29 @@ def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY):
     return s
 
 
-def pair_terms(pb, opts: Options, dtype=np.float64):
+def pair_terms(pb, opts: Options, dtype=np.float64, rows=None):
     """What the score options say about each pair: ``(visible, distance, cap, slopes)``.
 
     ``visible`` (bool) and ``distance`` (the ALiBi ``|i + o - j|``, or None without ALiBi)
     are ``(sq, sk)``, or ``(*batch, 1, 1, sq, sk)`` when the mask depends on the batch
     entry (``visible`` ``(*batch, hk or 1, 1, sq, sk)`` with top-k lists); ``cap`` is the softcap or None; ``slopes`` the ALiBi slopes ``(..., hk, g)`` or
-    None.
+    None.  ``rows``: the query positions of the rows (``sq`` of them; default all).
     """
     specs = opts.specs(pb)
     cap = problem.softcap_in(opts.softcap, dtype, "low-precision")  # a low-precision baseline keeps it in float32
     slopes = problem.alibi_slopes(opts.alibi_slopes, pb, dtype)  # (..., hk, g)
-    i, j = np.arange(pb.sq), np.arange(pb.sk)
+    i, j = (np.arange(pb.sq) if rows is None else np.asarray(rows)), np.arange(pb.sk)
 
     def per_pair(fn, dtype):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
         if () in specs:
             return fn(specs[()])
         grid = np.array([fn(spec) for spec in specs.values()], dtype=dtype)  # none: a zero-size batch
-        return grid.reshape(pb.batch + (1, 1, pb.sq, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
+        return grid.reshape(pb.batch + (1, 1, i.size, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
 
     visible = per_pair(lambda spec: spec.visible(i, j), bool)
     sel = opts.selection(pb)
     if sel is not None:  # top-k lists: (*batch, hk or 1, 1, sq, sk), ANDed
-        visible = visible & sel.dense(pb.batch, pb.hk)
+        visible = visible & sel.dense(pb.batch, pb.hk, rows)
     distance = None if slopes is None else per_pair(lambda spec: spec.distance(i, j), np.float64)
     return visible, distance, cap, slopes
 
@@ -178,38 +179,59 @@ def _dense_on(q, k, v, call: Call):
 
 
 def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None,
-                    return_max_scores=False, softmax_first=False, dev=None):
+                    return_max_scores=False, orders=("blas",), rows=None, dev=None):
     """`reference_attention` with its options parsed into ``opts``; ``dev``: a torch device to
-    compute on (`attnlib.core.torch_backend`), or None for numpy."""
+    compute on (`attnlib.core.torch_backend`), or None for numpy.  ``orders`` (`ORDERS`): how
+    ``p @ v`` is summed, one ``out`` (and ``lse``) per order, from one computation of the
+    scores and weights (a tuple of them when several are asked); ``rows``: the query
+    positions computed (an index array; default all), the result holding those rows only."""
     xp = NUMPY if dev is None else backend_for(dev, 1)  # one call of whole-matrix ops: torch's own threads
     q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
     prec = problem.precision(compute_dtype)
     given = dict(q=q5, k=k5, v=v5) if extremes is None else {n: np.array(extremes.get(n, (0.0, 0.0))) for n in "qkv"}
     problem.check_representable(prec, **given)
+    if rows is not None:  # those rows' queries; the masks still see the whole problem (pb)
+        rows = np.asarray(rows, dtype=np.int64)
+        q5 = q5[..., xp.from_host(rows) if xp is not NUMPY else rows, :]
     with xp.threads(1):
         if prec.is_float64:
-            out, lse, maxes = _dense(q5, k5, v5, pb, np.float64, opts, xp=xp)
+            outs, lses, maxes = _dense(q5, k5, v5, pb, np.float64, opts, orders=orders, xp=xp, rows=rows)
         else:
-            out, lse, maxes = _dense(xp.rounded(q5, prec), xp.rounded(k5, prec), xp.rounded(v5, prec), pb,
-                                     prec.accumulate.type, opts, prec, softmax_first, xp)
-            out = xp.astype(out, prec.compute)
+            outs, lses, maxes = _dense(xp.rounded(q5, prec), xp.rounded(k5, prec), xp.rounded(v5, prec), pb,
+                                       prec.accumulate.type, opts, prec, orders, xp, rows)
+            outs = [xp.astype(out, prec.compute) for out in outs]
+    out, lse = (outs[0], lses[0]) if len(orders) == 1 else (tuple(outs), tuple(lses))
     result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
     return result[0] if len(result) == 1 else result
 
 
-def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False, xp=NUMPY):
-    """``(out, lse, max_scores)`` in the caller's layout, computed densely in ``dtype``.
+#: How the dense computation sums ``p @ v`` (`dense_attention`'s ``orders``): ``"blas"``,
+#: ``p @ v`` by one BLAS product, divided by ``l`` after; ``"softmax_first"``, ``p / l``
+#: (rounded to a low precision) and then ``@ v``, as PyTorch's math path and FlashAttention's
+#: test ``attention_ref`` do; ``"key_by_key"``, ``sum_j p_j v_j`` and ``l`` summed one key
+#: after another in the accumulator's type, as a tiled kernel with one-key tiles accumulates
+#: (its scores kept in that type, as tiled kernels keep them, so it is asked for alone; the
+#: row's max known from the start: no rescaling).
+ORDERS = ("blas", "softmax_first", "key_by_key")
+
+def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp=NUMPY, rows=None):
+    """``(outs, lses, max_scores)`` in the caller's layout, computed densely in ``dtype``, one
+    ``out`` and ``lse`` per summation order of ``orders`` (`ORDERS`); ``rows``: the query
+    positions ``q5`` holds (default all).
 
     ``prec``: a low compute precision whose naive same-precision baseline this is (the scores
     and the weights rounded to it); None computes everything in ``dtype``.  The weights are
     rounded before they are normalised, ``p = exp(s - m) <= 1``, as kernels hold them.
     """
+    unknown = sorted(set(orders) - set(ORDERS))
+    if unknown or not orders or ("key_by_key" in orders and len(orders) > 1):
+        raise ValueError(f"orders must name some of {ORDERS} (key_by_key alone), got {orders!r}")
     low = prec is not None and not prec.is_float64
     sink = xp.from_host(problem.sinks(opts.sinks, pb, dtype), dtype)  # (..., hk, g) or None
-    s = _scores(q5, k5, pb, opts, dtype, xp)  # (..., hk, g, sq, sk)
+    s = _scores(q5, k5, pb, opts, dtype, xp, rows)  # (..., hk, g, sq, sk)
     # A naive kernel stores its scores in the compute type (numpy float32 scores: already, no copy).
     same = low and prec.compute == prec.accumulate and prec.p_type is None and s.dtype == prec.compute
-    if low and not same:
+    if low and not same and orders != ("key_by_key",):
         s = xp.rounded(s, prec)
     # -inf for rows with no key
     m = xp.amax(s, -1)[..., None] if pb.sk else xp.full(tuple(s.shape[:-1]) + (1,), -math.inf, s.dtype)
@@ -219,24 +241,50 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, softmax_first=False,
         m = xp.maximum(m, sink)
     with xp.overflow_ok():  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
         p = xp.exp(s - xp.finite_or_zero(m))  # masked pairs: exp(-inf) = 0
-    l = p.sum(-1)[..., None]  # >= 1 where the row sees a key, else 0
+    sink_p = None
     if sink is not None:
         with xp.overflow_ok():  # sink - m below -max: weight exactly 0
-            l = l + xp.exp(sink - m)  # the sink's weight joins the denominator only
-    seen = l > 0
+            sink_p = xp.exp(sink - m)  # the sink's weight joins the denominator only
     v_max = pb.max_of("v", v5)
     e = problem.value_exponent(v_max, pb.sk, dtype)  # values near the range: summed / 2**e
     v_scaled = xp.astype(v5, dtype)
     if e:  # exact: a power of two
         v_scaled = v_scaled * math.ldexp(1.0, -e)
-    if softmax_first:  # the weights normalised, then rounded, then summed: softmax(s) @ v
-        p = xp.divide_where(p, l, seen)
-    out = xp.matmul(xp.rounded_p(p, prec) if low and not same else p, v_scaled)
-    if not softmax_first:
-        out = xp.divide_where(out, l, seen)
-    out = problem.unscale_values(out, e, v_max)
-    lse = xp.log_where(l, seen, xp.full(tuple(m.shape), -math.inf, m.dtype))
-    return pb.merge_heads(out, 2), pb.merge_heads((lse + m)[..., 0], 1), pb.merge_heads(maxes, 1)
+    rounded = xp.rounded_p(p, prec) if low and not same and set(orders) - {"softmax_first"} else p
+    outs, lses = [], []
+    for order in orders:
+        if order == "key_by_key":
+            pv, l = _key_by_key(rounded, v_scaled, p, xp)
+        else:
+            l = p.sum(-1)[..., None]  # >= 1 where the row sees a key, else 0
+        if sink_p is not None:
+            l = l + sink_p
+        seen = l > 0
+        if order == "softmax_first":  # the weights normalised, then rounded, then summed: softmax(s) @ v
+            w = xp.divide_where(p, l, seen)
+            out = xp.matmul(xp.rounded_p(w, prec) if low and not same else w, v_scaled)
+        else:
+            out = xp.divide_where(pv if order == "key_by_key" else xp.matmul(rounded, v_scaled), l, seen)
+        out = problem.unscale_values(out, e, v_max)
+        lse = xp.log_where(l, seen, xp.full(tuple(m.shape), -math.inf, m.dtype))
+        outs.append(pb.merge_heads(out, 2))
+        lses.append(pb.merge_heads((lse + m)[..., 0], 1))
+    return outs, lses, pb.merge_heads(maxes, 1)
+
+
+def _key_by_key(p, v, weights, xp=NUMPY):
+    """``(p @ v, sum_j weights_j)``, ``(..., sq, dv)`` and ``(..., sq, 1)``, summed one key
+    after another in ``p``'s type: each product ``p_ij v_jc`` rounded, then added to the
+    running sum (every row and column at once, a key at a time: ~7 us a key for 8 x 16 x 64
+    sums, measured, against 36-60 us for a scan over blocks of keys).  ``weights``: the
+    unrounded ``p`` the denominator sums."""
+    lead = tuple(np.broadcast_shapes(tuple(p.shape[:-2]), tuple(v.shape[:-2])))
+    acc = xp.zeros(lead + (p.shape[-2], v.shape[-1]), dtype=p.dtype)
+    l = xp.zeros(tuple(p.shape[:-1]) + (1,), dtype=p.dtype)
+    for j in range(p.shape[-1]):
+        acc += p[..., j, None] * v[..., None, j, :]
+        l += weights[..., j, None]
+    return acc, l
 
 
 def reference_rescales(scores: np.ndarray, block_q: int, block_k: int,

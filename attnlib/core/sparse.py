@@ -137,12 +137,14 @@ class Selection:
             flat[which, codes[at] - base[which] - k0] = True
         return np.swapaxes(out, -1, -2) if keys_first else out
 
-    def dense(self, batch: tuple, hk: int) -> np.ndarray:
-        """The lists as a boolean ``(*batch, H', 1, Sq, Sk)`` mask (the dense reference's)."""
-        nb, nh, sq, width = self.keys.shape
+    def dense(self, batch: tuple, hk: int, rows=None) -> np.ndarray:
+        """The lists as a boolean ``(*batch, H', 1, Sq, Sk)`` mask (the dense reference's);
+        ``rows``: those query rows only (``Sq`` of them)."""
+        keys = self.keys if rows is None else self.keys[:, :, rows, :]
+        nb, nh, sq, width = keys.shape
         validate.check_allocation(nb * nh * sq * (self.sk + 1), f"the top-k mask of {sq} x {self.sk} pairs")
         mask = np.zeros((nb, nh, sq, self.sk + 1), dtype=bool)  # column Sk: the padding's
-        np.put_along_axis(mask, self.keys, True, axis=-1)
+        np.put_along_axis(mask, keys, True, axis=-1)
         return mask[..., :self.sk].reshape(batch + (nh, 1, sq, self.sk))
 
     def tile_counts(self, block_q: int, block_k: int) -> np.ndarray:

@@ -270,7 +270,8 @@ def forward(q, k, v, call: Call, dev=None):
     # of a one-float lse at large scores; a low precision merges its lse, as its kernel does.
     parts = len(splits) > 1 and prec.is_float64
     sel, stats, maxes = setup.selection, call.return_stats, call.return_max_scores
-    if sel is not None and len(splits) == 1 and xp is NUMPY and sel.prefer_gather(tiles.block_q, tiles.block_k):
+    if (sel is not None and len(splits) == 1 and xp is NUMPY and call.state is None
+            and sel.prefer_gather(tiles.block_q, tiles.block_k)):
         # Top-k lists: the listed keys gathered, at a cost that follows them (`sparse.gathered`).
         partials = [sparse.gathered(q5, k5, v5, pb, setup, sel, workers=workers,
                                     count_rescales=stats, max_scores=maxes)]
@@ -278,7 +279,7 @@ def forward(q, k, v, call: Call, dev=None):
     with xp.threads(workers):
         partials = [run_keys(q5, k5, v5, pb, setup if r == 0 else replace(setup, sink=None),
                              (int(part[0]), int(part[-1]) + 1) if part.size else (0, 0), workers=workers,
-                             count_rescales=stats, lse_parts=parts, max_scores=maxes)
+                             count_rescales=stats, lse_parts=parts, max_scores=maxes, state_class=call.state)
                     for r, part in enumerate(splits)]
         xp.finish()  # the errors a device gathered, raised once
         if len(partials) == 1:
@@ -357,11 +358,12 @@ def prepare(q5, k5, v5, pb, opts: Options, *, block_q=None, block_k=None, prec=N
 
 
 def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=False, lse_parts=False,
-             max_scores=False):
+             max_scores=False, state_class=None):
     """Attend to the key tiles ``[b_lo, b_hi)``: ``(out, lse, rescales, kinds, maxes)``, grouped
     heads.  ``lse_parts``: ``lse`` as ``(..., sq, 2)`` parts ``(m, log l)``, for partials to merge
     (`online.merge_parts`); ``max_scores``: ``maxes (..., sq)``, each row's largest visible
-    score over these keys (else None).
+    score over these keys (else None); ``state_class``: the online-softmax state (None: the
+    declared step "state").
 
     ``q: (*batch, hk, g, sq, d)``; one plan per entry of ``setup.specs`` (all batch entries
     at once when the mask does not depend on them), and the work items of every plan on
@@ -401,7 +403,7 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
                               None if kinds is None else kinds[idx], key_tiles, tau, prec, check,
                               per_thread, problem.for_entry(sink, idx),
                               None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
-                              (v_exp, v_max), lse_parts, None if maxes is None else maxes[idx], xp))
+                              (v_exp, v_max), lse_parts, None if maxes is None else maxes[idx], xp, state_class))
     starts = np.cumsum([0] + [n for n, _ in plans])  # item i belongs to the plan whose range holds it
 
     def item(i):
@@ -415,7 +417,7 @@ def run_keys(q, k, v, pb, setup: Setup, key_tiles, *, workers=1, count_rescales=
 
 def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds, key_tiles,
              tau, prec, check, per_thread, sink=None, mods=None, values=(0, 0.0), lse_parts=False, maxes=None,
-             xp=NUMPY):
+             xp=NUMPY, state_class=None):
     """The kernel for one mask, as a plan: ``(n_items, fn)``; ``fn(i)`` runs item ``i``.
 
     ``q: (*lead, sq, d)``, ``k, v: (*lead', sk, .)``.  The items write ``out (*lead, sq,
@@ -430,7 +432,8 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
     ``sink`` (broadcastable to ``lead``) starts every row from its head's sink.
     ``values``: ``(e, max|v|)``, the values summed divided by ``2**e`` (`problem.value_exponent`).
     ``maxes (*lead, sq)``, if given, receives each row's largest visible score.  ``xp``: the
-    arrays' backend (`attnlib.core.backend`).
+    arrays' backend (`attnlib.core.backend`); ``state_class``: the online-softmax state (None:
+    the declared step "state", looked up per query tile).
     """
     v_exp, v_max = values
     bq, bk = tiles.block_q, tiles.block_k
@@ -491,9 +494,9 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
             sink_rows = (xp.repeat(sink[unit], q1 - q0, -1) if packed  # (..., g * rows)
                          else sink[unit][..., None])  # (..., 1) against (..., rows)
         # The steps "state" and "absorb" (`attnlib.core.hooks`): OnlineSoftmax, tiles.absorb.
-        state = hooks.get("state").empty(tuple(q_i.shape[:-1]), dv, dtype,
-                                         keys_first=xp.keys_first_for(q_i.shape[-2]), sink=sink_rows,
-                                         **({} if xp is NUMPY else {"xp": xp}))
+        state = (hooks.get("state") if state_class is None else state_class).empty(
+            tuple(q_i.shape[:-1]), dv, dtype, keys_first=xp.keys_first_for(q_i.shape[-2]), sink=sink_rows,
+            **({} if xp is NUMPY else {"xp": xp}))
         todo = np.flatnonzero((tile_kinds != SKIP) & in_range)
         mx_i = None if maxes is None else xp.full(tuple(state.m.shape), -np.inf, dtype=dtype)  # as state.m
         events = hooks.get("absorb")(state, q_i, k_u, v_u, spec, q0, k_starts[todo], k_ends[todo],

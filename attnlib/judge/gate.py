@@ -211,7 +211,7 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, dev
                      underflow=np.where(seen[..., None], 2 * underflow, 0.0), delta=delta)
 
 
-def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **given):
+def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, dtype=np.float64, **given):
     """``(sigma, n_vis)``, each ``(..., Hq, Sq)``: a row's score size and visible key count.
 
     ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for a
@@ -221,7 +221,9 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
     `~attnlib.core.options.Options`, with ``given`` on top); ``mask_mod`` (or a block mask's)
     joins them; ALiBi and sinks are not the scores' size and are not read.  With ``score_mod`` a third array comes back: ``max |score_mod(s)|``
     over the row's visible keys (``s`` the scores after ``softcap``), the size of what
-    the modification computes.
+    the modification computes.  ``dtype``: the type ``|q| . |k|`` is summed in (float32 for
+    a size wanted to a few digits, the check's: half float64's time; float64 where it could
+    overflow float32).
     """
     opts = dense_options(options, **given)  # contiguous keys, as the dense reference it bounds
     given_terms = sorted(opts.given(("alibi_slopes", "sinks")))
@@ -245,6 +247,9 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, **
         q5, k5 = xp.operand(q5), xp.operand(k5)
     qa = abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
     ka = abs(k5)  # (*batch, hk, 1, sk, d)
+    if np.dtype(dtype) != np.float64 and not problem.scores_may_overflow(
+            q5, k5, pb.scale, dtype, q_max=pb.max_of("q", q5), k_max=pb.max_of("k", k5)):
+        qa, ka = xp.astype(qa, dtype), xp.astype(ka, dtype)
     sigma = xp.zeros(tuple(q5.shape[:-1]))  # (*batch, hk, g, sq), float64
     n_vis = xp.zeros(tuple(q5.shape[:-1]), dtype=np.int64)
     for idx, spec in specs.items():  # idx = (): one mask for every batch entry

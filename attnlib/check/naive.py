@@ -1,0 +1,137 @@
+"""The check's naive baselines (`attnlib.check.rule`): plain attention in the kernel's precision
+in its plain formulations, computed on a sample of the query rows, and the largest error among
+them in ulps of each entry's own size, scaled to the whole tensor (`sampled_ratio`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from ..core.options import Options
+from ..core.reference import dense_attention
+from .shapes import UnusableInput
+
+
+def naive_rows(ref_lse, least: int, every: int):
+    """The query rows a naive baseline computes (an index array), or None for all of them:
+    ``max(least, ceil(Sq / every))`` rows spread evenly over the rows where some head sees a
+    key, the first and last of them included (all rows when there are no more than that)."""
+    sq = ref_lse.shape[-1]
+    seen = np.flatnonzero(np.isfinite(ref_lse).reshape(-1, sq).any(axis=0))
+    want = max(least, -(-sq // every))
+    if seen.size <= want:
+        return None
+    return seen[np.unique(np.round(np.linspace(0, seen.size - 1, want)).astype(np.int64))]
+
+
+#: The naive baselines' rows (`naive_rows`): all of them up to `SAMPLE_ROWS`, else that many or
+#: every `SAMPLE_EVERY`-th, whichever is more (a baseline's scores cost about 12 reference
+#: passes a row: its rows dense, masked pairs too, single-threaded, rounded at each step).
+SAMPLE_ROWS, SAMPLE_EVERY = 128, 128
+#: The key-by-key order's rows: it adds every product ``p_ij v_jc`` in a Python loop over the
+#: keys, many times a BLAS product's cost per term, so it computes fewer rows, each with every key.
+KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY = 32, 256
+#: The bytes of a dense baseline's working arrays at a time (its rows taken in chunks).
+NAIVE_CHUNK_BYTES = 1 << 28
+
+
+def pool_axes(ndim: int, pool: str):
+    """The axes a naive ratio is pooled over: every axis (``"tensor"``), or all but the head
+    axis -3 (``"head"``; the whole tensor below three axes)."""
+    return None if pool == "tensor" or ndim < 3 else tuple(a for a in range(ndim) if a != ndim - 3)
+
+
+def sampled_ratio(draws, u, seen, pool: str = "tensor") -> np.ndarray:
+    """``r``: the largest ``|naive - ref| / u`` over ``pool`` (`pool_axes`) and over the naive
+    formulations' ``draws``, each ``(rows, err)``: ``err`` on those query rows (None: all).
+
+    A formulation computed on a sample of the rows saw ``N_s`` of the pool's ``N`` entries
+    (those of rows with a visible key, ``seen``): its largest ratio is scaled by ``sqrt(ln N /
+    ln N_s)``.  Under the rounding model the errors are sums of independent roundings, close to
+    normal, and the largest of ``N`` such draws grows as ``sqrt(2 ln N)`` times their spread:
+    the scale gives back the maximum the whole tensor would show (measured in the check-rule
+    report; without it, a sample's maximum is that of fewer entries, as a head's was, which
+    left correct kernels at 0.55 of the allowance)."""
+    axes = pool_axes(u.ndim, pool)
+    seen = np.broadcast_to(seen, u.shape)
+    every = np.sum(seen, axis=axes, keepdims=True)
+    r = np.zeros(np.shape(every))
+    for rows, err in draws:
+        u_f, seen_f = (u, seen) if rows is None else (u[..., rows, :], seen[..., rows, :])
+        ratio = np.max(np.where(seen_f, err / u_f, 0.0), axis=axes, keepdims=True, initial=0.0)
+        if rows is not None:
+            drawn = np.sum(seen_f, axis=axes, keepdims=True)
+            ratio = ratio * np.sqrt(np.log(np.maximum(every, 2)) / np.log(np.maximum(drawn, 2)))
+        np.maximum(r, ratio, out=r)
+    return r
+
+
+def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None):
+    """``(naive_err, naive_lse_err, words, draws, lse_draws)``: the larger error of plain
+    attention in ``prec`` over its plain formulations (see the module docstring), entry by
+    entry, computed on a sample of the rows (`naive_rows`; 0 on the others); ``draws`` and
+    ``lse_draws`` hold each formulation's ``(rows, |naive - ref|)`` (`sampled_ratio`).
+    ``on``: an `OnDevice`, where every formulation runs with torch."""
+    dense_forward = dense_attention if on is None else on.dense
+    d = qh.shape[-1]
+    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
+    root = math.sqrt(abs(scale))
+    unscaled = replace(opts, scale=1.0)  # q and k carry the scale
+    rows = naive_rows(ref_lse, SAMPLE_ROWS, SAMPLE_EVERY)
+    in_order = naive_rows(ref_lse, KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY)
+    per_row = NAIVE_CHUNK_BYTES // max(1, 32 * math.prod(qh.shape[:-2]) * kh.shape[-2])
+
+    def naive(q, k, o, orders, at):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
+        at = np.arange(qh.shape[-2]) if at is None else at
+        parts = [dense_forward(q, k, vh, o, return_lse=True, compute_dtype=prec.name, check_finite=False,
+                               orders=orders, rows=at[c:c + max(1, per_row)])
+                 for c in range(0, max(at.size, 1), max(1, per_row))]
+        pick = (lambda x, f: x) if len(orders) == 1 else (lambda x, f: x[f])
+        return {order: tuple(np.concatenate([np.asarray(pick(part[t], f), dtype=np.float64) for part in parts],
+                                            axis=-1 - (t == 0)) for t in (0, 1))
+                for f, order in enumerate(orders)}
+
+    candidates = []  # (words, rows, (out, lse))
+    with np.errstate(over="ignore", invalid="ignore"):  # a naive that overflows is left out below
+        # q and k each scaled by sqrt(scale) and rounded, as PyTorch's math path does.
+        q_s = prec.round(qh * (root if scale >= 0 else -root)).astype(np.float64)
+        k_s = prec.round(kh * root).astype(np.float64)
+        candidates.append(("BLAS order", rows, naive(qh, kh, opts, ("blas",), rows)["blas"]))
+        if np.isfinite(q_s).all() and np.isfinite(k_s).all():
+            # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not
+            # fp8: p ~ 1/Sk among its subnormals)
+            orders = ("blas",) if prec.name.startswith("float8") else ("blas", "softmax_first")
+            scaled = naive(q_s, k_s, unscaled, orders, rows)
+            candidates.append(("BLAS order, q and k scaled by sqrt(scale) first", rows, scaled["blas"]))
+            if "softmax_first" in scaled:
+                candidates.append(("softmax first, q and k scaled first", rows, scaled["softmax_first"]))
+            candidates.append(("key by key, q and k scaled first", in_order,
+                               naive(q_s, k_s, unscaled, ("key_by_key",), in_order)["key_by_key"]))
+    empty = np.isneginf(ref_lse)
+    r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
+    naive_err = np.zeros(ref.shape)
+    naive_lse_err = np.zeros(ref_lse.shape)
+    draws, lse_draws, used = [], [], []
+    for name, at, (out, lse) in candidates:
+        at_ = slice(None) if at is None else at
+        e, r_at = empty[..., at_], r[..., at_]
+        if not (np.isfinite(out).all() and np.isfinite(np.where(e, 0.0, lse)).all()):
+            continue  # e.g. float16 scores beyond 65504: the kernel may keep them in float32
+        err, lse_err = np.abs(out - ref[..., at_, :]), np.abs(np.where(e, 0.0, lse) - r_at)
+        np.maximum(naive_err[..., at_, :], err, out=naive_err[..., at_, :])
+        np.maximum(naive_lse_err[..., at_], lse_err, out=naive_lse_err[..., at_])
+        draws.append((at, err))
+        lse_draws.append((at, lse_err[..., None]))
+        used.append(name + ("" if at is None else f" ({at.size} of {ref.shape[-2]} rows)"))
+    if not used:
+        raise UnusableInput(f"plain attention in {prec.name} overflows on these inputs in every "
+                            "formulation (scores beyond the type's range): there is no "
+                            f"{prec.name} baseline to judge a kernel by; scale q or k down")
+    return naive_err, naive_lse_err, f"{prec.name}: " + "; ".join(used), draws, lse_draws
+
+
+__all__ = ["naive_errors", "naive_rows", "pool_axes", "sampled_ratio", "SAMPLE_ROWS", "SAMPLE_EVERY",
+           "KEY_BY_KEY_ROWS", "KEY_BY_KEY_EVERY"]
