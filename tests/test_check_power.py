@@ -84,6 +84,35 @@ def test_forward_rss_is_the_root_sum_square_of_the_terms():
         assert np.allclose(rss, np.sqrt((p * p) @ (v * v)), rtol=1e-12, atol=0)
 
 
+def test_reference_sizes_come_with_the_reference_bits_in_one_pass():
+    """The reference of `reference_sizes` is the tiled kernel's, bit for bit, and its sizes are
+    the root-sum-squares of the terms: ``sqrt(sum p**2 v**2)`` and ``sqrt(sum p**2 (v - out)**2)``,
+    on every path a state takes (GQA packing, sinks, document blocks, padding; torch)."""
+    from attnlib.check.sizes import reference_sizes
+    q, k, v = attnlib.random_qkv(300, d=16, batch=(2,), heads=4, kv_heads=2, seed=3)
+    docs = np.repeat(np.arange(6), 50)[None].repeat(2, 0)
+    cases = (dict(causal=True), dict(softcap=2.0, sinks=np.array([0.5, -1.0, 2.0, 0.0])), dict(window=(40, 3)),
+             dict(q_segment_ids=docs, kv_segment_ids=docs), dict(kv_lengths=np.array([120, 300])))
+    for options in cases:
+        opts = Options.parse(**options)
+        ref, lse, rss, dev = reference_sizes(q, k, v, opts, workers=2)
+        out, lse0 = attnlib.attention(q, k, v, return_lse=True, **options)
+        assert np.array_equal(ref, out) and np.array_equal(lse, lse0), options
+        s = attnlib.core.reference.reference_scores(q, k, **{n: x for n, x in options.items() if n != "sinks"})
+        p = np.exp(s - lse[..., None])  # normalised weights (a sink's: no value)
+        vg = np.repeat(v, 2, axis=-3)
+        assert np.allclose(rss, np.sqrt((p * p) @ (vg * vg)), rtol=1e-12, atol=0), options
+        want = np.einsum("...ij,...ijc->...ic", p * p, (vg[..., None, :, :] - out[..., :, None, :]) ** 2)
+        if "sinks" in options:  # the sink's weight, with v = 0
+            want += (np.exp(options["sinks"][:, None] - lse) ** 2)[..., None] * out ** 2
+        want = np.sqrt(want)
+        assert np.allclose(dev, want, rtol=1e-9, atol=1e-7 * rss.max()), options
+    torch = pytest.importorskip("torch")
+    on_device = reference_sizes(q, k, v, Options.parse(causal=True), 2, torch.device("cpu"))
+    for x, y in zip(on_device, reference_sizes(q, k, v, Options.parse(causal=True), 2)):
+        assert np.allclose(x, y, rtol=1e-13, atol=1e-13 * np.abs(y).max())
+
+
 def _scores(q, k, options):
     s = attnlib.core.reference.reference_scores(q, k, **{key: options[key] for key in (
         "causal", "causal_align", "window", "softcap", "scale")})

@@ -408,3 +408,15 @@ def test_ulps_of_an_error_on_a_row_without_keys_run_in_strict_mode():
     with np.errstate(divide="raise", over="raise", invalid="raise"):
         verdict = check.check_kernel(q, k, v, out, kv_lengths=[0], layout="bhsd", causal=True).out
     assert verdict.passed is False and verdict.max_ulps == np.inf
+
+
+def test_the_speed_benchmark_reports_its_ratio(capsys):
+    """`python -m attnlib.check.speed` measures, it does not judge: a line per precision with
+    the medians, the runs and the target (no timing asserted)."""
+    import json
+    from attnlib.check import speed
+    assert speed.main(["160", "--precisions", "float32,bfloat16", "--repeats", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert "cpu" in lines[0] and [r["precision"] for r in lines[1:]] == ["float32", "bfloat16"]
+    for r in lines[1:]:
+        assert r["passed"] and r["ratio"] > 0 and abs(r["target"] - (4 * r["attention"] + 0.2)) < 1e-3

@@ -26,8 +26,9 @@ and the shift by the row max) in the state's type (``w``: its epsilon over the k
 1 for float32, ``2**-16`` for bfloat16).  Without that part a decode head, one row of few
 entries, had too few naive errors to show it: 4 of 3,563 correct float32 runs failed (the
 check-rule report's random problems measure the rate now).
-The root-sum-square comes from the same tiled kernel, at doubled scores:
-``softmax(2 s) = p**2 / sum p**2``.  ``FINAL_ROUNDINGS = 2`` ulps hold the kernel's own
+The root-sum-squares come from the reference's own tiled pass (`attnlib.check.sizes.reference_sizes`:
+``p**2`` summed beside ``p``), or, for a reference computed on a cluster, from a second pass
+at doubled scores, ``softmax(2 s) = p**2 / sum p**2``.  ``FINAL_ROUNDINGS = 2`` ulps hold the kernel's own
 rounding of its result and of one partial result.
 
 *Why not FlashAttention's absolute term.*  Its ``atol = 2 max |fl(fl(ref + 0.3) - 0.3) -
@@ -42,13 +43,16 @@ magnitude of ``v`` and ``dout``, from the subnormal range up.
 ``out`` rounded to it, the softmax and sums in float32) in four plain formulations, and
 ``|naive - ref|`` is the largest of their errors, entry by entry:
 
-* the scale applied to the scores, sums in BLAS order (`reference_attention` with
-  ``compute_dtype``, or the tiled kernel in it where the dense one would not fit);
+* the scale applied to the scores, sums in BLAS order (`dense_attention` with
+  ``compute_dtype``);
 * ``q`` and ``k`` each multiplied by ``sqrt(scale)`` and rounded first, BLAS order;
 * the same with the softmax first: ``p / l`` rounded to the type, then ``@ v`` (PyTorch's
-  math path, FlashAttention's test ``attention_ref``; where the dense one fits);
-* ``q`` and ``k`` scaled first, summed one key after another (the tiled kernel with
-  one-key tiles; beyond a cost budget, `SEQUENTIAL_WORK`, tiles of a few keys).
+  math path, FlashAttention's test ``attention_ref``);
+* ``q`` and ``k`` scaled first, summed one key after another in float32 (the dense order
+  ``"key_by_key"``, as a tiled kernel with one-key tiles accumulates).
+
+Above `attnlib.check.naive.SAMPLE_ROWS` rows they are computed on a sample of the rows, and
+each formulation's largest ratio is scaled to the whole tensor (`attnlib.check.naive.sampled_ratio`).
 
 The ratio ``|naive - ref| / unit`` is pooled over the whole tensor for ``out`` and the LSE
 (every entry is in ulps of its own size, so heads compare; a head of few entries drew too

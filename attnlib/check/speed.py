@@ -1,0 +1,71 @@
+"""The check's cost against the reference's: ``python -m attnlib.check.speed [N ...]``.
+
+For each ``n`` and precision, a ``(1, 8, n, 64)`` causal problem: one float64
+``attention(..., return_lse=True)`` and one `check_kernel` of a correct output in that
+precision (attnlib's tiled kernel in it), interleaved, ``--repeats`` times after a warm-up
+check; one JSON line each with the medians, the runs, their ratio and the issue's target
+``4 x attention + 0.2 s``.  The CPU is named on the first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from ..core import problem
+from ..core.tiled import attention
+from .verdict import check_kernel
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def measure(n: int, prec: str, repeats: int = 3, heads: int = 8, d: int = 64, seed: int = 0) -> dict:
+    """``{n, precision, attention, check (medians, s), runs, ratio, target, within}``."""
+    rng = np.random.default_rng(seed)
+    dt = problem.precision(prec).compute  # ml_dtypes' bfloat16 for "bfloat16"
+    q, k, v = (rng.standard_normal((1, heads, n, d)).astype(dt) for _ in range(3))
+    out = attention(q, k, v, causal=True, compute_dtype=prec).astype(dt)
+    check_kernel(q, k, v, out, causal=True, layout="bhsd")  # warm-up: the allocator's first pages
+    ta, tc = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        attention(q, k, v, causal=True, return_lse=True)
+        ta.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        verdict = check_kernel(q, k, v, out, causal=True, layout="bhsd")
+        tc.append(time.perf_counter() - t)
+    a, c = statistics.median(ta), statistics.median(tc)
+    return dict(n=n, precision=prec, attention=round(a, 4), check=round(c, 4),
+                attention_runs=[round(t, 4) for t in ta], check_runs=[round(t, 4) for t in tc],
+                ratio=round(c / a, 2), target=round(4 * a + 0.2, 4), within=c <= 4 * a + 0.2,
+                passed=verdict.passed)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnlib.check.speed", description=__doc__.splitlines()[0])
+    parser.add_argument("n", type=int, nargs="*", default=[1024, 2048, 4096])
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--repeats", type=int, default=3)
+    a = parser.parse_args(argv)
+    print(json.dumps({"cpu": _cpu()}), flush=True)
+    for n in a.n:
+        for prec in a.precisions.split(","):
+            print(json.dumps(measure(n, prec, a.repeats)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
