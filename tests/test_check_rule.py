@@ -420,3 +420,21 @@ def test_the_speed_benchmark_reports_its_ratio(capsys):
     assert "cpu" in lines[0] and [r["precision"] for r in lines[1:]] == ["float32", "bfloat16"]
     for r in lines[1:]:
         assert r["passed"] and r["ratio"] > 0 and abs(r["target"] - (4 * r["attention"] + 0.2)) < 1e-3
+
+
+def test_the_sampled_naive_errors_are_kept_on_their_rows():
+    """Above SAMPLE_ROWS rows the baselines run on a sample: their errors are reported on those
+    rows (the verdict's naive maxima), 0 elsewhere, and the sample is named in the baseline."""
+    from attnlib.check.naive import naive_errors
+    from attnlib.core.options import Options
+    from attnlib.core.problem import precision
+    from attnlib.core.tiled import attention as tiled
+    q, k, v = (precision("bfloat16").round(x).astype(np.float64)
+               for x in attnlib.random_qkv(600, d=16, batch=(1,), heads=2, seed=4))
+    ref, lse = tiled(q, k, v, causal=True, return_lse=True)
+    err, lse_err, words, draws, _ = naive_errors(q, k, v, Options.parse(causal=True), precision("bfloat16"), ref, lse)
+    rows = draws[0][0]
+    assert rows is not None and rows.size == SAMPLE_ROWS and f"({SAMPLE_ROWS} of 600 rows)" in words
+    drawn = np.unique(np.concatenate([at for at, _ in draws]))  # the key-by-key order's rows too
+    assert (err[..., rows, :] > 0).any() and not err[..., np.setdiff1d(np.arange(600), drawn), :].any()
+    assert err.max() == max(e.max() for _, e in draws)

@@ -121,8 +121,8 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None):
         if not (np.isfinite(out).all() and np.isfinite(np.where(e, 0.0, lse)).all()):
             continue  # e.g. float16 scores beyond 65504: the kernel may keep them in float32
         err, lse_err = np.abs(out - ref[..., at_, :]), np.abs(np.where(e, 0.0, lse) - r_at)
-        np.maximum(naive_err[..., at_, :], err, out=naive_err[..., at_, :])
-        np.maximum(naive_lse_err[..., at_], lse_err, out=naive_lse_err[..., at_])
+        naive_err[..., at_, :] = np.maximum(naive_err[..., at_, :], err)  # (an index array's rows: a copy)
+        naive_lse_err[..., at_] = np.maximum(naive_lse_err[..., at_], lse_err)
         draws.append((at, err))
         lse_draws.append((at, lse_err[..., None]))
         used.append(name + ("" if at is None else f" ({at.size} of {ref.shape[-2]} rows)"))

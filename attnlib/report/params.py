@@ -203,7 +203,7 @@ NOTEBOOKS = {
          "block_q": positive, "block_k": positive, "oracle_max_n": non_negative, "results_json": text},
         {"n_cases": 6, "max_len": 300, "broad_cases": 6, "broad_max_len": 300, "feature_cases": 9,
          "feature_max_len": 256, "sink_cases": 3, "sink_n": 256, "document_cases": 2,
-         "document_max_len": 2048, "layout_cases": 6,
+         "document_max_len": 512, "layout_cases": 6,
          "layout_max_len": 128, "paged_pages": [256, 2560], "adversarial_n": 256, "oracle_max_n": 256},
         # The reference holds [v, |v|] outputs and the gate a (Sq, Sk) size matrix besides.
         # The sink sweep: 4 heads of scores, and the gate's reference and sizes for them.
