@@ -438,3 +438,40 @@ def test_the_sampled_naive_errors_are_kept_on_their_rows():
     drawn = np.unique(np.concatenate([at for at, _ in draws]))  # the key-by-key order's rows too
     assert (err[..., rows, :] > 0).any() and not err[..., np.setdiff1d(np.arange(600), drawn), :].any()
     assert err.max() == max(e.max() for _, e in draws)
+
+
+def test_the_kernels_worst_rows_join_the_sample():
+    """A row where the kernel errs most is among the baselines' rows, ranked by the whole size."""
+    from attnlib.check.rule import worst_rows
+    ref = np.ones((1, 2, 700, 4))
+    kernel = ref.copy()
+    kernel[0, 1, 613, 2] += 1e-5  # 84 float32 ulps at size 1
+    kernel[0, 0, 5, 0] += 1e-6
+    assert list(worst_rows(kernel, ref, np.abs(ref), np.float32, 32)) == [5, 613]
+    kernel[0, 0, 9, 0] = np.nan  # fails anyway: not a row to sample for
+    assert 9 not in worst_rows(kernel, ref, np.abs(ref), np.float32, 1)
+    lse = np.zeros((1, 2, 700))
+    assert {5, 613} <= set(naive_rows(lse, SAMPLE_ROWS, 128, worst_rows(kernel, ref, ref, np.float32, 32)))
+
+
+def test_query_lengths_align_the_score_sizes():
+    """Bottom-right causal with q_lengths: every row that sees a key has a score size (once
+    aligned on Sq, rows 50-59 here had sigma = 0: a correct float32 LSE failed at 27 times its
+    allowance where such a row's lse was near 0)."""
+    from attnlib.check.sizes import score_size
+    from attnlib.core.options import Options
+    q, k, _ = attnlib.random_qkv(300, 240, 32, batch=(1,), heads=2, seed=1)
+    opts = Options.parse(causal=True, q_lengths=np.array([290]))
+    _, lse = attnlib.attention(q, k, k, return_lse=True, causal=True, q_lengths=np.array([290]))
+    sizes = score_size(q, k, opts, lse)
+    seen = np.isfinite(lse)
+    assert seen[..., 50].all() and not seen[..., 49].any()
+    sigma = sizes - np.abs(np.where(seen, lse, 0.0))
+    assert (sigma[seen] > 0).all(), np.flatnonzero(sigma[0, 0] <= 0)
+
+
+def test_no_keys_on_torch_tensors():
+    torch = pytest.importorskip("torch")
+    from attnlib.check import check_kernel
+    q, k, v = torch.ones(1, 2, 3, 4), torch.ones(1, 2, 0, 4), torch.ones(1, 2, 0, 4)
+    assert check_kernel(q, k, v, torch.zeros(1, 2, 3, 4), layout="bhsd").passed

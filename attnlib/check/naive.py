@@ -15,16 +15,18 @@ from ..core.reference import dense_attention
 from .shapes import UnusableInput
 
 
-def naive_rows(ref_lse, least: int, every: int):
+def naive_rows(ref_lse, least: int, every: int, worst=None):
     """The query rows a naive baseline computes (an index array), or None for all of them:
     ``max(least, ceil(Sq / every))`` rows spread evenly over the rows where some head sees a
-    key, the first and last of them included (all rows when there are no more than that)."""
+    key, the first and last of them included, and the rows ``worst`` (`rule.worst_rows`; all rows
+    when there are no more than that many)."""
     sq = ref_lse.shape[-1]
     seen = np.flatnonzero(np.isfinite(ref_lse).reshape(-1, sq).any(axis=0))
     want = max(least, -(-sq // every))
     if seen.size <= want:
         return None
-    return seen[np.unique(np.round(np.linspace(0, seen.size - 1, want)).astype(np.int64))]
+    spread = seen[np.unique(np.round(np.linspace(0, seen.size - 1, want)).astype(np.int64))]
+    return spread if worst is None else np.union1d(spread, worst)
 
 
 #: The naive baselines' rows (`naive_rows`): all of them up to `SAMPLE_ROWS`, else that many or
@@ -34,6 +36,12 @@ SAMPLE_ROWS, SAMPLE_EVERY = 128, 128
 #: The key-by-key order's rows: it adds every product ``p_ij v_jc`` in a Python loop over the
 #: keys, many times a BLAS product's cost per term, so it computes fewer rows, each with every key.
 KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY = 32, 256
+#: The rows where the kernel under test errs most, in ulps of each entry's size, join each
+#: sample: a few rows can hold most of a correct kernel's error (float32 at large logits, one
+#: dominant key early in a row summed key by key: 7 ulps there, 0.5 in the median row), where
+#: the naive errs as much; a sample spread evenly missed them and left correct kernels at up to
+#: 0.92 of the allowance (0.42 with every row computed).
+KERNEL_ROWS = 32
 #: The bytes of a dense baseline's working arrays at a time (its rows taken in chunks).
 NAIVE_CHUNK_BYTES = 1 << 28
 
@@ -69,19 +77,20 @@ def sampled_ratio(draws, u, seen, pool: str = "tensor") -> np.ndarray:
     return r
 
 
-def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None):
+def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=None):
     """``(naive_err, naive_lse_err, words, draws, lse_draws)``: the larger error of plain
     attention in ``prec`` over its plain formulations (see the module docstring), entry by
     entry, computed on a sample of the rows (`naive_rows`; 0 on the others); ``draws`` and
     ``lse_draws`` hold each formulation's ``(rows, |naive - ref|)`` (`sampled_ratio`).
-    ``on``: an `OnDevice`, where every formulation runs with torch."""
+    ``on``: an `OnDevice`, where every formulation runs with torch; ``worst``: rows every sample
+    includes (`rule.worst_rows`)."""
     dense_forward = dense_attention if on is None else on.dense
     d = qh.shape[-1]
     scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
     root = math.sqrt(abs(scale))
     unscaled = replace(opts, scale=1.0)  # q and k carry the scale
-    rows = naive_rows(ref_lse, SAMPLE_ROWS, SAMPLE_EVERY)
-    in_order = naive_rows(ref_lse, KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY)
+    rows = naive_rows(ref_lse, SAMPLE_ROWS, SAMPLE_EVERY, worst)
+    in_order = naive_rows(ref_lse, KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY, worst)
     per_row = NAIVE_CHUNK_BYTES // max(1, 32 * math.prod(qh.shape[:-2]) * kh.shape[-2])
 
     def naive(q, k, o, orders, at):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
@@ -134,4 +143,4 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None):
 
 
 __all__ = ["naive_errors", "naive_rows", "pool_axes", "sampled_ratio", "SAMPLE_ROWS", "SAMPLE_EVERY",
-           "KEY_BY_KEY_ROWS", "KEY_BY_KEY_EVERY"]
+           "KEY_BY_KEY_ROWS", "KEY_BY_KEY_EVERY", "KERNEL_ROWS"]

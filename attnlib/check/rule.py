@@ -109,7 +109,6 @@ FlashAttention's ``attention_ref``): their allowance is 0.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,7 +125,7 @@ from ..judge.metrics import BOUND, TINY
 from ..core.reference import dense_attention
 from ..core.tiled import forward_on
 from .shapes import UnusableInput, positions, to_bhsd
-from .naive import naive_errors, pool_axes, sampled_ratio
+from .naive import KERNEL_ROWS, naive_errors, pool_axes, sampled_ratio
 from .sizes import doubled_options, forward_rss, forward_sizes, reference_sizes, row_masks, score_size  # noqa: F401 (re-exported)
 
 
@@ -203,6 +202,18 @@ def unit(size, dtype) -> np.ndarray:
     return float(fi.eps) * np.asarray(size, dtype=np.float64) + float(fi.smallest_subnormal)
 
 
+def worst_rows(kernel, ref, size, dtype, count: int = KERNEL_ROWS) -> np.ndarray:
+    """The ``count`` query rows where ``kernel`` lies farthest from ``ref`` in ulps of ``dtype`` at
+    ``size`` (`unit`; the largest over batch, heads and columns; rows with an error only,
+    non-finite entries left out: they fail whatever the allowance), ascending."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(kernel - ref) / unit(size, dtype)
+    err = np.where(np.isfinite(err), err, 0.0)
+    by_row = err.max(axis=-1, initial=0.0).reshape(-1, err.shape[-2]).max(axis=0, initial=0.0)  # (Sq,)
+    rows = np.argsort(by_row, kind="stable")[::-1][:count]
+    return np.sort(rows[by_row[rows] > 0])
+
+
 def naive_allowance(naive_err, u, pool=per_head_max) -> np.ndarray:
     """``(2 r + 2) u``, ``r = max(|naive - ref| / u)`` over ``pool`` (a head by default):
     FlashAttention's "twice the naive baseline's error", with the error measured in ulps of
@@ -235,7 +246,7 @@ class OnDevice:
 
 
 def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None,
-           pool="tensor") -> Expected:
+           pool="tensor", kernel=None) -> Expected:
     """The reference and the allowance for ``attention(qh, kh, vh, **opts.given())`` (bhsd
     layout, float64) judged as a kernel in ``prec``.
     ``scheduler`` (a Dask client or scheduler address): the float64 reference and
@@ -244,7 +255,8 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
     naive baselines are computed with torch there (`OnDevice`).  ``pool``: over what the
     naive error's ratio is pooled (`pool_axes`), ``"tensor"`` or ``"head"`` (
     the diagnosis, so that one head's loose baseline lends a neighbouring problem no match
-    in another head)."""
+    in another head).  ``kernel``: the output judged (bhsd, float64 values), whose worst rows
+    join the naive baselines' sample (`worst_rows`)."""
     on = None if device is None or scheduler is not None else OnDevice(device, qh, kh, vh)
     if scheduler is None:
         def run(q, k, v, o):
@@ -268,11 +280,6 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
         ref, ref_lse = run(qh, kh, vh, opts)
         rss, dev = forward_sizes(run, qh, kh, vh, opts, ref, ref_lse)
     empty = np.isneginf(ref_lse)
-    # The row score sizes and the naive baselines, each mostly single-threaded numpy, side by side.
-    with ThreadPoolExecutor(1) as beside:
-        sizing = beside.submit(score_size, qh, kh, opts, ref_lse, None if on is None else on.device)
-        naive_err, naive_lse_err, baseline, draws, lse_draws = naive_errors(qh, kh, vh, opts, prec, ref, ref_lse, on)
-        scores = sizing.result()
     # Each entry's own size: |ref| (errors relative to the whole, as in 1 / l) plus the
     # root-sum-square of its terms (independent errors of p and of the sum); pooled over a
     # head in ulps of it, so a batch entry or row with large values lends the others nothing.
@@ -280,9 +287,16 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
     # few ulps of the row's score size in the state's type (float32 for 16-bit kernels):
     # its root-sum-square is the third part of the size (without it a head of one decode
     # row lent its few naive errors a size they lacked: 4 float32 false alarms in 3,563).
+    scores = score_size(qh, kh, opts, ref_lse, None if on is None else on.device)
     state = float(arrays.finfo(prec.accumulate).eps) / float(arrays.finfo(prec.compute).eps)
     size = np.abs(ref) + rss + state * scores[..., None] * dev
     u = unit(size, prec.compute)
+    # The kernel's worst rows join the baselines' sample (by the whole size: at large logits the
+    # scores' part decides which rows those are).
+    worst = (None if kernel is None or np.shape(kernel) != ref.shape  # (a wrong shape: refused by the judge)
+             else worst_rows(kernel, ref, size, prec.compute))
+    naive_err, naive_lse_err, baseline, draws, lse_draws = naive_errors(qh, kh, vh, opts, prec, ref, ref_lse, on,
+                                                                        worst)
     seen = ~empty[..., None]
     allowance = (2 * sampled_ratio(draws, u, seen, pool) + FINAL_ROUNDINGS) * u
     allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0

@@ -41,9 +41,11 @@ def doubled_options(opts: Options, d) -> Options:
 
 def row_masks(opts: Options) -> Options:
     """What `row_stats` is given for a row's score size and visible keys here: the built-in
-    masks (``kv_lengths``, documents, the 2026 variants), the top-k lists and the scale
-    (neither ``q_lengths`` nor the mods)."""
-    return replace(Options(), **{n: getattr(opts, n) for n in MASKING + SPARSE + ("scale",) if n != "q_lengths"})
+    masks (the lengths, documents, the 2026 variants), the top-k lists and the scale (not the
+    mods).  ``q_lengths`` too: bottom-right causal and windows align on each entry's query
+    length (without it, rows that see keys had ``sigma_i = 0`` and a correct float32 kernel's
+    LSE failed at 27 times the allowance)."""
+    return replace(Options(), **{n: getattr(opts, n) for n in MASKING + SPARSE + ("scale",)})
 
 
 def reference_sizes(qh, kh, vh, opts: Options, workers=None, device=None):

@@ -306,10 +306,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                              mask_mod=mask_mod, score_mod=score_mod, key_leftpad=key_leftpad,
                              attention_chunk=attention_chunk, sink_token_length=sink_token_length,
                              gather_kv_indices=gather_kv_indices)
-        expected = expect(qh, kh, vh, opts, prec, workers, scheduler, dev)
+        kernel = to_bhsd(given["out"], layout).astype(np.float64)
+        expected = expect(qh, kh, vh, opts, prec, workers, scheduler, dev, kernel=kernel)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape, or a mod's own error
         raise UnusableInput(str(e)) from e  # chained: a mask_mod's own exception is never replaced
-    kernel = to_bhsd(given["out"], layout).astype(np.float64)
     verdict, err, ratio = judge_out(kernel, expected)
     row_ratio = row_ratios(err, ratio, expected.allowance)
     head_row_ratio = ratio.max(axis=-1, initial=0.0)
@@ -325,7 +325,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         # An lse without the sink is that of the problem without sinks, with its own allowance.
         lse_opts = replace(opts, sinks=None) if convention.sink == "excluded" else opts
         lse_expected = expected if lse_opts is opts or opts.sinks is None else \
-            expect(qh, kh, vh, lse_opts, prec, workers, scheduler, dev)
+            expect(qh, kh, vh, lse_opts, prec, workers, scheduler, dev, kernel=kernel)
         lse_verdict = judge_lse(given["lse"], lse_expected, lse_dtype or stored["lse"], convention)
         if not convention.is_default:  # its worst entries are shown in base e, the reference's
             lse_verdict.notes.insert(0, f"judged in the convention told: {convention.words()}"

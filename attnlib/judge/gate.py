@@ -247,8 +247,9 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, dt
         q5, k5 = xp.operand(q5), xp.operand(k5)
     qa = abs(q5) * abs(pb.scale)  # (*batch, hk, g, sq, d): scaled |q|, as the kernel scales q
     ka = abs(k5)  # (*batch, hk, 1, sk, d)
-    if np.dtype(dtype) != np.float64 and not problem.scores_may_overflow(
-            q5, k5, pb.scale, dtype, q_max=pb.max_of("q", q5), k_max=pb.max_of("k", k5)):
+    if (np.dtype(dtype) != np.float64 and pb.sq and pb.sk
+            and not problem.scores_may_overflow(q5, k5, pb.scale, dtype, q_max=pb.max_of("q", q5),
+                                                k_max=pb.max_of("k", k5))):
         qa, ka = xp.astype(qa, dtype), xp.astype(ka, dtype)
     sigma = xp.zeros(tuple(q5.shape[:-1]))  # (*batch, hk, g, sq), float64
     n_vis = xp.zeros(tuple(q5.shape[:-1]), dtype=np.int64)
