@@ -51,8 +51,9 @@ magnitude of ``v`` and ``dout``, from the subnormal range up.
 * ``q`` and ``k`` scaled first, summed one key after another in float32 (the dense order
   ``"key_by_key"``, as a tiled kernel with one-key tiles accumulates).
 
-Above `attnlib.check.naive.SAMPLE_ROWS` rows they are computed on a sample of the rows, and
-each formulation's largest ratio is scaled to the whole tensor (`attnlib.check.naive.sampled_ratio`).
+Above `attnlib.check.naive.SAMPLE_ROWS` rows they are computed on a sample of the rows (spread
+evenly, and the kernel's worst rows, `worst_rows`), and each formulation's largest ratio is
+scaled to the whole tensor (`attnlib.check.naive.sampled_ratio`).
 
 The ratio ``|naive - ref| / unit`` is pooled over the whole tensor for ``out`` and the LSE
 (every entry is in ulps of its own size, so heads compare; a head of few entries drew too
