@@ -95,6 +95,7 @@ import numpy as np
 from ..core import arrays, problem, validate, flex
 from ..core.backend import NUMPY, backend_for
 from ..core.masks import SKIP
+from ..core.parallel import run_tiles
 from .metrics import BOUND, TINY, reference_with_abs
 from ..core.oracle import oracle_attention
 from ..core.options import Options
@@ -211,7 +212,8 @@ def tolerance(q, k, v, ref_lse, *, block_q=None, block_k=None, options=None, dev
                      underflow=np.where(seen[..., None], 2 * underflow, 0.0), delta=delta)
 
 
-def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, dtype=np.float64, **given):
+def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, dtype=np.float64, workers=None,
+              **given):
     """``(sigma, n_vis)``, each ``(..., Hq, Sq)``: a row's score size and visible key count.
 
     ``sigma_i = max_j |scale| sum_c |q_ic| |k_jc|`` over the row's visible keys (0 for a
@@ -223,7 +225,7 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, dt
     over the row's visible keys (``s`` the scores after ``softcap``), the size of what
     the modification computes.  ``dtype``: the type ``|q| . |k|`` is summed in (float32 for
     a size wanted to a few digits, the check's: half float64's time; float64 where it could
-    overflow float32).
+    overflow float32).  ``workers``: threads over the query tiles (default: every available CPU).
     """
     opts = dense_options(options, **given)  # contiguous keys, as the dense reference it bounds
     given_terms = sorted(opts.given(("alibi_slopes", "sinks")))
@@ -253,34 +255,38 @@ def row_stats(q, k, *, block_q=None, block_k=None, options=None, device=None, dt
         qa, ka = xp.astype(qa, dtype), xp.astype(ka, dtype)
     sigma = xp.zeros(tuple(q5.shape[:-1]))  # (*batch, hk, g, sq), float64
     n_vis = xp.zeros(tuple(q5.shape[:-1]), dtype=np.int64)
-    for idx, spec in specs.items():  # idx = (): one mask for every batch entry
-        k_starts, k_ends, ranges = spec.key_tiles(bk)
-        for q0 in range(0, pb.sq, bq):
-            q1 = min(pb.sq, q0 + bq)
-            kinds = spec.tile_kind(q0, q1, k_starts, k_ends, ranges)  # (n_k_tiles,)
-            for t in np.flatnonzero(kinds != SKIP):
-                a, b = int(k_starts[t]), int(k_ends[t])
-                qi, ki = np.arange(q0, q1), np.arange(a, b)
-                with xp.ignore_overflow():  # an overflowing size is an infinite one
-                    s, _ = tile_scores(qa[idx][..., q0:q1, :], ka[idx][..., a:b, :], spec, qi, ki, kinds[t], xp=xp)
-                rows = (..., slice(q0, q1))
-                if mask_mod is not None or score_mod is not None:
-                    mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, idx))
-                    vis = mods.visible(None, qi, ki)
-                    if vis is not None:
-                        s = np.where(vis, s, -np.inf)
-                    if score_mod is not None:  # the modified scores' size, over visible pairs
-                        with np.errstate(over="ignore", invalid="ignore"):
-                            signed = np.matmul(q5[idx][..., q0:q1, :] * pb.scale,
-                                               np.swapaxes(k5[idx][..., a:b, :], -1, -2))
-                            if cap is not None:
-                                signed = cap * np.tanh(signed / cap)
-                            modded = np.abs(flex.score_values(score_mod, signed, *mods.grids(qi, ki)))
-                        modded = np.where(np.isfinite(s) & np.isfinite(modded), modded, 0.0)
-                        mod_size[idx][rows] = np.maximum(mod_size[idx][rows], modded.max(axis=-1, initial=0.0))
-                # Masked pairs are -inf: they neither raise the max (sigma >= 0) nor count.
-                sigma[idx][rows] = xp.maximum(sigma[idx][rows], xp.amax(s, -1))
-                n_vis[idx][rows] += xp.isfinite(s).sum(-1)
+    def query_tile(item):  # one query tile's key tiles: its rows of sigma, n_vis, mod_size alone
+        idx, spec, q0, (k_starts, k_ends, ranges) = item
+        q1 = min(pb.sq, q0 + bq)
+        kinds = spec.tile_kind(q0, q1, k_starts, k_ends, ranges)  # (n_k_tiles,)
+        for t in np.flatnonzero(kinds != SKIP):
+            a, b = int(k_starts[t]), int(k_ends[t])
+            qi, ki = np.arange(q0, q1), np.arange(a, b)
+            with xp.ignore_overflow():  # an overflowing size is an infinite one
+                s, _ = tile_scores(qa[idx][..., q0:q1, :], ka[idx][..., a:b, :], spec, qi, ki, kinds[t], xp=xp)
+            rows = (..., slice(q0, q1))
+            if mask_mod is not None or score_mod is not None:
+                mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, idx))
+                vis = mods.visible(None, qi, ki)
+                if vis is not None:
+                    s = np.where(vis, s, -np.inf)
+                if score_mod is not None:  # the modified scores' size, over visible pairs
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        signed = np.matmul(q5[idx][..., q0:q1, :] * pb.scale,
+                                           np.swapaxes(k5[idx][..., a:b, :], -1, -2))
+                        if cap is not None:
+                            signed = cap * np.tanh(signed / cap)
+                        modded = np.abs(flex.score_values(score_mod, signed, *mods.grids(qi, ki)))
+                    modded = np.where(np.isfinite(s) & np.isfinite(modded), modded, 0.0)
+                    mod_size[idx][rows] = np.maximum(mod_size[idx][rows], modded.max(axis=-1, initial=0.0))
+            # Masked pairs are -inf: they neither raise the max (sigma >= 0) nor count.
+            sigma[idx][rows] = xp.maximum(sigma[idx][rows], xp.amax(s, -1))
+            n_vis[idx][rows] += xp.isfinite(s).sum(-1)
+
+    # idx = (): one mask for every batch entry.  The query tiles write rows of their own: on
+    # the host's cores (a device's tiles in order, on its own stream).
+    items = [(idx, spec, q0, spec.key_tiles(bk)) for idx, spec in specs.items() for q0 in range(0, pb.sq, bq)]
+    run_tiles(query_tile, items, validate.workers(workers) if xp is NUMPY else 1)
     sizes = (xp.to_host(sigma), xp.to_host(n_vis)) + (() if mod_size is None else (mod_size,))
     return tuple(pb.merge_heads(x, 1) for x in sizes)
 
