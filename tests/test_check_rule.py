@@ -475,3 +475,25 @@ def test_no_keys_on_torch_tensors():
     from attnlib.check import check_kernel
     q, k, v = torch.ones(1, 2, 3, 4), torch.ones(1, 2, 0, 4), torch.ones(1, 2, 0, 4)
     assert check_kernel(q, k, v, torch.zeros(1, 2, 3, 4), layout="bhsd").passed
+
+
+def test_the_kernels_worst_lse_rows_join_the_sample_too():
+    from attnlib.check import naive, rule
+    from attnlib.core.options import Options
+    from attnlib.core.problem import precision
+    prec = precision("float16")
+    q, k, v = (prec.round(x).astype(np.float64) for x in attnlib.random_qkv(400, d=16, batch=(1,), heads=2, seed=5))
+    out, lse = attnlib.attention(q, k, v, return_lse=True)
+    lse = lse.copy()
+    lse[0, 1, 332] += 1e-3  # a row the even sample (128 of 400) leaves out
+    seen = []
+    real = naive.naive_errors
+
+    def spy(*a, **kw):
+        seen.append(a[-1] if len(a) > 8 else kw.get("worst"))
+        return real(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rule, "naive_errors", spy)
+        rule.expect(q, k, v, Options.parse(), prec, 1, kernel=out, kernel_lse=lse)
+    assert 332 not in naive.naive_rows(lse, naive.SAMPLE_ROWS, naive.SAMPLE_EVERY) and 332 in seen[0]

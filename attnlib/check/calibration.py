@@ -155,8 +155,9 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
                     out, lse = result
                     out = np.asarray(out, dtype=np.float64)
                     # Sampled baselines (more rows than SAMPLE_ROWS) take the kernel's worst rows in.
-                    judged = expected if sq <= SAMPLE_ROWS else expect(q, k, v, Options.parse(causal=causal), prec, 1,
-                                                                       kernel=out)
+                    judged = expected if sq <= SAMPLE_ROWS else expect(
+                        q, k, v, Options.parse(causal=causal), prec, 1, kernel=out,
+                        kernel_lse=None if lse is None else np.asarray(lse, dtype=np.float64))
                     v_out = judge_out(out, judged)[0]
                     v_lse = None if lse is None else judge_lse(lse, judged, np.asarray(lse).dtype)
                     row = rows.setdefault((shape, name), dict(

@@ -247,7 +247,7 @@ class OnDevice:
 
 
 def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None,
-           pool="tensor", kernel=None) -> Expected:
+           pool="tensor", kernel=None, kernel_lse=None) -> Expected:
     """The reference and the allowance for ``attention(qh, kh, vh, **opts.given())`` (bhsd
     layout, float64) judged as a kernel in ``prec``.
     ``scheduler`` (a Dask client or scheduler address): the float64 reference and
@@ -256,8 +256,9 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
     naive baselines are computed with torch there (`OnDevice`).  ``pool``: over what the
     naive error's ratio is pooled (`pool_axes`), ``"tensor"`` or ``"head"`` (
     the diagnosis, so that one head's loose baseline lends a neighbouring problem no match
-    in another head).  ``kernel``: the output judged (bhsd, float64 values), whose worst rows
-    join the naive baselines' sample (`worst_rows`)."""
+    in another head).  ``kernel``, ``kernel_lse``: the output and the lse judged (bhsd, float64
+    values; the lse in natural units), whose worst rows join the naive baselines' sample
+    (`worst_rows`)."""
     on = None if device is None or scheduler is not None else OnDevice(device, qh, kh, vh)
     if scheduler is None:
         def run(q, k, v, o):
@@ -294,8 +295,12 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
     u = unit(size, prec.compute)
     # The kernel's worst rows join the baselines' sample (by the whole size: at large logits the
     # scores' part decides which rows those are).
-    worst = (None if kernel is None or np.shape(kernel) != ref.shape  # (a wrong shape: refused by the judge)
-             else worst_rows(kernel, ref, size, prec.compute))
+    # (A wrong shape is refused by the judge, not here.)
+    worst = [worst_rows(kernel, ref, size, prec.compute)] if np.shape(kernel) == ref.shape else []
+    if kernel_lse is not None and np.size(kernel_lse) == ref_lse.size:  # the lse's, in ulps of its own size
+        worst.append(worst_rows(np.reshape(kernel_lse, ref_lse.shape)[..., None], ref_lse[..., None],
+                                scores[..., None], prec.accumulate))
+    worst = np.unique(np.concatenate(worst)) if worst else None
     naive_err, naive_lse_err, baseline, draws, lse_draws = naive_errors(qh, kh, vh, opts, prec, ref, ref_lse, on,
                                                                         worst)
     seen = ~empty[..., None]

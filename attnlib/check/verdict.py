@@ -307,7 +307,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                              attention_chunk=attention_chunk, sink_token_length=sink_token_length,
                              gather_kv_indices=gather_kv_indices)
         kernel = to_bhsd(given["out"], layout).astype(np.float64)
-        expected = expect(qh, kh, vh, opts, prec, workers, scheduler, dev, kernel=kernel)
+        # The kernel's lse in natural units (its worst rows join the baselines' sample too).
+        kernel_lse = None if lse is None else convention.to_natural(np.asarray(given["lse"], dtype=np.float64))
+        sinkless = lse is not None and convention.sink == "excluded" and opts.sinks is not None
+        expected = expect(qh, kh, vh, opts, prec, workers, scheduler, dev, kernel=kernel,
+                          kernel_lse=None if sinkless else kernel_lse)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape, or a mod's own error
         raise UnusableInput(str(e)) from e  # chained: a mask_mod's own exception is never replaced
     verdict, err, ratio = judge_out(kernel, expected)
@@ -325,7 +329,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         # An lse without the sink is that of the problem without sinks, with its own allowance.
         lse_opts = replace(opts, sinks=None) if convention.sink == "excluded" else opts
         lse_expected = expected if lse_opts is opts or opts.sinks is None else \
-            expect(qh, kh, vh, lse_opts, prec, workers, scheduler, dev, kernel=kernel)
+            expect(qh, kh, vh, lse_opts, prec, workers, scheduler, dev, kernel=kernel, kernel_lse=kernel_lse)
         lse_verdict = judge_lse(given["lse"], lse_expected, lse_dtype or stored["lse"], convention)
         if not convention.is_default:  # its worst entries are shown in base e, the reference's
             lse_verdict.notes.insert(0, f"judged in the convention told: {convention.words()}"
