@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from ..core.tiled import attention
+from ..core.validate import cpu_name
 from ..evidence.inputs import random_qkv
 from .masks import mask_cases
 from .timing import SHAPES, BenchCase
@@ -45,9 +46,7 @@ def describe(dev) -> str:
     torch = _torch()
     if dev.type == "cuda":
         return f"{torch.cuda.get_device_name(dev)} (CUDA {torch.version.cuda}), torch {torch.__version__}"
-    from ..report.notebook import _cpu
-
-    return f"{_cpu()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def _sync(dev):

@@ -143,7 +143,8 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
         b, h, sq, sk, d, causal = shape
         for seed in seeds:
             q, k, v, causal = _problem(shape, prec, seed)
-            expected = expect(q, k, v, Options.parse(causal=causal), prec, 1)
+            opts = Options.parse(causal=causal)
+            expected = expect(q, k, v, opts, prec, 1)
             exact = attention(q, k, v, causal=causal)  # once per problem, for the defects' test
             for kind, kernels in (("correct", good), ("defective", bad)):
                 for name, fn in kernels.items():
@@ -156,7 +157,7 @@ def measure(prec_name: str, shapes=SHAPES, seeds=range(100), perturbation=None, 
                     out = np.asarray(out, dtype=np.float64)
                     # Sampled baselines (more rows than SAMPLE_ROWS) take the kernel's worst rows in.
                     judged = expected if sq <= SAMPLE_ROWS else expect(
-                        q, k, v, Options.parse(causal=causal), prec, 1, kernel=out,
+                        q, k, v, opts, prec, 1, kernel=out,
                         kernel_lse=None if lse is None else np.asarray(lse, dtype=np.float64))
                     v_out = judge_out(out, judged)[0]
                     v_lse = None if lse is None else judge_lse(lse, judged, np.asarray(lse).dtype)

@@ -106,9 +106,9 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     candidates = []  # (words, rows, (out, lse))
     with np.errstate(over="ignore", invalid="ignore"):  # a naive that overflows is left out below
         # q and k each scaled by sqrt(scale) and rounded, as PyTorch's math path does.
-        q_s = prec.round(qh * (root if scale >= 0 else -root)).astype(np.float64)
-        k_s = prec.round(kh * root).astype(np.float64)
-        q_r, k_r, v_r = (prec.round(x) for x in (qh, kh, vh))  # once, for every formulation
+        # Every input rounded once, for every formulation (held in the accumulator's type).
+        q_s, k_s = prec.round(qh * (root if scale >= 0 else -root)), prec.round(kh * root)
+        q_r, k_r, v_r = (prec.round(x) for x in (qh, kh, vh))
         candidates.append(("BLAS order", rows, naive(q_r, k_r, opts, ("blas",), rows)["blas"]))
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not

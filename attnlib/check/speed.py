@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import numpy as np
 
-from ..core import problem
+from ..core import problem, validate
 from ..core.tiled import attention
 from .verdict import check_kernel
 
 PRECISIONS = ("float32", "bfloat16", "float16")
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def measure(n: int, prec: str, repeats: int = 3, heads: int = 8, d: int = 64, seed: int = 0) -> dict:
@@ -60,7 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--repeats", type=int, default=3)
     a = parser.parse_args(argv)
-    print(json.dumps({"cpu": _cpu()}), flush=True)
+    print(json.dumps({"cpu": validate.cpu_name()}), flush=True)
     for n in a.n:
         for prec in a.precisions.split(","):
             print(json.dumps(measure(n, prec, a.repeats)), flush=True)

@@ -299,6 +299,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     raw = (qh, kh, vh, qvh)  # as the kernel read them, bhsd
     qh, kh, vh = _inputs(raw, factors)
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
+    kernel = to_bhsd(given["out"], layout).astype(np.float64)
+    # The kernel's lse in natural units (its worst rows join the baselines' sample too).
+    kernel_lse = None if lse is None else convention.to_natural(np.asarray(given["lse"], dtype=np.float64))
     try:
         # One parse of the options, handed to every reference, baseline and diagnosis below.
         opts = Options.parse(causal=causal, causal_align=causal_align, window=window, softcap=softcap,
@@ -306,9 +309,6 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                              mask_mod=mask_mod, score_mod=score_mod, key_leftpad=key_leftpad,
                              attention_chunk=attention_chunk, sink_token_length=sink_token_length,
                              gather_kv_indices=gather_kv_indices)
-        kernel = to_bhsd(given["out"], layout).astype(np.float64)
-        # The kernel's lse in natural units (its worst rows join the baselines' sample too).
-        kernel_lse = None if lse is None else convention.to_natural(np.asarray(given["lse"], dtype=np.float64))
         sinkless = lse is not None and convention.sink == "excluded" and opts.sinks is not None
         expected = expect(qh, kh, vh, opts, prec, workers, scheduler, dev, kernel=kernel,
                           kernel_lse=None if sinkless else kernel_lse)

@@ -217,6 +217,7 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
 #: row's max known from the start: no rescaling).
 ORDERS = ("blas", "softmax_first", "key_by_key")
 
+
 def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp=NUMPY, rows=None):
     """``(outs, lses, max_scores)`` in the caller's layout, computed densely in ``dtype``, one
     ``out`` and ``lse`` per summation order of ``orders`` (`ORDERS`); ``rows``: the query

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import platform
 
 import numpy as np
 
@@ -79,6 +80,19 @@ def available_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (from /proc/cpuinfo, else what the platform says): benchmarks
+    name it beside their figures, since the CPU changes between runs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def workers(x) -> int:

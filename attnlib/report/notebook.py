@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .._version import __version__
-from ..core import problem
+from ..core import problem, validate
 from ..evidence.plots import Table
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository (a checkout's root)
@@ -91,17 +91,6 @@ def _blas() -> str:
         return "unknown"
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 #: The key of the one time a report states, on its page and in its JSON: when the notebook
 #: saved its results (`save_results`, its last step), so both carry the same timestamp.
 FINISHED = "run finished (UTC)"
@@ -116,7 +105,7 @@ def environment() -> dict:
         "numpy": np.__version__,
         "torch": _version_of("torch"),  # the torch backend's and the peers' (not imported here)
         "BLAS": _blas(),
-        "CPU": f"{_cpu()} ({os.cpu_count()} logical cores)",
+        "CPU": f"{validate.cpu_name()} ({os.cpu_count()} logical cores)",
     }
 
 
