@@ -190,3 +190,63 @@ def test_half_precision_eager_attention_with_a_small_dout_passes():
     r = check.check_kernel(q, k, v, out.detach().double().numpy(), dout=dout, layout="bhsd", causal=True,
                            dtype="float16", **grads)
     assert r.passed, check.format_text(r)
+
+
+def test_tiled_gradient_sizes_are_the_dense_ones():
+    """`GradSizes`: the tiled backward's gradients keep their bits and its root-sum-squares are
+    `dense_backward`'s ``return_rss`` (any tiling, threads, GQA, every option that reaches ``ds``;
+    torch)."""
+    from attnlib.core.backward import dense_backward, tiled_backward
+    from attnlib.core.gradsizes import GradSizes
+    q, k, v = attnlib.random_qkv(150, 130, 12, batch=(2,), heads=4, kv_heads=2, seed=4)
+    dout = np.random.default_rng(4).standard_normal(q.shape[:-1] + (12,))
+    mod = lambda s, b, h, i, j: s * 0.5 - 0.01 * (i - j)  # noqa: E731
+    grad = lambda s, b, h, i, j: 0.5 + 0 * s  # noqa: E731
+    cases = (dict(causal=True), dict(window=(30, 5), sinks=np.array([0.5, -1.0, 2.0, 0.0])),
+             dict(softcap=3.0, kv_lengths=np.array([60, 130])), dict(score_mod=mod, causal=True))
+    for options in cases:
+        opts = Options.parse(**options)
+        mod_grad = grad if "score_mod" in options else None
+        out, lse = attnlib.attention(q, k, v, return_lse=True, **options)
+        w = np.abs(np.random.default_rng(5).standard_normal(lse.shape))
+        grads, rss = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=32, block_k=48, workers=2,
+                                    sizes=GradSizes(2.0 ** -13, w))
+        plain = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=32, block_k=48, workers=2)
+        assert all(np.array_equal(a, b) for a, b in zip(grads, plain)), options
+        # The dense rss takes w from its own sigma and lse: scale w to match it through rss_scores=1.
+        _, want = dense_backward(q, k, v, dout, opts, mod_grad, return_rss=True, rss_accumulate=2.0 ** -13)
+        _, base = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, workers=1, sizes=GradSizes(2.0 ** -13))
+        for got, x in zip(base, want):
+            assert np.allclose(got, x, rtol=1e-12, atol=0), options
+    torch = pytest.importorskip("torch")
+    opts = Options.parse(causal=True)
+    out, lse = attnlib.attention(q, k, v, return_lse=True, causal=True)
+    on_device = tiled_backward(q, k, v, out, lse, dout, opts, dev=torch.device("cpu"), sizes=GradSizes(0.5))
+    on_host = tiled_backward(q, k, v, out, lse, dout, opts, sizes=GradSizes(0.5))
+    for x, y in zip(on_device[1], on_host[1]):
+        assert np.allclose(x.numpy(), y, rtol=1e-13, atol=0)
+
+
+def test_dense_backward_parts_are_the_gradients_there():
+    """``rows``: dq on those rows as the whole naive backward gives it; ``keys`` with the forward's
+    rows (``stats``): dk, dv on those keys within the type's rounding of the whole one's."""
+    from attnlib.core.backward import dense_backward
+    q, k, v = attnlib.random_qkv(90, 70, 8, heads=4, kv_heads=2, seed=6)
+    dout = np.random.default_rng(6).standard_normal(q.shape[:-1] + (8,))
+    opts = Options.parse(causal=True, sinks=np.array([0.5, 0.0, -1.0, 1.0]))
+    out, lse = attnlib.attention(q, k, v, return_lse=True, causal=True, sinks=opts.sinks)
+    exact = dense_backward(q, k, v, dout, opts)
+    rows, keys = np.array([0, 7, 50, 89]), np.array([1, 33, 69])
+    for formulation in FORMULATIONS:
+        whole = dense_backward(q, k, v, dout, opts, compute_dtype="float32", formulation=formulation)
+        part = dense_backward(q, k, v, dout, opts, compute_dtype="float32", formulation=formulation, rows=rows)
+        assert part[1:] == (None, None, None) and np.allclose(part[0], whole[0][..., rows, :], rtol=0, atol=1e-6)
+        part = dense_backward(q, k, v, dout, opts, compute_dtype="float32", formulation=formulation,
+                              keys=keys, stats=(lse, out))
+        assert part[0] is None
+        for t in (1, 2):
+            scale = np.abs(exact[t]).max()
+            assert np.abs(part[t] - exact[t][..., keys, :]).max() <= 1e-5 * scale
+        assert np.abs(part[3] - exact[3]).max() <= 1e-5 * np.abs(exact[3]).max()
+    with pytest.raises(ValueError, match="part of the gradients"):
+        dense_backward(q, k, v, dout, opts, keys=keys)  # keys need the forward's rows

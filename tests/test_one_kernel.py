@@ -28,7 +28,7 @@ STEPS = {"absorb": "core/tiles.py", "tile_scores": "core/tiles.py", "document_bl
          "merge": "core/online.py", "merge_parts": "core/online.py", "lse_of": "core/online.py",
          "run_keys": "core/tiled.py", "_forward": "core/tiled.py", "_stream": "core/stream.py",
          "unscale_values": "core/problem.py", "tiled_backward": "core/backward.py", "_backward_plan": "core/backward.py",
-         "_rows_delta": "core/backward.py", "grad_exponent": "core/backward.py"}
+         "_rows_delta": "core/backward.py", "grad_exponent": "core/gradparts.py"}
 #: Backend modules: primitives only.
 BACKEND_MODULES = ("core/backend.py", "core/torch_backend.py")
 #: Backend functions that are plumbing, not arithmetic (reading inputs, errors, device moves).

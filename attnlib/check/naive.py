@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..core.backward import FORMULATIONS, dense_backward
 from ..core.options import Options
 from ..core.reference import dense_attention
 from .shapes import UnusableInput
@@ -21,7 +22,13 @@ def naive_rows(ref_lse, least: int, every: int, worst=None):
     key, the first and last of them included, and the rows ``worst`` (`rule.worst_rows`; all rows
     when there are no more than that many)."""
     sq = ref_lse.shape[-1]
-    seen = np.flatnonzero(np.isfinite(ref_lse).reshape(-1, sq).any(axis=0))
+    return spread(np.isfinite(ref_lse).reshape(-1, sq).any(axis=0), least, every, worst)
+
+
+def spread(seen, least: int, every: int, worst=None):
+    """`naive_rows` over positions ``seen`` (a boolean vector: the rows, or keys, that count)."""
+    sq = seen.size
+    seen = np.flatnonzero(seen)
     want = max(least, -(-sq // every))
     if seen.size <= want:
         return None
@@ -143,5 +150,60 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     return naive_err, naive_lse_err, f"{prec.name}: " + "; ".join(used), draws, lse_draws
 
 
-__all__ = ["naive_errors", "naive_rows", "pool_axes", "sampled_ratio", "SAMPLE_ROWS", "SAMPLE_EVERY",
+def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, stats, seen, worst):
+    """``(errs, draws)`` per gradient name of ``ref_grads``: the larger error of the naive backward in
+    ``prec`` over its formulations (`~attnlib.core.backward.FORMULATIONS`), entry by entry (0 off
+    the sample; None where every formulation overflows the type), and each formulation's
+    ``(positions, |naive - ref|)`` for `sampled_ratio`.
+
+    ``dq`` on a sample of the query rows (`spread` over ``seen["dq"]``, with ``worst["dq"]``), each
+    row's whole; ``dk``, ``dv`` (and ``dsinks``) on a sample of the keys (``seen["dk"]``,
+    ``worst["dk"]``), each key's sum over every row, with the rows' ``p = exp(s - lse)`` and ``D_i``
+    from ``stats = (ref_lse, ref)`` (`dense_backward`'s ``keys``): the forward's rows as a kernel
+    stores them.  With both samples whole (few rows and keys), the plain dense backward."""
+    rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
+    keys = spread(seen["dk"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dk"))
+    heads = 32 * math.prod(qh.shape[:-2])  # bytes a pair takes over the heads (a few float32 and float64 arrays)
+
+    def chunks(at, size, other):
+        at = np.arange(size) if at is None else at
+        step = max(1, NAIVE_CHUNK_BYTES // max(1, heads * other))
+        return [at[c:c + step] for c in range(0, at.size, step)]
+
+    def run(formulation, **part):
+        return dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name, formulation=formulation,
+                              check_finite=False, **part)
+
+    errs, draws = dict.fromkeys(ref_grads), {n: [] for n in ref_grads}
+
+    def add(name, at, x):
+        x = np.asarray(x, dtype=np.float64)
+        if not np.isfinite(x).all():  # this formulation overflows the type here: left out
+            return
+        ref = ref_grads[name] if at is None else ref_grads[name][..., at, :]
+        e = np.abs(x - ref)
+        if errs[name] is None:
+            errs[name] = np.zeros(ref_grads[name].shape)
+        whole = slice(None) if at is None else at
+        errs[name][..., whole, :] = np.maximum(errs[name][..., whole, :], e)
+        draws[name].append((at, e))
+
+    names = tuple(ref_grads)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing formulation is left out
+        for formulation in FORMULATIONS:
+            if rows is None and keys is None:
+                for n, x in zip(names, run(formulation)):
+                    add(n, None, x if n != "dsinks" else np.asarray(x)[..., None, None])
+                continue
+            parts = [run(formulation, rows=c) for c in chunks(rows, qh.shape[-2], kh.shape[-2])]
+            add("dq", rows, np.concatenate([np.asarray(x[0], dtype=np.float64) for x in parts], axis=-2))
+            parts = [run(formulation, keys=c, stats=stats) for c in chunks(keys, kh.shape[-2], qh.shape[-2])]
+            for t, n in enumerate(names[1:3], 1):
+                add(n, keys, np.concatenate([np.asarray(x[t], dtype=np.float64) for x in parts], axis=-2))
+            if "dsinks" in names:  # every row's, whatever the keys
+                add("dsinks", None, np.asarray(parts[0][3])[..., None, None])
+    return errs, draws
+
+
+__all__ = ["naive_errors", "naive_gradient_errors", "spread", "naive_rows", "pool_axes", "sampled_ratio", "SAMPLE_ROWS", "SAMPLE_EVERY",
            "KEY_BY_KEY_ROWS", "KEY_BY_KEY_EVERY", "KERNEL_ROWS"]

@@ -117,7 +117,8 @@ import numpy as np
 from ..core import arrays
 from ..core import problem
 from ..core.device import as_tensor
-from ..core.backward import FORMULATIONS, _score_mod_grad, dense_backward, tiled_backward
+from ..core.backward import _score_mod_grad, dense_backward, tiled_backward
+from ..core.gradsizes import GradSizes
 from ..core.lse_conventions import NATURAL, LseConvention
 from ..core.options import Options
 from ..judge.gate import C_EXP, LAMBDA, row_stats, tolerance
@@ -126,7 +127,7 @@ from ..judge.metrics import BOUND, TINY
 from ..core.reference import dense_attention
 from ..core.tiled import forward_on
 from .shapes import UnusableInput, positions, to_bhsd
-from .naive import KERNEL_ROWS, naive_errors, pool_axes, sampled_ratio
+from .naive import KERNEL_ROWS, naive_errors, naive_gradient_errors, pool_axes, sampled_ratio
 from .sizes import doubled_options, forward_rss, forward_sizes, reference_sizes, row_masks, score_size  # noqa: F401 (re-exported)
 
 
@@ -166,6 +167,7 @@ class Expected:
     naive_lse_err: np.ndarray | None  # (..., Hq, Sq), 0 on rows with no visible key
     baseline: str  # how the allowance was made, in words
     unit: np.ndarray | None = None  # (..., Hq, Sq, Dv): u, an ulp of the kernel's type at each entry's size
+    scores: np.ndarray | None = None  # (..., Hq, Sq): each row's score size sigma_i + |lse_i| (`score_size`)
 
     @property
     def empty(self) -> np.ndarray:
@@ -311,7 +313,7 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
     lse_u = unit(scores[..., None], prec.accumulate)
     lse_allowance = ((2 * sampled_ratio(lse_draws, lse_u, seen, pool) + FINAL_ROUNDINGS) * lse_u)[..., 0]
     lse_allowance = np.where(empty, 0.0, lse_allowance)
-    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline, u)
+    return Expected(ref, ref_lse, allowance, lse_allowance, naive_err, naive_lse_err, baseline, u, scores)
 
 
 def ratios(kernel, ref, allowance):
@@ -513,25 +515,6 @@ def gradient_rounding(qh, kh, vh, opts: Options, prec) -> float:
     return 4 * delta + 2 * C_EXP * u + 4 * g(n) + 8 * n * u + 2 * g(dv) + 3 * u
 
 
-def _naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, names):
-    """``{name: |naive - ref| or None}``: per gradient, the largest error of the naive
-    backward in ``prec`` over its formulations (PyTorch's eager autograd, FlashAttention's,
-    key by key: `~attnlib.core.backward.FORMULATIONS`), entry by entry; None where every
-    formulation overflows the type for that gradient."""
-    errs = dict.fromkeys(names)
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing formulation is left out
-        for formulation in FORMULATIONS:
-            naive = dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name,
-                                   formulation=formulation, check_finite=False)
-            for n, x in zip(names, naive):
-                x = np.asarray(x, dtype=np.float64)
-                if not np.isfinite(x).all():
-                    continue
-                e = np.abs(x - np.asarray(ref_grads[n], dtype=np.float64))
-                errs[n] = e if errs[n] is None else np.maximum(errs[n], e)
-    return errs
-
-
 def _split_qv(d, ref_grads, allowances, naive_errs, unjudged, units):
     """The joined problem's ``(ref, allowance, naive error, unit)`` per gradient as the kernel's
     ``dq, dqv, dk, dv`` (`judge_grads`'s ``qv_dim``)."""
@@ -549,7 +532,7 @@ def _split_qv(d, ref_grads, allowances, naive_errs, unjudged, units):
 
 
 def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
-                workers, context=None, mod_grad=None, device=None, qv_dim=None) -> dict:
+                workers, context=None, mod_grad=None, device=None, qv_dim=None, scores=None) -> dict:
     """The gradients' rule (see the module docstring) on each given gradient.  ``context``
     (a dict): filled with each judged gradient's ``kernel``, ``ref`` and ``allowance`` (bhsd,
     float64) for the diagnosis; ``mod_grad``: the ``score_mod_grad`` (required with a
@@ -568,6 +551,11 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
     # 528 MiB against 384 MiB at n = 4096); with its sizes, or in long double, twice that.
     dense = dense_fits(sq, heads=4 * heads, sk=sk)
     allowances, naive_errs, unjudged, units = None, {}, {}, {}  # units: each entry's u (`unit`), for ulps
+
+    def per_head(name, x):  # dsinks (..., H) as (..., H, 1, 1), a head's one entry
+        return x[..., None, None] if name == "dsinks" else x
+
+    expanded = False  # dsinks already (..., H, 1, 1)
     why = "the dense gradient the rule needs would not fit in memory at this length"
     if dense and prec.is_float64 and opts.softcap is None:
         # float64: the first-order rounding bound on the componentwise size.
@@ -577,13 +565,28 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         allowances = {n: 2 * e_g * sizes[n] for n in names}
         units = {n: unit(sizes[n], np.float64) for n in names}
         naive_errs = dict.fromkeys(names)
-    elif dense and not prec.is_float64:
-        # The naive backward in the kernel's precision, in ulps of each entry's own size.
+    elif not prec.is_float64:
+        # The naive backward in the kernel's precision, in ulps of each entry's own size: the
+        # reference and the sizes in one tiled pass, the naive on a sample (`naive_gradient_errors`).
         accumulate = float(np.finfo(prec.accumulate).eps) / prec.eps  # float32 sums of 16-bit values
-        ref_grads, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True,
-                                        rss_accumulate=accumulate, rss_scores=accumulate)
-        ref_grads, rss = dict(zip(names, ref_grads)), dict(zip(names, rss))
-        naive_errs = _naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, names)
+        grads, rss = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device,
+                                    sizes=GradSizes(accumulate, accumulate * scores))
+        ref_grads = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, grads)}
+        rss = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, rss)}
+        expanded = True
+        units = {n: unit(np.abs(ref_grads[n]) + rss[n], prec.compute) for n in names}
+        # The positions that count (a visible key or row) and the kernel's worst (they join the sample).
+        seen = {"dq": np.isfinite(ref_lse).reshape(-1, sq).any(axis=0),
+                "dk": ((rss["dk"] > 0).any(axis=-1) | (rss["dv"] > 0).any(axis=-1)).reshape(-1, sk).any(axis=0)}
+        worst = {}
+        for n, at in (("dq", "dq"), ("dk", "dk"), ("dv", "dk")):
+            g = kernel_grads.get(n)
+            g = None if g is None or qv_dim is not None else to_bhsd(np.asarray(g, dtype=np.float64), layout)
+            if g is not None and g.shape == ref_grads[n].shape:
+                found = worst_rows(g, ref_grads[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
+                worst[at] = found if at not in worst else np.union1d(worst[at], found)
+        naive_errs, draws = naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads,
+                                                  (ref_lse, ref), seen, worst)
         top = float(arrays.finfo(prec.compute).max)
         allowances = {}
         for n in names:
@@ -596,8 +599,9 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
                                f"(dp = dout . v or ds beyond the type's range): there is no "
                                f"{prec.name} baseline to judge it by; scale dout or v down")
             else:
-                units[n] = unit(np.abs(ref_grads[n]) + rss[n], prec.compute)
-                allowances[n] = naive_allowance(naive_errs[n], units[n])
+                at = seen["dq"] if n == "dq" else (seen["dk"] if n != "dsinks" else np.ones(1, bool))
+                r = sampled_ratio(draws[n], units[n], at[:, None], "head")
+                allowances[n] = (2 * r + FINAL_ROUNDINGS) * units[n]
     else:
         grads = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device)
         ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
@@ -612,14 +616,12 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
             units = {n: unit(np.abs(ref_grads[n].astype(np.float64)) + r, np.float64) for n, r in zip(names, rss)}
             allowances = {n: naive_allowance(naive_errs[n], units[n]) for n in names}
-    def as_tensor(name, x):  # dsinks (..., H) as (..., H, 1, 1), a head's one entry
-        return x[..., None, None] if name == "dsinks" else x
-
-    if allowances is not None:
-        allowances = {n: as_tensor(n, np.asarray(a)) for n, a in allowances.items()}
-        naive_errs = {n: None if e is None else as_tensor(n, np.asarray(e)) for n, e in naive_errs.items()}
-        units = {n: as_tensor(n, np.asarray(x)) for n, x in units.items()}
-    ref_grads = {n: as_tensor(n, np.asarray(r, dtype=np.float64)) for n, r in ref_grads.items()}
+    if allowances is not None and not expanded:
+        allowances = {n: per_head(n, np.asarray(a)) for n, a in allowances.items()}
+        naive_errs = {n: None if e is None else per_head(n, np.asarray(e)) for n, e in naive_errs.items()}
+        units = {n: per_head(n, np.asarray(x)) for n, x in units.items()}
+    if not expanded:
+        ref_grads = {n: per_head(n, np.asarray(r, dtype=np.float64)) for n, r in ref_grads.items()}
     if qv_dim is not None:
         ref_grads, allowances, naive_errs, unjudged, units = _split_qv(qv_dim, ref_grads, allowances, naive_errs,
                                                                        unjudged, units)
@@ -628,7 +630,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         if g is None:
             continue
         if name == "dsinks":
-            kernel = as_tensor(name, np.asarray(g, dtype=np.float64))
+            kernel = per_head(name, np.asarray(g, dtype=np.float64))
             if kernel.shape != ref_grads[name].shape:
                 raise UnusableInput(f"dsinks must have the shape of the sinks, {ref_grads[name].shape[:-2]}, "
                                     f"got {np.shape(g)}")

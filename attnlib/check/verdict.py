@@ -354,7 +354,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         try:
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
                                 expected.ref_lse, douth, prec, opts, layout, shape, workers, context,
-                                mod_grad=score_mod_grad, device=dev, qv_dim=None if qvh is None else shape["d"])
+                                mod_grad=score_mod_grad, device=dev, qv_dim=None if qvh is None else shape["d"],
+                                scores=expected.scores)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from e
         if qvh is None:  # the neighbouring problems' gradients are q, k and v's own

@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from . import arrays, mla, problem, validate, flex, hooks
+from . import mla, problem, validate, flex, hooks
 from .masks import PARTIAL, SKIP
 from .options import Options
 from .reference import _scores
@@ -35,118 +35,9 @@ from .tilesizes import DEFAULT_TILES
 from .backend import NUMPY, backend_for
 from .parallel import Turns, _unit_of, run_tiles
 from .tiled import attention, prepare
+from .gradparts import (_grad_exponent, _grad_inputs, _options, _scaled_dout, _score_mod_grad,  # noqa: F401
+                        _split_grads, _unscale_grads, grad_exponent)
 from . import device as dev_mod
-
-
-def _options(scale, options: dict, entry: str):
-    """``(Options, score_mod_grad)`` of a backward's keyword arguments: the forward's masking
-    and score options (not a paged cache) and the derivative of its ``score_mod``."""
-    opts, rest = Options.split(entry=entry, accept=("score_mod_grad",), scale=scale, **options)
-    grad = rest.get("score_mod_grad")
-    if opts.paged:
-        raise ValueError("block_table and cache_seqlens cannot be given to the backward, which takes "
-                         "contiguous keys: gather the pages first (attnlib.core.paged.gather_pages)")
-    return opts, _score_mod_grad(grad, opts)
-
-
-def _score_mod_grad(grad, opts: Options):
-    """``score_mod_grad``, required with a ``score_mod`` (numpy has no autograd)."""
-    if grad is not None and opts.score_mod is None:
-        raise ValueError("score_mod_grad was given without a score_mod: it is the derivative of one")
-    if opts.score_mod is not None and grad is None:
-        raise ValueError("the backward of a score_mod needs its derivative: pass score_mod_grad(score, b, h, "
-                         "q_idx, kv_idx) -> d score_mod / d score (numpy has no autograd)")
-    if grad is not None and not callable(grad):
-        raise TypeError(f"score_mod_grad must be callable, got {type(grad).__name__}")
-    return grad
-
-
-def _grad_inputs(pb, check_finite, xp=NUMPY, **given):
-    """``out``/``dout`` ``(..., Hq, Sq, Dv)`` and ``lse`` ``(..., Hq, Sq)``, read as ``xp``'s
-    arrays and checked, as grouped views ``(*batch, hk, g, sq[, dv])``."""
-    heads = pb.batch + (pb.hq, pb.sq)
-    grouped = pb.batch + (pb.hk, pb.group, pb.sq)
-    result = []
-    for name, x in given.items():
-        tail = () if name == "lse" else (pb.dv,)
-        x = xp.read(x, name)
-        shape = (heads + tail)[1:] if pb.squeeze else heads + tail  # 2-D inputs: no head axis
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-        if check_finite and name == "lse":
-            if any(xp.host_bools([(xp.isnan(x) | xp.isposinf(x)).any()])):
-                raise ValueError("lse must be finite or -inf (rows without a visible key)")
-        elif check_finite:
-            xp.checked_max(x, name)
-        result.append(x.reshape(grouped + tail))
-    return result
-
-
-def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
-    """Grouped ``(dq, dk, dv)`` back to the layout of q, k and v; and ``dsinks``, in the
-    shape of the ``sinks`` given, when there are sinks."""
-    dq = pb.merge_heads(dq5, 2)
-    grads = (dq, dk4[0], dv4[0]) if pb.squeeze else (dq, dk4, dv4)
-    if sinks is None:
-        return grads
-    # (*batch, hk, g) -> (*batch, Hq), summed over the batch axes the sinks broadcast over.
-    dsink = dsink5.reshape(tuple(dsink5.shape[:-2]) + (pb.hq,))
-    shape = np.shape(sinks)
-    if dsink.ndim > len(shape):
-        dsink = dsink.sum(tuple(range(dsink.ndim - len(shape))))
-    return grads + (dsink.reshape(shape),)
-
-
-def grad_exponent(pb, dout_max: float, vo_max: float, qk_max: float, dtype=np.float64) -> int:
-    """The power of two ``e >= 0`` that ``dout`` is divided by while the gradients are
-    summed; they are linear in ``dout``, so ``2**e`` times the result is exact.
-
-    ``dp = dout . v`` and ``D = dout . out`` reach ``Dv max|dout| max(|v|, |out|)``, which
-    overflows for finite values near the range (``v = 1e308``); every gradient entry, and
-    every partial sum of one, is within ``2 Dv max|dout| max(|v|, |out|) max(1, max(|q|,
-    |k|) Sq g) max(1, |scale|)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of
-    the range.  0, every bit as before, for any ordinary input.  The maxima: ``max|dout|``,
-    ``max(|v|, |out|)`` and ``max(|q|, |k|)``.
-    """
-    if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
-        return 0
-    # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
-    # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
-    spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
-    if qk_max and math.isfinite(qk_max):
-        spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
-    return problem.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
-                                  + spread, dtype)
-
-
-def _grad_exponent(pb, dout5, values, q5, k5, xp=NUMPY, dtype=np.float64) -> int:
-    """`grad_exponent` of the grouped arrays; ``values``: ``v`` (and ``out``)."""
-    return grad_exponent(pb, xp.abs_max(dout5), max(xp.abs_max(x) for x in values),
-                         max(pb.max_of("q", q5), pb.max_of("k", k5)), dtype)
-
-
-def _scaled_dout(dout, e: int) -> np.ndarray:
-    """``dout / 2**e`` (a new array; the caller's is never modified)."""
-    return NUMPY.ldexp(arrays.as_float_array(dout, "dout"), -e)
-
-
-def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks"), xp=NUMPY):
-    """``result`` (gradients, or tuples of them) times ``2**e``; a ValueError naming the
-    gradient whose entries then exceed float64's range (their true values do, up to the
-    bound's factor of 4), rather than an inf.  A gradient already not finite stays as it is
-    (see `attention_backward`)."""
-    if isinstance(result, tuple) and result and isinstance(result[0], tuple):
-        return tuple(_unscale_grads(r, e, names, xp) for r in result)
-    grads = result if isinstance(result, tuple) else (result,)
-    scaled = [xp.ldexp(g, e) for g in grads]
-    flags = xp.host_bools([xp.isfinite(x).all() for x in grads + tuple(scaled)])
-    kept = []
-    for g, s, ok, still, name in zip(grads, scaled, flags[:len(grads)], flags[len(grads):], names):
-        if ok and not still:
-            raise ValueError(f"{name} exceeds float64's range (dout times v, out, q and k reaches "
-                             f"2**{e} times it): scale dout (or v) down")
-        kept.append(s if ok else g)
-    return tuple(kept) if isinstance(result, tuple) else kept[0]
 
 
 #: The naive same-precision backward's formulations (``compute_dtype`` below float64).
@@ -245,11 +136,20 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
 
 def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=False, return_rss=False,
                    rss_accumulate=1.0, rss_scores=0.0, check_finite=True, compute_dtype=None,
-                   formulation="math"):
+                   formulation="math", rows=None, keys=None, stats=None):
     """`reference_attention_backward` with its options parsed into ``opts`` (and ``mod_grad``
-    the ``score_mod_grad``)."""
+    the ``score_mod_grad``).
+
+    A part of the gradients (the check's naive baselines on a sample, `attnlib.check.naive`):
+    ``rows``, query positions: ``dq`` on those rows (``dk``, ``dv``, ``dsinks`` None); ``keys``, key
+    positions, with ``stats = (lse, out)`` the forward's rows ``(..., Hq, Sq)`` and ``(..., Hq, Sq,
+    Dv)`` (float64): ``dk``, ``dv`` on those keys and ``dsinks``, with ``p = exp(s - lse)`` and ``D_i``
+    from ``out`` (in the formulation's arithmetic: ``lse`` and ``out`` rounded as a kernel stores
+    them; ``dq`` None)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if (rows is not None or keys is not None) and (return_abs or return_rss or (keys is None) != (stats is None)):
+        raise ValueError("rows or keys= (keys with stats=) give a part of the gradients, without their sizes")
     prec = problem.precision(compute_dtype)
     if prec.p_type is not None:
         raise ValueError(f"compute_dtype={prec.name!r} has no backward: FlashAttention 3's fp8 path "
@@ -269,23 +169,38 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     flash = formulation == "flash" and not prec.is_float64
     keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
+    i_at = np.arange(pb.sq) if rows is None else np.asarray(rows)
+    j_at = np.arange(pb.sk) if keys is None else np.asarray(keys)
+    if rows is not None:
+        q5, dout5 = q5[..., i_at, :], dout5[..., i_at, :]
+    if keys is not None:
+        k5, v5 = k5[..., j_at, :], v5[..., j_at, :]
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
     sinks = opts.sinks
     sink = problem.sinks(sinks, pb, dtype)  # (..., hk, g) or None
-    s = keep(_scores(q5, k5, pb, opts, dtype))  # (..., hk, g, sq, sk), -inf where invisible
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
-        sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
-        m = np.maximum(m, sink)
-    with np.errstate(over="ignore"):  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
-        p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    l = p.sum(axis=-1, keepdims=True)
+    s = keep(_scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys))  # (..., hk, g, sq, sk), -inf where invisible
     if sink is not None:
-        with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
-            w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
-        l = l + w_sink
-        p_sink = w_sink / l  # l >= 1: the sink's share of each row
-    p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
+        sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
+    if stats is not None:  # the rows' lse as the forward stored it: p = exp(s - lse)
+        lse, out5 = (np.asarray(x, dtype=np.float64).reshape(pb.batch + (pb.hk, pb.group) + np.shape(x)[-1 - t:])
+                     for t, x in enumerate(stats))
+        lse = lse.astype(dtype)[..., None]  # (..., hk, g, sq, 1)
+        with np.errstate(over="ignore"):  # -inf rows (no key): shifted by 0, p = 0
+            p = rnd(np.exp(s - np.where(np.isfinite(lse), lse, 0.0)))
+            p_sink = None if sink is None else np.exp(sink - np.where(np.isfinite(lse), lse, 0.0))
+    else:
+        m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+        if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
+            m = np.maximum(m, sink)
+        with np.errstate(over="ignore"):  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
+            p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+        l = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
+                w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
+            l = l + w_sink
+            p_sink = w_sink / l  # l >= 1: the sink's share of each row
+        p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
     cap = opts.softcap
     factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
     if cap is not None or mod_grad is not None:
@@ -301,7 +216,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     if mod_grad is not None:  # the chain rule through score_mod, at the softcapped scores
         b, h = flex.index_grids(pb, ())
         g = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
-                              np.arange(pb.sq)[:, None], np.arange(pb.sk)[None, :], name="score_mod_grad")
+                              i_at[:, None], j_at[None, :], name="score_mod_grad")
         factor = factor * np.where(p > 0, g, 0.0)  # where p = 0, ds = 0 whatever g is
 
     sequential = formulation == "sequential" and not prec.is_float64
@@ -320,28 +235,37 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
     def grads(dout5, q5, k5, v5, sign):
         head = keep  # FlashAttention sums a GQA group's dk, dv before rounding them
-        dv = head(mm(np.swapaxes(p, -1, -2), dout5))  # (..., hk, g, sk, dv)
+        # A part (rows or keys): the gradients whole there only, the others left empty.
+        dq_too, kv_too = keys is None, rows is None
+        dv = head(mm(np.swapaxes(p, -1, -2), dout5)) if kv_too else np.zeros(q5.shape[:-2] + (0, v5.shape[-1]), dtype)
         dp = keep(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
         if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it, in sequence
-            d = np.cumsum(dout5 * rnd(p @ v5), axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)
+            out = rnd(p @ v5 if stats is None else out5).astype(dtype)
+            d = np.cumsum(dout5 * out, axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)
+        elif stats is not None:  # D_i = dout_i . out_i of the output the forward gave (every key's sum)
+            d = np.sum(dout5 * out5.astype(dtype), axis=-1, keepdims=True)
         elif sequential and sign < 0 and p.shape[-1]:
             d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
         else:
             d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
         # The softmax Jacobian (sign -1); +1: the sizes, where a factor counts by its size.
         ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
+        empty_dq, empty_dk = np.zeros(q5.shape[:-2] + (0, q5.shape[-1]), dtype), np.zeros(q5.shape[:-2] + (0, k5.shape[-1]), dtype)
         if formulation == "eager" and not prec.is_float64:  # d(q k^T) = scale * ds, rounded
             ds_scaled = rnd(dtype(pb.scale) * ds)
-            dq = rnd(mm(ds_scaled, k5))
-            dk = head(mm(np.swapaxes(ds_scaled, -1, -2), q5))
+            dq = rnd(mm(ds_scaled, k5)) if dq_too else empty_dq
+            dk = head(mm(np.swapaxes(ds_scaled, -1, -2), q5)) if kv_too else empty_dk
         else:
-            dq = rnd(dtype(pb.scale) * mm(ds, k5))
-            dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5))
+            dq = rnd(dtype(pb.scale) * mm(ds, k5)) if dq_too else empty_dq
+            dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5)) if kv_too else empty_dk
         # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
         dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
         # GQA: the query heads of a group share k and v, so their gradients add up.
         grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
-        return tuple(g.astype(prec.compute) for g in grads)
+        grads = tuple(g.astype(prec.compute) for g in grads)
+        if rows is not None:  # dq alone is whole on these rows
+            return (grads[0],) + (None,) * (len(grads) - 1)
+        return grads if keys is None else (None,) + grads[1:]
 
     def rss():
         # Squares of the terms each entry sums, summed (a GQA group's heads too), rooted.
@@ -475,10 +399,15 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
 
 
 def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, block_q=None, block_k=None,
-                   workers=None, check_finite=True, dev=None):
+                   workers=None, check_finite=True, dev=None, sizes=None):
     """`attention_backward` with its options parsed into ``opts`` (and ``mod_grad`` the
     ``score_mod_grad``); ``dev``: a torch device to compute on (`attnlib.core.torch_backend`),
-    or None for numpy.  The gradients as ``xp``'s arrays."""
+    or None for numpy.  The gradients as ``xp``'s arrays.
+
+    ``sizes``: `GradSizes`, for ``(grads, rss)``: the gradients bit for bit and, beside them, the
+    root-sum-squares `dense_backward` gives with ``return_rss`` (the check's entry sizes, in
+    memory bounded in the sequence length): a first pass over the tiles for each row's
+    ``d1_i``, then the backward with the squares summed beside the gradients."""
     workers = validate.workers(workers) if dev is None or workers is not None else None
     xp = NUMPY if dev is None else backend_for(dev, workers)
     q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
@@ -502,33 +431,46 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
     if pb.sq == 0 or pb.sk == 0 or not math.prod(pb.batch):
         # No query: no loss reaches k and v.  No key: out = 0 whatever q is.  Zeros either way
         # (and D = dout . out = 0 for dsinks).
-        return _split_grads(pb, dq, dk, dv, dsink, opts.sinks)
+        grads = _split_grads(pb, dq, dk, dv, dsink, opts.sinks)
+        return grads if sizes is None else (grads, tuple(xp.zeros(tuple(g.shape)) for g in grads))
     hook = hooks.get("backward")  # the stage edits (`attnlib.core.hooks`)
     hook = None if hook is hooks.keep else hook  # the identity: not called at all
     lse5 = xp.operand(lse5)
     delta = _rows_delta(out5, dout5, setup.tiles.block_q, xp)  # D = rowsum(dout * out), (..., sq)
     if hook is not None:
         delta = hook("delta", delta)
+    sized = None if sizes is None else sizes.bind(pb, out5, dout5, setup.cap, xp)
     # The shift of p = exp(s - lse): rows without a visible key have lse = -inf and only -inf
     # scores; shifting them by 0 gives exp(-inf) = 0, not -inf - (-inf).
     shift = xp.finite_or_zero(lse5)
     per_thread = threading.local()  # each thread's tile buffers and band masks
-    items = []
     mods = setup.mods
-    for idx, spec in setup.specs.items():  # idx = (): all batch entries share one mask
-        items += _backward_plan(q5[idx], k5[idx], v5[idx], dout5[idx], delta[idx], shift[idx], pb.scale, spec, setup,
-                       problem.for_entry(setup.slopes, idx), dq[idx], dk[idx], dv[idx], workers, per_thread,
-                       None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)), mod_grad, hook)
-    # A wrong lse makes exp(s - lse) overflow: let it, and name it below (not a FloatingPointError).
+
+    def sweep(sized_pass):  # every mask's tiles, key tiles outer
+        items = []
+        for idx, spec in setup.specs.items():  # idx = (): all batch entries share one mask
+            items += _backward_plan(q5[idx], k5[idx], v5[idx], dout5[idx], delta[idx], shift[idx], pb.scale, spec,
+                                    setup, problem.for_entry(setup.slopes, idx), dq[idx], dk[idx], dv[idx], workers,
+                                    per_thread, None if mods is None else flex.Mods(*mods, *flex.index_grids(pb, idx)),
+                                    mod_grad, hook, None if sized_pass is None else sized_pass.at(idx))
+        # A wrong lse makes exp(s - lse) overflow: let it, and name it below (not a FloatingPointError).
+        with xp.threads(workers), xp.ignore_overflow(check_finite):
+            run_tiles(lambda item: item(), items, workers)
+            xp.finish()  # the errors a device gathered, raised once
+
+    if sized is not None:  # the sizes' first pass: each row's d1_i over all its keys
+        sweep(sized.rows_pass())
+    sweep(sized)
+    p_sinks = None if sink is None or sized is None else xp.zeros(tuple(delta.shape))
     with xp.threads(workers), xp.ignore_overflow(check_finite):
-        run_tiles(lambda item: item(), items, workers)
-        xp.finish()  # the errors a device gathered, raised once
         if sink is not None:  # lse_i >= sink_h, so every exponent is <= 0
             for idx in setup.specs:
                 with xp.overflow_ok():  # sink - lse below -max: weight exactly 0
                     p_sink = xp.exp(xp.broadcast_to(problem.for_entry(sink, idx), tuple(delta[idx].shape[:-1]))[..., None]
                                     - lse5[idx])  # (*lead, sq)
                 dsink[idx] -= (p_sink * delta[idx]).sum(-1)  # 0 - x: +0 where no row counts
+                if p_sinks is not None:
+                    p_sinks[idx] = p_sink
     dq *= pb.scale  # dq = scale * sum_j ds_ij k_j
     grads = _split_grads(pb, dq, dk, dv, dsink, opts.sinks)
     if check_finite:
@@ -538,6 +480,9 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
                                  "exceeds 1): pass the lse of attention(..., return_lse=True) with the "
                                  "same options")
     grads = grads if hook is None else hook("grads", grads, xp=xp)
+    if sized is not None:
+        rss = sized.finish(pb, p_sinks, opts.sinks)
+        return (_unscale_grads(grads, e, xp=xp), _unscale_grads(rss, e, xp=xp)) if e else (grads, rss)
     return _unscale_grads(grads, e, xp=xp) if e else grads
 
 
@@ -551,7 +496,7 @@ def _rows_delta(out, dout, bq, xp):
 
 
 def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, dk, dv, workers, per_thread,
-          mods=None, mod_grad=None, hook=None):
+          mods=None, mod_grad=None, hook=None, sized=None):
     """The tiles of one mask, key tiles outer, as in FlashAttention-2's Algorithm 2: one
     callable per (head block, key tile) unit, in ascending key tiles.
 
@@ -563,7 +508,9 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
     (FlashAttention-2's deterministic backward orders its dq additions the same way).
     ``hook``: the step ``"backward"`` of `attnlib.core.hooks` (its stages are listed there),
     or None for its default, the identity (no call per tile); the scores and masks are the
-    steps ``"tile_scores"`` and ``"tile_visible"``, as in the forward.
+    steps ``"tile_scores"`` and ``"tile_visible"``, as in the forward.  ``sized``: a
+    `_SizedPass` at this mask's entries: its first pass (``rows``) sums each row's ``d1_i``
+    (in the ``dq`` order) and nothing else, its second the squares beside the gradients.
     """
     xp, tiles = setup.xp, setup.tiles
     bq, bk = tiles.block_q, tiles.block_k
@@ -599,6 +546,11 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
         dk_j = xp.zeros(tuple(q_u.shape[:-2]) + tuple(k_j.shape[-2:]))  # (..., hk, g, bk, d)
         dv_j = xp.zeros(tuple(q_u.shape[:-2]) + tuple(v_j.shape[-2:]))  # (..., hk, g, bk, dv)
         dk_part, dv_part = xp.empty(tuple(dk_j.shape)), xp.empty(tuple(dv_j.shape))
+        if sized is not None:  # the sizes' operands: |v_j|, k_j**2 and this unit's rows
+            v_abs, k_sq, d1_u = abs(v_j), k_j * k_j, sized.d1[unit]
+            w2_u = None if sized.w2 is None else sized.w2[unit]
+            if not sized.rows:
+                dq2_u, dk2_j, dv2_j = sized.dq2[unit], xp.zeros(tuple(dk_j.shape)), xp.zeros(tuple(dv_j.shape))
         buffers = per_thread.__dict__.setdefault("buffers", {})  # s/p, ds and dq_ij per tile shape
         band_masks = per_thread.__dict__.setdefault("band masks", {})  # for tile_visible
         try:
@@ -623,9 +575,19 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     s -= shift_u[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities, exactly 0 where hidden.
                 p = xp.exp(s, out=s) if vis is None else xp.exp_visible_(s, vis)
+                if sized is not None:
+                    # |dp_ij| and, weighted, the componentwise |dout_i| . |v_j| that dp_ij and D_i sum.
+                    dp_size = abs(xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds))
+                    dp_size += sized.accumulate * xp.matmul(abs(dout_i), xp.swapaxes(v_abs, -1, -2))
+                    if sized.rows:  # d1_i = sum_j p_ij (|dp_ij| + a |dout_i| . |v_j|), in the dq order
+                        d1_add = (p * dp_size).sum(-1)
+                        with turns.turn((u,), a, b):
+                            d1_u[..., q0:q1] += d1_add
+                        continue
                 dv_part = xp.matmul(xp.swapaxes(p, -1, -2), dout_i, out=dv_part)
                 dv_j += dv_part if hook is None else hook("dv_tile", dv_part, a=a, b=b)
-                ds = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
+                if sized is None:  # (the sizes' pass holds dp in ds already)
+                    ds = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)  # dp, (..., g, bq, bk)
                 ds -= delta_u[..., q0:q1, None]
                 ds *= p  # ds = p * (dp - D)
                 if th is not None:  # softcap: d/dt c tanh(t / c) = 1 - tanh(t / c)**2
@@ -635,6 +597,20 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     ds *= th
                 if grad is not None:  # score_mod: its derivative at the (capped) score; p = 0: ds = 0 whatever it is
                     ds = xp.copy_where(ds, ds * grad[1], p > 0)
+                if sized is not None:
+                    # ds_ij's size p_ij (|dp_ij| + d1_i) |factor|, squared (1 + w_i**2) with the scores'.
+                    size = 1.0 if th is None else th + sized.cap
+                    if grad is not None:
+                        size = size * xp.where(p > 0, abs(grad[1]), 0.0)
+                    a2 = p * (dp_size + d1_u[..., q0:q1, None]) * size
+                    a2 *= a2
+                    p2 = p * p
+                    if w2_u is not None:
+                        a2 *= w2_u[..., q0:q1, None]
+                        p2 *= w2_u[..., q0:q1, None]
+                    dv2_j += xp.matmul(xp.swapaxes(p2, -1, -2), dout_i * dout_i)
+                    dk2_j += xp.matmul(xp.swapaxes(a2, -1, -2), q_i * q_i)  # q_i carries the scale
+                    dq2_add = xp.matmul(a2, k_sq)
                 if hook is not None:
                     ds = hook("ds", ds, a=a, b=b)
                 dk_part = xp.matmul(xp.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
@@ -645,12 +621,19 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                 with turns.turn((u,), a, b):  # taken even by a dropped tile: the order stays fixed
                     if add is not None:
                         dq_u[..., q0:q1, :] += add
+                    if sized is not None:
+                        dq2_u[..., q0:q1, :] += dq2_add
         except BaseException:
             turns.abort()  # no other worker may wait for this tile's turns any more
             raise
+        if sized is not None and sized.rows:
+            return
         # GQA: the query heads of a group share k_j and v_j, so their gradients add up.
         dk[unit][..., k0:k1, :] = dk_j.sum(-3)
         dv[unit][..., k0:k1, :] = dv_j.sum(-3)
+        if sized is not None:  # and so do their squares
+            sized.dk2[unit][..., k0:k1, :] = dk2_j.sum(-3)
+            sized.dv2[unit][..., k0:k1, :] = dv2_j.sum(-3)
 
     # Key tiles are handed out in ascending order, so the lowest unfinished one never
     # waits: no deadlock.  Under causal masks the first key tiles are also the longest.

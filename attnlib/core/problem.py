@@ -125,7 +125,7 @@ class Precision:
 
     def round(self, x) -> np.ndarray:
         """``x`` rounded to the compute type, held in the accumulate type."""
-        return np.asarray(x).astype(self.compute).astype(self.accumulate)
+        return np.asarray(x).astype(self.compute).astype(self.accumulate, copy=False)
 
     def round_p(self, x) -> np.ndarray:
         """The weights ``p`` rounded as ``p @ v`` takes them (``p_type``, else ``compute``)."""

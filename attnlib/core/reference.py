@@ -42,17 +42,18 @@ def dense_options(options=None, /, **given) -> Options:
     return opts
 
 
-def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None):
+def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None, cols=None):
     """The scores ``(..., hk, g, sq, sk)`` in ``dtype``, ``-inf`` where invisible; ``xp``'s
-    arrays (`attnlib.core.backend`: numpy, or torch on a device).  ``rows``: the query
-    positions ``q5`` holds (default all ``pb.sq``), for the scores of those rows only."""
-    visible, distance, cap, slopes = pair_terms(pb, opts, dtype, rows)
+    arrays (`attnlib.core.backend`: numpy, or torch on a device).  ``rows``, ``cols``: the query
+    and key positions ``q5`` and ``k5`` hold (default all ``pb.sq``, ``pb.sk``), for the scores of
+    those pairs only."""
+    visible, distance, cap, slopes = pair_terms(pb, opts, dtype, rows, cols)
     visible = xp.from_host(visible)
     mask_mod, score_mod = flex.visible_mod(opts.mask_mod, opts.block_mask), opts.score_mod  # a block mask's own too
     flex.check_elementwise(mask_mod, score_mod, pb.sq, pb.sk)
     # Each head's batch entry and query head, (*batch, hk, g), over the whole grid as one tile.
     mods = flex.Mods(mask_mod, score_mod, None, *flex.index_grids(pb, ()))
-    i, j = (np.arange(pb.sq) if rows is None else rows), np.arange(pb.sk)
+    i, j = (np.arange(pb.sq) if rows is None else rows), (np.arange(pb.sk) if cols is None else cols)
     if mask_mod is not None:  # AND the built-in masks
         visible = mods.visible(visible, i, j, False, xp)
     # The scale and cap are float64 numbers, taken exactly in a wider dtype too: the oracle
@@ -83,29 +84,31 @@ def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None):
     return s
 
 
-def pair_terms(pb, opts: Options, dtype=np.float64, rows=None):
+def pair_terms(pb, opts: Options, dtype=np.float64, rows=None, cols=None):
     """What the score options say about each pair: ``(visible, distance, cap, slopes)``.
 
     ``visible`` (bool) and ``distance`` (the ALiBi ``|i + o - j|``, or None without ALiBi)
     are ``(sq, sk)``, or ``(*batch, 1, 1, sq, sk)`` when the mask depends on the batch
     entry (``visible`` ``(*batch, hk or 1, 1, sq, sk)`` with top-k lists); ``cap`` is the softcap or None; ``slopes`` the ALiBi slopes ``(..., hk, g)`` or
-    None.  ``rows``: the query positions of the rows (``sq`` of them; default all).
+    None.  ``rows``, ``cols``: the query and key positions of the pairs (default all).
     """
     specs = opts.specs(pb)
     cap = problem.softcap_in(opts.softcap, dtype, "low-precision")  # a low-precision baseline keeps it in float32
     slopes = problem.alibi_slopes(opts.alibi_slopes, pb, dtype)  # (..., hk, g)
-    i, j = (np.arange(pb.sq) if rows is None else np.asarray(rows)), np.arange(pb.sk)
+    i = np.arange(pb.sq) if rows is None else np.asarray(rows)
+    j = np.arange(pb.sk) if cols is None else np.asarray(cols)
 
     def per_pair(fn, dtype):  # fn(spec) -> (sq, sk); the batch axes too when specs differ
         if () in specs:
             return fn(specs[()])
         grid = np.array([fn(spec) for spec in specs.values()], dtype=dtype)  # none: a zero-size batch
-        return grid.reshape(pb.batch + (1, 1, i.size, pb.sk))  # (*batch, hk=1, g=1, sq, sk)
+        return grid.reshape(pb.batch + (1, 1, i.size, j.size))  # (*batch, hk=1, g=1, sq, sk)
 
     visible = per_pair(lambda spec: spec.visible(i, j), bool)
     sel = opts.selection(pb)
     if sel is not None:  # top-k lists: (*batch, hk or 1, 1, sq, sk), ANDed
-        visible = visible & sel.dense(pb.batch, pb.hk, rows)
+        visible = visible & (sel.dense(pb.batch, pb.hk, rows) if cols is None else
+                             sel.dense(pb.batch, pb.hk, rows)[..., j])
     distance = None if slopes is None else per_pair(lambda spec: spec.distance(i, j), np.float64)
     return visible, distance, cap, slopes
 
