@@ -250,3 +250,8 @@ def test_dense_backward_parts_are_the_gradients_there():
         assert np.abs(part[3] - exact[3]).max() <= 1e-5 * np.abs(exact[3]).max()
     with pytest.raises(ValueError, match="part of the gradients"):
         dense_backward(q, k, v, dout, opts, keys=keys)  # keys need the forward's rows
+    # Every formulation in one call (the scores rounded alike shared): each one's own bits.
+    together = dense_backward(q, k, v, dout, opts, compute_dtype="bfloat16", formulation=FORMULATIONS, rows=rows)
+    for formulation, got in zip(FORMULATIONS, together):
+        alone = dense_backward(q, k, v, dout, opts, compute_dtype="bfloat16", formulation=formulation, rows=rows)
+        assert np.array_equal(got[0], alone[0]) and got[1:] == alone[1:], formulation

@@ -170,8 +170,8 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         step = max(1, NAIVE_CHUNK_BYTES // max(1, heads * other))
         return [at[c:c + step] for c in range(0, at.size, step)]
 
-    def run(formulation, **part):
-        return dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name, formulation=formulation,
+    def run(**part):  # every formulation's, sharing the scores they round alike
+        return dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name, formulation=FORMULATIONS,
                               check_finite=False, **part)
 
     errs, draws = dict.fromkeys(ref_grads), {n: [] for n in ref_grads}
@@ -190,18 +190,19 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
 
     names = tuple(ref_grads)
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing formulation is left out
-        for formulation in FORMULATIONS:
-            if rows is None and keys is None:
-                for n, x in zip(names, run(formulation)):
+        if rows is None and keys is None:
+            for grads in run():
+                for n, x in zip(names, grads):
                     add(n, None, x if n != "dsinks" else np.asarray(x)[..., None, None])
-                continue
-            parts = [run(formulation, rows=c) for c in chunks(rows, qh.shape[-2], kh.shape[-2])]
-            add("dq", rows, np.concatenate([np.asarray(x[0], dtype=np.float64) for x in parts], axis=-2))
-            parts = [run(formulation, keys=c, stats=stats) for c in chunks(keys, kh.shape[-2], qh.shape[-2])]
+            return errs, draws
+        by_rows = [run(rows=c) for c in chunks(rows, qh.shape[-2], kh.shape[-2])]  # [chunk][formulation]
+        by_keys = [run(keys=c, stats=stats) for c in chunks(keys, kh.shape[-2], qh.shape[-2])]
+        for f in range(len(FORMULATIONS)):
+            add("dq", rows, np.concatenate([np.asarray(x[f][0], dtype=np.float64) for x in by_rows], axis=-2))
             for t, n in enumerate(names[1:3], 1):
-                add(n, keys, np.concatenate([np.asarray(x[t], dtype=np.float64) for x in parts], axis=-2))
+                add(n, keys, np.concatenate([np.asarray(x[f][t], dtype=np.float64) for x in by_keys], axis=-2))
             if "dsinks" in names:  # every row's, whatever the keys
-                add("dsinks", None, np.asarray(parts[0][3])[..., None, None])
+                add("dsinks", None, np.asarray(by_keys[0][f][3])[..., None, None])
     return errs, draws
 
 

@@ -4,7 +4,10 @@ For each ``n`` and precision, a ``(1, 8, n, 64)`` causal problem: one float64
 ``attention(..., return_lse=True)`` and one `check_kernel` of a correct output in that
 precision (attnlib's tiled kernel in it), interleaved, ``--repeats`` times after a warm-up
 check; one JSON line each with the medians, the runs, their ratio and the issue's target
-``4 x attention + 0.2 s``.  The CPU is named on the first line.
+``4 x attention + 0.2 s``.  ``--gradients``: the check also judges ``dq, dk, dv`` (the float64
+gradients rounded to the type), against one float64 ``attention`` and one tiled
+``attention_backward``, target ``4 x (attention + backward) + 0.2 s``.  The CPU is named on
+the first line.
 """
 
 from __future__ import annotations
@@ -17,29 +20,44 @@ import time
 import numpy as np
 
 from ..core import problem, validate
+from ..core.backward import attention_backward
 from ..core.tiled import attention
 from .verdict import check_kernel
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 
 
-def measure(n: int, prec: str, repeats: int = 3, heads: int = 8, d: int = 64, seed: int = 0) -> dict:
-    """``{n, precision, attention, check (medians, s), runs, ratio, target, within}``."""
+def measure(n: int, prec: str, repeats: int = 3, heads: int = 8, d: int = 64, seed: int = 0,
+            gradients: bool = False) -> dict:
+    """``{n, precision, attention, check (medians, s), runs, ratio, target, within}``; with
+    ``gradients``, ``attention`` is the forward and the backward's time."""
     rng = np.random.default_rng(seed)
     dt = problem.precision(prec).compute  # ml_dtypes' bfloat16 for "bfloat16"
-    q, k, v = (rng.standard_normal((1, heads, n, d)).astype(dt) for _ in range(3))
+    q, k, v, dout = (rng.standard_normal((1, heads, n, d)).astype(dt) for _ in range(4))
     out = attention(q, k, v, causal=True, compute_dtype=prec).astype(dt)
-    check_kernel(q, k, v, out, causal=True, layout="bhsd")  # warm-up: the allocator's first pages
+    grads = {}
+    if gradients:
+        o64, lse = attention(q, k, v, causal=True, return_lse=True)
+        grads = dict(zip(("dq", "dk", "dv"), (g.astype(dt) for g in attention_backward(q, k, v, o64, lse, dout,
+                                                                                          causal=True))))
+        grads["dout"] = dout
+
+    def reference():
+        o, lse = attention(q, k, v, causal=True, return_lse=True)
+        if gradients:
+            attention_backward(q, k, v, o, lse, dout, causal=True)
+
+    check_kernel(q, k, v, out, causal=True, layout="bhsd", **grads)  # warm-up: the allocator's first pages
     ta, tc = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        attention(q, k, v, causal=True, return_lse=True)
+        reference()
         ta.append(time.perf_counter() - t)
         t = time.perf_counter()
-        verdict = check_kernel(q, k, v, out, causal=True, layout="bhsd")
+        verdict = check_kernel(q, k, v, out, causal=True, layout="bhsd", **grads)
         tc.append(time.perf_counter() - t)
     a, c = statistics.median(ta), statistics.median(tc)
-    return dict(n=n, precision=prec, attention=round(a, 4), check=round(c, 4),
+    return dict(n=n, precision=prec, gradients=gradients, attention=round(a, 4), check=round(c, 4),
                 attention_runs=[round(t, 4) for t in ta], check_runs=[round(t, 4) for t in tc],
                 ratio=round(c / a, 2), target=round(4 * a + 0.2, 4), within=c <= 4 * a + 0.2,
                 passed=verdict.passed)
@@ -50,11 +68,12 @@ def main(argv=None) -> int:
     parser.add_argument("n", type=int, nargs="*", default=[1024, 2048, 4096])
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gradients", action="store_true", help="judge dq, dk, dv too (against forward + backward)")
     a = parser.parse_args(argv)
     print(json.dumps({"cpu": validate.cpu_name()}), flush=True)
     for n in a.n:
         for prec in a.precisions.split(","):
-            print(json.dumps(measure(n, prec, a.repeats)), flush=True)
+            print(json.dumps(measure(n, prec, a.repeats, gradients=a.gradients)), flush=True)
     return 0
 
 

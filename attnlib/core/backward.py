@@ -138,25 +138,35 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
                    rss_accumulate=1.0, rss_scores=0.0, check_finite=True, compute_dtype=None,
                    formulation="math", rows=None, keys=None, stats=None):
     """`reference_attention_backward` with its options parsed into ``opts`` (and ``mod_grad``
-    the ``score_mod_grad``).
+    the ``score_mod_grad``).  ``formulation``: one of `FORMULATIONS`, or a tuple of them for a
+    list of their gradients (those that round the same scores share them).
 
-    A part of the gradients (the check's naive baselines on a sample, `attnlib.check.naive`):
-    ``rows``, query positions: ``dq`` on those rows (``dk``, ``dv``, ``dsinks`` None); ``keys``, key
-    positions, with ``stats = (lse, out)`` the forward's rows ``(..., Hq, Sq)`` and ``(..., Hq, Sq,
-    Dv)`` (float64): ``dk``, ``dv`` on those keys and ``dsinks``, with ``p = exp(s - lse)`` and ``D_i``
-    from ``out`` (in the formulation's arithmetic: ``lse`` and ``out`` rounded as a kernel stores
-    them; ``dq`` None)."""
-    if formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    if (rows is not None or keys is not None) and (return_abs or return_rss or (keys is None) != (stats is None)):
-        raise ValueError("rows or keys= (keys with stats=) give a part of the gradients, without their sizes")
+    A part of the gradients (the check's naive baselines on a sample, `attnlib.check.naive`), the
+    pairs of query positions ``rows`` and key positions ``keys`` (None: all): without ``stats``,
+    ``dq`` on ``rows``, each row's softmax from its own scores (``keys`` must hold every key the rows
+    see); with ``stats = (lse, out)``, the forward's ``(..., Hq, Sq)`` and ``(..., Hq, Sq, Dv)``
+    (float64), ``dk`` and ``dv`` on ``keys`` (``rows`` must hold every row that sees them) with ``p =
+    exp(s - lse)`` and ``D_i`` from ``out`` in the formulation's arithmetic (``lse`` and ``out`` as a
+    kernel stores them), and ``dsinks`` when ``rows`` is None.  The others are None."""
+    several = not isinstance(formulation, str)
+    formulations = tuple(formulation) if several else (formulation,)
+    for f in formulations:
+        if f not in FORMULATIONS:
+            raise ValueError(f"formulation must be one of {FORMULATIONS}, got {f!r}")
+    part = rows is not None or keys is not None or stats is not None
+    if part and (return_abs or return_rss or (stats is None and rows is None)):
+        raise ValueError("rows= (and keys=) give dq on rows, keys= with stats= dk and dv on keys: a part of "
+                         "the gradients, without their sizes")
     prec = problem.precision(compute_dtype)
     if prec.p_type is not None:
         raise ValueError(f"compute_dtype={prec.name!r} has no backward: FlashAttention 3's fp8 path "
                          "is forward only; judge fp8 gradients as bfloat16")
+    if several and (return_abs or return_rss or prec.is_float64):
+        raise ValueError("several formulations are those of a lower compute_dtype, without sizes")
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
-    problem.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
+    if not part:  # (a part: the check's sample, where an overflowing formulation is left out)
+        problem.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
     e = _grad_exponent(pb, dout5, (v5,), q5, k5) if prec.is_float64 else 0
     if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
         return _unscale_grads(dense_backward(
@@ -167,8 +177,6 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
-    flash = formulation == "flash" and not prec.is_float64
-    keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
     i_at = np.arange(pb.sq) if rows is None else np.asarray(rows)
     j_at = np.arange(pb.sk) if keys is None else np.asarray(keys)
     if rows is not None:
@@ -178,31 +186,39 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
     sinks = opts.sinks
     sink = problem.sinks(sinks, pb, dtype)  # (..., hk, g) or None
-    s = keep(_scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys))  # (..., hk, g, sq, sk), -inf where invisible
+    scores = _scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys)  # (..., hk, g, sq, sk), -inf where invisible
     if sink is not None:
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
     if stats is not None:  # the rows' lse as the forward stored it: p = exp(s - lse)
         lse, out5 = (np.asarray(x, dtype=np.float64).reshape(pb.batch + (pb.hk, pb.group) + np.shape(x)[-1 - t:])
                      for t, x in enumerate(stats))
+        if rows is not None:
+            lse, out5 = lse[..., i_at], out5[..., i_at, :]
         lse = lse.astype(dtype)[..., None]  # (..., hk, g, sq, 1)
-        with np.errstate(over="ignore"):  # -inf rows (no key): shifted by 0, p = 0
-            p = rnd(np.exp(s - np.where(np.isfinite(lse), lse, 0.0)))
-            p_sink = None if sink is None else np.exp(sink - np.where(np.isfinite(lse), lse, 0.0))
-    else:
+
+    def softmax(s):
+        """``(p, p_sink, lse)`` of the scores ``s`` as kept (``lse`` 0 on rows with no key)."""
+        if stats is not None:
+            with np.errstate(over="ignore"):  # -inf rows (no key): shifted by 0, p = 0
+                p = rnd(np.exp(s - np.where(np.isfinite(lse), lse, 0.0)))
+                return p, None if sink is None else np.exp(sink - np.where(np.isfinite(lse), lse, 0.0)), lse
         m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
         if sink is not None:  # the softmax over [s_i, sink]: the sink column is one more logit
             m = np.maximum(m, sink)
         with np.errstate(over="ignore"):  # s - m below -max (scores of +-1e308) is -inf: p = 0, exact
             p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
         l = p.sum(axis=-1, keepdims=True)
+        p_sink = None
         if sink is not None:
             with np.errstate(over="ignore"):  # sink - m below -max: weight exactly 0
                 w_sink = np.exp(sink - m)  # (..., hk, g, sq, 1)
             l = l + w_sink
             p_sink = w_sink / l  # l >= 1: the sink's share of each row
-        p = rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0))  # P, 0 on rows with no key
+        row_lse = np.where(l > 0, np.where(np.isfinite(m), m, 0.0) + np.log(np.where(l > 0, l, 1.0)), 0.0)
+        return rnd(np.divide(p, l, out=np.zeros_like(p), where=l > 0)), p_sink, row_lse  # P, 0 on rows with no key
+
     cap = opts.softcap
-    factor = 1.0  # d/dt of c * tanh(t / c) = 1 - tanh(t / c)**2 under softcap
+    t = None
     if cap is not None or mod_grad is not None:
         # Only visible pairs matter (ds is 0 elsewhere).  A masked pair's product may
         # overflow (the scores above refuse a visible one's), so it is taken as 0; a huge
@@ -211,61 +227,38 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
             t = dtype(pb.scale) * (q5 @ np.swapaxes(k5, -1, -2))
             t[~np.isfinite(t)] = 0.0
             if cap is not None:
-                factor = 1.0 - np.tanh(t / dtype(cap)) ** 2
-                t = dtype(cap) * np.tanh(t / dtype(cap))
+                capped = dtype(cap) * np.tanh(t / dtype(cap))
+                cap_factor = 1.0 - np.tanh(t / dtype(cap)) ** 2  # d/dt of c tanh(t / c)
+                t = capped
     if mod_grad is not None:  # the chain rule through score_mod, at the softcapped scores
         b, h = flex.index_grids(pb, ())
-        g = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
-                              i_at[:, None], j_at[None, :], name="score_mod_grad")
-        factor = factor * np.where(p > 0, g, 0.0)  # where p = 0, ds = 0 whatever g is
+        mod_factor = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
+                                       i_at[:, None], j_at[None, :], name="score_mod_grad")
 
-    sequential = formulation == "sequential" and not prec.is_float64
+    def factor_of(p):  # d/dt of the score's modifications; where p = 0, ds = 0 whatever g is
+        factor = 1.0 if cap is None else cap_factor
+        return factor if mod_grad is None else factor * np.where(p > 0, mod_factor, 0.0)
 
-    def mm(a, b):
-        """``a @ b``; "sequential": summed in float32 one slice of the inner axis after
-        another (one key or query at a time, up to `SEQUENTIAL_STEPS` slices)."""
-        n = a.shape[-1]
-        if not sequential or n == 0:
-            return a @ b
-        step = -(-n // SEQUENTIAL_STEPS)
-        acc = a[..., :step] @ b[..., :step, :]
-        for j in range(step, n, step):
-            acc = acc + a[..., j:j + step] @ b[..., j:j + step, :]
-        return acc
-
-    def grads(dout5, q5, k5, v5, sign):
-        head = keep  # FlashAttention sums a GQA group's dk, dv before rounding them
-        # A part (rows or keys): the gradients whole there only, the others left empty.
-        dq_too, kv_too = keys is None, rows is None
-        dv = head(mm(np.swapaxes(p, -1, -2), dout5)) if kv_too else np.zeros(q5.shape[:-2] + (0, v5.shape[-1]), dtype)
-        dp = keep(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
-        if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it, in sequence
-            out = rnd(p @ v5 if stats is None else out5).astype(dtype)
-            d = np.cumsum(dout5 * out, axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)
-        elif stats is not None:  # D_i = dout_i . out_i of the output the forward gave (every key's sum)
-            d = np.sum(dout5 * out5.astype(dtype), axis=-1, keepdims=True)
-        elif sequential and sign < 0 and p.shape[-1]:
-            d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
-        else:
-            d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
-        # The softmax Jacobian (sign -1); +1: the sizes, where a factor counts by its size.
-        ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
-        empty_dq, empty_dk = np.zeros(q5.shape[:-2] + (0, q5.shape[-1]), dtype), np.zeros(q5.shape[:-2] + (0, k5.shape[-1]), dtype)
-        if formulation == "eager" and not prec.is_float64:  # d(q k^T) = scale * ds, rounded
-            ds_scaled = rnd(dtype(pb.scale) * ds)
-            dq = rnd(mm(ds_scaled, k5)) if dq_too else empty_dq
-            dk = head(mm(np.swapaxes(ds_scaled, -1, -2), q5)) if kv_too else empty_dk
-        else:
-            dq = rnd(dtype(pb.scale) * mm(ds, k5)) if dq_too else empty_dq
-            dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5)) if kv_too else empty_dk
-        # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
-        dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
-        # GQA: the query heads of a group share k and v, so their gradients add up.
-        grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
-        grads = tuple(g.astype(prec.compute) for g in grads)
-        if rows is not None:  # dq alone is whole on these rows
-            return (grads[0],) + (None,) * (len(grads) - 1)
-        return grads if keys is None else (None,) + grads[1:]
+    results, kept = [], {}
+    for formulation in formulations:
+        flash = formulation == "flash" and not prec.is_float64
+        keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
+        if flash not in kept:  # the scores as this formulation keeps them, and their softmax
+            s = keep(scores)
+            kept[flash] = (s,) + softmax(s)
+        s, p, p_sink, _ = kept[flash]
+        results.append(_dense_grads(formulation, prec, pb, p, p_sink, factor_of(p), q5, k5, v5, dout5, sink,
+                                    sinks, rows, stats, part, None if stats is None else out5))
+    if several:
+        return results
+    result, formulation = results[0], formulations[0]
+    flash = formulation == "flash" and not prec.is_float64
+    s, p, p_sink, row_lse = kept[flash]
+    factor = factor_of(p)
+    extra = ()
+    if return_abs:
+        extra += (_dense_grads(formulation, prec, pb, p, p_sink, factor, np.abs(q5), np.abs(k5), np.abs(v5),
+                               np.abs(dout5), sink, sinks, rows, stats, part, None, sign=1.0),)
 
     def rss():
         # Squares of the terms each entry sums, summed (a GQA group's heads too), rooted.
@@ -293,8 +286,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
             with np.errstate(over="ignore", invalid="ignore"):
                 sigma = np.max(np.where(seen, abs(pb.scale) * (np.abs(q5) @ np.swapaxes(np.abs(k5), -1, -2)), 0.0),
                                axis=-1, keepdims=True, initial=0.0)
-                lse = np.where(l > 0, np.where(np.isfinite(m), m, 0.0) + np.log(np.where(l > 0, l, 1.0)), 0.0)
-            w2 = (rss_scores * (sigma + np.abs(lse))) ** 2  # (..., hk, g, sq, 1)
+            w2 = (rss_scores * (sigma + np.abs(row_lse))) ** 2  # (..., hk, g, sq, 1)
             a2 = a2 * (1.0 + w2)
             dv = dv + np.swapaxes(p2 * w2, -1, -2) @ (dout5 * dout5)
         if return_rss == "dot":  # dv sums no dot product's result
@@ -305,15 +297,66 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         grads = _split_grads(pb, dq, dk.sum(axis=-3), dv.sum(axis=-3), dsink, sinks)
         return tuple(np.sqrt(g) for g in grads)
 
-    result = grads(dout5, q5, k5, v5, -1.0)
-    extra = ()
-    if return_abs:
-        extra += (grads(np.abs(dout5), np.abs(q5), np.abs(k5), np.abs(v5), 1.0),)
     if return_rss:
         if not prec.is_float64:
             raise ValueError("return_rss is computed in float64: leave compute_dtype out")
         extra += (rss(),)
     return (result,) + extra if extra else result
+
+
+def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, sink, sinks, rows, stats, part, out5,
+                 sign=-1.0):
+    """`dense_backward`'s gradients in one formulation from the weights ``p`` (and the sink's,
+    ``p_sink``); ``sign`` -1: the softmax Jacobian; +1: the sizes (``return_abs``), where a factor
+    counts by its size."""
+    dtype = prec.accumulate.type
+    rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
+    flash = formulation == "flash" and not prec.is_float64
+    keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
+    sequential = formulation == "sequential" and not prec.is_float64
+
+    def mm(a, b):
+        """``a @ b``; "sequential": summed in float32 one slice of the inner axis after
+        another (one key or query at a time, up to `SEQUENTIAL_STEPS` slices)."""
+        n = a.shape[-1]
+        if not sequential or n == 0:
+            return a @ b
+        step = -(-n // SEQUENTIAL_STEPS)
+        acc = a[..., :step] @ b[..., :step, :]
+        for j in range(step, n, step):
+            acc = acc + a[..., j:j + step] @ b[..., j:j + step, :]
+        return acc
+
+    head = keep  # FlashAttention sums a GQA group's dk, dv before rounding them
+    # A part (rows or keys): the gradients whole there only, the others left empty.
+    dq_too, kv_too = stats is None, stats is not None or not part
+    dv = head(mm(np.swapaxes(p, -1, -2), dout5)) if kv_too else np.zeros(q5.shape[:-2] + (0, v5.shape[-1]), dtype)
+    dp = keep(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
+    if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it, in sequence
+        out = rnd(p @ v5 if stats is None else out5).astype(dtype)
+        d = np.cumsum(dout5 * out, axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)
+    elif stats is not None:  # D_i = dout_i . out_i of the output the forward gave (every key's sum)
+        d = np.sum(dout5 * out5.astype(dtype), axis=-1, keepdims=True)
+    elif sequential and sign < 0 and p.shape[-1]:
+        d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
+    else:
+        d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
+    ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
+    empty_dq, empty_dk = (np.zeros(q5.shape[:-2] + (0, x.shape[-1]), dtype) for x in (q5, k5))
+    if formulation == "eager" and not prec.is_float64:  # d(q k^T) = scale * ds, rounded
+        ds_scaled = rnd(dtype(pb.scale) * ds)
+        dq = rnd(mm(ds_scaled, k5)) if dq_too else empty_dq
+        dk = head(mm(np.swapaxes(ds_scaled, -1, -2), q5)) if kv_too else empty_dk
+    else:
+        dq = rnd(dtype(pb.scale) * mm(ds, k5)) if dq_too else empty_dq
+        dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5)) if kv_too else empty_dk
+    # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
+    dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
+    # GQA: the query heads of a group share k and v, so their gradients add up.
+    grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
+    grads = tuple(g.astype(prec.compute) for g in grads)
+    whole = (dq_too, kv_too, kv_too, rows is None)  # dsinks: every row's
+    return tuple(g if w else None for g, w in zip(grads, whole))
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
