@@ -123,3 +123,9 @@ def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks"), xp=NUMPY)
                              f"2**{e} times it): scale dout (or v) down")
         kept.append(s if ok else g)
     return tuple(kept) if isinstance(result, tuple) else kept[0]
+
+
+def _head_dim(q) -> int:
+    """q's head dim D (0 without q): where MLA's joined gradients split."""
+    return 0 if q is None else (q.shape[-1] if hasattr(q, "shape") else np.shape(q)[-1])
+
