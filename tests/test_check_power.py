@@ -218,6 +218,11 @@ def test_tiled_gradient_sizes_are_the_dense_ones():
         _, base = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, workers=1, sizes=GradSizes(2.0 ** -13))
         for got, x in zip(base, want):
             assert np.allclose(got, x, rtol=1e-12, atol=0), options
+        # The float64 rule's componentwise sizes (return_abs) the same way.
+        _, want = dense_backward(q, k, v, dout, opts, mod_grad, return_abs=True)
+        _, got = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, workers=2, sizes=GradSizes(componentwise=True))
+        for x, y in zip(got, want):
+            assert np.allclose(x, y, rtol=1e-12, atol=0), options
     torch = pytest.importorskip("torch")
     opts = Options.parse(causal=True)
     out, lse = attnlib.attention(q, k, v, return_lse=True, causal=True)

@@ -99,9 +99,12 @@ earlier bound for float32, ``2 e_g`` times the componentwise size with a worst-c
 ``8 N u`` term, let ``dq, dk, dv`` scaled by ``1 + 1e-3`` pass at n = 1024: correct
 autograd gradients sat at 6e-5 of it.  *float64* gradients: a first-order rounding bound
 in the gate's terms (`gradient_rounding`), ``2 e_g`` times each entry's componentwise size
-(what it sums, with ``|dout|, |q|, |k|, |v|`` and ``|dp| + |D|``), against the dense float64
-gradient; with softcap (where no bound is derived) the rule above against a long double
-gradient.  Without the dense gradient (too long) a gradient is reported, not judged.
+(what it sums, with ``|dout|, |q|, |k|, |v|`` and ``|dp| + |D|``), against the tiled float64
+gradient with those sizes summed beside it (`attnlib.core.gradsizes`); with softcap (where no
+bound is derived) the rule above against a long double dense gradient, and past the dense size
+a softcapped float64 gradient is reported, not judged.  Below float64 the gradients' sizes come
+from the same tiled pass and their naive backward runs on a sample of rows and keys
+(`attnlib.check.naive.naive_gradient_errors`): judged at every length.
 
 Rows with no visible key must be exactly 0 in ``out`` (the contract's and
 FlashAttention's ``attention_ref``): their allowance is 0.
@@ -547,8 +550,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
     sq, sk = shape["sq"], shape["sk"]
     # dsinks: the sinks' gradient, (H,) or (batch, H), when the problem has sinks.
     names = ("dq", "dk", "dv") + (("dsinks",) if opts.sinks is not None else ())
-    # The dense gradient holds about twice the forward's (heads, Sq, Sk) arrays (measured:
-    # 528 MiB against 384 MiB at n = 4096); with its sizes, or in long double, twice that.
+    # float64 softcap's dense long double gradient holds about twice the forward's (heads, Sq, Sk)
+    # arrays (measured: 528 MiB against 384 MiB at n = 4096), with its sizes twice that.
     dense = dense_fits(sq, heads=4 * heads, sk=sk)
     allowances, naive_errs, unjudged, units = None, {}, {}, {}  # units: each entry's u (`unit`), for ulps
 
@@ -557,10 +560,13 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
 
     expanded = False  # dsinks already (..., H, 1, 1)
     why = "the dense gradient the rule needs would not fit in memory at this length"
-    if dense and prec.is_float64 and opts.softcap is None:
-        # float64: the first-order rounding bound on the componentwise size.
-        ref_grads, sizes = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_abs=True)
-        ref_grads, sizes = dict(zip(names, ref_grads)), dict(zip(names, sizes))
+    if prec.is_float64 and opts.softcap is None:
+        # float64: the first-order rounding bound on the componentwise size, summed beside the
+        # gradients tile by tile (any length).
+        grads, sizes = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device,
+                                      sizes=GradSizes(componentwise=True))
+        ref_grads = {n: np.asarray(arrays.as_numpy(g, n), dtype=np.float64) for n, g in zip(names, grads)}
+        sizes = {n: np.asarray(arrays.as_numpy(g, n), dtype=np.float64) for n, g in zip(names, sizes)}
         e_g = gradient_rounding(qh, kh, vh, opts, prec)
         allowances = {n: 2 * e_g * sizes[n] for n in names}
         units = {n: unit(sizes[n], np.float64) for n in names}

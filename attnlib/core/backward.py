@@ -273,7 +273,7 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
         dv_j = xp.zeros(tuple(q_u.shape[:-2]) + tuple(v_j.shape[-2:]))  # (..., hk, g, bk, dv)
         dk_part, dv_part = xp.empty(tuple(dk_j.shape)), xp.empty(tuple(dv_j.shape))
         if sized is not None:  # the sizes' operands: |v_j|, k_j**2 and this unit's rows
-            v_abs, k_sq, d1_u = abs(v_j), k_j * k_j, sized.d1[unit]
+            v_abs, k_sq, d1_u = abs(v_j), sized.operand(k_j), sized.d1[unit]
             w2_u = None if sized.w2 is None else sized.w2[unit]
             if not sized.rows:
                 dq2_u, dk2_j, dv2_j = sized.dq2[unit], xp.zeros(tuple(dk_j.shape)), xp.zeros(tuple(dv_j.shape))
@@ -302,11 +302,18 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                 # (..., g, bq, bk): the forward's probabilities, exactly 0 where hidden.
                 p = xp.exp(s, out=s) if vis is None else xp.exp_visible_(s, vis)
                 if sized is not None:
-                    # |dp_ij| and, weighted, the componentwise |dout_i| . |v_j| that dp_ij and D_i sum.
-                    dp_size = abs(xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds))
-                    dp_size += sized.accumulate * xp.matmul(abs(dout_i), xp.swapaxes(v_abs, -1, -2))
+                    # |dp_ij| and, weighted, the componentwise |dout_i| . |v_j| that dp_ij and D_i sum
+                    # (componentwise sizes: that alone).
+                    dp = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)
+                    dp_abs = xp.matmul(abs(dout_i), xp.swapaxes(v_abs, -1, -2))
+                    if sized.power == 2:
+                        dp_size = abs(dp)
+                        dp_size += sized.accumulate * dp_abs
+                    else:
+                        dp_size = dp_abs
                     if sized.rows:  # d1_i = sum_j p_ij (|dp_ij| + a |dout_i| . |v_j|), in the dq order
-                        d1_add = (p * dp_size).sum(-1)
+                        dp_size *= p
+                        d1_add = dp_size.sum(-1)
                         with turns.turn((u,), a, b):
                             d1_u[..., q0:q1] += d1_add
                         continue
@@ -325,17 +332,22 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     ds = xp.copy_where(ds, ds * grad[1], p > 0)
                 if sized is not None:
                     # ds_ij's size p_ij (|dp_ij| + d1_i) |factor|, squared (1 + w_i**2) with the scores'.
-                    size = 1.0 if th is None else th + sized.cap
+                    a2 = dp_size
+                    a2 += d1_u[..., q0:q1, None]
+                    a2 *= p
+                    if th is not None:
+                        a2 *= th + sized.cap
                     if grad is not None:
-                        size = size * xp.where(p > 0, abs(grad[1]), 0.0)
-                    a2 = p * (dp_size + d1_u[..., q0:q1, None]) * size
-                    a2 *= a2
-                    p2 = p * p
-                    if w2_u is not None:
-                        a2 *= w2_u[..., q0:q1, None]
-                        p2 *= w2_u[..., q0:q1, None]
-                    dv2_j += xp.matmul(xp.swapaxes(p2, -1, -2), dout_i * dout_i)
-                    dk2_j += xp.matmul(xp.swapaxes(a2, -1, -2), q_i * q_i)  # q_i carries the scale
+                        a2 *= xp.where(p > 0, abs(grad[1]), 0.0)
+                    p2 = p
+                    if sized.power == 2:
+                        a2 *= a2
+                        p2 = p * p
+                        if w2_u is not None:
+                            a2 *= w2_u[..., q0:q1, None]
+                            p2 *= w2_u[..., q0:q1, None]
+                    dv2_j += xp.matmul(xp.swapaxes(p2, -1, -2), sized.operand(dout_i))
+                    dk2_j += xp.matmul(xp.swapaxes(a2, -1, -2), sized.operand(q_i))  # q_i carries the scale
                     dq2_add = xp.matmul(a2, k_sq)
                 if hook is not None:
                     ds = hook("ds", ds, a=a, b=b)

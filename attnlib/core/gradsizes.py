@@ -19,30 +19,35 @@ from .gradparts import _split_grads
 class GradSizes:
     """The entry sizes `tiled_backward` sums beside the gradients: `dense_backward`'s ``return_rss``
     with ``rss_accumulate = accumulate`` and, per row, ``w_i = rss_scores (sigma_i + |lse_i|)``
-    given as ``scores`` ``(..., Hq, Sq)`` (None: ``rss_scores = 0``)."""
+    given as ``scores`` ``(..., Hq, Sq)`` (None: ``rss_scores = 0``); ``componentwise``: its
+    ``return_abs`` instead, the gradients' formulas on ``|dout|, |q|, |k|, |v|`` with ``|dp| + |D|``
+    (the float64 rule's sizes; ``accumulate`` and ``scores`` unused)."""
 
     accumulate: float = 1.0
     scores: object = None
+    componentwise: bool = False
 
     def bind(self, pb, out5, dout5, cap, xp) -> "_SizedPass":
         """The arrays the passes sum into, grouped as the kernel's ``(*batch, hk, g, ...)``."""
         lead = pb.batch + (pb.hk, pb.group)
         d1 = xp.zeros(lead + (pb.sq,))
         w2 = None
-        if self.scores is not None:
+        if self.scores is not None and not self.componentwise:
             # D_i = dout_i . out_i from the output as stored: its entries' roundings, root-sum-square.
             d1 += ((dout5 * xp.operand(out5)) ** 2).sum(-1) ** 0.5
             w = xp.from_host(np.asarray(self.scores, dtype=np.float64).reshape(lead + (pb.sq,)))
             w2 = 1.0 + w * w  # the scores' rounding, relative to p: (1 + w_i**2) on the squares
-        return _SizedPass(float(self.accumulate), 4 * 2.0 ** -53 if cap is not None else 0.0, d1, w2,
+        return _SizedPass(1.0 if self.componentwise else float(self.accumulate),
+                          0.0 if cap is None or self.componentwise else 4 * 2.0 ** -53, d1, w2,
                           xp.zeros(lead + (pb.sq, pb.d)), xp.zeros(pb.batch + (pb.hk, pb.sk, pb.d)),
-                          xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv)), False)
+                          xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv)), False, 1 if self.componentwise else 2)
 
 
 @dataclass(frozen=True)
 class _SizedPass:
     """A `GradSizes` bound to a problem: ``d1 (*lead, sq)`` (summed by the first pass, ``rows``),
-    ``w2 = 1 + w**2`` or None, and the squares ``dq2, dk2, dv2`` the second pass sums."""
+    ``w2 = 1 + w**2`` or None, and the sums ``dq2, dk2, dv2`` of the terms' sizes to the ``power``
+    (2: squares, rooted in `finish`; 1: componentwise) the second pass sums."""
 
     accumulate: float
     cap: float  # under softcap, 1 - tanh**2 from a rounded tanh is off by up to 4u absolutely
@@ -52,6 +57,11 @@ class _SizedPass:
     dk2: object
     dv2: object
     rows: bool
+    power: int = 2
+
+    def operand(self, x):
+        """``x**2`` or ``|x|``: what a term's size multiplies."""
+        return x * x if self.power == 2 else abs(x)
 
     def rows_pass(self) -> "_SizedPass":
         return replace(self, rows=True)
@@ -61,12 +71,13 @@ class _SizedPass:
                                 for n in ("d1", "w2", "dq2", "dk2", "dv2")})
 
     def finish(self, pb, p_sink, sinks):
-        """``(dq, dk, dv[, dsinks])``: the root-sum-squares in the layouts of the gradients."""
+        """``(dq, dk, dv[, dsinks])``: the sizes in the layouts of the gradients."""
         dq2 = self.dq2
-        dq2 *= pb.scale * pb.scale
-        # dsinks: sum_i (P_sink_i d1_i)**2 over the rows of each grouped head.
-        dsink2 = None if p_sink is None else ((p_sink * self.d1) ** 2).sum(-1)
-        return tuple(g ** 0.5 for g in _split_grads(pb, dq2, self.dk2, self.dv2, dsink2, sinks))
+        dq2 *= self.operand(pb.scale)
+        # dsinks: sum_i (P_sink_i d1_i)**2 (or P_sink_i d1_i) over the rows of each grouped head.
+        dsink2 = None if p_sink is None else self.operand(p_sink * self.d1).sum(-1)
+        sizes = _split_grads(pb, dq2, self.dk2, self.dv2, dsink2, sinks)
+        return tuple(g ** 0.5 for g in sizes) if self.power == 2 else sizes
 
 
 __all__ = ["GradSizes"]
