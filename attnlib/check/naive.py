@@ -157,12 +157,30 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
     ``(positions, |naive - ref|)`` for `sampled_ratio`.
 
     ``dq`` on a sample of the query rows (`spread` over ``seen["dq"]``, with ``worst["dq"]``), each
-    row's whole; ``dk``, ``dv`` (and ``dsinks``) on a sample of the keys (``seen["dk"]``,
+    row's whole, and ``dsinks``, a sum of a term per row: its error over the 32 rows with the largest
+    terms and, scaled to the rows they stand for, over the other sampled rows, plus the rounding of
+    the whole sum; ``dk``, ``dv`` on a sample of the keys (``seen["dk"]``,
     ``worst["dk"]``), each key's sum over every row, with the rows' ``p = exp(s - lse)`` and ``D_i``
     from ``stats = (ref_lse, ref)`` (`dense_backward`'s ``keys``): the forward's rows as a kernel
     stores them.  With both samples whole (few rows and keys), the plain dense backward."""
+    sq = qh.shape[-2]
     rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
     keys = spread(seen["dk"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dk"))
+    groups, weights = [rows], [1.0]
+    if "dsinks" in ref_grads and rows is not None:
+        # dsinks sums a term per row, p_sink_i D_i: a few rows can hold most of it (at large logits
+        # p_sink_i = exp(sink - lse_i) spans many decades), so the rows with the largest terms are
+        # computed (weight 1) and the rest sampled, their error scaled to the rows they stand for.
+        lse, out = stats
+        with np.errstate(under="ignore"):
+            p_sink = np.exp(np.asarray(opts.sinks, dtype=np.float64)[..., None] - np.where(np.isfinite(lse), lse, np.inf))
+        by_row = (p_sink * np.sum(np.abs(douth * out), axis=-1)).reshape(-1, sq).max(axis=0)
+        top = np.argsort(by_row, kind="stable")[::-1][:KERNEL_ROWS]
+        top = np.sort(top[by_row[top] > 0])
+        rest = np.setdiff1d(rows, top)
+        groups = [top, rest]
+        weights = [1.0, (np.count_nonzero(seen["dq"]) - np.count_nonzero(seen["dq"][top]))
+                   / max(1, np.count_nonzero(seen["dq"][rest]))]
     heads = 32 * math.prod(qh.shape[:-2])  # bytes a pair takes over the heads (a few float32 and float64 arrays)
 
     def chunks(at, size, other):
@@ -195,14 +213,28 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
                 for n, x in zip(names, grads):
                     add(n, None, x if n != "dsinks" else np.asarray(x)[..., None, None])
             return errs, draws
-        by_rows = [run(rows=c) for c in chunks(rows, qh.shape[-2], kh.shape[-2])]  # [chunk][formulation]
-        by_keys = [run(keys=c, stats=stats) for c in chunks(keys, kh.shape[-2], qh.shape[-2])]
+        row_chunks = [(g, c) for g, at in enumerate(groups) for c in chunks(at, sq, kh.shape[-2]) if c.size]
+        order = np.concatenate([c for _, c in row_chunks])  # the sampled rows, as computed
+        by_rows = [run(rows=c) for _, c in row_chunks]  # [chunk][formulation]
+        by_keys = [run(keys=c, stats=stats) for c in chunks(keys, kh.shape[-2], sq)]
+        if "dsinks" in names:  # the float64 sum of each group's terms, the naive's compared with it
+            exact = [sum(np.asarray(dense_backward(qh, kh, vh, douth, opts, mod_grad, rows=c, check_finite=False)[3])
+                         for g_c, c in row_chunks if g_c == g) for g in range(len(groups))]
+            total = np.asarray(ref_grads["dsinks"], dtype=np.float64)[..., 0, 0]
         for f in range(len(FORMULATIONS)):
-            add("dq", rows, np.concatenate([np.asarray(x[f][0], dtype=np.float64) for x in by_rows], axis=-2))
+            add("dq", order, np.concatenate([np.asarray(x[f][0], dtype=np.float64) for x in by_rows], axis=-2))
             for t, n in enumerate(names[1:3], 1):
                 add(n, keys, np.concatenate([np.asarray(x[f][t], dtype=np.float64) for x in by_keys], axis=-2))
-            if "dsinks" in names:  # every row's, whatever the keys
-                add("dsinks", None, np.asarray(by_keys[0][f][3])[..., None, None])
+            if "dsinks" in names:
+                naive = [sum(np.asarray(x[f][3], dtype=np.float64) for (g_c, _), x in zip(row_chunks, by_rows)
+                             if g_c == g) for g in range(len(groups))]
+                if all(np.isfinite(x).all() for x in naive):
+                    # each group's error, scaled to the rows it stands for, and the naive's rounding
+                    # of the whole sum to the type (which no part's scales to)
+                    e = sum(w * np.abs(x - y) for w, x, y in zip(weights, naive, exact))
+                    e = (e + np.abs(prec.round(total) - total))[..., None, None]
+                    errs["dsinks"] = e if errs["dsinks"] is None else np.maximum(errs["dsinks"], e)
+                    draws["dsinks"].append((None, e))
     return errs, draws
 
 

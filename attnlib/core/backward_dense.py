@@ -122,7 +122,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     see); with ``stats = (lse, out)``, the forward's ``(..., Hq, Sq)`` and ``(..., Hq, Sq, Dv)``
     (float64), ``dk`` and ``dv`` on ``keys`` (``rows`` must hold every row that sees them) with ``p =
     exp(s - lse)`` and ``D_i`` from ``out`` in the formulation's arithmetic (``lse`` and ``out`` as a
-    kernel stores them), and ``dsinks`` when ``rows`` is None.  The others are None."""
+    kernel stores them).  ``dsinks``: the sum over ``rows`` alone.  The others are None."""
     several = not isinstance(formulation, str)
     formulations = tuple(formulation) if several else (formulation,)
     for f in formulations:
@@ -147,7 +147,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         return _unscale_grads(dense_backward(
             q, k, v, _scaled_dout(dout, e), opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
             rss_accumulate=rss_accumulate, rss_scores=rss_scores, check_finite=check_finite,
-            compute_dtype=compute_dtype, formulation=formulation), e)
+            compute_dtype=compute_dtype, formulation=formulation, rows=rows, keys=keys, stats=stats), e)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
@@ -330,7 +330,7 @@ def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, si
     # GQA: the query heads of a group share k and v, so their gradients add up.
     grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
     grads = tuple(g.astype(prec.compute) for g in grads)
-    whole = (dq_too, kv_too, kv_too, rows is None)  # dsinks: every row's
+    whole = (dq_too, kv_too, kv_too, True)  # dsinks: the sum over these rows
     return tuple(g if w else None for g, w in zip(grads, whole))
 
 

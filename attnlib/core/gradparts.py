@@ -114,6 +114,10 @@ def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks"), xp=NUMPY)
     if isinstance(result, tuple) and result and isinstance(result[0], tuple):
         return tuple(_unscale_grads(r, e, names, xp) for r in result)
     grads = result if isinstance(result, tuple) else (result,)
+    if any(g is None for g in grads):  # a part of the gradients (`dense_backward`'s rows, keys)
+        at = [i for i, g in enumerate(grads) if g is not None]
+        done = _unscale_grads(tuple(grads[i] for i in at), e, tuple(names[i] for i in at), xp)
+        return tuple(done[at.index(i)] if i in at else None for i in range(len(grads)))
     scaled = [xp.ldexp(g, e) for g in grads]
     flags = xp.host_bools([xp.isfinite(x).all() for x in grads + tuple(scaled)])
     kept = []
