@@ -100,10 +100,10 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     in_order = naive_rows(ref_lse, KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY, worst)
     per_row = NAIVE_CHUNK_BYTES // max(1, 32 * math.prod(qh.shape[:-2]) * kh.shape[-2])
 
-    def naive(q, k, o, orders, at):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
+    def naive(q, k, o, orders, at, eager=False):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
         at = np.arange(qh.shape[-2]) if at is None else at
         parts = [dense_forward(q, k, v_r, o, return_lse=True, compute_dtype=prec.name, check_finite=False,
-                               orders=orders, rows=at[c:c + max(1, per_row)], rounded=True)
+                               orders=orders, rows=at[c:c + max(1, per_row)], rounded=True, eager_softcap=eager)
                  for c in range(0, max(at.size, 1), max(1, per_row))]
         pick = (lambda x, f: x) if len(orders) == 1 else (lambda x, f: x[f])
         return {order: tuple(np.concatenate([np.asarray(pick(part[t], f), dtype=np.float64) for part in parts],
@@ -116,7 +116,12 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
         # Every input rounded once, for every formulation (held in the accumulator's type).
         q_s, k_s = prec.round(qh * (root if scale >= 0 else -root)), prec.round(kh * root)
         q_r, k_r, v_r = (prec.round(x) for x in (qh, kh, vh))
-        candidates.append(("BLAS order", rows, naive(q_r, k_r, opts, ("blas",), rows)["blas"]))
+        # The scale on the scores, as an eager kernel applies it (and a softcap's steps each rounded
+        # to the type: Hugging Face's Gemma 2; PyTorch's eager float16 softcap erred 1.08-1.49
+        # of an allowance that kept them in float32).
+        eager = opts.softcap is not None
+        candidates.append(("BLAS order" + (", the softcap's steps rounded" if eager else ""), rows,
+                           naive(q_r, k_r, opts, ("blas",), rows, eager)["blas"]))
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not
             # fp8: p ~ 1/Sk among its subnormals)

@@ -44,7 +44,7 @@ magnitude of ``v`` and ``dout``, from the subnormal range up.
 ``|naive - ref|`` is the largest of their errors, entry by entry:
 
 * the scale applied to the scores, sums in BLAS order (`dense_attention` with
-  ``compute_dtype``);
+  ``compute_dtype``; a softcap's steps each stored in the type, as an eager kernel has them);
 * ``q`` and ``k`` each multiplied by ``sqrt(scale)`` and rounded first, BLAS order;
 * the same with the softmax first: ``p / l`` rounded to the type, then ``@ v`` (PyTorch's
   math path, FlashAttention's test ``attention_ref``);

@@ -307,10 +307,9 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     dp = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)
                     dp_abs = xp.matmul(abs(dout_i), xp.swapaxes(v_abs, -1, -2))
                     if sized.power == 2:
-                        dp_size = abs(dp)
-                        dp_size += sized.accumulate * dp_abs
-                    else:
-                        dp_size = dp_abs
+                        dp_abs *= sized.accumulate
+                        dp_abs += abs(dp)
+                    dp_size = dp_abs
                     if sized.rows:  # d1_i = sum_j p_ij (|dp_ij| + a |dout_i| . |v_j|), in the dq order
                         dp_size *= p
                         d1_add = dp_size.sum(-1)

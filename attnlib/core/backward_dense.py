@@ -74,7 +74,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         rounded; ``D = rowsum(p * dp)``); ``"eager"`` is the same with the scores formed as
         ``(q k^T) * scale`` (Hugging Face's eager attention), so ``scale * ds`` is rounded
         before its matmuls (in float16's subnormal range, below 6.1e-5, that rounding is
-        what a small ``dout`` costs); ``"flash"`` is FlashAttention's backward (``s``,
+        what a small ``dout`` costs) and a softcap's steps are stored in the type, forward and
+        back (Gemma 2's eager softcap); ``"flash"`` is FlashAttention's backward (``s``,
         ``dp`` and ``D`` in float32, ``p`` and ``ds`` rounded before their matmuls,
         ``D = dout . out`` with ``out`` rounded to the type and summed one column after
         another, a GQA group's ``dk``, ``dv`` summed in float32 and rounded once);
@@ -202,6 +203,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
             t = dtype(pb.scale) * (q5 @ np.swapaxes(k5, -1, -2))
             t[~np.isfinite(t)] = 0.0
             if cap is not None:
+                raw = t
                 capped = dtype(cap) * np.tanh(t / dtype(cap))
                 cap_factor = 1.0 - np.tanh(t / dtype(cap)) ** 2  # d/dt of c tanh(t / c)
                 t = capped
@@ -210,26 +212,37 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         mod_factor = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
                                        i_at[:, None], j_at[None, :], name="score_mod_grad")
 
-    def factor_of(p):  # d/dt of the score's modifications; where p = 0, ds = 0 whatever g is
+    def factor_of(p, group):  # d/dt of the score's modifications; where p = 0, ds = 0 whatever g is
+        if group == "eager softcap":  # tanh's derivative 1 - y**2 from the tanh y stored in the type
+            y = rnd(np.tanh(rnd(rnd(raw) / dtype(cap))))
+            return 1.0 - y * y
         factor = 1.0 if cap is None else cap_factor
         return factor if mod_grad is None else factor * np.where(p > 0, mod_factor, 0.0)
 
+    def group_of(formulation):  # the formulations that keep the same scores
+        if prec.is_float64:
+            return "exact"
+        if formulation == "flash":
+            return "flash"  # FlashAttention keeps them in float32
+        # An eager kernel (Hugging Face's Gemma 2) stores each step of a softcap in the type.
+        return "eager softcap" if formulation == "eager" and cap is not None and mod_grad is None else "rounded"
+
     results, kept = [], {}
     for formulation in formulations:
-        flash = formulation == "flash" and not prec.is_float64
-        keep = (lambda x: x) if flash else rnd  # noqa: E731  # what FlashAttention keeps in float32
-        if flash not in kept:  # the scores as this formulation keeps them, and their softmax
-            s = keep(scores)
-            kept[flash] = (s,) + softmax(s)
-        s, p, p_sink, _ = kept[flash]
-        results.append(_dense_grads(formulation, prec, pb, p, p_sink, factor_of(p), q5, k5, v5, dout5, sink,
-                                    sinks, rows, stats, part, None if stats is None else out5))
+        group = group_of(formulation)
+        if group not in kept:  # the scores as this formulation keeps them, and their softmax
+            s = (_scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys, eager=prec) if group == "eager softcap"
+                 else scores if group in ("flash", "exact") else rnd(scores))
+            kept[group] = (s,) + softmax(s)
+        s, p, p_sink, _ = kept[group]
+        results.append(_dense_grads(formulation, prec, pb, p, p_sink, factor_of(p, group), q5, k5, v5, dout5, sink,
+                                    sinks, rows, stats, part, None if stats is None else out5,
+                                    cap_chain=cap if group == "eager softcap" else None))
     if several:
         return results
     result, formulation = results[0], formulations[0]
-    flash = formulation == "flash" and not prec.is_float64
-    s, p, p_sink, row_lse = kept[flash]
-    factor = factor_of(p)
+    s, p, p_sink, row_lse = kept[group_of(formulation)]
+    factor = factor_of(p, group_of(formulation))
     extra = ()
     if return_abs:
         extra += (_dense_grads(formulation, prec, pb, p, p_sink, factor, np.abs(q5), np.abs(k5), np.abs(v5),
@@ -280,10 +293,11 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
 
 def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, sink, sinks, rows, stats, part, out5,
-                 sign=-1.0):
+                 sign=-1.0, cap_chain=None):
     """`dense_backward`'s gradients in one formulation from the weights ``p`` (and the sink's,
     ``p_sink``); ``sign`` -1: the softmax Jacobian; +1: the sizes (``return_abs``), where a factor
-    counts by its size."""
+    counts by its size.  ``cap_chain``: the softcap ``c`` of an eager kernel, whose backward stores
+    each step of the chain rule through ``c tanh(s / c)`` in the type."""
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     flash = formulation == "flash" and not prec.is_float64
@@ -316,7 +330,11 @@ def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, si
         d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
     else:
         d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
-    ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
+    if cap_chain is None:
+        ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
+    else:  # d/dz, times c, times 1 - y**2, over c: each product stored in the type
+        c = dtype(cap_chain)
+        ds = rnd(rnd(rnd(rnd(p * (dp + sign * d)) * c) * factor) / c)
     empty_dq, empty_dk = (np.zeros(q5.shape[:-2] + (0, x.shape[-1]), dtype) for x in (q5, k5))
     if formulation == "eager" and not prec.is_float64:  # d(q k^T) = scale * ds, rounded
         ds_scaled = rnd(dtype(pb.scale) * ds)
