@@ -5,6 +5,7 @@ them in ulps of each entry's own size, scaled to the whole tensor (`sampled_rati
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from ..core.backward import FORMULATIONS, dense_backward
 from ..core.options import Options
+from ..core.parallel import _parallel_settings
 from ..core.reference import dense_attention
 from .shapes import UnusableInput
 
@@ -84,6 +86,19 @@ def sampled_ratio(draws, u, seen, pool: str = "tensor") -> np.ndarray:
     return r
 
 
+def _one_blas_thread(fn):
+    """``fn`` with BLAS held to one thread (`attnlib.core.parallel`): the baselines' many
+    products are small, and BLAS threads spin waiting for each other while another process
+    holds a core (a test run's other worker): eight (2048 x 64) @ (64 x 170) float32 products
+    took 64 ms on two OpenBLAS threads against 2.9 ms on one, measured under such load."""
+    @functools.wraps(fn)
+    def held(*args, **kwargs):
+        with _parallel_settings():
+            return fn(*args, **kwargs)
+    return held
+
+
+@_one_blas_thread
 def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=None):
     """``(naive_err, naive_lse_err, words, draws, lse_draws)``: the larger error of plain
     attention in ``prec`` over its plain formulations (see the module docstring), entry by
@@ -155,6 +170,7 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     return naive_err, naive_lse_err, f"{prec.name}: " + "; ".join(used), draws, lse_draws
 
 
+@_one_blas_thread
 def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, stats, seen, worst):
     """``(errs, draws)`` per gradient name of ``ref_grads``: the larger error of the naive backward in
     ``prec`` over its formulations (`~attnlib.core.backward.FORMULATIONS`), entry by entry (0 off
