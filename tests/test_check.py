@@ -66,7 +66,7 @@ def test_float32_kernel_passes(tmp_path, capsys, qkv):
     q, k, v = qkv
     code, text = run(tmp_path, capsys, dict(q=q, k=k, v=v, out=kernel(q, k, v, causal=True)), "--causal")
     assert code == 0, text
-    assert "out: PASS" in text and "naive baseline: float32: BLAS order; BLAS order, q and k scaled by sqrt(scale) first; softmax first, q and k scaled first; key by key" in text and "verdict: PASS (exit 0)" in text
+    assert "out: PASS" in text and "naive baseline: float32: eager: q k^T, then scaled, each stored, BLAS order; BLAS order, q and k scaled by sqrt(scale) first; softmax first, q and k scaled first; key by key" in text and "verdict: PASS (exit 0)" in text
     assert "within the allowance at every position" in text
 
 

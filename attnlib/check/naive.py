@@ -118,7 +118,7 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     def naive(q, k, o, orders, at, eager=False):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
         at = np.arange(qh.shape[-2]) if at is None else at
         parts = [dense_forward(q, k, v_r, o, return_lse=True, compute_dtype=prec.name, check_finite=False,
-                               orders=orders, rows=at[c:c + max(1, per_row)], rounded=True, eager_softcap=eager)
+                               orders=orders, rows=at[c:c + max(1, per_row)], rounded=True, eager=eager)
                  for c in range(0, max(at.size, 1), max(1, per_row))]
         pick = (lambda x, f: x) if len(orders) == 1 else (lambda x, f: x[f])
         return {order: tuple(np.concatenate([np.asarray(pick(part[t], f), dtype=np.float64) for part in parts],
@@ -131,12 +131,11 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
         # Every input rounded once, for every formulation (held in the accumulator's type).
         q_s, k_s = prec.round(qh * (root if scale >= 0 else -root)), prec.round(kh * root)
         q_r, k_r, v_r = (prec.round(x) for x in (qh, kh, vh))
-        # The scale on the scores, as an eager kernel applies it (and a softcap's steps each rounded
-        # to the type: Hugging Face's Gemma 2; PyTorch's eager float16 softcap erred 1.08-1.49
-        # of an allowance that kept them in float32).
-        eager = opts.softcap is not None
-        candidates.append(("BLAS order" + (", the softcap's steps rounded" if eager else ""), rows,
-                           naive(q_r, k_r, opts, ("blas",), rows, eager)["blas"]))
+        # The scale on the scores as an eager kernel applies it: q k^T stored in the type, then scaled
+        # and stored (Hugging Face's eager attention), a softcap's steps each stored (its Gemma 2;
+        # PyTorch's eager float16 softcap erred 1.08 of an allowance that kept them in float32).
+        candidates.append(("eager: q k^T, then scaled, each stored, BLAS order", rows,
+                           naive(q_r, k_r, opts, ("blas",), rows, True)["blas"]))
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not
             # fp8: p ~ 1/Sk among its subnormals)
@@ -187,12 +186,17 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
     sq = qh.shape[-2]
     rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
     keys = spread(seen["dk"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dk"))
+    if rows is None and 32 * math.prod(qh.shape[:-2]) * sq * kh.shape[-2] <= NAIVE_CHUNK_BYTES:
+        # Every row computed anyway (decode, short prefill) and the whole fits: every key too, each
+        # row's softmax its own (a bfloat16 eager decode's dk sat at 1.13 of the sampled keys'
+        # allowance, 0.70 of the whole one's).
+        keys = None
     groups, weights = [rows], [1.0]
     if "dsinks" in ref_grads and rows is not None:
         # dsinks sums a term per row, p_sink_i D_i: a few rows can hold most of it (at large logits
         # p_sink_i = exp(sink - lse_i) spans many decades), so the rows with the largest terms are
         # computed (weight 1) and the rest sampled, their error scaled to the rows they stand for.
-        lse, out = stats
+        lse, out = stats[:2]
         with np.errstate(under="ignore"):
             p_sink = np.exp(np.asarray(opts.sinks, dtype=np.float64)[..., None] - np.where(np.isfinite(lse), lse, np.inf))
         by_row = (p_sink * np.sum(np.abs(douth * out), axis=-1)).reshape(-1, sq).max(axis=0)

@@ -575,8 +575,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         # The naive backward in the kernel's precision, in ulps of each entry's own size: the
         # reference and the sizes in one tiled pass, the naive on a sample (`naive_gradient_errors`).
         accumulate = float(np.finfo(prec.accumulate).eps) / prec.eps  # float32 sums of 16-bit values
-        grads, rss = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device,
-                                    sizes=GradSizes(accumulate, accumulate * scores))
+        grads, rss, naive_rows = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers,
+                                                dev=device, sizes=GradSizes(accumulate, accumulate * scores, naive=prec))
         ref_grads = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, grads)}
         rss = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, rss)}
         expanded = True
@@ -591,8 +591,11 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             if g is not None and g.shape == ref_grads[n].shape:
                 found = worst_rows(g, ref_grads[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
                 worst[at] = found if at not in worst else np.union1d(worst[at], found)
-        naive_errs, draws = naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads,
-                                                  (ref_lse, ref), seen, worst)
+        # The sampled keys' rows as the naive backward has them: the reference's, and its own shift and D_i.
+        stats = (ref_lse, ref) + tuple(np.asarray(arrays.as_numpy(x, "the naive rows"), dtype=np.float64)
+                                       for x in naive_rows)
+        naive_errs, draws = naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, stats, seen,
+                                                  worst)
         top = float(arrays.finfo(prec.compute).max)
         allowances = {}
         for n in names:

@@ -208,7 +208,11 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
     grads = grads if hook is None else hook("grads", grads, xp=xp)
     if sized is not None:
         rss = sized.finish(pb, p_sinks, opts.sinks)
-        return (_unscale_grads(grads, e, xp=xp), _unscale_grads(rss, e, xp=xp)) if e else (grads, rss)
+        result = (_unscale_grads(grads, e, xp=xp), _unscale_grads(rss, e, xp=xp)) if e else (grads, rss)
+        if sized.naive is None:
+            return result
+        shift, d_naive = sized.naive_rows(pb, p_sinks, xp)
+        return result + ((shift, xp.ldexp(d_naive, e) if e else d_naive),)
     return _unscale_grads(grads, e, xp=xp) if e else grads
 
 
@@ -297,6 +301,9 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                 grad = None if mod_grad is None else [mod_grad]
                 s, th = scores_of(q_i, k_j, spec, rows, cols, kind, setup.cap, slopes_u, keep_tanh=True,
                                   out=s_buf, check=setup.check, vis=vis, mods=mods_u, mod_grad=grad, **on_device)
+                naive = sized is not None and sized.rows and sized.naive is not None
+                if naive:  # the scores as a naive kernel in that type stores them (a copy)
+                    s_naive = xp.rounded(s, sized.naive)
                 with xp.overflow_ok():  # below -max: -inf, whose exp is the exact 0
                     s -= shift_u[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities, exactly 0 where hidden.
@@ -313,8 +320,19 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     if sized.rows:  # d1_i = sum_j p_ij (|dp_ij| + a |dout_i| . |v_j|), in the dq order
                         dp_size *= p
                         d1_add = dp_size.sum(-1)
+                        if naive:  # L_i and A_i (`GradSizes`'s naive): that kernel's weights, unnormalised
+                            with xp.overflow_ok():
+                                s_naive -= shift_u[..., q0:q1, None]
+                            e = xp.exp(s_naive, out=s_naive) if vis is None else xp.exp_visible_(s_naive, vis)
+                            l_add = e.sum(-1)
+                            e = xp.rounded(e, sized.naive)
+                            e *= xp.rounded(dp, sized.naive)
+                            a_add = e.sum(-1)
                         with turns.turn((u,), a, b):
                             d1_u[..., q0:q1] += d1_add
+                            if naive:
+                                sized.naive_l[unit][..., q0:q1] += l_add
+                                sized.naive_a[unit][..., q0:q1] += a_add
                         continue
                 dv_part = xp.matmul(xp.swapaxes(p, -1, -2), dout_i, out=dv_part)
                 dv_j += dv_part if hook is None else hook("dv_tile", dv_part, a=a, b=b)

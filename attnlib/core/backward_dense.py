@@ -72,7 +72,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         Below float64, which intermediates are rounded: ``"math"`` is PyTorch's eager
         autograd (``s``, ``p``, ``dp``, ``ds`` and each head's ``dq``, ``dk``, ``dv``
         rounded; ``D = rowsum(p * dp)``); ``"eager"`` is the same with the scores formed as
-        ``(q k^T) * scale`` (Hugging Face's eager attention), so ``scale * ds`` is rounded
+        ``(q k^T) * scale``, the product stored in the type and then the scaled one (Hugging
+        Face's eager attention: a scale that is no power of two rounds them twice), so ``scale * ds`` is rounded
         before its matmuls (in float16's subnormal range, below 6.1e-5, that rounding is
         what a small ``dout`` costs) and a softcap's steps are stored in the type, forward and
         back (Gemma 2's eager softcap); ``"flash"`` is FlashAttention's backward (``s``,
@@ -123,7 +124,9 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     see); with ``stats = (lse, out)``, the forward's ``(..., Hq, Sq)`` and ``(..., Hq, Sq, Dv)``
     (float64), ``dk`` and ``dv`` on ``keys`` (``rows`` must hold every row that sees them) with ``p =
     exp(s - lse)`` and ``D_i`` from ``out`` in the formulation's arithmetic (``lse`` and ``out`` as a
-    kernel stores them).  ``dsinks``: the sum over ``rows`` alone.  The others are None."""
+    kernel stores them); ``stats = (lse, out, shift, d)``: the formulations that store the scores
+    in the type take ``lse + shift`` and ``D_i = d`` instead, the rows as their own softmax has them
+    (`attnlib.core.gradsizes.GradSizes`'s ``naive``).  ``dsinks``: the sum over ``rows`` alone.  The others are None."""
     several = not isinstance(formulation, str)
     formulations = tuple(formulation) if several else (formulation,)
     for f in formulations:
@@ -165,16 +168,23 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     scores = _scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys)  # (..., hk, g, sq, sk), -inf where invisible
     if sink is not None:
         sink = sink.astype(dtype)[..., None, None]  # (..., hk, g, 1, 1)
+    lse_of, d_of = {}, {}  # per score group: the rows' lse and D_i the weights take (with stats)
     if stats is not None:  # the rows' lse as the forward stored it: p = exp(s - lse)
-        lse, out5 = (np.asarray(x, dtype=np.float64).reshape(pb.batch + (pb.hk, pb.group) + np.shape(x)[-1 - t:])
-                     for t, x in enumerate(stats))
+        grouped = [np.asarray(x, dtype=np.float64).reshape(pb.batch + (pb.hk, pb.group) + np.shape(x)[-1 - (t == 1):])
+                   for t, x in enumerate(stats)]
         if rows is not None:
-            lse, out5 = lse[..., i_at], out5[..., i_at, :]
-        lse = lse.astype(dtype)[..., None]  # (..., hk, g, sq, 1)
+            grouped = [x[..., i_at, :] if t == 1 else x[..., i_at] for t, x in enumerate(grouped)]
+        lse, out5 = grouped[0], grouped[1]
+        lse_of["flash"] = lse_of["rounded"] = lse_of["exact"] = lse.astype(dtype)[..., None]  # (..., hk, g, sq, 1)
+        if len(grouped) > 2:  # the naive's own rows (`GradSizes`'s naive): its LSE's shift and its D_i
+            lse_of["rounded"] = (lse + grouped[2]).astype(dtype)[..., None]
+            d_of["rounded"] = grouped[3].astype(dtype)[..., None]
+        lse_of["eager"], d_of["eager"] = lse_of["rounded"], d_of.get("rounded")
 
-    def softmax(s):
-        """``(p, p_sink, lse)`` of the scores ``s`` as kept (``lse`` 0 on rows with no key)."""
+    def softmax(s, group):
+        """``(p, p_sink, lse)`` of the scores ``s`` as ``group`` keeps them (``lse`` 0 on rows with no key)."""
         if stats is not None:
+            lse = lse_of[group]
             with np.errstate(over="ignore"):  # -inf rows (no key): shifted by 0, p = 0
                 p = rnd(np.exp(s - np.where(np.isfinite(lse), lse, 0.0)))
                 return p, None if sink is None else np.exp(sink - np.where(np.isfinite(lse), lse, 0.0)), lse
@@ -212,8 +222,10 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         mod_factor = flex.score_values(mod_grad, t, b[..., None, None], h[..., None, None],
                                        i_at[:, None], j_at[None, :], name="score_mod_grad")
 
+    eager_cap = cap is not None and mod_grad is None  # the eager kernel's softcap, forward and back
+
     def factor_of(p, group):  # d/dt of the score's modifications; where p = 0, ds = 0 whatever g is
-        if group == "eager softcap":  # tanh's derivative 1 - y**2 from the tanh y stored in the type
+        if group == "eager" and eager_cap:  # tanh's derivative 1 - y**2 from the tanh y stored in the type
             y = rnd(np.tanh(rnd(rnd(raw) / dtype(cap))))
             return 1.0 - y * y
         factor = 1.0 if cap is None else cap_factor
@@ -224,20 +236,22 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
             return "exact"
         if formulation == "flash":
             return "flash"  # FlashAttention keeps them in float32
-        # An eager kernel (Hugging Face's Gemma 2) stores each step of a softcap in the type.
-        return "eager softcap" if formulation == "eager" and cap is not None and mod_grad is None else "rounded"
+        # An eager kernel (Hugging Face's) stores q k^T, then its scaled product, and each step of a
+        # softcap (Gemma 2's) in the type.
+        return "eager" if formulation == "eager" else "rounded"
 
     results, kept = [], {}
     for formulation in formulations:
         group = group_of(formulation)
         if group not in kept:  # the scores as this formulation keeps them, and their softmax
-            s = (_scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys, eager=prec) if group == "eager softcap"
+            s = (_scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys, eager=prec) if group == "eager"
                  else scores if group in ("flash", "exact") else rnd(scores))
-            kept[group] = (s,) + softmax(s)
+            kept[group] = (s,) + softmax(s, group)
         s, p, p_sink, _ = kept[group]
         results.append(_dense_grads(formulation, prec, pb, p, p_sink, factor_of(p, group), q5, k5, v5, dout5, sink,
                                     sinks, rows, stats, part, None if stats is None else out5,
-                                    cap_chain=cap if group == "eager softcap" else None))
+                                    cap_chain=cap if group == "eager" and eager_cap else None,
+                                    d_rows=d_of.get(group)))
     if several:
         return results
     result, formulation = results[0], formulations[0]
@@ -293,11 +307,12 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
 
 def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, sink, sinks, rows, stats, part, out5,
-                 sign=-1.0, cap_chain=None):
+                 sign=-1.0, cap_chain=None, d_rows=None):
     """`dense_backward`'s gradients in one formulation from the weights ``p`` (and the sink's,
     ``p_sink``); ``sign`` -1: the softmax Jacobian; +1: the sizes (``return_abs``), where a factor
     counts by its size.  ``cap_chain``: the softcap ``c`` of an eager kernel, whose backward stores
-    each step of the chain rule through ``c tanh(s / c)`` in the type."""
+    each step of the chain rule through ``c tanh(s / c)`` in the type; ``d_rows``: the rows' ``D_i``
+    as the formulation has them (with ``stats``; default from ``out``)."""
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     flash = formulation == "flash" and not prec.is_float64
@@ -324,6 +339,8 @@ def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, si
     if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it, in sequence
         out = rnd(p @ v5 if stats is None else out5).astype(dtype)
         d = np.cumsum(dout5 * out, axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)
+    elif d_rows is not None:  # the naive's own D_i over every key (`GradSizes`'s naive)
+        d = d_rows
     elif stats is not None:  # D_i = dout_i . out_i of the output the forward gave (every key's sum)
         d = np.sum(dout5 * out5.astype(dtype), axis=-1, keepdims=True)
     elif sequential and sign < 0 and p.shape[-1]:

@@ -21,11 +21,19 @@ class GradSizes:
     with ``rss_accumulate = accumulate`` and, per row, ``w_i = rss_scores (sigma_i + |lse_i|)``
     given as ``scores`` ``(..., Hq, Sq)`` (None: ``rss_scores = 0``); ``componentwise``: its
     ``return_abs`` instead, the gradients' formulas on ``|dout|, |q|, |k|, |v|`` with ``|dp| + |D|``
-    (the float64 rule's sizes; ``accumulate`` and ``scores`` unused)."""
+    (the float64 rule's sizes; ``accumulate`` and ``scores`` unused).
+
+    ``naive``: a low precision whose naive backward (PyTorch's, scores and ``dp`` stored in the
+    type) the check runs on a sample of the keys, where each row's normaliser and ``D_i`` cannot be
+    its own (they sum every key): the first pass sums them as that backward has them, ``L_i =
+    sum_j exp(rnd(s_ij) - lse_i)`` (with the sink's weight) and ``A_i = sum_j rnd(exp(rnd(s_ij) -
+    lse_i)) rnd(dp_ij)``, given back as ``(log L_i, A_i / L_i)``: the shift of its LSE and its
+    ``D_i`` (`attnlib.check.naive`)."""
 
     accumulate: float = 1.0
     scores: object = None
     componentwise: bool = False
+    naive: object = None  # a `problem.Precision`: also each row's statistics as its naive backward has them
 
     def bind(self, pb, out5, dout5, cap, xp) -> "_SizedPass":
         """The arrays the passes sum into, grouped as the kernel's ``(*batch, hk, g, ...)``."""
@@ -37,10 +45,12 @@ class GradSizes:
             d1 += ((dout5 * xp.operand(out5)) ** 2).sum(-1) ** 0.5
             w = xp.from_host(np.asarray(self.scores, dtype=np.float64).reshape(lead + (pb.sq,)))
             w2 = 1.0 + w * w  # the scores' rounding, relative to p: (1 + w_i**2) on the squares
+        rows = None if self.naive is None else (xp.zeros(lead + (pb.sq,)), xp.zeros(lead + (pb.sq,)))
         return _SizedPass(1.0 if self.componentwise else float(self.accumulate),
                           0.0 if cap is None or self.componentwise else 4 * 2.0 ** -53, d1, w2,
                           xp.zeros(lead + (pb.sq, pb.d)), xp.zeros(pb.batch + (pb.hk, pb.sk, pb.d)),
-                          xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv)), False, 1 if self.componentwise else 2)
+                          xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv)), False, 1 if self.componentwise else 2,
+                          self.naive, *(rows or (None, None)))
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,9 @@ class _SizedPass:
     dv2: object
     rows: bool
     power: int = 2
+    naive: object = None
+    naive_l: object = None  # L_i, (*lead, sq)
+    naive_a: object = None  # A_i
 
     def operand(self, x):
         """``x**2`` or ``|x|``: what a term's size multiplies."""
@@ -68,7 +81,15 @@ class _SizedPass:
 
     def at(self, idx) -> "_SizedPass":  # one mask's batch entries
         return replace(self, **{n: None if getattr(self, n) is None else getattr(self, n)[idx]
-                                for n in ("d1", "w2", "dq2", "dk2", "dv2")})
+                                for n in ("d1", "w2", "dq2", "dk2", "dv2", "naive_l", "naive_a")})
+
+    def naive_rows(self, pb, p_sink, xp):
+        """``(shift, D)``, ``(..., Hq, Sq)``: the naive's LSE minus the reference's and its ``D_i``
+        (0 on rows with no key)."""
+        l = self.naive_l if p_sink is None else self.naive_l + p_sink
+        seen = l > 0
+        shift = xp.log_where(l, seen, xp.zeros(tuple(l.shape)))
+        return pb.merge_heads(shift, 1), pb.merge_heads(xp.divide_where(self.naive_a, l, seen), 1)
 
     def finish(self, pb, p_sink, sinks):
         """``(dq, dk, dv[, dsinks])``: the sizes in the layouts of the gradients."""

@@ -46,8 +46,9 @@ def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None, co
     """The scores ``(..., hk, g, sq, sk)`` in ``dtype``, ``-inf`` where invisible; ``xp``'s
     arrays (`attnlib.core.backend`: numpy, or torch on a device).  ``rows``, ``cols``: the query
     and key positions ``q5`` and ``k5`` hold (default all ``pb.sq``, ``pb.sk``), for the scores of
-    those pairs only.  ``eager``: a low precision whose eager kernel rounds each step of the
-    softcap, ``c tanh(s / c)``, to it (Hugging Face's Gemma 2 eager attention); None: in ``dtype``."""
+    those pairs only.  ``eager``: a low precision whose eager kernel stores each step in it: ``q
+    k^T``, then times the scale (Hugging Face's eager attention), and each step of a softcap, ``c
+    tanh(s / c)`` (its Gemma 2); None: in ``dtype``."""
     visible, distance, cap, slopes = pair_terms(pb, opts, dtype, rows, cols)
     visible = xp.from_host(visible)
     mask_mod, score_mod = flex.visible_mod(opts.mask_mod, opts.block_mask), opts.score_mod  # a block mask's own too
@@ -63,8 +64,10 @@ def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None, co
                                                k_max=pb.max_of("k", k5))
     # An overflow is reported below, and only where a visible pair has it.
     with xp.ignore_overflow(may_overflow):
-        s = xp.scale_(xp.matmul(xp.astype(q5, dtype), xp.swapaxes(xp.astype(k5, dtype), -1, -2)),
-                      float(dtype(pb.scale)))
+        s = xp.matmul(xp.astype(q5, dtype), xp.swapaxes(xp.astype(k5, dtype), -1, -2))
+        if eager is not None:  # q k^T stored in the type, then scaled and stored again
+            s = xp.rounded(s, eager)
+        s = xp.scale_(s, float(dtype(pb.scale)))
     if may_overflow and any(xp.host_bools([(~xp.isfinite(s) & visible).any()])):
         raise ValueError(problem.overflow_message(np.dtype(dtype)))
     if cap is not None and eager is not None:  # s, s / c, tanh and c tanh each stored in the type
@@ -188,15 +191,15 @@ def _dense_on(q, k, v, call: Call):
 
 def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=True, compute_dtype=None,
                     return_max_scores=False, orders=("blas",), rows=None, rounded=False, dev=None,
-                    eager_softcap=False):
+                    eager=False):
     """`reference_attention` with its options parsed into ``opts``; ``dev``: a torch device to
     compute on (`attnlib.core.torch_backend`), or None for numpy.  ``orders`` (`ORDERS`): how
     ``p @ v`` is summed, one ``out`` (and ``lse``) per order, from one computation of the
     scores and weights (a tuple of them when several are asked); ``rows``: the query
     positions computed (an index array; default all), the result holding those rows only;
     ``rounded``: ``q``, ``k``, ``v`` hold values of ``compute_dtype`` already (not rounded again:
-    a bfloat16 rounding is a conversion through ml_dtypes, ~10 ns a value); ``eager_softcap``: a
-    softcap's steps each rounded to ``compute_dtype`` (`_scores`'s ``eager``)."""
+    a bfloat16 rounding is a conversion through ml_dtypes, ~10 ns a value); ``eager``: the scores'
+    steps each stored in ``compute_dtype`` as an eager kernel stores them (`_scores`'s ``eager``)."""
     xp = NUMPY if dev is None else backend_for(dev, 1)  # one call of whole-matrix ops: torch's own threads
     q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
     prec = problem.precision(compute_dtype)
@@ -211,8 +214,7 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
         else:
             inputs = ((xp.astype(x, prec.accumulate) for x in (q5, k5, v5)) if rounded
                       else (xp.rounded(x, prec) for x in (q5, k5, v5)))
-            outs, lses, maxes = _dense(*inputs, pb, prec.accumulate.type, opts, prec, orders, xp, rows,
-                                       eager_softcap)
+            outs, lses, maxes = _dense(*inputs, pb, prec.accumulate.type, opts, prec, orders, xp, rows, eager)
             outs = [xp.astype(out, prec.compute) for out in outs]
     out, lse = (outs[0], lses[0]) if len(orders) == 1 else (tuple(outs), tuple(lses))
     result = (out,) + ((lse,) if return_lse else ()) + ((maxes,) if return_max_scores else ())
@@ -230,7 +232,7 @@ ORDERS = ("blas", "softmax_first", "key_by_key")
 
 
 def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp=NUMPY, rows=None,
-           eager_softcap=False):
+           eager=False):
     """``(outs, lses, max_scores)`` in the caller's layout, computed densely in ``dtype``, one
     ``out`` and ``lse`` per summation order of ``orders`` (`ORDERS`); ``rows``: the query
     positions ``q5`` holds (default all).
@@ -244,7 +246,7 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp
         raise ValueError(f"orders must name some of {ORDERS} (key_by_key alone), got {orders!r}")
     low = prec is not None and not prec.is_float64
     sink = xp.from_host(problem.sinks(opts.sinks, pb, dtype), dtype)  # (..., hk, g) or None
-    s = _scores(q5, k5, pb, opts, dtype, xp, rows, eager=prec if low and eager_softcap else None)  # (.., sq, sk)
+    s = _scores(q5, k5, pb, opts, dtype, xp, rows, eager=prec if low and eager else None)  # (..., sq, sk)
     # A naive kernel stores its scores in the compute type (numpy float32 scores: already, no copy).
     same = low and prec.compute == prec.accumulate and prec.p_type is None and s.dtype == prec.compute
     if low and not same and orders != ("key_by_key",):
