@@ -302,8 +302,9 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                 s, th = scores_of(q_i, k_j, spec, rows, cols, kind, setup.cap, slopes_u, keep_tanh=True,
                                   out=s_buf, check=setup.check, vis=vis, mods=mods_u, mod_grad=grad, **on_device)
                 naive = sized is not None and sized.rows and sized.naive is not None
-                if naive:  # the scores as a naive kernel in that type stores them (a copy)
-                    s_naive = xp.rounded(s, sized.naive)
+                if naive:  # the scores as a naive kernel in that type stores them (from float32, as it does)
+                    acc_type = sized.naive.accumulate
+                    s_naive = xp.rounded(xp.astype(s, acc_type), sized.naive)
                 with xp.overflow_ok():  # below -max: -inf, whose exp is the exact 0
                     s -= shift_u[..., q0:q1, None]
                 # (..., g, bq, bk): the forward's probabilities, exactly 0 where hidden.
@@ -326,7 +327,7 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                             e = xp.exp(s_naive, out=s_naive) if vis is None else xp.exp_visible_(s_naive, vis)
                             l_add = e.sum(-1)
                             e = xp.rounded(e, sized.naive)
-                            e *= xp.rounded(dp, sized.naive)
+                            e *= xp.rounded(xp.astype(dp, acc_type), sized.naive)
                             a_add = e.sum(-1)
                         with turns.turn((u,), a, b):
                             d1_u[..., q0:q1] += d1_add
