@@ -66,13 +66,14 @@ def _scores(q5, k5, pb, opts: Options, dtype=np.float64, xp=NUMPY, rows=None, co
     with xp.ignore_overflow(may_overflow):
         s = xp.matmul(xp.astype(q5, dtype), xp.swapaxes(xp.astype(k5, dtype), -1, -2))
         if eager is not None:  # q k^T stored in the type, then scaled and stored again
-            s = xp.rounded(s, eager)
-        s = xp.scale_(s, float(dtype(pb.scale)))
+            s = xp.rounded(xp.scale_(xp.rounded(s, eager), float(dtype(pb.scale))), eager)
+        else:
+            s = xp.scale_(s, float(dtype(pb.scale)))
     if may_overflow and any(xp.host_bools([(~xp.isfinite(s) & visible).any()])):
         raise ValueError(problem.overflow_message(np.dtype(dtype)))
     if cap is not None and eager is not None:  # s, s / c, tanh and c tanh each stored in the type
         with xp.overflow_ok():
-            s = xp.rounded(xp.tanh_(xp.rounded(xp.rounded(s, eager) / float(dtype(cap)), eager)), eager)
+            s = xp.rounded(xp.tanh_(xp.rounded(s / float(dtype(cap)), eager)), eager)
             s = xp.rounded(s * float(dtype(cap)), eager)
     elif cap is not None:
         with xp.overflow_ok():  # s / cap beyond the range: tanh(+-inf) = +-1, exact
@@ -249,7 +250,7 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp
     s = _scores(q5, k5, pb, opts, dtype, xp, rows, eager=prec if low and eager else None)  # (..., sq, sk)
     # A naive kernel stores its scores in the compute type (numpy float32 scores: already, no copy).
     same = low and prec.compute == prec.accumulate and prec.p_type is None and s.dtype == prec.compute
-    if low and not same and orders != ("key_by_key",):
+    if low and not same and orders != ("key_by_key",) and not eager:  # (eager scores: stored already)
         s = xp.rounded(s, prec)
     # -inf for rows with no key
     m = xp.amax(s, -1)[..., None] if pb.sk else xp.full(tuple(s.shape[:-1]) + (1,), -math.inf, s.dtype)
