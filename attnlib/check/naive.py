@@ -179,14 +179,17 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
     ``dq`` on a sample of the query rows (`spread` over ``seen["dq"]``, with ``worst["dq"]``), each
     row's whole, and ``dsinks``, a sum of a term per row: its error over the 32 rows with the largest
     terms and, scaled to the rows they stand for, over the other sampled rows, plus the rounding of
-    the whole sum; ``dk``, ``dv`` on a sample of the keys (``seen["dk"]``,
-    ``worst["dk"]``), each key's sum over every row, with the rows' ``p = exp(s - lse)`` and ``D_i``
-    from ``stats = (ref_lse, ref)`` (`dense_backward`'s ``keys``): the forward's rows as a kernel
-    stores them.  With both samples whole (few rows and keys), the plain dense backward."""
+    the whole sum; ``dk``, ``dv`` on a sample of the keys (``seen["dk"]``, ``worst["dk"]``), each
+    key's sum over every row, with each row's softmax and ``D_i`` from ``stats = (ref_lse, ref,
+    shift, d)`` (`dense_backward`'s ``keys``): the forward's rows as FlashAttention's formulation
+    reads them, and the naive's own (`attnlib.core.gradsizes.GradSizes`'s ``naive``) for the
+    formulations that store the scores in the type.  With every row computed anyway and the whole
+    within `NAIVE_CHUNK_BYTES`, every key too; with both samples whole, the plain dense backward."""
     sq = qh.shape[-2]
     rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
     keys = spread(seen["dk"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dk"))
-    if rows is None and 32 * math.prod(qh.shape[:-2]) * sq * kh.shape[-2] <= NAIVE_CHUNK_BYTES:
+    heads = 32 * math.prod(qh.shape[:-2])  # bytes a pair takes over the heads (a few float32 and float64 arrays)
+    if rows is None and heads * sq * kh.shape[-2] <= NAIVE_CHUNK_BYTES:
         # Every row computed anyway (decode, short prefill) and the whole fits: every key too, each
         # row's softmax its own (a bfloat16 eager decode's dk sat at 1.13 of the sampled keys'
         # allowance, 0.70 of the whole one's).
@@ -206,7 +209,6 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         groups = [top, rest]
         weights = [1.0, (np.count_nonzero(seen["dq"]) - np.count_nonzero(seen["dq"][top]))
                    / max(1, np.count_nonzero(seen["dq"][rest]))]
-    heads = 32 * math.prod(qh.shape[:-2])  # bytes a pair takes over the heads (a few float32 and float64 arrays)
 
     def chunks(at, size, other):
         at = np.arange(size) if at is None else at

@@ -43,8 +43,9 @@ magnitude of ``v`` and ``dout``, from the subnormal range up.
 ``out`` rounded to it, the softmax and sums in float32) in four plain formulations, and
 ``|naive - ref|`` is the largest of their errors, entry by entry:
 
-* the scale applied to the scores, sums in BLAS order (`dense_attention` with
-  ``compute_dtype``; a softcap's steps each stored in the type, as an eager kernel has them);
+* the scale applied to the scores as an eager kernel applies it, sums in BLAS order
+  (`dense_attention` with ``compute_dtype`` and ``eager``: ``q k^T`` stored in the type, then
+  its scaled value, and a softcap's steps each stored);
 * ``q`` and ``k`` each multiplied by ``sqrt(scale)`` and rounded first, BLAS order;
 * the same with the softmax first: ``p / l`` rounded to the type, then ``@ v`` (PyTorch's
   math path, FlashAttention's test ``attention_ref``);

@@ -73,8 +73,8 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         autograd (``s``, ``p``, ``dp``, ``ds`` and each head's ``dq``, ``dk``, ``dv``
         rounded; ``D = rowsum(p * dp)``); ``"eager"`` is the same with the scores formed as
         ``(q k^T) * scale``, the product stored in the type and then the scaled one (Hugging
-        Face's eager attention: a scale that is no power of two rounds them twice), so ``scale * ds`` is rounded
-        before its matmuls (in float16's subnormal range, below 6.1e-5, that rounding is
+        Face's eager attention: a scale that is no power of two rounds them twice), so
+        ``scale * ds`` is rounded before its matmuls (in float16's subnormal range, below 6.1e-5, that rounding is
         what a small ``dout`` costs) and a softcap's steps are stored in the type, forward and
         back (Gemma 2's eager softcap); ``"flash"`` is FlashAttention's backward (``s``,
         ``dp`` and ``D`` in float32, ``p`` and ``ds`` rounded before their matmuls,
