@@ -13,7 +13,8 @@ import numpy as np
 
 from ..core.backward import FORMULATIONS, dense_backward
 from ..core.options import Options
-from ..core.parallel import _parallel_settings
+from ..core import validate
+from ..core.parallel import _parallel_settings, run_tiles
 from ..core.reference import dense_attention
 from .shapes import UnusableInput
 
@@ -51,8 +52,18 @@ KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY = 32, 256
 #: the naive errs as much; a sample spread evenly missed them and left correct kernels at up to
 #: 0.92 of the allowance (0.42 with every row computed).
 KERNEL_ROWS = 32
-#: The bytes of a dense baseline's working arrays at a time (its rows taken in chunks).
+#: The bytes of a dense baseline's working arrays at a time (its rows taken in chunks), over
+#: the threads computing them.
 NAIVE_CHUNK_BYTES = 1 << 28
+
+
+def _in_threads(tasks, workers: int) -> list:
+    """``[task() for task in tasks]``, on ``workers`` threads (`attnlib.core.parallel.run_tiles`:
+    BLAS held to one thread, the error state carried over): a baseline's formulations and parts
+    are independent, and numpy releases the GIL in them."""
+    done = [None] * len(tasks)
+    run_tiles(lambda i: done.__setitem__(i, tasks[i]()), range(len(tasks)), workers)
+    return done
 
 
 def pool_axes(ndim: int, pool: str):
@@ -99,13 +110,13 @@ def _one_blas_thread(fn):
 
 
 @_one_blas_thread
-def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=None):
+def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=None, workers=None):
     """``(naive_err, naive_lse_err, words, draws, lse_draws)``: the larger error of plain
     attention in ``prec`` over its plain formulations (see the module docstring), entry by
     entry, computed on a sample of the rows (`naive_rows`; 0 on the others); ``draws`` and
     ``lse_draws`` hold each formulation's ``(rows, |naive - ref|)`` (`sampled_ratio`).
     ``on``: an `OnDevice`, where every formulation runs with torch; ``worst``: rows every sample
-    includes (`rule.worst_rows`)."""
+    includes (`rule.worst_rows`); ``workers``: threads for the formulations on the host (None: every CPU)."""
     dense_forward = dense_attention if on is None else on.dense
     d = qh.shape[-1]
     scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(d)
@@ -113,7 +124,8 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     unscaled = replace(opts, scale=1.0)  # q and k carry the scale
     rows = naive_rows(ref_lse, SAMPLE_ROWS, SAMPLE_EVERY, worst)
     in_order = naive_rows(ref_lse, KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY, worst)
-    per_row = NAIVE_CHUNK_BYTES // max(1, 32 * math.prod(qh.shape[:-2]) * kh.shape[-2])
+    workers = 1 if on is not None else validate.workers(workers)
+    per_row = NAIVE_CHUNK_BYTES // max(1, 32 * workers * math.prod(qh.shape[:-2]) * kh.shape[-2])
 
     def naive(q, k, o, orders, at, eager=False):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
         at = np.arange(qh.shape[-2]) if at is None else at
@@ -134,18 +146,19 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
         # The scale on the scores as an eager kernel applies it: q k^T stored in the type, then scaled
         # and stored (Hugging Face's eager attention), a softcap's steps each stored (its Gemma 2;
         # PyTorch's eager float16 softcap erred 1.08 of an allowance that kept them in float32).
-        candidates.append(("eager: q k^T, then scaled, each stored, BLAS order", rows,
-                           naive(q_r, k_r, opts, ("blas",), rows, True)["blas"]))
+        tasks = [("eager: q k^T, then scaled, each stored, BLAS order", rows,
+                  lambda: naive(q_r, k_r, opts, ("blas",), rows, True))]
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not
             # fp8: p ~ 1/Sk among its subnormals)
             orders = ("blas",) if prec.name.startswith("float8") else ("blas", "softmax_first")
-            scaled = naive(q_s, k_s, unscaled, orders, rows)
-            candidates.append(("BLAS order, q and k scaled by sqrt(scale) first", rows, scaled["blas"]))
-            if "softmax_first" in scaled:
-                candidates.append(("softmax first, q and k scaled first", rows, scaled["softmax_first"]))
-            candidates.append(("key by key, q and k scaled first", in_order,
-                               naive(q_s, k_s, unscaled, ("key_by_key",), in_order)["key_by_key"]))
+            tasks += [(("BLAS order, q and k scaled by sqrt(scale) first", "softmax first, q and k scaled first"),
+                       rows, lambda: naive(q_s, k_s, unscaled, orders, rows)),
+                      ("key by key, q and k scaled first", in_order,
+                       lambda: naive(q_s, k_s, unscaled, ("key_by_key",), in_order))]
+        for (words, at, _), found in zip(tasks, _in_threads([task for _, _, task in tasks], workers)):
+            for name, part in zip((words,) if isinstance(words, str) else words, found.values()):
+                candidates.append((name, at, part))
     empty = np.isneginf(ref_lse)
     r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
     naive_err = np.zeros(ref.shape)
@@ -170,7 +183,8 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
 
 
 @_one_blas_thread
-def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, stats, seen, worst):
+def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, stats, seen, worst,
+                          workers=None):
     """``(errs, draws)`` per gradient name of ``ref_grads``: the larger error of the naive backward in
     ``prec`` over its formulations (`~attnlib.core.backward.FORMULATIONS`), entry by entry (0 off
     the sample; None where every formulation overflows the type), and each formulation's
@@ -184,8 +198,10 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
     shift, d)`` (`dense_backward`'s ``keys``): the forward's rows as FlashAttention's formulation
     reads them, and the naive's own (`attnlib.core.gradsizes.GradSizes`'s ``naive``) for the
     formulations that store the scores in the type.  With every row computed anyway and the whole
-    within `NAIVE_CHUNK_BYTES`, every key too; with both samples whole, the plain dense backward."""
+    within `NAIVE_CHUNK_BYTES`, every key too; with both samples whole, the plain dense backward.
+    ``workers``: threads for the parts (None: every CPU)."""
     sq = qh.shape[-2]
+    workers = validate.workers(workers)
     rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
     keys = spread(seen["dk"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dk"))
     heads = 32 * math.prod(qh.shape[:-2])  # bytes a pair takes over the heads (a few float32 and float64 arrays)
@@ -212,7 +228,7 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
 
     def chunks(at, size, other):
         at = np.arange(size) if at is None else at
-        step = max(1, NAIVE_CHUNK_BYTES // max(1, heads * other))
+        step = max(1, NAIVE_CHUNK_BYTES // max(1, workers * heads * other))
         return [at[c:c + step] for c in range(0, at.size, step)]
 
     def run(**part):  # every formulation's, sharing the scores they round alike
@@ -242,11 +258,18 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
             return errs, draws
         row_chunks = [(g, c) for g, at in enumerate(groups) for c in chunks(at, sq, kh.shape[-2]) if c.size]
         order = np.concatenate([c for _, c in row_chunks])  # the sampled rows, as computed
-        by_rows = [run(rows=c) for _, c in row_chunks]  # [chunk][formulation]
-        by_keys = [run(keys=c, stats=stats) for c in chunks(keys, kh.shape[-2], sq)]
+        key_chunks = chunks(keys, kh.shape[-2], sq)
+        tasks = ([functools.partial(run, rows=c) for _, c in row_chunks]
+                 + [functools.partial(run, keys=c, stats=stats) for c in key_chunks])
         if "dsinks" in names:  # the float64 sum of each group's terms, the naive's compared with it
-            exact = [sum(np.asarray(dense_backward(qh, kh, vh, douth, opts, mod_grad, rows=c, check_finite=False)[3])
-                         for g_c, c in row_chunks if g_c == g) for g in range(len(groups))]
+            tasks += [functools.partial(dense_backward, qh, kh, vh, douth, opts, mod_grad, rows=c, check_finite=False)
+                      for _, c in row_chunks]
+        done = _in_threads(tasks, workers)
+        by_rows, by_keys = done[:len(row_chunks)], done[len(row_chunks):len(row_chunks) + len(key_chunks)]  # [chunk][formulation]
+        if "dsinks" in names:
+            in_float64 = done[len(row_chunks) + len(key_chunks):]
+            exact = [sum(np.asarray(x[3]) for (g_c, _), x in zip(row_chunks, in_float64) if g_c == g)
+                     for g in range(len(groups))]
             total = np.asarray(ref_grads["dsinks"], dtype=np.float64)[..., 0, 0]
         for f in range(len(FORMULATIONS)):
             add("dq", order, np.concatenate([np.asarray(x[f][0], dtype=np.float64) for x in by_rows], axis=-2))

@@ -308,7 +308,7 @@ def expect(qh, kh, vh, opts: Options, prec, workers, scheduler=None, device=None
                                 scores[..., None], prec.accumulate))
     worst = np.unique(np.concatenate(worst)) if worst else None
     naive_err, naive_lse_err, baseline, draws, lse_draws = naive_errors(qh, kh, vh, opts, prec, ref, ref_lse, on,
-                                                                        worst)
+                                                                        worst, workers)
     seen = ~empty[..., None]
     allowance = (2 * sampled_ratio(draws, u, seen, pool) + FINAL_ROUNDINGS) * u
     allowance = np.where(empty[..., None], 0.0, allowance)  # empty rows: exactly 0
@@ -596,7 +596,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         stats = (ref_lse, ref) + tuple(np.asarray(arrays.as_numpy(x, "the naive rows"), dtype=np.float64)
                                        for x in naive_rows)
         naive_errs, draws = naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, stats, seen,
-                                                  worst)
+                                                  worst, workers)
         top = float(arrays.finfo(prec.compute).max)
         allowances = {}
         for n in names:
