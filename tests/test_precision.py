@@ -56,3 +56,33 @@ def test_bad_compute_dtype():
     q, k, v = random_qkv(5, 5, 4, seed=0)
     with pytest.raises(ValueError, match="compute_dtype must be one of"):
         attention(q, k, v, compute_dtype="int8")
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16"])
+def test_rounding_by_bits_is_the_cast_bit_for_bit(name):
+    """`Precision.round` of float32 to bfloat16 and float16 works on the bits (a third of the casts'
+    time; numpy's float16 cast took 50 ns an entry on softmax weights among its subnormals): the
+    casts' results, NaN as NaN, no floating-point flag raised.  Every float32 was checked once (a
+    ten-minute run); here the boundaries of each range, signs, zeros, infinities, NaNs (signalling
+    ones among small values in one slice), and a random draw of bit patterns."""
+    rng = np.random.default_rng(11)
+    edges = [np.float32(x).view(np.uint32) for x in (65504.0, 65520.0, 65536.0, 2.0 ** -14, 2.0 ** -24,
+                                                       2.0 ** -25, 3.3895314e38, 2.0 ** -126, 2.0 ** -133)]
+    near = np.concatenate([(np.int64(e) + np.arange(-2000, 2000)) for e in edges])
+    exponents = (np.arange(90, 150, dtype=np.int64) << 23)[:, None] + rng.integers(0, 1 << 23, (60, 2000))
+    pats = np.concatenate([near, exponents.ravel(), rng.integers(0, 1 << 32, 400_000),
+                           [0, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x7F80FFFF]])
+    pats = np.concatenate([pats, pats | 0x80000000]).astype(np.uint32)
+    x = rng.permutation(pats).view(np.float32).reshape(4, -1)[:, ::-1]  # strided: copied, then sliced
+    prec = precision(name)
+    with np.errstate(all="raise"):
+        got = prec.round(x)
+    with np.errstate(all="ignore"):
+        want = x.astype(prec.compute).astype(np.float32)
+    assert got.dtype == np.float32 and not np.shares_memory(got, x)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    assert np.array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])
+    # 0-d and empty arrays (the cast's path, and no slice at all)
+    assert prec.round(np.float32(1 + 2.0 ** -9)) == np.float32(1 + 2.0 ** -9).astype(prec.compute)
+    assert prec.round(np.zeros((0, 3), np.float32)).shape == (0, 3)

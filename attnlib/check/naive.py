@@ -226,9 +226,9 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         weights = [1.0, (np.count_nonzero(seen["dq"]) - np.count_nonzero(seen["dq"][top]))
                    / max(1, np.count_nonzero(seen["dq"][rest]))]
 
-    def chunks(at, size, other):
+    def chunks(at, size, other):  # within the memory bound, and a part for each thread
         at = np.arange(size) if at is None else at
-        step = max(1, NAIVE_CHUNK_BYTES // max(1, workers * heads * other))
+        step = max(1, min(NAIVE_CHUNK_BYTES // max(1, workers * heads * other), -(-at.size // workers)))
         return [at[c:c + step] for c in range(0, at.size, step)]
 
     def run(**part):  # every formulation's, sharing the scores they round alike
@@ -259,13 +259,14 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         row_chunks = [(g, c) for g, at in enumerate(groups) for c in chunks(at, sq, kh.shape[-2]) if c.size]
         order = np.concatenate([c for _, c in row_chunks])  # the sampled rows, as computed
         key_chunks = chunks(keys, kh.shape[-2], sq)
-        tasks = ([functools.partial(run, rows=c) for _, c in row_chunks]
-                 + [functools.partial(run, keys=c, stats=stats) for c in key_chunks])
+        # (the keys' parts first: they sum two gradients, the rows' one)
+        tasks = ([functools.partial(run, keys=c, stats=stats) for c in key_chunks]
+                 + [functools.partial(run, rows=c) for _, c in row_chunks])
         if "dsinks" in names:  # the float64 sum of each group's terms, the naive's compared with it
             tasks += [functools.partial(dense_backward, qh, kh, vh, douth, opts, mod_grad, rows=c, check_finite=False)
                       for _, c in row_chunks]
         done = _in_threads(tasks, workers)
-        by_rows, by_keys = done[:len(row_chunks)], done[len(row_chunks):len(row_chunks) + len(key_chunks)]  # [chunk][formulation]
+        by_keys, by_rows = done[:len(key_chunks)], done[len(key_chunks):len(key_chunks) + len(row_chunks)]  # [chunk][formulation]
         if "dsinks" in names:
             in_float64 = done[len(row_chunks) + len(key_chunks):]
             exact = [sum(np.asarray(x[3]) for (g_c, _), x in zip(row_chunks, in_float64) if g_c == g)

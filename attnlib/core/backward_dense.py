@@ -240,18 +240,31 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         # softcap (Gemma 2's) in the type.
         return "eager" if formulation == "eager" else "rounded"
 
-    results, kept = [], {}
-    for formulation in formulations:
+    dp_parts = {}  # dp = dout @ v^T: one product for every formulation, rounded once for those that store it
+
+    def dp_of(stored):
+        if "raw" not in dp_parts:
+            dp_parts["raw"] = dout5 @ np.swapaxes(v5, -1, -2)  # (..., hk, g, sq, sk)
+        if stored and "rounded" not in dp_parts:
+            dp_parts["rounded"] = rnd(dp_parts["raw"])
+        return dp_parts["rounded" if stored else "raw"]
+
+    groups = list(dict.fromkeys(map(group_of, formulations)))  # a group's formulations one after another
+    results, kept = {}, {}
+    for at in sorted(range(len(formulations)), key=lambda f: groups.index(group_of(formulations[f]))):
+        formulation = formulations[at]
         group = group_of(formulation)
         if group not in kept:  # the scores as this formulation keeps them, and their softmax
+            kept.clear()  # (the group before is done with)
             s = (_scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys, eager=prec) if group == "eager"
                  else scores if group in ("flash", "exact") else rnd(scores))
             kept[group] = (s,) + softmax(s, group)
         s, p, p_sink, _ = kept[group]
-        results.append(_dense_grads(formulation, prec, pb, p, p_sink, factor_of(p, group), q5, k5, v5, dout5, sink,
-                                    sinks, rows, stats, part, None if stats is None else out5,
-                                    cap_chain=cap if group == "eager" and eager_cap else None,
-                                    d_rows=d_of.get(group)))
+        results[at] = _dense_grads(formulation, prec, pb, p, p_sink, factor_of(p, group), q5, k5, v5, dout5, sink,
+                                   sinks, rows, stats, part, None if stats is None else out5,
+                                   cap_chain=cap if group == "eager" and eager_cap else None,
+                                   d_rows=d_of.get(group), dp_of=dp_of)
+    results = [results[f] for f in range(len(formulations))]
     if several:
         return results
     result, formulation = results[0], formulations[0]
@@ -307,12 +320,13 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
 
 def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, sink, sinks, rows, stats, part, out5,
-                 sign=-1.0, cap_chain=None, d_rows=None):
+                 sign=-1.0, cap_chain=None, d_rows=None, dp_of=None):
     """`dense_backward`'s gradients in one formulation from the weights ``p`` (and the sink's,
     ``p_sink``); ``sign`` -1: the softmax Jacobian; +1: the sizes (``return_abs``), where a factor
     counts by its size.  ``cap_chain``: the softcap ``c`` of an eager kernel, whose backward stores
     each step of the chain rule through ``c tanh(s / c)`` in the type; ``d_rows``: the rows' ``D_i``
-    as the formulation has them (with ``stats``; default from ``out``)."""
+    as the formulation has them (with ``stats``; default from ``out``); ``dp_of(stored)``: ``dout @ v^T``
+    as computed (``stored`` False) or rounded to the type, shared by the formulations (None: computed here)."""
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     flash = formulation == "flash" and not prec.is_float64
@@ -339,7 +353,7 @@ def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, si
     # A part (rows or keys): the gradients whole there only, the others left empty.
     dq_too, kv_too = stats is None, stats is not None or not part
     dv = head(mm(np.swapaxes(p, -1, -2), dout5)) if kv_too else np.zeros(q5.shape[:-2] + (0, v5.shape[-1]), dtype)
-    dp = keep(dout5 @ np.swapaxes(v5, -1, -2))  # (..., hk, g, sq, sk)
+    dp = keep(dout5 @ np.swapaxes(v5, -1, -2)) if dp_of is None else dp_of(not flash)  # (..., hk, g, sq, sk)
     if flash and sign < 0:  # D_i = dout_i . out_i, out rounded as the forward stored it, in sequence
         out = rnd(p @ v5 if stats is None else out5).astype(dtype)
         d = np.cumsum(dout5 * out, axis=-1)[..., -1:] if dout5.shape[-1] else np.zeros(p.shape[:-1] + (1,), dtype)

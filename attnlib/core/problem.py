@@ -132,22 +132,72 @@ class Precision:
         return _rounded(np.asarray(x), self.p_type or self.compute, self.accumulate)
 
 
+#: Entries `_rounded` takes at a time (256 KiB of float32: within a core's L2 cache).
+_ROUND_SLICE = 1 << 16
+
+
 def _rounded(x: np.ndarray, to: np.dtype, held: np.dtype) -> np.ndarray:
-    """``x`` rounded to ``to`` (to nearest, ties to even), held in ``held`` (a new array)."""
-    if to.name == "bfloat16" and x.dtype == np.float32 and held == np.float32 and x.ndim:
-        # bfloat16 is float32's top 16 bits: add 0x7FFF plus the lowest bit kept, clear the rest.
-        # Bit for bit ml_dtypes' cast in about half its time (1.2 -> 0.5 ns an entry, measured;
-        # the naive baselines round millions of entries a check).
-        bits = x.view(np.uint32)
-        r = bits >> 16
-        r &= 1
-        r += 0x7FFF
-        r += bits
-        r &= 0xFFFF0000
-        out = r.view(np.float32)
-        np.copyto(out, x, where=np.isnan(x))  # a NaN's payload below bit 16 would carry into inf
+    """``x`` rounded to ``to`` (to nearest, ties to even), held in ``held`` (a new array).
+
+    float32 to bfloat16 and float16, held in float32, by float32's bits, a cache-sized slice at a
+    time: bit for bit the casts (every float32 checked), in a third of their time on (8, 160, 4096)
+    (bfloat16: 0.73 ns an entry against ml_dtypes' 2.18; float16: numpy's cast takes 3.0); the
+    naive baselines round millions of entries a check."""
+    by_bits = _ROUND_BITS.get(to.name)
+    if by_bits is not None and x.dtype == np.float32 and held == np.float32 and x.ndim:
+        out = np.empty(x.shape, np.float32)
+        flat, into = np.ascontiguousarray(x).reshape(-1), out.reshape(-1)
+        for c in range(0, flat.size, _ROUND_SLICE):
+            by_bits(flat[c:c + _ROUND_SLICE], into[c:c + _ROUND_SLICE])
         return out
     return x.astype(to).astype(held, copy=False)
+
+
+def _keep_bits(xs, ys, drop: int) -> None:
+    """``ys``: float32 ``xs`` with its ``drop`` low mantissa bits rounded off (to nearest, ties to
+    even: add half a unit less one, plus the lowest bit kept, then clear them); NaN kept (a
+    payload below the kept bits would carry into inf)."""
+    bits, r = xs.view(np.uint32), ys.view(np.uint32)
+    np.right_shift(bits, drop, out=r)
+    r &= 1
+    r += (1 << (drop - 1)) - 1
+    r += bits
+    r &= (0xFFFFFFFF >> drop) << drop
+    np.copyto(ys, xs, where=np.isnan(xs))
+
+
+def _to_bfloat16(xs, ys) -> None:
+    """bfloat16 is float32's top 16 bits, with float32's exponent range."""
+    _keep_bits(xs, ys, 16)
+
+
+def _to_float16(xs, ys) -> None:
+    """float16: 10 mantissa bits kept; below its normal range (2**-14) a fixed step of 2**-24,
+    float32's own rounding of ``|x| + 0.75`` (whose ulp it is) with x's sign bit (-0 too), blended
+    in by bit masks (a where= copy took 3.8 ns an entry); from 65520 (half way past 65504, ties
+    to even) infinite."""
+    _keep_bits(xs, ys, 13)
+    size = np.abs(xs)
+    small = size < 2.0 ** -14
+    if small.any():
+        with np.errstate(invalid="ignore"):  # a signalling NaN (never small: its result stays NaN)
+            size += np.float32(0.75)
+            size -= np.float32(0.75)
+        bits, r, t = xs.view(np.uint32), ys.view(np.uint32), size.view(np.uint32)
+        t |= bits & 0x80000000
+        keep = small.astype(np.uint32)
+        np.negative(keep, out=keep)  # all ones where small
+        t &= keep
+        np.invert(keep, out=keep)
+        r &= keep
+        r |= t
+        size = np.abs(xs, out=size)
+    big = size >= 65520.0
+    if big.any():
+        np.copyto(ys, np.copysign(np.float32(np.inf), xs), where=big)
+
+
+_ROUND_BITS = {"bfloat16": _to_bfloat16, "float16": _to_float16}
 
 
 _PRECISIONS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn")
