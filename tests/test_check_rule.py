@@ -420,6 +420,10 @@ def test_the_speed_benchmark_reports_its_ratio(capsys):
     assert "cpu" in lines[0] and [r["precision"] for r in lines[1:]] == ["float32", "bfloat16"]
     for r in lines[1:]:
         assert r["passed"] and r["ratio"] > 0 and abs(r["target"] - (4 * r["attention"] + 0.2)) < 1e-3
+    assert speed.main(["160", "--precisions", "bfloat16", "--repeats", "1", "--gradients"]) == 0
+    r = json.loads(capsys.readouterr().out.splitlines()[1])
+    assert r["passed"] and r["gradients"] and 0 < r["backward"] < r["attention"]
+    assert abs(r["added"] - (r["check"] - r["forward_check"])) < 2e-4 and abs(r["added_target"] - (4 * r["backward"] + 0.2)) < 1e-3
 
 
 def test_the_sampled_naive_errors_are_kept_on_their_rows():

@@ -6,8 +6,9 @@ precision (attnlib's tiled kernel in it), interleaved, ``--repeats`` times after
 check; one JSON line each with the medians, the runs, their ratio and the issue's target
 ``4 x attention + 0.2 s``.  ``--gradients``: the check also judges ``dq, dk, dv`` (the float64
 gradients rounded to the type), against one float64 ``attention`` and one tiled
-``attention_backward``, target ``4 x (attention + backward) + 0.2 s``.  The CPU is named on
-the first line.
+``attention_backward``, target ``4 x (attention + backward) + 0.2 s``; and what the gradients
+add, the check with them less the check of ``out`` alone (timed in the same rounds), against
+``4 x backward + 0.2 s``.  The CPU is named on the first line.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 def measure(n: int, prec: str, repeats: int = 3, heads: int = 8, d: int = 64, seed: int = 0,
             gradients: bool = False) -> dict:
     """``{n, precision, attention, check (medians, s), runs, ratio, target, within}``; with
-    ``gradients``, ``attention`` is the forward and the backward's time."""
+    ``gradients``, ``attention`` is the forward and the backward's time, and ``backward``,
+    ``forward_check`` (the check of ``out`` alone), ``added`` (the median of each round's check
+    less its forward check), ``added_ratio`` (over ``backward``) and ``added_target`` too."""
     rng = np.random.default_rng(seed)
     dt = problem.precision(prec).compute  # ml_dtypes' bfloat16 for "bfloat16"
     q, k, v, dout = (rng.standard_normal((1, heads, n, d)).astype(dt) for _ in range(4))
@@ -42,25 +45,33 @@ def measure(n: int, prec: str, repeats: int = 3, heads: int = 8, d: int = 64, se
                                                                                           causal=True))))
         grads["dout"] = dout
 
-    def reference():
-        o, lse = attention(q, k, v, causal=True, return_lse=True)
-        if gradients:
-            attention_backward(q, k, v, o, lse, dout, causal=True)
+    def timed(fn):
+        t = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - t, result
 
     check_kernel(q, k, v, out, causal=True, layout="bhsd", **grads)  # warm-up: the allocator's first pages
-    ta, tc = [], []
+    ta, tb, tc, tf = [], [], [], []
     for _ in range(repeats):
-        t = time.perf_counter()
-        reference()
-        ta.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        verdict = check_kernel(q, k, v, out, causal=True, layout="bhsd", **grads)
-        tc.append(time.perf_counter() - t)
+        fwd, (o, lse) = timed(lambda: attention(q, k, v, causal=True, return_lse=True))
+        bwd = timed(lambda: attention_backward(q, k, v, o, lse, dout, causal=True))[0] if gradients else 0.0
+        ta.append(fwd + bwd)
+        tb.append(bwd)
+        took, verdict = timed(lambda: check_kernel(q, k, v, out, causal=True, layout="bhsd", **grads))
+        tc.append(took)
+        if gradients:
+            tf.append(timed(lambda: check_kernel(q, k, v, out, causal=True, layout="bhsd"))[0])
     a, c = statistics.median(ta), statistics.median(tc)
-    return dict(n=n, precision=prec, gradients=gradients, attention=round(a, 4), check=round(c, 4),
-                attention_runs=[round(t, 4) for t in ta], check_runs=[round(t, 4) for t in tc],
-                ratio=round(c / a, 2), target=round(4 * a + 0.2, 4), within=c <= 4 * a + 0.2,
-                passed=verdict.passed)
+    row = dict(n=n, precision=prec, gradients=gradients, attention=round(a, 4), check=round(c, 4),
+               attention_runs=[round(t, 4) for t in ta], check_runs=[round(t, 4) for t in tc],
+               ratio=round(c / a, 2), target=round(4 * a + 0.2, 4), within=c <= 4 * a + 0.2,
+               passed=verdict.passed)
+    if gradients:
+        b, added = statistics.median(tb), statistics.median([x - y for x, y in zip(tc, tf)])
+        row |= dict(backward=round(b, 4), forward_check=round(statistics.median(tf), 4), added=round(added, 4),
+                    added_ratio=round(added / b, 2), added_target=round(4 * b + 0.2, 4),
+                    added_within=added <= 4 * b + 0.2)
+    return row
 
 
 def main(argv=None) -> int:

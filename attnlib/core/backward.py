@@ -313,9 +313,10 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     # |dp_ij| and, weighted, the componentwise |dout_i| . |v_j| that dp_ij and D_i sum
                     # (componentwise sizes: that alone).
                     dp = xp.matmul(dout_i, xp.swapaxes(v_j, -1, -2), out=ds)
-                    dp_abs = xp.matmul(abs(dout_i), xp.swapaxes(v_abs, -1, -2))
+                    # (the weight on the small operand: a power of 2, exact either side of the product)
+                    dout_abs = abs(dout_i) * sized.accumulate if sized.power == 2 else abs(dout_i)
+                    dp_abs = xp.matmul(dout_abs, xp.swapaxes(v_abs, -1, -2))
                     if sized.power == 2:
-                        dp_abs *= sized.accumulate
                         dp_abs += abs(dp)
                     dp_size = dp_abs
                     if sized.rows:  # d1_i = sum_j p_ij (|dp_ij| + a |dout_i| . |v_j|), in the dq order
@@ -357,16 +358,18 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                         a2 *= th + sized.cap
                     if grad is not None:
                         a2 *= xp.where(p > 0, abs(grad[1]), 0.0)
-                    p2 = p
+                    p2, dout_sq, q_sq = p, sized.operand(dout_i), sized.operand(q_i)  # q_i carries the scale
                     if sized.power == 2:
                         a2 *= a2
                         p2 = p * p
-                        if w2_u is not None:
-                            a2 *= w2_u[..., q0:q1, None]
-                            p2 *= w2_u[..., q0:q1, None]
-                    dv2_j += xp.matmul(xp.swapaxes(p2, -1, -2), sized.operand(dout_i))
-                    dk2_j += xp.matmul(xp.swapaxes(a2, -1, -2), sized.operand(q_i))  # q_i carries the scale
+                        if w2_u is not None:  # a row's weight, on the small operands (and dq's rows)
+                            w2_i = w2_u[..., q0:q1, None]
+                            dout_sq, q_sq = dout_sq * w2_i, q_sq * w2_i
+                    dv2_j += xp.matmul(xp.swapaxes(p2, -1, -2), dout_sq)
+                    dk2_j += xp.matmul(xp.swapaxes(a2, -1, -2), q_sq)
                     dq2_add = xp.matmul(a2, k_sq)
+                    if sized.power == 2 and w2_u is not None:
+                        dq2_add *= w2_i
                 if hook is not None:
                     ds = hook("ds", ds, a=a, b=b)
                 dk_part = xp.matmul(xp.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
