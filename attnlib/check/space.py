@@ -16,8 +16,8 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
   output only (Inductor's CPU kernel returns no LSE);
 
 and judges each with `check_kernel` (one reference per problem, `memo.shared`): out, LSE,
-and on every ``GRADIENT_EVERY``-th problem the autograd gradients of SDPA (FlexAttention
-has no backward on the CPU).  Each run is one row; `summary` counts false alarms per precision and
+and on every ``GRADIENT_EVERY``-th problem (the long ones among them) the autograd gradients of
+SDPA (FlexAttention has no backward on the CPU).  Each run is one row; `summary` counts false alarms per precision and
 kernel with the worst ratio of each tensor and an exact upper confidence bound on the rate.
 Problem ``i`` of a seed is drawn from its own generator, so a run can resume (``rows``
 written line by line to a JSON-lines file, problems already there skipped).
@@ -40,6 +40,7 @@ from ..core.problem import precision
 from ..core.tiled import attention
 from . import memo
 from .calibration import _to_numpy, _to_torch
+from .naive import SAMPLE_ROWS
 from .shapes import UnusableInput
 from .verdict import check_kernel
 
@@ -48,8 +49,10 @@ HEAD_DIMS = (8, 16, 32, 64, 96, 128, 192, 256)
 #: ``batch * Hq * Sq * Sk * max(D, Dv)`` of the problems drawn: ordinary ones, and the
 #: few long ones (one in ``LONG_EVERY``) that reach Sq = Sk = 4096.
 MAX_WORK, LONG_WORK, LONG_EVERY = 1 << 22, 1 << 30, 200
-#: Every this-many-th problem also judges the autograd gradients.
-GRADIENT_EVERY = 4
+#: Every this-many-th problem also judges the autograd gradients, within a larger budget: its
+#: prefill rows reach the hundreds (to 1024), where the check's naive backward runs on a sample
+#: of the rows and keys (above `attnlib.check.naive.SAMPLE_ROWS`).
+GRADIENT_EVERY, GRADIENT_WORK = 4, 1 << 24
 #: FlexAttention runs on every this-many-th problem: eager on the CPU it traces its mods
 #: anew for each problem (~0.35 s, ten times the check's own time).
 FLEX_EVERY = 4
@@ -81,8 +84,10 @@ def _log_int(rng, lo, hi) -> int:
 def draw(rng, prec_name: str, index: int) -> Problem:
     """Problem ``index``: its shape, options and values, from ``rng`` alone."""
     prec = precision(prec_name)
-    long = index % LONG_EVERY == LONG_EVERY - 1
-    regime = "long" if long else str(rng.choice(["decode", "short", "prefill"], p=[0.4, 0.3, 0.3]))
+    long = index % LONG_EVERY == LONG_EVERY - GRADIENT_EVERY  # (a problem that judges gradients too)
+    # (gradient problems lean to prefill: the rows past 128 where the naive backward is sampled)
+    weights = [0.25, 0.25, 0.5] if index % GRADIENT_EVERY == 0 else [0.4, 0.3, 0.3]
+    regime = "long" if long else str(rng.choice(["decode", "short", "prefill"], p=weights))
     hk = int(rng.choice([1, 2, 4]))
     group = int(rng.choice([1, 2, 4, 8]))  # hk 1 and group > 1: MQA
     b = int(rng.choice([1, 2]))
@@ -98,7 +103,7 @@ def draw(rng, prec_name: str, index: int) -> Problem:
     else:  # one head at long rows, head dims up to 64
         sq = sk = int(rng.choice([2048, 4096]))
         b, hk, group, d, dv = 1, 1, 1, min(d, 64), min(dv, 64)
-    budget = LONG_WORK if long else MAX_WORK
+    budget = LONG_WORK if long else GRADIENT_WORK if index % GRADIENT_EVERY == 0 else MAX_WORK
     while b * hk * group * sq * sk * max(d, dv) > budget:  # fewer heads, then shorter rows
         if group > 1:
             group //= 2
@@ -251,7 +256,7 @@ def run_problem(prec_name: str, seed: int, index: int) -> list[dict]:
             if tensors is None:
                 continue
             row = dict(precision=prec_name, seed=seed, index=index, regime=p.regime, shape=p.shape,
-                       options=sorted(p.options), kernel=name)
+                       rows=int(p.q.shape[2]), options=sorted(p.options), kernel=name)
             try:
                 r = check_kernel(p.q, p.k, p.v, tensors["out"], lse=tensors.get("lse"),
                                  dout=p.dout if "dq" in tensors else None, dq=tensors.get("dq"),
@@ -346,12 +351,14 @@ def upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
 
 def summary(rows) -> dict:
     """Per precision and kernel (and ``all``): runs judged, false alarms, their 95% upper
-    bound, the worst ratio of ``out``, of the LSE and of the gradients, and where."""
+    bound, the worst ratio of ``out``, of the LSE and of the gradients, and where; the gradient
+    runs above `SAMPLE_ROWS` query rows (the naive backward on a sample) and their worst ratio."""
     out = {}
     for r in rows:
         for key in (r["precision"], f"{r['precision']} | {r['kernel']}", "all"):
             s = out.setdefault(key, dict(runs=0, unjudged=0, false_alarms=0, worst_out=0.0, worst_lse=None,
-                                         worst_grad=None, gradient_runs=0, worst_at=""))
+                                         worst_grad=None, gradient_runs=0, sampled_gradient_runs=0,
+                                         worst_sampled_grad=None, worst_at=""))
             if not r["judged"]:
                 s["unjudged"] += 1
                 continue
@@ -367,6 +374,9 @@ def summary(rows) -> dict:
             if g:
                 s["gradient_runs"] += 1
                 s["worst_grad"] = max([s["worst_grad"] or 0.0] + g)
+                if r.get("rows", 0) > SAMPLE_ROWS:  # the naive backward on a sample of the rows and keys
+                    s["sampled_gradient_runs"] += 1
+                    s["worst_sampled_grad"] = max([s["worst_sampled_grad"] or 0.0] + g)
     for s in out.values():
         s["upper_95"] = upper_bound(s["false_alarms"], s["runs"])
     return out
