@@ -527,3 +527,24 @@ def test_sampled_dsinks_keep_the_rows_that_hold_the_sum(monkeypatch):
     monkeypatch.setattr(naive, "SAMPLE_ROWS", 10 ** 9)  # every row and key
     whole = check.check_kernel(q, k, v, out, **kw).grads["dsinks"].ratio
     assert sampled < 0.6 and whole < 0.6 and abs(sampled - whole) < 0.1 * whole, (sampled, whole)
+
+
+def test_the_verdict_is_the_same_on_any_number_of_threads():
+    """The baselines run on threads, their parts fixed (`NAIVE_THREADS`), not taken from ``workers``:
+    every figure of the verdict is the same bit for bit on one thread or three (sampled rows and
+    keys, ``dsinks`` summed over the parts)."""
+    from attnlib.core.problem import precision
+    dt = precision("bfloat16").compute
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 2, 300, 16)).astype(dt) for _ in range(4))
+    kw = dict(causal=True, sinks=np.array([0.5, -1.0]))
+    out = attnlib.attention(q, k, v, compute_dtype="bfloat16", **kw).astype(dt)
+    ref, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv, dsinks = attnlib.attention_backward(q, k, v, ref, lse, dout, **kw)
+    grads = dict(dq=dq.astype(dt), dk=dk.astype(dt), dv=dv.astype(dt), dsinks=dsinks)
+
+    def figures(workers):
+        r = check.check_kernel(q, k, v, out, dout=dout, layout="bhsd", workers=workers, **grads, **kw)
+        return [(t.ratio, t.naive_max, t.max_ulps) for t in [r.out] + [r.grads[n] for n in sorted(r.grads)]]
+
+    assert figures(1) == figures(3)

@@ -53,8 +53,12 @@ KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY = 32, 256
 #: 0.92 of the allowance (0.42 with every row computed).
 KERNEL_ROWS = 32
 #: The bytes of a dense baseline's working arrays at a time (its rows taken in chunks), over
-#: the threads computing them.
+#: the threads computing them: each chunk takes a `NAIVE_THREADS`-th.
 NAIVE_CHUNK_BYTES = 1 << 28
+#: The most threads the baselines run on, and the fewest parts the gradients' sampled rows and keys
+#: are each split into: fixed, not taken from ``workers``, so that the split, and with it every
+#: rounding, is the same for any thread count.
+NAIVE_THREADS = 4
 
 
 def _in_threads(tasks, workers: int) -> list:
@@ -124,8 +128,8 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
     unscaled = replace(opts, scale=1.0)  # q and k carry the scale
     rows = naive_rows(ref_lse, SAMPLE_ROWS, SAMPLE_EVERY, worst)
     in_order = naive_rows(ref_lse, KEY_BY_KEY_ROWS, KEY_BY_KEY_EVERY, worst)
-    workers = 1 if on is not None else validate.workers(workers)
-    per_row = NAIVE_CHUNK_BYTES // max(1, 32 * workers * math.prod(qh.shape[:-2]) * kh.shape[-2])
+    workers = 1 if on is not None else min(validate.workers(workers), NAIVE_THREADS)
+    per_row = NAIVE_CHUNK_BYTES // max(1, 32 * NAIVE_THREADS * math.prod(qh.shape[:-2]) * kh.shape[-2])
 
     def naive(q, k, o, orders, at, eager=False):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
         at = np.arange(qh.shape[-2]) if at is None else at
@@ -201,7 +205,7 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
     within `NAIVE_CHUNK_BYTES`, every key too; with both samples whole, the plain dense backward.
     ``workers``: threads for the parts (None: every CPU)."""
     sq = qh.shape[-2]
-    workers = validate.workers(workers)
+    workers = min(validate.workers(workers), NAIVE_THREADS)
     rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
     keys = spread(seen["dk"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dk"))
     heads = 32 * math.prod(qh.shape[:-2])  # bytes a pair takes over the heads (a few float32 and float64 arrays)
@@ -226,9 +230,9 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         weights = [1.0, (np.count_nonzero(seen["dq"]) - np.count_nonzero(seen["dq"][top]))
                    / max(1, np.count_nonzero(seen["dq"][rest]))]
 
-    def chunks(at, size, other):  # within the memory bound, and a part for each thread
+    def chunks(at, size, other):  # within the memory bound, at least two (rows and keys: the threads' parts)
         at = np.arange(size) if at is None else at
-        step = max(1, min(NAIVE_CHUNK_BYTES // max(1, workers * heads * other), -(-at.size // workers)))
+        step = max(1, min(NAIVE_CHUNK_BYTES // max(1, NAIVE_THREADS * heads * other), -(-at.size // 2)))
         return [at[c:c + step] for c in range(0, at.size, step)]
 
     def run(**part):  # every formulation's, sharing the scores they round alike
