@@ -548,3 +548,29 @@ def test_the_verdict_is_the_same_on_any_number_of_threads():
         return [(t.ratio, t.naive_max, t.max_ulps) for t in [r.out] + [r.grads[n] for n in sorted(r.grads)]]
 
     assert figures(1) == figures(3)
+
+
+def test_the_naive_dsinks_do_not_depend_on_the_split_into_parts(monkeypatch):
+    """A part of the naive backward leaves its ``dsinks`` (the sum over its rows) unrounded, and the
+    parts add up before the one rounding of the sum: the naive's error, and with it the allowance,
+    are those of one part (a second reader found +63% on the naive's ``dsinks`` when every part's sum
+    was rounded to float16 before they were added)."""
+    from attnlib.check import naive
+    from attnlib.core.problem import precision
+    dt = precision("float16").compute
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 2, 300, 16)).astype(dt) for _ in range(4))
+    kw = dict(causal=True, sinks=np.array([1.5, -0.5]))
+    out = attnlib.attention(q, k, v, compute_dtype="float16", **kw).astype(dt)
+    ref, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv, dsinks = attnlib.attention_backward(q, k, v, ref, lse, dout, **kw)
+
+    def dsinks_figures():
+        r = check.check_kernel(q, k, v, out, dout=dout, dq=dq.astype(dt), dk=dk.astype(dt), dv=dv.astype(dt),
+                               dsinks=dsinks, layout="bhsd", **kw).grads["dsinks"]
+        return r.naive_max, r.allowance
+
+    two = dsinks_figures()
+    monkeypatch.setattr(naive, "NAIVE_CHUNK_BYTES", 32 * 2 * 300 * 8)  # parts of a few rows each
+    many = dsinks_figures()
+    assert np.allclose(two, many, rtol=1e-6, atol=0), (two, many)

@@ -281,8 +281,11 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
             for t, n in enumerate(names[1:3], 1):
                 add(n, keys, np.concatenate([np.asarray(x[f][t], dtype=np.float64) for x in by_keys], axis=-2))
             if "dsinks" in names:
-                naive = [sum(np.asarray(x[f][3], dtype=np.float64) for (g_c, _), x in zip(row_chunks, by_rows)
-                             if g_c == g) for g in range(len(groups))]
+                # each group's sum as the naive has it: its parts' sums (each left unrounded) added in
+                # the accumulator's type, rounded once, whatever the split into parts
+                parts = [[x[f][3] for (g_c, _), x in zip(row_chunks, by_rows) if g_c == g] for g in range(len(groups))]
+                naive = [np.asarray(prec.round(functools.reduce(np.add, p, np.float32(0.0))), dtype=np.float64)
+                         for p in parts]
                 if all(np.isfinite(x).all() for x in naive):
                     # each group's error, scaled to the rows it stands for, and the naive's rounding
                     # of the whole sum to the type (which no part's scales to)

@@ -126,7 +126,8 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     exp(s - lse)`` and ``D_i`` from ``out`` in the formulation's arithmetic (``lse`` and ``out`` as a
     kernel stores them); ``stats = (lse, out, shift, d)``: the formulations that store the scores
     in the type take ``lse + shift`` and ``D_i = d`` instead, the rows as their own softmax has them
-    (`attnlib.core.gradsizes.GradSizes`'s ``naive``).  ``dsinks``: the sum over ``rows`` alone.  The others are None."""
+    (`attnlib.core.gradsizes.GradSizes`'s ``naive``).  ``dsinks``: the sum over ``rows`` alone, unrounded (in the
+    accumulator's type: the parts of a sum add up before its one rounding).  The others are None."""
     several = not isinstance(formulation, str)
     formulations = tuple(formulation) if several else (formulation,)
     for f in formulations:
@@ -379,10 +380,13 @@ def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, si
         dq = rnd(dtype(pb.scale) * mm(ds, k5)) if dq_too else empty_dq
         dk = head(dtype(pb.scale) * mm(np.swapaxes(ds, -1, -2), q5)) if kv_too else empty_dk
     # The sink's value is 0, so dP_sink = 0 and dsink_i = P_sink_i (0 - D_i).
-    dsink = None if sink is None else rnd(np.sum(sign * p_sink * d, axis=(-2, -1)))
+    dsink = None if sink is None else np.sum(sign * p_sink * d, axis=(-2, -1))
     # GQA: the query heads of a group share k and v, so their gradients add up.
-    grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)), dsink, sinks)
-    grads = tuple(g.astype(prec.compute) for g in grads)
+    grads = _split_grads(pb, dq, rnd(dk.sum(axis=-3)), rnd(dv.sum(axis=-3)),
+                         None if dsink is None else dsink if part else rnd(dsink), sinks)
+    # (a part's dsinks, the sum over its rows, stays in the accumulator's type: the parts add up
+    # before the one rounding of the whole sum)
+    grads = tuple(g if part and i == 3 else g.astype(prec.compute) for i, g in enumerate(grads))
     whole = (dq_too, kv_too, kv_too, True)  # dsinks: the sum over these rows
     return tuple(g if w else None for g, w in zip(grads, whole))
 
