@@ -113,13 +113,14 @@ FlashAttention's ``attention_ref``): their allowance is 0.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..core import arrays
-from ..core import problem
+from ..core import problem, validate
 from ..core.device import as_tensor
 from ..core.backward import _score_mod_grad, dense_backward, tiled_backward
 from ..core.gradsizes import GradSizes
@@ -131,7 +132,7 @@ from ..judge.metrics import BOUND, TINY
 from ..core.reference import dense_attention
 from ..core.tiled import forward_on
 from .shapes import UnusableInput, positions, to_bhsd
-from .naive import KERNEL_ROWS, naive_errors, naive_gradient_errors, pool_axes, sampled_ratio
+from .naive import KERNEL_ROWS, _in_threads, naive_errors, naive_gradient_errors, pool_axes, sampled_ratio
 from .sizes import doubled_options, forward_rss, forward_sizes, reference_sizes, row_masks, score_size  # noqa: F401 (re-exported)
 
 
@@ -585,12 +586,17 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         # The positions that count (a visible key or row) and the kernel's worst (they join the sample).
         seen = {"dq": np.isfinite(ref_lse).reshape(-1, sq).any(axis=0),
                 "dk": ((rss["dk"] > 0).any(axis=-1) | (rss["dv"] > 0).any(axis=-1)).reshape(-1, sk).any(axis=0)}
-        worst = {}
-        for n, at in (("dq", "dq"), ("dk", "dk"), ("dv", "dk")):
+        def kernel_worst(n):  # the kernel's worst rows (keys) of gradient n, or None; on threads
             g = kernel_grads.get(n)
             g = None if g is None or qv_dim is not None else to_bhsd(np.asarray(g, dtype=np.float64), layout)
             if g is not None and g.shape == ref_grads[n].shape:
-                found = worst_rows(g, ref_grads[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
+                return worst_rows(g, ref_grads[n], np.abs(ref_grads[n]) + rss[n], prec.compute)
+            return None
+
+        worst = {}
+        for at, found in zip(("dq", "dk", "dk"), _in_threads([functools.partial(kernel_worst, n) for n in ("dq", "dk", "dv")],
+                                                            min(3, validate.workers(workers)))):
+            if found is not None:
                 worst[at] = found if at not in worst else np.union1d(worst[at], found)
         # The sampled keys' rows as the naive backward has them: the reference's, and its own shift and D_i.
         stats = (ref_lse, ref) + tuple(np.asarray(arrays.as_numpy(x, "the naive rows"), dtype=np.float64)
@@ -635,10 +641,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
     if qv_dim is not None:
         ref_grads, allowances, naive_errs, unjudged, units = _split_qv(qv_dim, ref_grads, allowances, naive_errs,
                                                                        unjudged, units)
-    verdicts = {}
-    for name, g in kernel_grads.items():
-        if g is None:
-            continue
+    def verdict(name, g):  # (verdict, the diagnosis's context or None)
         if name == "dsinks":
             kernel = per_head(name, np.asarray(g, dtype=np.float64))
             if kernel.shape != ref_grads[name].shape:
@@ -652,9 +655,14 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             v = judge(name, kernel, ref_grads[name], np.inf, None, describe)[0]
             v.passed, v.ratio = None, None
             v.notes.append(f"no verdict: {unjudged.get(name, why)}")
-        else:
-            v = judge(name, kernel, ref_grads[name], allowances[name], naive_errs[name], describe, units.get(name))[0]
-            if context is not None:
-                context[name] = dict(kernel=kernel, ref=ref_grads[name], allowance=allowances[name])
-        verdicts[name] = v
-    return verdicts
+            return v, None
+        v = judge(name, kernel, ref_grads[name], allowances[name], naive_errs[name], describe, units.get(name))[0]
+        return v, dict(kernel=kernel, ref=ref_grads[name], allowance=allowances[name])
+
+    # Each gradient's verdict on a thread (numpy's sorts and passes release the GIL).
+    given = [(name, g) for name, g in kernel_grads.items() if g is not None]
+    found = _in_threads([functools.partial(verdict, name, g) for name, g in given],
+                        max(1, min(len(given), validate.workers(workers))))
+    if context is not None:
+        context.update({name: c for (name, _), (_, c) in zip(given, found) if c is not None})
+    return {name: v for (name, _), (v, _) in zip(given, found)}
