@@ -574,3 +574,16 @@ def test_the_naive_dsinks_do_not_depend_on_the_split_into_parts(monkeypatch):
     monkeypatch.setattr(naive, "NAIVE_CHUNK_BYTES", 32 * 2 * 300 * 8)  # parts of a few rows each
     many = dsinks_figures()
     assert np.allclose(two, many, rtol=1e-6, atol=0), (two, many)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 1), (8, 1000), (5, 1001), (2, 2), (4, 6)])
+def test_the_verdicts_medians_are_numpys(shape):
+    """`rule.medians`: each head's median and the whole's from one partition, bit for bit
+    `np.median`'s, with ties, zeros, one head far from the others, odd and even counts."""
+    from attnlib.check.rule import medians
+    rng = np.random.default_rng(shape[1])
+    for x in (rng.random(shape), np.round(rng.random(shape) * 3) / 3, np.zeros(shape),
+              rng.random(shape) * np.logspace(-300, 300, shape[0])[:, None]):
+        per_row, whole = medians(x)
+        assert [float(m) for m in per_row] == [float(np.median(r)) for r in x]
+        assert whole == float(np.median(x))

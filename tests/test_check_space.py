@@ -95,9 +95,9 @@ def test_problems_are_drawn_from_their_index_alone():
     a = space.draw(np.random.default_rng([0, 7, 0]), "float32", 7)
     b = space.draw(np.random.default_rng([0, 7, 0]), "float32", 7)
     assert a.shape == b.shape and np.array_equal(a.q, b.q) and a.options.keys() == b.options.keys()
-    long = space.draw(np.random.default_rng(1), "float32", space.LONG_EVERY - space.GRADIENT_EVERY)
+    long = space.draw(np.random.default_rng(1), "float32", space.LONG_EVERY // 2)
     assert long.regime == "long" and long.q.shape[2] >= 2048  # (a problem that judges gradients too)
-    assert (space.LONG_EVERY - space.GRADIENT_EVERY) % space.GRADIENT_EVERY == 0
+    assert (space.LONG_EVERY // 2) % space.GRADIENT_EVERY == 0
     # the gradient problems' larger budget: rows past the naive's sample size
     rows = [space.draw(np.random.default_rng([0, i, 0]), "float32", i).q.shape[2] for i in range(0, 400, space.GRADIENT_EVERY)]
     assert max(rows) > 2 * space.SAMPLE_ROWS

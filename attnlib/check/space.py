@@ -47,7 +47,7 @@ from .verdict import check_kernel
 PRECISIONS = ("float32", "bfloat16", "float16")
 HEAD_DIMS = (8, 16, 32, 64, 96, 128, 192, 256)
 #: ``batch * Hq * Sq * Sk * max(D, Dv)`` of the problems drawn: ordinary ones, and the
-#: few long ones (one in ``LONG_EVERY``) that reach Sq = Sk = 4096.
+#: few long ones (one in ``LONG_EVERY``, the ``LONG_EVERY // 2``-th first) that reach Sq = Sk = 4096.
 MAX_WORK, LONG_WORK, LONG_EVERY = 1 << 22, 1 << 30, 200
 #: Every this-many-th problem also judges the autograd gradients, within a larger budget: its
 #: prefill rows reach the hundreds (to 1024), where the check's naive backward runs on a sample
@@ -84,7 +84,7 @@ def _log_int(rng, lo, hi) -> int:
 def draw(rng, prec_name: str, index: int) -> Problem:
     """Problem ``index``: its shape, options and values, from ``rng`` alone."""
     prec = precision(prec_name)
-    long = index % LONG_EVERY == LONG_EVERY - GRADIENT_EVERY  # (a problem that judges gradients too)
+    long = index % LONG_EVERY == LONG_EVERY // 2  # the 100th of each 200: one that judges gradients too
     # (gradient problems lean to prefill: the rows past 128 where the naive backward is sampled)
     weights = [0.25, 0.25, 0.5] if index % GRADIENT_EVERY == 0 else [0.4, 0.3, 0.3]
     regime = "long" if long else str(rng.choice(["decode", "short", "prefill"], p=weights))
@@ -351,14 +351,16 @@ def upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
 
 def summary(rows) -> dict:
     """Per precision and kernel (and ``all``): runs judged, false alarms, their 95% upper
-    bound, the worst ratio of ``out``, of the LSE and of the gradients, and where; the gradient
-    runs above `SAMPLE_ROWS` query rows (the naive backward on a sample) and their worst ratio."""
+    bound, the worst ratio of ``out`` and of the LSE and where (``worst_at``), of the gradients and
+    where (``worst_grad_at``); the gradient runs where some gradient had no verdict, those above
+    `SAMPLE_ROWS` query rows (the naive backward on a sample), their worst ratio and most rows."""
     out = {}
     for r in rows:
         for key in (r["precision"], f"{r['precision']} | {r['kernel']}", "all"):
             s = out.setdefault(key, dict(runs=0, unjudged=0, false_alarms=0, worst_out=0.0, worst_lse=None,
-                                         worst_grad=None, gradient_runs=0, sampled_gradient_runs=0,
-                                         worst_sampled_grad=None, worst_at=""))
+                                         worst_grad=None, gradient_runs=0, gradients_partly_judged=0,
+                                         sampled_gradient_runs=0, worst_sampled_grad=None, deepest_sampled=0,
+                                         worst_at="", worst_grad_at=""))
             if not r["judged"]:
                 s["unjudged"] += 1
                 continue
@@ -373,10 +375,14 @@ def summary(rows) -> dict:
             g = [r[f"{n}_ratio"] for n in ("dq", "dk", "dv") if f"{n}_ratio" in r]
             if g:
                 s["gradient_runs"] += 1
+                s["gradients_partly_judged"] += len(g) < 3  # a gradient without a verdict (beyond the type's range)
+                if max(g) > (s["worst_grad"] or 0.0):
+                    s["worst_grad_at"] = f"{r['kernel']}, {r['regime']} {r['shape']} {'+'.join(r['options']) or 'no options'}"
                 s["worst_grad"] = max([s["worst_grad"] or 0.0] + g)
                 if r.get("rows", 0) > SAMPLE_ROWS:  # the naive backward on a sample of the rows and keys
                     s["sampled_gradient_runs"] += 1
                     s["worst_sampled_grad"] = max([s["worst_sampled_grad"] or 0.0] + g)
+                    s["deepest_sampled"] = max(s["deepest_sampled"], r["rows"])
     for s in out.values():
         s["upper_95"] = upper_bound(s["false_alarms"], s["runs"])
     return out
