@@ -262,3 +262,67 @@ def test_dense_backward_parts_are_the_gradients_there():
     for formulation, got in zip(FORMULATIONS, together):
         alone = dense_backward(q, k, v, dout, opts, compute_dtype="bfloat16", formulation=formulation, rows=rows)
         assert np.array_equal(got[0], alone[0]) and np.array_equal(got[3], alone[3]), formulation
+
+
+def test_the_flushed_terms_sizes_are_the_dense_ones():
+    """`GradSizes(flush=)`: what the terms whose weight lies in ``(0, flush)`` add to each gradient
+    entry (``|p| |dout|``, ``|ds| |q|``, ``|ds| |k|``, the sink's ``p_sink |D|``), summed tile by tile,
+    equal to the dense sums (GQA, causal, sinks; logits large enough that some weights fall below
+    float32's normal range)."""
+    from attnlib.core.backward import tiled_backward
+    from attnlib.core.gradsizes import GradSizes
+    tiny = float(np.finfo(np.float32).tiny)
+    q, k, v = attnlib.random_qkv(96, 96, 16, batch=(1,), heads=4, kv_heads=2, seed=9)
+    q, k = 6 * q, 6 * k
+    dout = np.random.default_rng(9).standard_normal(q.shape)
+    sinks = np.array([3.0, -2.0, 40.0, 0.0])
+    opts = Options.parse(causal=True, sinks=sinks)
+    out, lse = attnlib.attention(q, k, v, return_lse=True, causal=True, sinks=sinks)
+    got = tiled_backward(q, k, v, out, lse, dout, opts, block_q=32, block_k=16, workers=2,
+                         sizes=GradSizes(2.0 ** -16, flush=tiny))[-1]
+    scale = 1 / 4
+    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)  # a group's two query heads share a kv head
+    s = scale * q @ np.swapaxes(kk, -1, -2)
+    s = np.where(np.tril(np.ones((96, 96), bool)), s, -np.inf)
+    with np.errstate(under="ignore"):
+        p = np.exp(s - lse[..., None])
+        p_sink = np.exp(sinks[:, None] - lse)
+    low = (p > 0) & (p < tiny)
+    assert 0 < low.sum() < low.size
+    ds = np.abs(p * (dout @ np.swapaxes(vv, -1, -2) - np.sum(dout * out, -1, keepdims=True))) * low
+    want_q = scale * ds @ np.abs(kk)
+    want_k = (scale * np.swapaxes(ds, -1, -2) @ np.abs(q)).reshape(1, 2, 2, 96, 16).sum(2)
+    want_v = (np.swapaxes(p * low, -1, -2) @ np.abs(dout)).reshape(1, 2, 2, 96, 16).sum(2)
+    low_sink = (p_sink > 0) & (p_sink < tiny)
+    want_sink = (p_sink * np.abs(np.sum(dout * out, -1)) * low_sink).sum(-1)[0]
+    for x, y in zip(got, (want_q, want_k, want_v, want_sink)):
+        assert np.allclose(x, y, rtol=1e-12, atol=0) and np.abs(y).max() > 0
+
+
+def test_a_kernel_that_flushes_subnormal_weights_passes_and_a_wrong_one_still_fails():
+    """GPU exponentials flush results below float32's normal range to zero (FlashAttention's
+    ``ex2.approx.ftz``): at large logits a key whose every weight lies there gets ``dv = 0``
+    against a reference near 1e-38. The rule allows twice what such flushing drops: that kernel's
+    float32 decode gradients passed at 0.5 of the allowance (7,760 allowances before); a kernel off by
+    1e-3 on the same problem still fails (1e-4 is within float32's resolution at these logits, whose
+    scores reach ~100: their rounding moves the weights by ~1e-5)."""
+    from attnlib.core.problem import precision
+    prec = precision("float32")
+    rng = np.random.default_rng(7)
+    q, k, v, dout = (prec.round(rng.standard_normal((1, 2, n, 64)) * m).astype(np.float64)
+                     for n, m in ((4, 5.0), (1024, 5.0), (1024, 1.0), (4, 1.0)))
+    scale = 1 / 8
+    out, lse = attnlib.attention(q, k, v, return_lse=True)
+    with np.errstate(under="ignore"):
+        p = np.exp(scale * q @ np.swapaxes(k, -1, -2) - lse[..., None])
+    p = np.where(p < np.finfo(np.float32).tiny, 0.0, p)  # flushed
+    ds = p * (dout @ np.swapaxes(v, -1, -2) - np.sum(dout * (p @ v), -1, keepdims=True))
+    flushing = dict(dq=scale * ds @ k, dk=scale * np.swapaxes(ds, -1, -2) @ q, dv=np.swapaxes(p, -1, -2) @ dout)
+    flushing = {n: prec.round(x).astype(np.float64) for n, x in flushing.items()}
+    r = check.check_kernel(q, k, v, prec.round(out).astype(np.float64), dout=dout, layout="bhsd",
+                           dtype="float32", **flushing)
+    assert r.passed and max(t.ratio for t in r.grads.values()) <= 0.51, {n: t.ratio for n, t in r.grads.items()}
+    wrong = dict(flushing, dv=prec.round(flushing["dv"] * (1 + 1e-3)).astype(np.float64))
+    r = check.check_kernel(q, k, v, prec.round(out).astype(np.float64), dout=dout, layout="bhsd",
+                           dtype="float32", **wrong)
+    assert not r.grads["dv"].passed and r.grads["dv"].ratio > 2

@@ -209,10 +209,13 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
     if sized is not None:
         rss = sized.finish(pb, p_sinks, opts.sinks)
         result = (_unscale_grads(grads, e, xp=xp), _unscale_grads(rss, e, xp=xp)) if e else (grads, rss)
-        if sized.naive is None:
-            return result
-        shift, d_naive = sized.naive_rows(pb, p_sinks, xp)
-        return result + ((shift, xp.ldexp(d_naive, e) if e else d_naive),)
+        if sized.naive is not None:
+            shift, d_naive = sized.naive_rows(pb, p_sinks, xp)
+            result += ((shift, xp.ldexp(d_naive, e) if e else d_naive),)
+        if sized.flush:
+            flushed = sized.flushed(pb, p_sinks, delta, opts.sinks)
+            result += (_unscale_grads(flushed, e, xp=xp) if e else flushed,)
+        return result
     return _unscale_grads(grads, e, xp=xp) if e else grads
 
 
@@ -281,6 +284,8 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
             w2_u = None if sized.w2 is None else sized.w2[unit]
             if not sized.rows:
                 dq2_u, dk2_j, dv2_j = sized.dq2[unit], xp.zeros(tuple(dk_j.shape)), xp.zeros(tuple(dv_j.shape))
+                if sized.flush:  # the flushed terms' sizes (`_SizedPass.flushed`)
+                    fq_u, fk_j, fv_j = sized.fq[unit], xp.zeros(tuple(dk_j.shape)), xp.zeros(tuple(dv_j.shape))
         buffers = per_thread.__dict__.setdefault("buffers", {})  # s/p, ds and dq_ij per tile shape
         band_masks = per_thread.__dict__.setdefault("band masks", {})  # for tile_visible
         try:
@@ -370,6 +375,14 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     dq2_add = xp.matmul(a2, k_sq)
                     if sized.power == 2 and w2_u is not None:
                         dq2_add *= w2_i
+                    fq_add = None
+                    if sized.flush:  # weights in (0, flush), which a flush-to-zero kernel drops: what they add
+                        low = p < sized.flush  # (and > 0: hidden pairs are 0; a full tile has none)
+                        if bool(low.any()) and bool((low := low & (p > 0)).any()):
+                            ds_low = xp.where(low, abs(ds), 0.0)
+                            fv_j += xp.matmul(xp.swapaxes(xp.where(low, p, 0.0), -1, -2), abs(dout_i))
+                            fk_j += xp.matmul(xp.swapaxes(ds_low, -1, -2), abs(q_i))
+                            fq_add = xp.matmul(ds_low, abs(k_j))
                 if hook is not None:
                     ds = hook("ds", ds, a=a, b=b)
                 dk_part = xp.matmul(xp.swapaxes(ds, -1, -2), q_i, out=dk_part)  # q_i carries the scale
@@ -382,6 +395,8 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                         dq_u[..., q0:q1, :] += add
                     if sized is not None:
                         dq2_u[..., q0:q1, :] += dq2_add
+                        if fq_add is not None:
+                            fq_u[..., q0:q1, :] += fq_add
         except BaseException:
             turns.abort()  # no other worker may wait for this tile's turns any more
             raise
@@ -393,6 +408,9 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
         if sized is not None:  # and so do their squares
             sized.dk2[unit][..., k0:k1, :] = dk2_j.sum(-3)
             sized.dv2[unit][..., k0:k1, :] = dv2_j.sum(-3)
+            if sized.flush:
+                sized.fk[unit][..., k0:k1, :] = fk_j.sum(-3)
+                sized.fv[unit][..., k0:k1, :] = fv_j.sum(-3)
 
     # Key tiles are handed out in ascending order, so the lowest unfinished one never
     # waits: no deadlock.  Under causal masks the first key tiles are also the longest.

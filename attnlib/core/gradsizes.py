@@ -34,6 +34,7 @@ class GradSizes:
     scores: object = None
     componentwise: bool = False
     naive: object = None  # a `problem.Precision`: also each row's statistics as its naive backward has them
+    flush: float = 0.0  # > 0: also what the terms whose weight lies in (0, flush) add to each entry (`_SizedPass.flushed`)
 
     def bind(self, pb, out5, dout5, cap, xp) -> "_SizedPass":
         """The arrays the passes sum into, grouped as the kernel's ``(*batch, hk, g, ...)``."""
@@ -46,11 +47,14 @@ class GradSizes:
             w = xp.from_host(np.asarray(self.scores, dtype=np.float64).reshape(lead + (pb.sq,)))
             w2 = 1.0 + w * w  # the scores' rounding, relative to p: (1 + w_i**2) on the squares
         rows = None if self.naive is None else (xp.zeros(lead + (pb.sq,)), xp.zeros(lead + (pb.sq,)))
+        flushed = (() if not self.flush else
+                   (xp.zeros(lead + (pb.sq, pb.d)), xp.zeros(pb.batch + (pb.hk, pb.sk, pb.d)),
+                    xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))))
         return _SizedPass(1.0 if self.componentwise else float(self.accumulate),
                           0.0 if cap is None or self.componentwise else 4 * 2.0 ** -53, d1, w2,
                           xp.zeros(lead + (pb.sq, pb.d)), xp.zeros(pb.batch + (pb.hk, pb.sk, pb.d)),
                           xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv)), False, 1 if self.componentwise else 2,
-                          self.naive, *(rows or (None, None)))
+                          self.naive, *(rows or (None, None)), float(self.flush), *(flushed or (None,) * 3))
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ class _SizedPass:
     naive: object = None
     naive_l: object = None  # L_i, (*lead, sq)
     naive_a: object = None  # A_i
+    flush: float = 0.0
+    fq: object = None  # sum_j |ds_ij| |k_j| over the pairs whose weight is in (0, flush) (times |scale| in `flushed`)
+    fk: object = None  # sum_i |ds_ij| |q_i| |scale| over those pairs
+    fv: object = None  # sum_i p_ij |dout_i| over those pairs
 
     def operand(self, x):
         """``x**2`` or ``|x|``: what a term's size multiplies."""
@@ -81,7 +89,7 @@ class _SizedPass:
 
     def at(self, idx) -> "_SizedPass":  # one mask's batch entries
         return replace(self, **{n: None if getattr(self, n) is None else getattr(self, n)[idx]
-                                for n in ("d1", "w2", "dq2", "dk2", "dv2", "naive_l", "naive_a")})
+                                for n in ("d1", "w2", "dq2", "dk2", "dv2", "naive_l", "naive_a", "fq", "fk", "fv")})
 
     def naive_rows(self, pb, p_sink, xp):
         """``(shift, D)``, ``(..., Hq, Sq)``: the naive's LSE minus the reference's and its ``D_i``
@@ -90,6 +98,16 @@ class _SizedPass:
         seen = l > 0
         shift = xp.log_where(l, seen, xp.zeros(tuple(l.shape)))
         return pb.merge_heads(shift, 1), pb.merge_heads(xp.divide_where(self.naive_a, l, seen), 1)
+
+    def flushed(self, pb, p_sink, delta, sinks):
+        """``(dq, dk, dv[, dsinks])``: the size of the terms whose weight ``p`` lies in ``(0, flush)``, what
+        a kernel that flushes such weights to zero (GPU exponentials with flush-to-zero) drops from each
+        entry; ``dsinks``: ``sum_i p_sink_i |D_i|`` over the rows whose sink weight does."""
+        dsink = None
+        if p_sink is not None:
+            low = (p_sink > 0) & (p_sink < self.flush)
+            dsink = (p_sink * abs(delta) * low).sum(-1)
+        return _split_grads(pb, self.fq * abs(pb.scale), self.fk, self.fv, dsink, sinks)
 
     def finish(self, pb, p_sink, sinks):
         """``(dq, dk, dv[, dsinks])``: the sizes in the layouts of the gradients."""
