@@ -529,19 +529,26 @@ def test_sampled_dsinks_keep_the_rows_that_hold_the_sum(monkeypatch):
     assert sampled < 0.6 and whole < 0.6 and abs(sampled - whole) < 0.1 * whole, (sampled, whole)
 
 
+def _sinks_problem(prec_name, seed, sinks):
+    """A causal (1, 2, 300, 16) problem with sinks, its values in ``prec_name``: ``(q, k, v, dout,
+    options, out, grads)``, ``out`` attnlib's in the type and ``grads`` the float64 ones rounded
+    (``dsinks`` kept in float64)."""
+    from attnlib.core.problem import precision
+    dt = precision(prec_name).compute
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (rng.standard_normal((1, 2, 300, 16)).astype(dt) for _ in range(4))
+    kw = dict(causal=True, sinks=np.array(sinks))
+    out = attnlib.attention(q, k, v, compute_dtype=prec_name, **kw).astype(dt)
+    ref, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv, dsinks = attnlib.attention_backward(q, k, v, ref, lse, dout, **kw)
+    return q, k, v, dout, kw, out, dict(dq=dq.astype(dt), dk=dk.astype(dt), dv=dv.astype(dt), dsinks=dsinks)
+
+
 def test_the_verdict_is_the_same_on_any_number_of_threads():
     """The baselines run on threads, their parts fixed (`NAIVE_THREADS`), not taken from ``workers``:
     every figure of the verdict is the same bit for bit on one thread or three (sampled rows and
     keys, ``dsinks`` summed over the parts)."""
-    from attnlib.core.problem import precision
-    dt = precision("bfloat16").compute
-    rng = np.random.default_rng(3)
-    q, k, v, dout = (rng.standard_normal((1, 2, 300, 16)).astype(dt) for _ in range(4))
-    kw = dict(causal=True, sinks=np.array([0.5, -1.0]))
-    out = attnlib.attention(q, k, v, compute_dtype="bfloat16", **kw).astype(dt)
-    ref, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
-    dq, dk, dv, dsinks = attnlib.attention_backward(q, k, v, ref, lse, dout, **kw)
-    grads = dict(dq=dq.astype(dt), dk=dk.astype(dt), dv=dv.astype(dt), dsinks=dsinks)
+    q, k, v, dout, kw, out, grads = _sinks_problem("bfloat16", 3, [0.5, -1.0])
 
     def figures(workers):
         r = check.check_kernel(q, k, v, out, dout=dout, layout="bhsd", workers=workers, **grads, **kw)
@@ -556,18 +563,10 @@ def test_the_naive_dsinks_do_not_depend_on_the_split_into_parts(monkeypatch):
     are those of one part (a second reader found +63% on the naive's ``dsinks`` when every part's sum
     was rounded to float16 before they were added)."""
     from attnlib.check import naive
-    from attnlib.core.problem import precision
-    dt = precision("float16").compute
-    rng = np.random.default_rng(5)
-    q, k, v, dout = (rng.standard_normal((1, 2, 300, 16)).astype(dt) for _ in range(4))
-    kw = dict(causal=True, sinks=np.array([1.5, -0.5]))
-    out = attnlib.attention(q, k, v, compute_dtype="float16", **kw).astype(dt)
-    ref, lse = attnlib.attention(q, k, v, return_lse=True, **kw)
-    dq, dk, dv, dsinks = attnlib.attention_backward(q, k, v, ref, lse, dout, **kw)
+    q, k, v, dout, kw, out, grads = _sinks_problem("float16", 5, [1.5, -0.5])
 
     def dsinks_figures():
-        r = check.check_kernel(q, k, v, out, dout=dout, dq=dq.astype(dt), dk=dk.astype(dt), dv=dv.astype(dt),
-                               dsinks=dsinks, layout="bhsd", **kw).grads["dsinks"]
+        r = check.check_kernel(q, k, v, out, dout=dout, layout="bhsd", **grads, **kw).grads["dsinks"]
         return r.naive_max, r.allowance
 
     two = dsinks_figures()
