@@ -150,19 +150,18 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
         # The scale on the scores as an eager kernel applies it: q k^T stored in the type, then scaled
         # and stored (Hugging Face's eager attention), a softcap's steps each stored (its Gemma 2;
         # PyTorch's eager float16 softcap erred 1.08 of an allowance that kept them in float32).
-        tasks = [("eager: q k^T, then scaled, each stored, BLAS order", rows,
-                  lambda: naive(q_r, k_r, opts, ("blas",), rows, True))]
+        tasks = [(("eager: q k^T, then scaled, each stored, BLAS order",), rows,
+                  lambda: naive(q_r, k_r, opts, ("blas",), rows, True))]  # (the names of a task's orders, rows, task)
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not
             # fp8: p ~ 1/Sk among its subnormals)
             orders = ("blas",) if prec.name.startswith("float8") else ("blas", "softmax_first")
             tasks += [(("BLAS order, q and k scaled by sqrt(scale) first", "softmax first, q and k scaled first"),
                        rows, lambda: naive(q_s, k_s, unscaled, orders, rows)),
-                      ("key by key, q and k scaled first", in_order,
+                      (("key by key, q and k scaled first",), in_order,
                        lambda: naive(q_s, k_s, unscaled, ("key_by_key",), in_order))]
-        for (words, at, _), found in zip(tasks, _in_threads([task for _, _, task in tasks], workers)):
-            for name, part in zip((words,) if isinstance(words, str) else words, found.values()):
-                candidates.append((name, at, part))
+        for (names, at, _), found in zip(tasks, _in_threads([task for _, _, task in tasks], workers)):
+            candidates += [(name, at, part) for name, part in zip(names, found.values())]
     empty = np.isneginf(ref_lse)
     r = np.where(empty, 0.0, ref_lse)  # lse on rows that see a key (empty rows: 0 against 0)
     naive_err = np.zeros(ref.shape)

@@ -359,7 +359,9 @@ def judge(name, kernel, ref, allowance, naive_err, describe, u=None):
     u = None if u is None else np.broadcast_to(u, err.shape)  # u > 0: it holds the smallest subnormal
     allowance = np.broadcast_to(allowance, err.shape)
     heads = []
-    if err.ndim >= 3:
+    if err.ndim < 3:
+        median = float(np.median(err)) if err.size else 0.0
+    else:
         def by_head(x):
             return np.moveaxis(x, -3, 0).reshape(x.shape[-3], -1)
         h_err, h_ratio = by_head(err), by_head(ratio)
@@ -387,7 +389,7 @@ def judge(name, kernel, ref, allowance, naive_err, describe, u=None):
     max_ratio = float(flat.max()) if flat.size else 0.0
     verdict = TensorVerdict(
         name=name, max_err=float(err.max(initial=0.0)),
-        median_err=median if heads else float(np.median(err)) if err.size else 0.0, ratio=max_ratio,
+        median_err=median, ratio=max_ratio,
         allowance=worst[0]["allowance"] if worst else None,
         naive_max=None if naive_err is None else float(naive_err.max(initial=0.0)),
         passed=max_ratio <= 1, heads=heads, worst=worst, nan=nan, inf=inf,
@@ -618,7 +620,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
 
         worst = {}
         for at, found in zip(("dq", "dk", "dk"), _in_threads([functools.partial(kernel_worst, n) for n in ("dq", "dk", "dv")],
-                                                            min(3, validate.workers(workers)))):
+                                                            validate.workers(workers))):
             if found is not None:
                 worst[at] = found if at not in worst else np.union1d(worst[at], found)
         # The sampled keys' rows as the naive backward has them: the reference's, and its own shift and D_i.
@@ -687,8 +689,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
 
     # Each gradient's verdict on a thread (numpy's sorts and passes release the GIL).
     given = [(name, g) for name, g in kernel_grads.items() if g is not None]
-    found = _in_threads([functools.partial(verdict, name, g) for name, g in given],
-                        max(1, min(len(given), validate.workers(workers))))
+    found = _in_threads([functools.partial(verdict, name, g) for name, g in given], validate.workers(workers))
     if context is not None:
         context.update({name: c for (name, _), (_, c) in zip(given, found) if c is not None})
     return {name: v for (name, _), (v, _) in zip(given, found)}

@@ -77,6 +77,11 @@ class Problem:
         return f"({b}, {hq}/{self.k.shape[1]}, {sq}, {self.k.shape[2]}, {d}, {self.v.shape[-1]})"
 
 
+def judges_gradients(index: int) -> bool:
+    """Whether problem ``index`` also judges the autograd gradients (every `GRADIENT_EVERY`-th)."""
+    return index % GRADIENT_EVERY == 0
+
+
 def _log_int(rng, lo, hi) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
@@ -86,7 +91,7 @@ def draw(rng, prec_name: str, index: int) -> Problem:
     prec = precision(prec_name)
     long = index % LONG_EVERY == LONG_EVERY // 2  # the 100th of each 200: one that judges gradients too
     # (gradient problems lean to prefill: the rows past 128 where the naive backward is sampled)
-    weights = [0.25, 0.25, 0.5] if index % GRADIENT_EVERY == 0 else [0.4, 0.3, 0.3]
+    weights = [0.25, 0.25, 0.5] if judges_gradients(index) else [0.4, 0.3, 0.3]
     regime = "long" if long else str(rng.choice(["decode", "short", "prefill"], p=weights))
     hk = int(rng.choice([1, 2, 4]))
     group = int(rng.choice([1, 2, 4, 8]))  # hk 1 and group > 1: MQA
@@ -103,7 +108,7 @@ def draw(rng, prec_name: str, index: int) -> Problem:
     else:  # one head at long rows, head dims up to 64
         sq = sk = int(rng.choice([2048, 4096]))
         b, hk, group, d, dv = 1, 1, 1, min(d, 64), min(dv, 64)
-    budget = LONG_WORK if long else GRADIENT_WORK if index % GRADIENT_EVERY == 0 else MAX_WORK
+    budget = LONG_WORK if long else GRADIENT_WORK if judges_gradients(index) else MAX_WORK
     while b * hk * group * sq * sk * max(d, dv) > budget:  # fewer heads, then shorter rows
         if group > 1:
             group //= 2
@@ -247,7 +252,7 @@ def run_problem(prec_name: str, seed: int, index: int) -> list[dict]:
     """Problem ``index`` of ``seed`` in ``prec_name``: one row per kernel that can express it."""
     rng = np.random.default_rng([seed, index, PRECISIONS.index(prec_name) if prec_name in PRECISIONS else 9])
     p = draw(rng, prec_name, index)
-    grads = index % GRADIENT_EVERY == 0
+    grads = judges_gradients(index)
     rows = []
     with memo.shared():  # one reference per problem
         for name, fn in kernels(prec_name).items():
@@ -349,6 +354,11 @@ def upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
     return hi
 
 
+def _where(row) -> str:
+    """A run's kernel, regime, shape and options, in words."""
+    return f"{row['kernel']}, {row['regime']} {row['shape']} {'+'.join(row['options']) or 'no options'}"
+
+
 def summary(rows) -> dict:
     """Per precision and kernel (and ``all``): runs judged, false alarms, their 95% upper
     bound, the worst ratio of ``out`` and of the LSE and where (``worst_at``), of the gradients and
@@ -368,7 +378,7 @@ def summary(rows) -> dict:
             s["false_alarms"] += int(not r["passed"])
             worst = max([r.get("out_ratio", 0.0), r.get("lse_ratio", 0.0)])
             if worst > max(s["worst_out"], s["worst_lse"] or 0.0):
-                s["worst_at"] = f"{r['kernel']}, {r['regime']} {r['shape']} {'+'.join(r['options']) or 'no options'}"
+                s["worst_at"] = _where(r)
             s["worst_out"] = max(s["worst_out"], r.get("out_ratio", 0.0))
             if "lse_ratio" in r:
                 s["worst_lse"] = max(s["worst_lse"] or 0.0, r["lse_ratio"])
@@ -377,7 +387,7 @@ def summary(rows) -> dict:
                 s["gradient_runs"] += 1
                 s["gradients_partly_judged"] += len(g) < 3  # a gradient without a verdict (beyond the type's range)
                 if max(g) > (s["worst_grad"] or 0.0):
-                    s["worst_grad_at"] = f"{r['kernel']}, {r['regime']} {r['shape']} {'+'.join(r['options']) or 'no options'}"
+                    s["worst_grad_at"] = _where(r)
                 s["worst_grad"] = max([s["worst_grad"] or 0.0] + g)
                 if r.get("rows", 0) > SAMPLE_ROWS:  # the naive backward on a sample of the rows and keys
                     s["sampled_gradient_runs"] += 1

@@ -364,6 +364,7 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     if grad is not None:
                         a2 *= xp.where(p > 0, abs(grad[1]), 0.0)
                     p2, dout_sq, q_sq = p, sized.operand(dout_i), sized.operand(q_i)  # q_i carries the scale
+                    w2_i = None
                     if sized.power == 2:
                         a2 *= a2
                         p2 = p * p
@@ -373,7 +374,7 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
                     dv2_j += xp.matmul(xp.swapaxes(p2, -1, -2), dout_sq)
                     dk2_j += xp.matmul(xp.swapaxes(a2, -1, -2), q_sq)
                     dq2_add = xp.matmul(a2, k_sq)
-                    if sized.power == 2 and w2_u is not None:
+                    if w2_i is not None:
                         dq2_add *= w2_i
                     fq_add = None
                     if sized.flush:  # weights in (0, flush), which a flush-to-zero kernel drops: what they add

@@ -199,7 +199,7 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
     scores and weights (a tuple of them when several are asked); ``rows``: the query
     positions computed (an index array; default all), the result holding those rows only;
     ``rounded``: ``q``, ``k``, ``v`` hold values of ``compute_dtype`` already (not rounded again:
-    a bfloat16 rounding is a conversion through ml_dtypes, ~10 ns a value); ``eager``: the scores'
+    each rounding is a pass over the values); ``eager``: the scores'
     steps each stored in ``compute_dtype`` as an eager kernel stores them (`_scores`'s ``eager``)."""
     xp = NUMPY if dev is None else backend_for(dev, 1)  # one call of whole-matrix ops: torch's own threads
     q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
