@@ -57,7 +57,7 @@ def recording():
         _listeners.remove(found.append)  # bound methods compare by their list's identity
 
 
-def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None,
+def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=None, dv=None, dlse=None,
                            layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
                            window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None, sinks=None,
                            dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
@@ -85,6 +85,9 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
     lse, dout, dq, dk, dv, dsinks : array, optional
         The kernel's log-sum-exp ``(batch, nheads, seqlen_q)``, and the upstream gradient
         with the kernel's gradients (layouts of out, q, k, v; ``dsinks`` that of ``sinks``).
+    dlse : array, optional
+        The loss's gradient with respect to ``lse`` (FlashAttention 4's ``dlse``; ring attention):
+        the gradients judged are those of a loss of ``out`` and ``lse``.
     layout, dtype, causal, causal_align, window, softcap, scale, kv_lengths, q_lengths, sinks, workers
         As in `attnlib.check.check_kernel`: the attention the kernel computes, and its
         compute precision (default: the type ``q`` is stored in).

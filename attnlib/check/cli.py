@@ -19,7 +19,7 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens", "gather_kv_indices")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
-OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores") + INDEX_FILES
+OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores", "dlse") + INDEX_FILES
 #: Files besides the kernel's tensors, read like them (in the kernel's type): MLA's second query
 #: and the kernel's gradient of it.
 INPUT_FILES = ("qv", "dqv")
@@ -33,7 +33,7 @@ NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
                    gather_kv_indices="", q_descale="", k_descale="", v_descale="", qv="", dqv="", max_scores="",
-                   v_from_k=0, **options) -> KernelCheck:
+                   dlse="", v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
     ``sinks``, the fp8 descales, MLA's ``qv`` and the integer files of `INDEX_FILES` too.
     ``v_from_k=Dv``: ``v`` is the first ``Dv`` of ``k``'s head dim (FlashMLA's shared latent),
@@ -43,7 +43,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
                             "dimensions, FlashMLA's shared latent), one of them")
     specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv, dqv=dqv,
-                 max_scores=max_scores)
+                 max_scores=max_scores, dlse=dlse)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens, gather_kv_indices=gather_kv_indices)
     arrays, kinds, names = {}, {}, {}
@@ -52,7 +52,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
             arrays[name] = load_indices(spec, f"--{name.replace('_', '-')}")
     for name, spec in specs.items():
         if spec:
-            # The sinks, descales and max_scores are parameters or statistics: read as stored.
+            # The sinks, descales, max_scores and dlse are parameters or statistics: read as stored.
             flag = f"--{name.replace('_', '-')}"
             arrays[name], kinds[name] = load_tensor(spec, flag, None if name in OPTION_FILES else dtype or None)
             names[name] = f"{flag} {spec}"
@@ -141,6 +141,9 @@ def _parser():
                    help="what the kernel's --lse holds on rows without a visible key (write "
                         "--lse-empty=-inf); default: either")
     p.add_argument("--dsinks", default="", metavar="FILE", help="the kernel's gradient of the sinks (with --dout)")
+    p.add_argument("--dlse", default="", metavar="FILE",
+                   help="the loss's gradient with respect to the lse, (batch, nheads, seqlen_q) (with --dout; "
+                        "FlashAttention 4's dlse; base 2 with --lse-base 2): the gradients judged answer both")
     p.add_argument("--q-descale", default="", metavar="FILE",
                    help="fp8: the (batch, nheads_k) factors that dequantise --q (FlashAttention 3's "
                         "q_descale); likewise --k-descale, --v-descale")

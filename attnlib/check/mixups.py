@@ -7,7 +7,9 @@ arithmetic on the mishandled descales): an LSE in another convention
 in base 2 or with the sink taken as a score, a variant left out
 (``attention_chunk``, ``sink_token_length``, ``key_leftpad``), top-k lists ignored or their
 ``-1`` entries read as a key (the last, wrapped; or key 0, clamped), MLA's ``qv`` ignored or its
-``Dv`` left out of the default scale, and fp8 descales ignored, applied twice or per tensor.
+``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor, and a
+loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
+gradients of the neighbouring loss, rounded once; judged by ``dq``).
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
 diagnosis holds the words that name that mix-up; the hit rate is named runs over runs.  As in
 `attnlib.check.power`, a mix-up that moves no entry of ``out`` by more than `RESOLVED_ULPS`
@@ -23,6 +25,7 @@ import math
 import numpy as np
 
 from ..core.lse_conventions import LN2
+from ..core.backward import attention_backward
 from ..core.problem import precision
 from ..core.tiled import attention
 from . import memo
@@ -103,6 +106,18 @@ def cases(prec_name, magnitude, seed) -> list:
                   dict(qv=qv, causal=True, scale=1 / math.sqrt(d)))]
         for name, words, told, computed in wrong:
             out.append((name, words or name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
+        # dlse (a loss of the LSE too): the gradients of that loss with dlse mishandled, rounded once
+        rng = np.random.default_rng(3000 + seed)
+        dout = prec.round(rng.standard_normal(q.shape[:-1] + (v.shape[-1],))).astype(np.float64)
+        # (of D_i = dout_i . out_i's size, which v's magnitude sets: as ring attention's merge gives it)
+        dlse = (2 * magnitude * rng.standard_normal(q.shape[:-1])).astype(np.float32).astype(np.float64)
+        o64, lse64 = attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        for name, factor in (("dlse ignored", 0.0), ("dlse with its sign flipped", -1.0),
+                             ("dlse times ln 2", LN2)):
+            grads = attention_backward(q, k, v, o64, lse64, dout, dlse=dlse * factor, causal=True, sinks=sinks)
+            out.append((name, name, dict(causal=True, sinks=sinks),
+                        dict(out=right[0], lse=right[1], dout=dout, dlse=dlse,
+                             **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))))
         assert d == dv  # the MLA cases take qv of v's head dim
         return [(n, w, q, k, v, told, t) for n, w, told, t in out]
     rng = np.random.default_rng(1000 + seed)
@@ -135,18 +150,23 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
     """`measure`'s rows for one precision, magnitude and seed."""
     rows = []
     for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
-        stat = next((n for n in ("lse", "max_scores") if n in tensors), None)  # the judged statistic
+        # the judged tensor: a statistic, dq (a mix-up of the gradients), else out
+        stat = next((n for n in ("dq", "lse", "max_scores") if n in tensors), None)
         # Against the told problem's float64 answer rounded once to the kernel's output type.
-        if stat is None and not _changed(tensors, dict(out=_round(precision(prec_name), attention(q, k, v, **told))),
-                                         "out", prec_name):
+        prec, right = precision(prec_name), None
+        if stat is None:
+            right = dict(out=_round(prec, attention(q, k, v, **told)))
+        elif stat == "dq":
+            o64, lse64 = attention(q, k, v, return_lse=True, **told)
+            right = dict(dq=_round(prec, attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"],
+                                                            **told)[0]))
+        if right is not None and not _changed(tensors, right, stat or "out", prec_name):
             continue  # the mix-up vanishes in the type
         stored = (q, k, v)
         if prec_name == "float8_e4m3fn":  # the fp8 values the kernel read (`_problem`)
             stored = (x.astype(precision(prec_name).p_type) for x in stored)
-        r = check_kernel(*stored, tensors["out"], lse=tensors.get("lse"),
-                         max_scores=tensors.get("max_scores"), layout="bhsd", dtype=prec_name,
-                         workers=1, **told)
-        judged = r.out if stat is None else getattr(r, stat)
+        r = check_kernel(*stored, **tensors, layout="bhsd", dtype=prec_name, workers=1, **told)
+        judged = r.out if stat is None else r.grads[stat] if stat == "dq" else getattr(r, stat)
         # The diagnosis only: a statistic's other notes state facts a miss would state too.
         notes = r.diagnosis if stat is None else [n for n in judged.notes if n.startswith("diagnosis: ")]
         rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, kernel=name,

@@ -187,7 +187,7 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
 
 @_one_blas_thread
 def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_grads, stats, seen, worst,
-                          workers=None):
+                          workers=None, dlse=None):
     """``(errs, draws)`` per gradient name of ``ref_grads``: the larger error of the naive backward in
     ``prec`` over its formulations (`~attnlib.core.backward.FORMULATIONS`), entry by entry (0 off
     the sample; None where every formulation overflows the type), and each formulation's
@@ -202,7 +202,8 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
     reads them, and the naive's own (`attnlib.core.gradsizes.GradSizes`'s ``naive``) for the
     formulations that store the scores in the type.  With every row computed anyway and the whole
     within `NAIVE_CHUNK_BYTES`, every key too; with both samples whole, the plain dense backward.
-    ``workers``: threads for the parts (None: every CPU)."""
+    ``workers``: threads for the parts (None: every CPU); ``dlse``: the loss's gradient with respect
+    to the LSE (`dense_backward`'s), or None."""
     sq = qh.shape[-2]
     workers = min(validate.workers(workers), NAIVE_THREADS)
     rows = spread(seen["dq"], SAMPLE_ROWS, SAMPLE_EVERY, worst.get("dq"))
@@ -221,7 +222,8 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         lse, out = stats[:2]
         with np.errstate(under="ignore"):
             p_sink = np.exp(np.asarray(opts.sinks, dtype=np.float64)[..., None] - np.where(np.isfinite(lse), lse, np.inf))
-        by_row = (p_sink * np.sum(np.abs(douth * out), axis=-1)).reshape(-1, sq).max(axis=0)
+        d_size = np.sum(np.abs(douth * out), axis=-1) + (0.0 if dlse is None else np.abs(dlse))  # |D_i - dlse_i|'s
+        by_row = (p_sink * d_size).reshape(-1, sq).max(axis=0)
         top = np.argsort(by_row, kind="stable")[::-1][:KERNEL_ROWS]
         top = np.sort(top[by_row[top] > 0])
         rest = np.setdiff1d(rows, top)
@@ -236,7 +238,7 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
 
     def run(**part):  # every formulation's, sharing the scores they round alike
         return dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name, formulation=FORMULATIONS,
-                              check_finite=False, **part)
+                              check_finite=False, dlse=dlse, **part)
 
     errs, draws = dict.fromkeys(ref_grads), {n: [] for n in ref_grads}
 
@@ -266,8 +268,8 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         tasks = ([functools.partial(run, keys=c, stats=stats) for c in key_chunks]
                  + [functools.partial(run, rows=c) for _, c in row_chunks])
         if "dsinks" in names:  # the float64 sum of each group's terms, the naive's compared with it
-            tasks += [functools.partial(dense_backward, qh, kh, vh, douth, opts, mod_grad, rows=c, check_finite=False)
-                      for _, c in row_chunks]
+            tasks += [functools.partial(dense_backward, qh, kh, vh, douth, opts, mod_grad, rows=c, check_finite=False,
+                                        dlse=dlse) for _, c in row_chunks]
         done = _in_threads(tasks, workers)
         by_keys, by_rows = done[:len(key_chunks)], done[len(key_chunks):len(key_chunks) + len(row_chunks)]  # [chunk][formulation]
         if "dsinks" in names:

@@ -559,7 +559,7 @@ def _split_qv(d, ref_grads, allowances, naive_errs, unjudged, units):
 
 
 def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
-                workers, context=None, mod_grad=None, device=None, qv_dim=None, scores=None) -> dict:
+                workers, context=None, mod_grad=None, device=None, qv_dim=None, scores=None, dlse=None) -> dict:
     """The gradients' rule (see the module docstring) on each given gradient.  ``context``
     (a dict): filled with each judged gradient's ``kernel``, ``ref`` and ``allowance`` (bhsd,
     float64) for the diagnosis; ``mod_grad``: the ``score_mod_grad`` (required with a
@@ -568,7 +568,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
     ``qv_dim``: q's head dim ``D`` when ``qh``, ``kh`` are MLA's joined ``[q, qv]``, ``[k, v]``
     (`attnlib.core.mla`): the kernel's ``dq``, ``dqv``, ``dk`` are judged by the joined
     gradients' parts, its ``dv`` by ``dv_p + dk'[..., D:]`` with the two allowances (and naive
-    errors) added, a bound on the error of the sum."""
+    errors) added, a bound on the error of the sum.  ``dlse``: the loss's gradient with respect to the
+    natural LSE, ``(..., Hq, Sq)`` (`attnlib.core.backward.attention_backward`'s), or None."""
     mod_grad = _score_mod_grad(mod_grad, opts)  # refused as the backward's keyword arguments are
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
@@ -588,7 +589,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         # float64: the first-order rounding bound on the componentwise size, summed beside the
         # gradients tile by tile (any length).
         grads, sizes = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device,
-                                      sizes=GradSizes(componentwise=True))
+                                      sizes=GradSizes(componentwise=True), dlse=dlse)
         ref_grads = {n: np.asarray(arrays.as_numpy(g, n), dtype=np.float64) for n, g in zip(names, grads)}
         sizes = {n: np.asarray(arrays.as_numpy(g, n), dtype=np.float64) for n, g in zip(names, sizes)}
         e_g = gradient_rounding(qh, kh, vh, opts, prec)
@@ -601,7 +602,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         accumulate = float(np.finfo(prec.accumulate).eps) / prec.eps  # float32 sums of 16-bit values
         # (flush: the weights below the accumulator's smallest normal, which GPU exponentials flush to zero)
         grads, rss, naive_rows, flushed = tiled_backward(
-            qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device,
+            qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device, dlse=dlse,
             sizes=GradSizes(accumulate, accumulate * scores, naive=prec, flush=float(arrays.finfo(prec.accumulate).tiny)))
         ref_grads = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, grads)}
         rss = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, rss)}
@@ -627,7 +628,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
         stats = (ref_lse, ref) + tuple(np.asarray(arrays.as_numpy(x, "the naive rows"), dtype=np.float64)
                                        for x in naive_rows)
         naive_errs, draws = naive_gradient_errors(qh, kh, vh, douth, opts, mod_grad, prec, ref_grads, stats, seen,
-                                                  worst, workers)
+                                                  worst, workers, dlse=dlse)
         top = float(arrays.finfo(prec.compute).max)
         allowances = {}
         for n in names:
@@ -647,7 +648,7 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
                 # such a kernel failed at 7,760 allowances without it
                 allowances[n] = (2 * r + FINAL_ROUNDINGS) * units[n] + 2 * flushed[n]
     else:
-        grads = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device)
+        grads = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device, dlse=dlse)
         ref_grads = {n: arrays.as_numpy(g, n) for n, g in zip(names, grads)}
         # float64 softcap: against a long double reference, so the naive errs for real.
         ext = problem.extended_precision()
@@ -655,8 +656,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
             why = ("float64 softcap gradients are judged against a long double dense gradient, "
                    "which this platform lacks or which has no BLAS at this size")
         elif dense:
-            ref_grads = dict(zip(names, dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=ext)))
-            naive, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True)
+            ref_grads = dict(zip(names, dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=ext, dlse=dlse)))
+            naive, rss = dense_backward(qh, kh, vh, douth, opts, mod_grad, return_rss=True, dlse=dlse)
             naive_errs = {n: np.abs(x - ref_grads[n]).astype(np.float64) for n, x in zip(names, naive)}
             units = {n: unit(np.abs(ref_grads[n].astype(np.float64)) + r, np.float64) for n, r in zip(names, rss)}
             allowances = {n: naive_allowance(naive_errs[n], units[n]) for n in names}

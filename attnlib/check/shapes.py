@@ -50,10 +50,10 @@ def shape_problem(given, layout):
     like_q = q.shape[:-1] + (dv,)
     expected = {"out": like_q, "dq": q.shape, "dk": k.shape, "dv": v.shape, "dout": like_q,
                 "lse": bq + ((hq,) if q.ndim > 2 else ()) + (sq,), "qv": like_q, "dqv": like_q}
-    expected["max_scores"] = expected["lse"]
+    expected["max_scores"] = expected["dlse"] = expected["lse"]
     for n, shape in expected.items():
         if n in given and given[n].shape != tuple(shape):
-            like = "q" if n not in ("lse", "max_scores") else "(batch, nheads, seqlen_q)"
+            like = "q" if n not in ("lse", "max_scores", "dlse") else "(batch, nheads, seqlen_q)"
             return n, f"{n} must have shape {tuple(shape)} (like {like} in {layout}), got {given[n].shape}"
     return None, dims
 

@@ -14,10 +14,14 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
 * FlexAttention compiled by ``torch.compile`` (Inductor's fused CPU kernel; on every
   ``FLEX_COMPILED_EVERY``-th problem, where a C++ compiler is present), the same mods, its
   output only (Inductor's CPU kernel returns no LSE);
+* on the gradient problems, an eager kernel written in torch ops as Hugging Face's eager
+  attention is (scores ``q k^T`` times the scale in the type, the softmax and its LSE in
+  float32, the weights rounded to the type before ``p @ v``; the sinks a last logit), its autograd
+  gradients of a loss of ``out`` and the LSE: ``dout`` and a drawn ``dlse`` (ring attention's);
 
 and judges each with `check_kernel` (one reference per problem, `memo.shared`): out, LSE,
 and on every ``GRADIENT_EVERY``-th problem (the long ones among them) the autograd gradients of
-SDPA (FlexAttention has no backward on the CPU).  Each run is one row; `summary` counts false alarms per precision and
+SDPA and of the eager kernel, with ``dlse`` (FlexAttention has no backward on the CPU).  Each run is one row; `summary` counts false alarms per precision and
 kernel with the worst ratio of each tensor and an exact upper confidence bound on the rate.
 Problem ``i`` of a seed is drawn from its own generator, so a run can resume (``rows``
 written line by line to a JSON-lines file, problems already there skipped).
@@ -67,6 +71,7 @@ class Problem:
     k: np.ndarray  # (b, Hk, Sk, D)
     v: np.ndarray  # (b, Hk, Sk, Dv)
     dout: np.ndarray  # (b, Hq, Sq, Dv)
+    dlse: np.ndarray  # (b, Hq, Sq), float32 values; None on the problems that judge no gradients
     options: dict  # attnlib's keywords: causal, window, kv_lengths, softcap, sinks, scale
     regime: str  # decode, short, prefill or long
     index: int  # its number in the run
@@ -144,7 +149,12 @@ def draw(rng, prec_name: str, index: int) -> Problem:
     dout = rng.standard_normal((b, hq, sq, dv)) * grad_magnitude
     with np.errstate(over="ignore"):
         q, k, v, dout = (prec.round(x).astype(np.float64) for x in (q, k, v, dout))
-    return Problem(q, k, v, dout, options, regime, index)
+    dlse = None
+    if judges_gradients(index):  # of D_i = dout_i . out_i's size (ring attention's merge gives it so)
+        top = 1e3 if prec_name == "float16" else math.inf  # p dlse in float16's range
+        size = min(top, magnitude * grad_magnitude * 10.0 ** rng.uniform(-1, 1))
+        dlse = (rng.standard_normal((b, hq, sq)) * size).astype(np.float32).astype(np.float64)
+    return Problem(q, k, v, dout, dlse, options, regime, index)
 
 
 def _visible(p: Problem) -> np.ndarray:
@@ -228,7 +238,35 @@ def kernels(prec_name: str) -> dict:
             return dict(out=_to_numpy(got)) if compiled else dict(out=_to_numpy(got[0]), lse=_to_numpy(got[1]))
         return run
 
+    def eager(p, rng, grads):  # Hugging Face's eager attention, differentiated through its LSE too
+        if not grads or p.dlse is None:
+            return None
+        vis = torch.from_numpy(np.array(_visible(p)))
+        sinks = p.options.get("sinks")
+        if sinks is None and not vis.any(axis=-1).all():
+            return None  # a row with no visible key: softmax gives NaN there, the contract 0
+        q, k, v = _to_torch(prec_name, p.q, p.k, p.v, grad=True)
+        group = q.shape[1] // k.shape[1]
+        scale = p.options.get("scale", 1.0 / math.sqrt(q.shape[-1]))
+        s = torch.matmul(q, k.repeat_interleave(group, 1).transpose(-1, -2)) * scale  # in the type
+        if "softcap" in p.options:
+            cap = p.options["softcap"]
+            s = torch.tanh(s / cap) * cap
+        s = s.float().masked_fill(~vis, -math.inf)
+        if sinks is not None:  # (gpt-oss's eager sinks: a float32 leaf, its gradient dsinks)
+            sinks = torch.tensor(sinks, dtype=torch.float32, requires_grad=True)
+            s = torch.cat([s, sinks[None, :, None, None].expand(s.shape[:-1] + (1,))], dim=-1)
+        lse = torch.logsumexp(s, dim=-1)
+        w = torch.softmax(s, dim=-1)
+        w = (w if sinks is None else w[..., :-1]).to(q.dtype)
+        out = torch.matmul(w, v.repeat_interleave(group, 1))
+        dout = _to_torch(prec_name, p.dout)[0]
+        torch.autograd.backward([out, lse], [dout, torch.from_numpy(p.dlse).float()])
+        return dict(out=_to_numpy(out), lse=_to_numpy(lse), dq=_to_numpy(q.grad), dk=_to_numpy(k.grad),
+                    dv=_to_numpy(v.grad), dlse=p.dlse) | ({} if sinks is None else dict(dsinks=_to_numpy(sinks.grad)))
+
     version = torch.__version__
+    found[f"torch {version} eager (Hugging Face's), autograd with dlse"] = eager
     found[f"torch {version} SDPA, math backend"] = sdpa([SDPBackend.MATH])
     found[f"torch {version} SDPA, default backend"] = sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
     found[f"torch {version} FlexAttention, eager"] = flex(compiled=False)
@@ -265,8 +303,9 @@ def run_problem(prec_name: str, seed: int, index: int) -> list[dict]:
             try:
                 r = check_kernel(p.q, p.k, p.v, tensors["out"], lse=tensors.get("lse"),
                                  dout=p.dout if "dq" in tensors else None, dq=tensors.get("dq"),
-                                 dk=tensors.get("dk"), dv=tensors.get("dv"), layout="bhsd",
-                                 dtype=prec_name, workers=1, **p.options)
+                                 dk=tensors.get("dk"), dv=tensors.get("dv"), dlse=tensors.get("dlse"),
+                                 dsinks=tensors.get("dsinks"),
+                                 layout="bhsd", dtype=prec_name, workers=1, **p.options)
             except UnusableInput as e:  # e.g. float16 scores beyond its range: no baseline
                 rows.append(row | dict(judged=False, why=str(e)[:200]))
                 continue

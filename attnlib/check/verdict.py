@@ -78,7 +78,7 @@ def _as_float(x, name):
     raise UnusableInput(f"{name}: expected a floating-point array, got {x.dtype}")
 
 
-def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None,
+def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None, dlse=None,
                  layout="bshd", dtype=None, causal=False, causal_align="bottom_right",
                  window=None, softcap=None, scale=None, kv_lengths=None, q_lengths=None, sinks=None,
                  dsinks=None, mask_mod=None, score_mod=None, block_mask=None, score_mod_grad=None,
@@ -114,6 +114,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         it); rows without a visible key may hold ``-inf`` or ``+inf``.
     dout, dq, dk, dv : ndarray, optional
         The upstream gradient and the kernel's gradients (layouts of out, q, k, v).
+    dlse : ndarray, optional
+        The loss's gradient with respect to ``lse``, ``(batch, nheads, seqlen_q)`` like it
+        (FlashAttention 4's ``dlse``; ring attention): the gradients judged are those of a loss
+        of ``out`` and ``lse`` (`attention_backward`'s ``dlse``; base 2 with ``lse_base=2``).
     layout : {"bshd", "bhsd", "thd"}
         ``thd``: FlashAttention's varlen layout, ``(total, nheads, headdim)`` with
         ``cu_seqlens_q`` and ``cu_seqlens_k`` (and ``lse (nheads, total_q)``).
@@ -197,7 +201,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         no values to read (`attnlib.core.arrays`).  A failing kernel gets a verdict, never
         an exception from its diagnosis (`attnlib.check.diagnosis`).
     """
-    names = {n: n for n in TENSORS + ("qv", "dqv", "max_scores")} | (names or {})
+    names = {n: n for n in TENSORS + ("qv", "dqv", "max_scores", "dlse")} | (names or {})
     try:
         dev = device_of(device, q, k, v, out)  # before any tensor is read to the host
     except (ValueError, TypeError) as e:
@@ -236,7 +240,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("q is None: the check judges scores q k^T (+ qv v^T); for MLA's qv-only "
                             "scores give q and k of head dim 0 (np.zeros((..., 0)))")
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv,
-                     max_scores=max_scores).items():
+                     max_scores=max_scores, dlse=dlse).items():
         if x is not None:
             given[n], stored[n] = _as_float(x, names[n])
     try:  # the lists in attnlib's order, against q as read
@@ -267,6 +271,18 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
             raise UnusableInput(f"{names[n]}: holds NaN or inf (first at {bad}); the inputs must be finite")
     if (any(n in given for n in GRADIENTS) or dsinks is not None) and "dout" not in given:
         raise UnusableInput("gradients were given without dout (the upstream gradient they answer)")
+    if "dlse" in given:
+        if "dout" not in given:
+            raise UnusableInput(f"{names['dlse']} was given without dout: the gradients answer "
+                                "both (pass zeros for a loss of the lse alone)")
+        if not np.isfinite(given["dlse"]).all():
+            raise UnusableInput(f"{names['dlse']}: holds NaN or inf; the loss's gradient must be finite")
+        if varlen or paged:
+            raise UnusableInput(f"{names['dlse']} is judged in the bshd and bhsd layouts: not with "
+                                "varlen offsets or a paged cache")
+        if convention.sink == "excluded" and sinks is not None:
+            raise UnusableInput(f"{names['dlse']} with lse_sink='excluded': the gradient of the "
+                                "sink-free LSE is not judged (pass the LSE's with the sink included)")
     if dsinks is not None:
         dsinks = _as_float(dsinks, names.get("dsinks", "dsinks"))[0]
     try:
@@ -351,15 +367,17 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         kernel_grads = {n: given.get(n) for n in GRADIENTS} | {"dsinks": dsinks}
         context = {}
         douth = to_bhsd(given["dout"], layout).astype(np.float64)
+        # dL/dlse in natural units: a base-2 LSE's gradient over ln 2
+        dlse_e = None if "dlse" not in given else convention.gradient_to_natural(given["dlse"])
         try:
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
                                 expected.ref_lse, douth, prec, opts, layout, shape, workers, context,
                                 mod_grad=score_mod_grad, device=dev, qv_dim=None if qvh is None else shape["d"],
-                                scores=expected.scores)
+                                scores=expected.scores, dlse=dlse_e)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from e
         if qvh is None:  # the neighbouring problems' gradients are q, k and v's own
-            _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name)
+            _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name, dlse_e)
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:
@@ -458,18 +476,24 @@ def _problem_alternatives(opts: Options) -> list:
     return alts
 
 
-def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, prec_name):
+def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, prec_name, dlse=None):
     """Diagnosis notes on each failing gradient: its sign, the scale, a neighbouring problem's
-    gradient, heads swapped, a constant factor."""
+    gradient, heads swapped, a constant factor; with ``dlse`` (natural units), the gradients with
+    it ignored, its sign flipped, or off by the factor ln 2 between the LSE's bases."""
     failing = [n for n, v in grads.items() if v.passed is False and n in context]
     if not failing:
         return
     names = ("dq", "dk", "dv", "dsinks")
     alternatives = []
     mod_grad = guard_grad(mod_grad)
-    for words, alt in _problem_alternatives(guard_mods(opts)):
+    ln2 = math.log(2.0)  # a base-2 LSE's gradient is the natural one's times ln 2
+    mixed = [] if dlse is None else [
+        ("dlse ignored (the gradients of out alone)", opts, None), ("dlse with its sign flipped", opts, -dlse),
+        ("dlse times ln 2 (the gradient of a base-2 LSE taken as the natural one's)", opts, dlse * ln2),
+        ("dlse over ln 2 (the gradient of a natural LSE taken as a base-2 one's)", opts, dlse / ln2)]
+    for words, alt, alt_dlse in [(w, a, dlse) for w, a in _problem_alternatives(guard_mods(opts))] + mixed:
         try:
-            g = dense_backward(qh, kh, vh, douth, alt, mod_grad)
+            g = dense_backward(qh, kh, vh, douth, alt, mod_grad, dlse=alt_dlse)
         except DROPPED:  # refused, or the user's mods failing on it: no such alternative
             continue
         g = dict(zip(names, g))

@@ -42,7 +42,7 @@ from .backward_dense import FORMULATIONS, SEQUENTIAL_STEPS, dense_backward, refe
 from . import device as dev_mod
 
 
-def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, block_k=None,
+def attention_backward(q, k, v, out, lse, dout, *, dlse=None, scale=None, block_q=None, block_k=None,
                        workers=None, check_finite=True, qv=None, device=None, **options):
     """Tiled float64 gradients ``(dq, dk, dv)``: the FlashAttention-2 backward pass.
 
@@ -55,6 +55,10 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
         The forward's output and log-sum-exp (``attention(..., return_lse=True)``).
     dout : array_like, shape ``(..., Hq, Sq, Dv)``
         Gradient of the loss with respect to ``out``.
+    dlse : array_like, shape ``(..., Hq, Sq)``, optional
+        Gradient of the loss with respect to ``lse`` (natural log, the sinks included), for a
+        loss of both results (ring attention's merge, context parallelism; FlashAttention 4's
+        ``dlse``): ``D_i`` becomes ``D_i - dlse_i``.  None: 0.
     scale, causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids,
     kv_segment_ids, softcap, alibi_slopes, sinks
         As in `attention`, and equal to the forward's (``lse`` then includes the sinks).
@@ -114,18 +118,18 @@ def attention_backward(q, k, v, out, lse, dout, *, scale=None, block_q=None, blo
     """
     if qv is not None:  # MLA: the joined problem's gradients, split back
         joined_q, joined_k, _ = mla.inputs(q, k, v, qv)
-        return mla.split(attention_backward(joined_q, joined_k, v, out, lse, dout, scale=scale, block_q=block_q,
+        return mla.split(attention_backward(joined_q, joined_k, v, out, lse, dout, dlse=dlse, scale=scale, block_q=block_q,
                                             block_k=block_k, workers=workers, check_finite=check_finite,
                                             device=device, **options), _head_dim(q), q is not None)
-    dev = dev_mod.resolve(device, q, k, v, out, lse, dout)
+    dev = dev_mod.resolve(device, q, k, v, out, lse, dout, dlse)
     opts, mod_grad = _options(scale, options, "attention_backward")
     grads = tiled_backward(q, k, v, out, lse, dout, opts, mod_grad, block_q=block_q, block_k=block_k,
-                           workers=workers, check_finite=check_finite, dev=dev)
+                           workers=workers, check_finite=check_finite, dev=dev, dlse=dlse)
     return grads if dev is None else dev_mod.on_device(grads, (q, k, v, out, lse, dout))
 
 
 def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, block_q=None, block_k=None,
-                   workers=None, check_finite=True, dev=None, sizes=None):
+                   workers=None, check_finite=True, dev=None, sizes=None, dlse=None):
     """`attention_backward` with its options parsed into ``opts`` (and ``mod_grad`` the
     ``score_mod_grad``); ``dev``: a torch device to compute on (`attnlib.core.torch_backend`),
     or None for numpy.  The gradients as ``xp``'s arrays.
@@ -138,6 +142,7 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
     xp = NUMPY if dev is None else backend_for(dev, workers)
     q5, k5, v5, pb, extremes = xp.parse(q, k, v, opts.scale, check_finite)
     out5, lse5, dout5 = _grad_inputs(pb, check_finite, xp, out=out, lse=lse, dout=dout)
+    dlse5 = None if dlse is None else _grad_inputs(pb, check_finite, xp, dlse=dlse)[0]  # (*batch, hk, g, sq)
     # The host's backward keeps 256 x 256 tiles at every head dim (the forward's 512 x 512 for D >= 128).
     setup = prepare(q5, k5, v5, pb, opts, block_q=block_q, block_k=block_k, xp=xp, extremes=extremes,
                     base=DEFAULT_TILES if xp is NUMPY else None)
@@ -147,8 +152,10 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
         raise ValueError("lse has -inf rows, but with sinks every row's lse is at least its sink: "
                          "pass the lse of attention(..., sinks=sinks, return_lse=True)")
     # Values near float64's range: dout / 2**e while summing, the gradients times 2**e after.
-    e = _grad_exponent(pb, dout5, (v5, out5), q5, k5, xp)
+    e = _grad_exponent(pb, dout5, (v5, out5), q5, k5, xp, dlse5=dlse5)
     dout5 = xp.ldexp(dout5, -e) if e else dout5
+    if dlse5 is not None:  # float64 (and divided by the same 2**e)
+        dlse5 = xp.ldexp(dlse5, -e)
     dq = xp.zeros(tuple(q5.shape))
     dk = xp.zeros(pb.batch + (pb.hk, pb.sk, pb.d))
     dv = xp.zeros(pb.batch + (pb.hk, pb.sk, pb.dv))
@@ -163,9 +170,11 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
     hook = None if hook is hooks.keep else hook  # the identity: not called at all
     lse5 = xp.operand(lse5)
     delta = _rows_delta(out5, dout5, setup.tiles.block_q, xp)  # D = rowsum(dout * out), (..., sq)
+    if dlse5 is not None:  # a loss of lse too: d lse_i / d s_ij = p_ij, so ds = p (dp - (D - dlse))
+        delta -= dlse5
     if hook is not None:
         delta = hook("delta", delta)
-    sized = None if sizes is None else sizes.bind(pb, out5, dout5, setup.cap, xp)
+    sized = None if sizes is None else sizes.bind(pb, out5, dout5, setup.cap, xp, dlse5)
     # The shift of p = exp(s - lse): rows without a visible key have lse = -inf and only -inf
     # scores; shifting them by 0 gives exp(-inf) = 0, not -inf - (-inf).
     shift = xp.finite_or_zero(lse5)
@@ -419,9 +428,10 @@ def _backward_plan(q, k, v, dout, delta, shift, scale, spec, setup, slopes, dq, 
             if visible[u, :, b].any()]
 
 
-def attention_vjp(q, k, v, dout, *, qv=None, device=None, **options):
+def attention_vjp(q, k, v, dout, *, dlse=None, qv=None, device=None, **options):
     """Forward and backward in one call: ``(out, (dq, dk, dv))`` (``dqv`` next with ``qv``,
-    ``dsinks`` last with sinks).
+    ``dsinks`` last with sinks); ``dlse``: the loss's gradient with respect to the forward's
+    ``lse`` too (`attention_backward`'s).
 
     ``options`` are those of `attention_backward` (masks, score options, tiles,
     ``check_finite``), passed to both passes.  With torch tensors (or ``device=``) both
@@ -430,17 +440,18 @@ def attention_vjp(q, k, v, dout, *, qv=None, device=None, **options):
     """
     if qv is not None:  # MLA: the joined problem's, its gradients split back
         joined_q, joined_k, _ = mla.inputs(q, k, v, qv)
-        out, grads = attention_vjp(joined_q, joined_k, v, dout, device=device, **options)
+        out, grads = attention_vjp(joined_q, joined_k, v, dout, dlse=dlse, device=device, **options)
         return out, mla.split(grads, _head_dim(q), q is not None)
     forward = {name: value for name, value in options.items() if name != "score_mod_grad"}
-    dev = dev_mod.resolve(device, q, k, v, dout)
+    dev = dev_mod.resolve(device, q, k, v, dout, dlse)
     if dev is None:
         out, lse = attention(q, k, v, return_lse=True, **forward)
-        return out, attention_backward(q, k, v, out, lse, dout, **options)
+        return out, attention_backward(q, k, v, out, lse, dout, dlse=dlse, **options)
     given = (q, k, v, dout)
     q, k, v, dout = (dev_mod.as_tensor(x, name, dev) for x, name in zip(given, ("q", "k", "v", "dout")))
+    dlse = None if dlse is None else dev_mod.as_tensor(dlse, "dlse", dev)
     out, lse = attention(q, k, v, return_lse=True, device=dev, **forward)
-    grads = attention_backward(q, k, v, out, lse, dout, device=dev, **options)
+    grads = attention_backward(q, k, v, out, lse, dout, dlse=dlse, device=dev, **options)
     return dev_mod.on_device(out, given), dev_mod.on_device(grads, given)
 
 

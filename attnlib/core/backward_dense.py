@@ -22,7 +22,7 @@ FORMULATIONS = ("math", "eager", "flash", "sequential")
 SEQUENTIAL_STEPS = 1024
 
 
-def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
+def reference_attention_backward(q, k, v, dout, *, dlse=None, scale=None, return_abs=False,
                                  return_rss=False, rss_accumulate=1.0, rss_scores=0.0, check_finite=True,
                                  compute_dtype=None, formulation="math", qv=None, **options):
     """Dense float64 gradients ``(dq, dk, dv)`` of `reference_attention` for ``dout``.
@@ -33,6 +33,9 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
         As in `reference_attention`.
     dout : array_like, shape ``(..., Hq, Sq, Dv)``
         Gradient of the loss with respect to the output.
+    dlse : array_like, shape ``(..., Hq, Sq)``, optional
+        Gradient of the loss with respect to the natural-log ``lse`` (sinks included):
+        ``ds_ij = p_ij (dp_ij - D_i + dlse_i)`` (`attention_backward`'s).  None: 0.
     scale, causal, causal_align, window, kv_lengths, q_lengths, q_segment_ids,
     kv_segment_ids, softcap, alibi_slopes, sinks
         As in `attention`.
@@ -103,17 +106,17 @@ def reference_attention_backward(q, k, v, dout, *, scale=None, return_abs=False,
             raise ValueError("return_abs and return_rss are not split for qv; leave them out")
         joined_q, joined_k, _ = mla.inputs(q, k, v, qv)
         return mla.split(reference_attention_backward(
-            joined_q, joined_k, v, dout, scale=scale, check_finite=check_finite, compute_dtype=compute_dtype,
+            joined_q, joined_k, v, dout, dlse=dlse, scale=scale, check_finite=check_finite, compute_dtype=compute_dtype,
             formulation=formulation, **options), _head_dim(q), q is not None)
     opts, mod_grad = _options(scale, options, "reference_attention_backward")
     return dense_backward(q, k, v, dout, opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
                           rss_accumulate=rss_accumulate, rss_scores=rss_scores, check_finite=check_finite,
-                          compute_dtype=compute_dtype, formulation=formulation)
+                          compute_dtype=compute_dtype, formulation=formulation, dlse=dlse)
 
 
 def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=False, return_rss=False,
                    rss_accumulate=1.0, rss_scores=0.0, check_finite=True, compute_dtype=None,
-                   formulation="math", rows=None, keys=None, stats=None):
+                   formulation="math", rows=None, keys=None, stats=None, dlse=None):
     """`reference_attention_backward` with its options parsed into ``opts`` (and ``mod_grad``
     the ``score_mod_grad``).  ``formulation``: one of `FORMULATIONS`, or a tuple of them for a
     list of their gradients (those that round the same scores share them).
@@ -127,7 +130,9 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     kernel stores them); ``stats = (lse, out, shift, d)``: the formulations that store the scores
     in the type take ``lse + shift`` and ``D_i = d`` instead, the rows as their own softmax has them
     (`attnlib.core.gradsizes.GradSizes`'s ``naive``).  ``dsinks``: the sum over ``rows`` alone, unrounded (in the
-    accumulator's type: the parts of a sum add up before its one rounding).  The others are None."""
+    accumulator's type: the parts of a sum add up before its one rounding).  The others are None.
+    ``dlse``: the loss's gradient with respect to ``lse``, ``(..., Hq, Sq)`` (every row; None: 0): each
+    formulation's ``D_i - dlse_i`` in its accumulator's type."""
     several = not isinstance(formulation, str)
     formulations = tuple(formulation) if several else (formulation,)
     for f in formulations:
@@ -145,14 +150,16 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         raise ValueError("several formulations are those of a lower compute_dtype, without sizes")
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)
     (dout5,) = _grad_inputs(pb, check_finite, dout=dout)
+    dlse5 = None if dlse is None else _grad_inputs(pb, check_finite, dlse=dlse)[0]  # (*batch, hk, g, sq)
     if not part:  # (a part: the check's sample, where an overflowing formulation is left out)
         problem.check_representable(prec, q=q5, k=k5, v=v5, dout=dout5)
-    e = _grad_exponent(pb, dout5, (v5,), q5, k5) if prec.is_float64 else 0
-    if e:  # values near float64's range: dout / 2**e, the gradients times 2**e
+    e = _grad_exponent(pb, dout5, (v5,), q5, k5, dlse5=dlse5) if prec.is_float64 else 0
+    if e:  # values near float64's range: dout and dlse / 2**e, the gradients times 2**e
         return _unscale_grads(dense_backward(
             q, k, v, _scaled_dout(dout, e), opts, mod_grad, return_abs=return_abs, return_rss=return_rss,
             rss_accumulate=rss_accumulate, rss_scores=rss_scores, check_finite=check_finite,
-            compute_dtype=compute_dtype, formulation=formulation, rows=rows, keys=keys, stats=stats), e)
+            compute_dtype=compute_dtype, formulation=formulation, rows=rows, keys=keys, stats=stats,
+            dlse=None if dlse is None else np.ldexp(dlse5.astype(np.float64), -e).reshape(np.shape(dlse))), e)
     # float64: rnd is the identity.  Lower: values are rounded where a same-precision
     # implementation stores them, and everything else is float32.
     dtype = prec.accumulate.type
@@ -164,6 +171,8 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     if keys is not None:
         k5, v5 = k5[..., j_at, :], v5[..., j_at, :]
     q5, k5, v5, dout5 = (rnd(x).astype(dtype) for x in (q5, k5, v5, dout5))
+    if dlse5 is not None:  # (..., hk, g, sq, 1) on these rows, as the kernel reads it
+        dlse5 = (dlse5 if rows is None else dlse5[..., i_at]).astype(dtype)[..., None]
     sinks = opts.sinks
     sink = problem.sinks(sinks, pb, dtype)  # (..., hk, g) or None
     scores = _scores(q5, k5, pb, opts, dtype, rows=rows, cols=keys)  # (..., hk, g, sq, sk), -inf where invisible
@@ -264,7 +273,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         results[at] = _dense_grads(formulation, prec, pb, p, p_sink, factor_of(p, group), q5, k5, v5, dout5, sink,
                                    sinks, rows, stats, part, None if stats is None else out5,
                                    cap_chain=cap if group == "eager" and eager_cap else None,
-                                   d_rows=d_of.get(group), dp_of=dp_of)
+                                   d_rows=d_of.get(group), dp_of=dp_of, dlse=dlse5)
     results = [results[f] for f in range(len(formulations))]
     if several:
         return results
@@ -274,7 +283,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
     extra = ()
     if return_abs:
         extra += (_dense_grads(formulation, prec, pb, p, p_sink, factor, np.abs(q5), np.abs(k5), np.abs(v5),
-                               np.abs(dout5), sink, sinks, rows, stats, part, None, sign=1.0),)
+                               np.abs(dout5), sink, sinks, rows, stats, part, None, sign=1.0, dlse=dlse5),)
 
     def rss():
         # Squares of the terms each entry sums, summed (a GQA group's heads too), rooted.
@@ -284,6 +293,8 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
         # size is p_ij (|dp_ij| + sum_j |p_ij dp_ij|) (|D_i| is at most the sum), and, weighted
         # by rss_accumulate, the componentwise sizes |dout| . |v_j| of what dp_ij and D_i sum.
         d1 = np.sum(np.abs(p * dp), axis=-1, keepdims=True)
+        if dlse5 is not None:  # D_i - dlse_i: one more term
+            d1 = d1 + np.abs(dlse5)
         if rss_scores:  # D_i = dout_i . out_i from the output as stored (each out_ic rounded)
             d1 = d1 + np.sqrt(np.sum((dout5 * (p @ v5)) ** 2, axis=-1, keepdims=True))
         dp = np.abs(dp)
@@ -321,13 +332,14 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
 
 
 def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, sink, sinks, rows, stats, part, out5,
-                 sign=-1.0, cap_chain=None, d_rows=None, dp_of=None):
+                 sign=-1.0, cap_chain=None, d_rows=None, dp_of=None, dlse=None):
     """`dense_backward`'s gradients in one formulation from the weights ``p`` (and the sink's,
     ``p_sink``); ``sign`` -1: the softmax Jacobian; +1: the sizes (``return_abs``), where a factor
     counts by its size.  ``cap_chain``: the softcap ``c`` of an eager kernel, whose backward stores
     each step of the chain rule through ``c tanh(s / c)`` in the type; ``d_rows``: the rows' ``D_i``
     as the formulation has them (with ``stats``; default from ``out``); ``dp_of(stored)``: ``dout @ v^T``
-    as computed (``stored`` False) or rounded to the type, shared by the formulations (None: computed here)."""
+    as computed (``stored`` False) or rounded to the type, shared by the formulations (None: computed here);
+    ``dlse``: ``(..., hk, g, sq, 1)`` or None, taken from ``D_i`` (its size added to ``D_i``'s with ``sign`` +1)."""
     dtype = prec.accumulate.type
     rnd = (lambda x: x) if prec.is_float64 else prec.round  # noqa: E731
     flash = formulation == "flash" and not prec.is_float64
@@ -366,6 +378,8 @@ def _dense_grads(formulation, prec, pb, p, p_sink, factor, q5, k5, v5, dout5, si
         d = np.cumsum(p * dp, axis=-1)[..., -1:]  # key after key
     else:
         d = np.sum(p * dp, axis=-1, keepdims=True)  # D_i = dout_i . out_i
+    if dlse is not None:  # a loss of lse too: D_i - dlse_i (sizes: |D_i| + |dlse_i|)
+        d = d - dlse if sign < 0 else d + np.abs(dlse)
     if cap_chain is None:
         ds = rnd(p * (dp + sign * d) * (factor if sign < 0 else np.abs(factor)))
     else:  # d/dz, times c, times 1 - y**2, over c: each product stored in the type

@@ -44,7 +44,7 @@ def _grad_inputs(pb, check_finite, xp=NUMPY, **given):
     grouped = pb.batch + (pb.hk, pb.group, pb.sq)
     result = []
     for name, x in given.items():
-        tail = () if name == "lse" else (pb.dv,)
+        tail = () if name in ("lse", "dlse") else (pb.dv,)
         x = xp.read(x, name)
         shape = (heads + tail)[1:] if pb.squeeze else heads + tail  # 2-D inputs: no head axis
         if tuple(x.shape) != shape:
@@ -73,7 +73,7 @@ def _split_grads(pb, dq5, dk4, dv4, dsink5=None, sinks=None):
     return grads + (dsink.reshape(shape),)
 
 
-def grad_exponent(pb, dout_max: float, vo_max: float, qk_max: float, dtype=np.float64) -> int:
+def grad_exponent(pb, dout_max: float, vo_max: float, qk_max: float, dtype=np.float64, dlse_max: float = 0.0) -> int:
     """The power of two ``e >= 0`` that ``dout`` is divided by while the gradients are
     summed; they are linear in ``dout``, so ``2**e`` times the result is exact.
 
@@ -82,23 +82,30 @@ def grad_exponent(pb, dout_max: float, vo_max: float, qk_max: float, dtype=np.fl
     every partial sum of one, is within ``2 Dv max|dout| max(|v|, |out|) max(1, max(|q|,
     |k|) Sq g) max(1, |scale|)`` (``|ds_ij| <= 2 p_ij max|dp|``), kept below a quarter of
     the range.  0, every bit as before, for any ordinary input.  The maxima: ``max|dout|``,
-    ``max(|v|, |out|)`` and ``max(|q|, |k|)``.
+    ``max(|v|, |out|)`` and ``max(|q|, |k|)``; ``dlse_max``: ``max|dlse|``, which ``dp - D + dlse``
+    adds to what ``dout . v`` reaches (`attention_backward`'s ``dlse``).
     """
-    if not (dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max)):
+    # log2 of what a row's dp - D + dlse reaches: 2 (Dv + 1) max|dout| max(|v|, |out|) + max|dlse|
+    terms = []
+    if dout_max and vo_max and math.isfinite(dout_max) and math.isfinite(vo_max):
+        terms.append(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max))
+    if dlse_max and math.isfinite(dlse_max):
+        terms.append(math.log2(dlse_max))
+    if not terms:
         return 0
     # log2 of max(1, max(|q|, |k|) Sq g) max(1, |scale|): ds @ k and ds^T @ q are summed
     # before the scale multiplies them, so a tiny scale does not shrink their partial sums.
     spread = max(0.0, math.log2(abs(pb.scale))) if pb.scale else 0.0
     if qk_max and math.isfinite(qk_max):
         spread += max(0.0, math.log2(qk_max) + math.log2(pb.sq + 1) + math.log2(pb.group))
-    return problem.range_exponent(math.log2(2 * (pb.dv + 1)) + math.log2(dout_max) + math.log2(vo_max)
-                                  + spread, dtype)
+    return problem.range_exponent(float(np.logaddexp2.reduce(terms)) + spread, dtype)
 
 
-def _grad_exponent(pb, dout5, values, q5, k5, xp=NUMPY, dtype=np.float64) -> int:
-    """`grad_exponent` of the grouped arrays; ``values``: ``v`` (and ``out``)."""
+def _grad_exponent(pb, dout5, values, q5, k5, xp=NUMPY, dtype=np.float64, dlse5=None) -> int:
+    """`grad_exponent` of the grouped arrays; ``values``: ``v`` (and ``out``); ``dlse5``: ``dlse`` or None."""
     return grad_exponent(pb, xp.abs_max(dout5), max(xp.abs_max(x) for x in values),
-                         max(pb.max_of("q", q5), pb.max_of("k", k5)), dtype)
+                         max(pb.max_of("q", q5), pb.max_of("k", k5)), dtype,
+                         0.0 if dlse5 is None else xp.abs_max(dlse5))
 
 
 def _scaled_dout(dout, e: int) -> np.ndarray:

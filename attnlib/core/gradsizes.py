@@ -36,10 +36,12 @@ class GradSizes:
     naive: object = None  # a `problem.Precision`: also each row's statistics as its naive backward has them
     flush: float = 0.0  # > 0: also what the terms whose weight lies in (0, flush) add to each entry (`_SizedPass.flushed`)
 
-    def bind(self, pb, out5, dout5, cap, xp) -> "_SizedPass":
-        """The arrays the passes sum into, grouped as the kernel's ``(*batch, hk, g, ...)``."""
+    def bind(self, pb, out5, dout5, cap, xp, dlse5=None) -> "_SizedPass":
+        """The arrays the passes sum into, grouped as the kernel's ``(*batch, hk, g, ...)``;
+        ``dlse5``: the backward's ``dlse`` or None."""
         lead = pb.batch + (pb.hk, pb.group)
-        d1 = xp.zeros(lead + (pb.sq,))
+        # D_i - dlse_i: dlse is one more of D_i's terms
+        d1 = xp.zeros(lead + (pb.sq,)) if dlse5 is None else abs(dlse5)
         w2 = None
         if self.scores is not None and not self.componentwise:
             # D_i = dout_i . out_i from the output as stored: its entries' roundings, root-sum-square.

@@ -65,6 +65,12 @@ class LseConvention:
         lse = np.asarray(lse, dtype=np.float64)
         return lse if self.factor == 1.0 else lse * self.factor
 
+    def gradient_to_natural(self, dlse) -> np.ndarray:
+        """A loss's gradient with respect to a stored LSE as that with respect to the natural
+        one: ``lse_2 = lse_e / ln 2``, so ``dL/dlse_e = dL/dlse_2 / ln 2`` (float64)."""
+        dlse = np.asarray(dlse, dtype=np.float64)
+        return dlse if self.factor == 1.0 else dlse / self.factor
+
     def from_natural(self, lse):
         """attnlib's LSE (numpy or torch) in this convention's base and empty-row value (the
         sink's place is the caller's: `without_sink`)."""

@@ -389,7 +389,8 @@ def gradient_rounding(delta, n, dv, cap=None) -> float:
 class GradientGate:
     """The dense float64 gradient of one problem with per-entry tolerances: what float64
     rounding allows between two correct backward passes (`gradient_rounding`), twice one
-    implementation's ``e_g`` times each entry's own size ``|ref| + rss``.
+    implementation's ``e_g`` times each entry's own size ``|ref| + rss``; ``dlse``: a loss of
+    the LSE too (`attnlib.attention_backward`'s).
 
     Examples
     --------
@@ -406,7 +407,7 @@ class GradientGate:
     False
     """
 
-    def __init__(self, q, k, v, dout, *, sizes=False, options=None, **given):
+    def __init__(self, q, k, v, dout, *, dlse=None, sizes=False, options=None, **given):
         from ..core.backward import _score_mod_grad, dense_backward
 
         mod_grad = given.pop("score_mod_grad", None)
@@ -417,10 +418,10 @@ class GradientGate:
         # dp = dout . v and D sum, componentwise (|dp| may cancel), carrying only their g(Dv).
         # sizes: also `gradient_errors`'s P @ |V|-like sizes (``self.sizes``), from the same call.
         first = dense_backward(q, k, v, dout, self.options, mod_grad, return_rss=True, rss_accumulate=0.0,
-                               return_abs=validate.flag(sizes, "sizes"))
+                               return_abs=validate.flag(sizes, "sizes"), dlse=dlse)
         self.ref, rss = first[0], first[-1]
         self.sizes = first[1] if sizes else None
-        _, dot = dense_backward(q, k, v, dout, self.options, mod_grad, return_rss="dot")
+        _, dot = dense_backward(q, k, v, dout, self.options, mod_grad, return_rss="dot", dlse=dlse)
         self.names = ("dq", "dk", "dv", "dsinks")[:len(self.ref)]
         q, k, v = (arrays.as_float_array(x, name) for x, name in zip((q, k, v), "qkv"))
         rows = tolerance(q, k, v, None, block_k=1, options=self.options)
