@@ -7,7 +7,8 @@ arithmetic on the mishandled descales): an LSE in another convention
 in base 2 or with the sink taken as a score, a variant left out
 (``attention_chunk``, ``sink_token_length``, ``key_leftpad``), top-k lists ignored or their
 ``-1`` entries read as a key (the last, wrapped; or key 0, clamped), MLA's ``qv`` ignored or its
-``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor, and a
+``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor,
+block-sparse lists read with query and key blocks exchanged, and a
 loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
 gradients of the neighbouring loss, rounded once; judged by ``dq``).
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..core.lse_conventions import LN2
 from ..core.backward import attention_backward
+from ..core.block_sparse import block_mask_from_kv_blocks
 from ..core.problem import precision
 from ..core.tiled import attention
 from . import memo
@@ -104,6 +106,20 @@ def cases(prec_name, magnitude, seed) -> list:
                   dict(causal=True)),
                  ("MLA scale 1/sqrt(D)", "not 1/sqrt(D + Dv)", dict(causal=True, qv=qv),
                   dict(qv=qv, causal=True, scale=1 / math.sqrt(d)))]
+        # Block-sparse lists (FlexAttention's, FlashAttention 4's): 32 x 32 blocks, each query block
+        # its diagonal one and a random third of the others, read transposed.
+        n = SHAPE[3] // 32
+        listed = np.random.default_rng(4000 + seed).random((n, n)) < 1 / 3
+        listed[np.arange(n), np.arange(n)] = True
+
+        def as_lists(m):
+            order = np.argsort(~m, axis=-1, kind="stable")  # each row's listed blocks first
+            return m.sum(-1)[None, None], order[None, None]
+
+        blocks = [block_mask_from_kv_blocks(*as_lists(m), block_size=32, mask_mod=lambda b, h, i, j: i >= j)
+                  for m in (listed, listed.T)]
+        wrong.append(("block lists read transposed", "the block lists transposed", dict(block_mask=blocks[0]),
+                      dict(block_mask=blocks[1])))
         for name, words, told, computed in wrong:
             out.append((name, words or name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
         # dlse (a loss of the LSE too): the gradients of that loss with dlse mishandled, rounded once

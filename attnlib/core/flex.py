@@ -220,45 +220,25 @@ def as_block_mask(block_mask):
     if not (kind.__name__ == "BlockMask" and kind.__module__.startswith("torch")):
         raise TypeError(f"block_mask must be a BlockMask from attnlib.create_block_mask (or FlexAttention's), "
                         f"got {kind.__name__}")
+    from .block_sparse import _map_mod, blocks_map  # (it builds on this module)
+
     sq, sk = (int(n) for n in block_mask.seq_lengths)
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
     nq_blocks, nk_blocks = -(-sq // bq), -(-sk // bk)
-    full, partial = (_dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nq_blocks, nk_blocks),
-                     _dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, nq_blocks, nk_blocks))
+    try:
+        full = blocks_map(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nq_blocks, nk_blocks,
+                          ("full_kv_num_blocks", "full_kv_indices"))
+        partial = blocks_map(block_mask.kv_num_blocks, block_mask.kv_indices, nq_blocks, nk_blocks)
+    except ValueError as e:
+        raise ValueError(f"block_mask's block lists do not fit its {nq_blocks} x {nk_blocks} blocks of seq_lengths "
+                         f"and BLOCK_SIZE: {e}") from None
     mod = block_mask.mask_mod
     mod = None if getattr(mod, "__name__", "") == "noop_mask" else from_torch(mod)
     nb, nh = max(full.shape[0], partial.shape[0]), max(full.shape[1], partial.shape[1])
-
-    def torch_mask(b, h, q_idx, kv_idx):  # FlexAttention's: FULL blocks, or PARTIAL ones AND mask_mod
-        def at(lists):  # each list's own B and H (1: the same for all)
-            return lists[(np.asarray(b) if lists.shape[0] > 1 else 0, np.asarray(h) if lists.shape[1] > 1 else 0,
-                          np.asarray(q_idx) // bq, np.asarray(kv_idx) // bk)]
-        in_partial = at(partial)
-        if mod is not None:
-            in_partial = in_partial & np.asarray(mod(b, h, q_idx, kv_idx), dtype=bool)
-        return at(full) | in_partial
-
-    # Not the same function as its mask_mod (the lists decide too): given with that mask_mod,
-    # both apply (`visible_mod`).
-    return create_block_mask(torch_mask, nb if nb > 1 else None, nh if nh > 1 else None, sq, sk, bq, bk)
-
-
-def _dense_blocks(counts, indices, n_q_blocks, n_k_blocks) -> np.ndarray:
-    """FlexAttention's block lists ``(B, H, nq)`` counts and ``(B, H, nq, nk)`` indices as a
-    ``(B, H, n_q_blocks, n_k_blocks)`` boolean map (an absent list, None: no block)."""
-    if counts is None:
-        return np.zeros((1, 1, n_q_blocks, n_k_blocks), dtype=bool)
-    counts = counts.detach().cpu().numpy().astype(np.int64)
-    indices = indices.detach().cpu().numpy().astype(np.int64)
-    if counts.ndim != 3 or indices.shape[:3] != counts.shape or counts.shape[2] < n_q_blocks \
-            or (indices.size and (indices.min() < 0 or indices.max() >= n_k_blocks)):
-        raise ValueError(f"block_mask's block lists (counts {counts.shape}, indices {indices.shape}) do not "
-                         f"fit its {n_q_blocks} x {n_k_blocks} blocks of seq_lengths and BLOCK_SIZE")
-    dense = np.zeros(counts.shape + (n_k_blocks,), dtype=bool)
-    used = np.arange(indices.shape[-1]) < np.minimum(counts, indices.shape[-1])[..., None]
-    where = np.nonzero(used)
-    dense[where[:-1] + (indices[used],)] = True
-    return dense[:, :, :n_q_blocks]
+    # FlexAttention's mask: FULL blocks, or PARTIAL ones AND mask_mod.  Not the same function as
+    # its mask_mod (the lists decide too): given with that mask_mod, both apply (`visible_mod`).
+    return create_block_mask(_map_mod(full, partial, bq, bk, mod), nb if nb > 1 else None, nh if nh > 1 else None,
+                             sq, sk, bq, bk)
 
 
 def visible_mod(mask_mod, block_mask):
