@@ -54,6 +54,7 @@ _PUBLIC = {name: module for module, names in {
     'core.varlen': ('attention_varlen', 'attention_varlen_backward', 'reference_attention_varlen'),
     'core.flex': ('BlockMask', 'create_block_mask', 'tensor_mods'),
     'core.block_sparse': ('block_mask_from_kv_blocks', 'block_mask_from_bsr'),
+    'core.sources': ('Source', 'source', 'attention_sources', 'attention_sources_backward', 'join_sources'),
 }.items() for name in names}
 
 #: The subpackages, and the modules of the numerical core, the judge and the evidence by their short

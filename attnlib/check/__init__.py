@@ -23,8 +23,8 @@ from .cli import NOTEBOOK_PARAMETERS, load_and_check, main, save_json
 from .rule import TensorVerdict
 from .shapes import LAYOUTS, TENSORS, UnusableInput, to_bhsd
 from .text import format_text
-from .verdict import KernelCheck, check_kernel
+from .verdict import KernelCheck, check_kernel, check_sources
 
-__all__ = ["check_kernel", "KernelCheck", "TensorVerdict", "UnusableInput", "UnreadableInput", "format_text",
+__all__ = ["check_kernel", "check_sources", "KernelCheck", "TensorVerdict", "UnusableInput", "UnreadableInput", "format_text",
            "load_and_check", "save_json", "main", "NOTEBOOK_PARAMETERS", "LAYOUTS", "TENSORS",
            "to_bhsd"]

@@ -82,8 +82,8 @@ def _guarded(fn, name, b_at, entries):
     # the guarded function as it would the user's (never retried with tensors).
     if getattr(fn, "_attnlib_torch_source", None) is not None:
         guarded._attnlib_torch_source = fn._attnlib_torch_source
-    if getattr(fn, "_attnlib_transposed", None) is not None:  # block lists' (`_mask_neighbours`), guarded alike
-        guarded._attnlib_transposed = _guarded(fn._attnlib_transposed, name, b_at, entries)
+    if getattr(fn, "_attnlib_neighbours", None) is not None:  # a mask's own neighbours (`_mask_neighbours`), guarded alike
+        guarded._attnlib_neighbours = [(_guarded(f, name, b_at, entries), words) for f, words in fn._attnlib_neighbours]
     return guarded
 
 
@@ -448,8 +448,8 @@ def _softcap_after_mask(opts: Options, shape) -> dict:
 
 def _mask_neighbours(mask_mod, sq, sk) -> list:
     """``(change, words)``: a ``mask_mod`` off by one key or query, or one key narrower or
-    wider at either edge of its runs of visible keys (a window or document one key off), and
-    transposed where ``sq == sk``."""
+    wider at either edge of its runs of visible keys (a window or document one key off), and the
+    mask's own neighbours (``_attnlib_neighbours``), else, where ``sq == sk``, transposed."""
     def clip(x, top):  # in the index's own kind: numpy's, or torch's on a device path
         return x.clamp(0, top) if hasattr(x, "clamp") else np.clip(x, 0, top)
 
@@ -461,11 +461,10 @@ def _mask_neighbours(mask_mod, sq, sk) -> list:
         return lambda b, h, i, j: op(np.asarray(f(b, h, i, j), dtype=bool), g(b, h, i, j))
 
     same = at(0, 0)
-    # Transposed: block-sparse lists read with query and key blocks exchanged (`block_sparse`), or
-    # (square problems) q_idx and kv_idx swapped
-    flipped = getattr(mask_mod, "_attnlib_transposed", None)
-    transposed = ([(dict(mask_mod=flipped), "the block lists transposed (query and key blocks exchanged)")]
-                  if flipped is not None else [] if sq != sk else
+    # The mask's own neighbours (block-sparse lists read transposed, `block_sparse`; a KV source
+    # left out or its mask ignored, `sources`), else, on square problems, q_idx and kv_idx swapped
+    own = getattr(mask_mod, "_attnlib_neighbours", None)
+    transposed = ([(dict(mask_mod=fn), words) for fn, words in own] if own is not None else [] if sq != sk else
                   [(dict(mask_mod=lambda b, h, i, j: np.asarray(mask_mod(b, h, j, i), dtype=bool)),
                     "the mask transposed (q_idx and kv_idx swapped)")])
     return transposed + [

@@ -8,7 +8,8 @@ in base 2 or with the sink taken as a score, a variant left out
 (``attention_chunk``, ``sink_token_length``, ``key_leftpad``), top-k lists ignored or their
 ``-1`` entries read as a key (the last, wrapped; or key 0, clamped), MLA's ``qv`` ignored or its
 ``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor,
-block-sparse lists read with query and key blocks exchanged, and a
+block-sparse lists read with query and key blocks exchanged, one of several KV sources left out
+or its mask ignored (`attnlib.core.sources`: judged as the joined problem), and a
 loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
 gradients of the neighbouring loss, rounded once; judged by ``dq``).
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
@@ -28,6 +29,7 @@ import numpy as np
 from ..core.lse_conventions import LN2
 from ..core.backward import attention_backward
 from ..core.block_sparse import block_mask_from_kv_blocks
+from ..core.sources import attention_sources, join_sources, source
 from ..core.problem import precision
 from ..core.tiled import attention
 from . import memo
@@ -122,6 +124,18 @@ def cases(prec_name, magnitude, seed) -> list:
                       dict(block_mask=blocks[1])))
         for name, words, told, computed in wrong:
             out.append((name, words or name, told, dict(out=_answer(prec, q, k, v, **computed)[0])))
+        # Two KV sources in one softmax (a window of the cache, a compressed cache): one left out, or
+        # its mask ignored; the problem as the check judges it, joined
+        sources = [source(k[..., :64, :], v[..., :64, :], "window", causal=True, window=(24, 0)),
+                   source(k[..., 64:, :], v[..., 64:, :], "compressed", mask_mod=lambda b, h, i, j: 2 * j <= i)]
+        k_joined, v_joined, joined = join_sources(q, sources)
+        for name, words, computed in (
+                ("a KV source left out", "source 'compressed' (2 of 2) left out", sources[:1]),
+                ("a KV source's mask ignored", "source 'window''s mask ignored",
+                 [source(sources[0].k, sources[0].v, "window"), sources[1]])):
+            with np.errstate(over="ignore"):
+                got = prec.round(attention_sources(q, computed)).astype(np.float64)
+            out.append((name, words, dict(mask_mod=joined), dict(out=got), (k_joined, v_joined)))
         # dlse (a loss of the LSE too): the gradients of that loss with dlse mishandled, rounded once
         rng = np.random.default_rng(3000 + seed)
         dout = prec.round(rng.standard_normal(q.shape[:-1] + (v.shape[-1],))).astype(np.float64)
@@ -135,7 +149,7 @@ def cases(prec_name, magnitude, seed) -> list:
                         dict(out=right[0], lse=right[1], dout=dout, dlse=dlse,
                              **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))))
         assert d == dv  # the MLA cases take qv of v's head dim
-        return [(n, w, q, k, v, told, t) for n, w, told, t in out]
+        return [(n, w, q, *(c[0] if c else (k, v)), told, t) for n, w, told, t, *c in out]
     rng = np.random.default_rng(1000 + seed)
     f = {n: rng.uniform(0.05, 0.5, (SHAPE[0], SHAPE[2])).astype(np.float32) for n in ("q", "k", "v")}
     f["v"] = (f["v"] * magnitude).astype(np.float32)

@@ -541,3 +541,33 @@ def _naive_ratio(expected: Expected):
     err = expected.naive_err
     allowance = np.broadcast_to(expected.allowance, err.shape)
     return err, np.divide(err, allowance, out=np.zeros_like(err), where=allowance > 0)
+
+
+def check_sources(q, sources, out, *, layout="bshd", dk=None, dv=None, **check) -> KernelCheck:
+    """`check_kernel` of a kernel over several KV sources in one softmax
+    (`attnlib.core.sources`): ``sources`` each an `attnlib.Source` whose ``k``, ``v`` are in
+    ``layout`` (its mask options in attnlib's terms), ``dk``, ``dv`` lists of the kernel's
+    gradients per source; ``check`` the other keywords of `check_kernel` (``lse``, ``dout``,
+    ``dq``, ``dlse``, ``sinks``, ``dsinks``, ``scale``, ``softcap``, ``dtype``, ...).  Judged as the
+    joined problem (`attnlib.core.sources.join_sources`); a failing output that matches a source
+    left out, or its mask ignored, is diagnosed by the source's name."""
+    from ..core.sources import _sources, join_sources
+
+    found = _sources(sources)
+    taken = sorted(set(check) & {"mask_mod", "block_mask", "causal", "window", "kv_lengths", "gather_kv_indices"})
+    if taken:
+        raise UnusableInput(f"{', '.join(taken)}: each source's mask is its own (its options); "
+                            "the call's are the scores' (scale, softcap, sinks)")
+    if layout not in LAYOUTS:
+        raise UnusableInput(f"layout must be one of {LAYOUTS} for sources, got {layout!r}")
+    axis = -3 if layout == "bshd" else -2
+    for name, grads in (("dk", dk), ("dv", dv)):
+        if grads is not None and len(grads) != len(found):
+            raise UnusableInput(f"{name} must be a list of one gradient per source ({len(found)}), got {len(grads)}")
+    try:
+        k, v, mask_mod = join_sources(q, found, seq_axis=axis)
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(str(e)) from e
+    joined = {n: None if g is None else np.concatenate([np.asarray(as_numpy(x, f"{n}[{i}]")) for i, x in enumerate(g)],
+                                                      axis=axis) for n, g in (("dk", dk), ("dv", dv))}
+    return check_kernel(q, k, v, out, layout=layout, mask_mod=mask_mod, **joined, **check)

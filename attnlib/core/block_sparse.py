@@ -66,8 +66,8 @@ def blocks_map(counts, indices, n_q_blocks: int, n_k_blocks: int, names=("kv_num
 def _map_mod(full, partial, bq, bk, mask_mod, flip=True):
     """The pairs the lists make visible: a block listed full, or partial where ``mask_mod`` holds
     (maps ``(B, H, nq, nk)``, each B and H 1 where shared).  Square maps of square blocks carry
-    the lists read transposed (query and key blocks exchanged, ``mask_mod`` kept) as
-    ``_attnlib_transposed``: a wrong kernel's mask the check's diagnosis tries."""
+    the lists read transposed (query and key blocks exchanged, ``mask_mod`` kept) in
+    ``_attnlib_neighbours``: a wrong kernel's mask the check's diagnosis tries."""
     def at(m, b, h, q_idx, kv_idx):
         return m[(np.asarray(b) if m.shape[0] > 1 else 0, np.asarray(h) if m.shape[1] > 1 else 0,
                   np.asarray(q_idx) // bq, np.asarray(kv_idx) // bk)]
@@ -80,8 +80,9 @@ def _map_mod(full, partial, bq, bk, mask_mod, flip=True):
         return at(full, b, h, q_idx, kv_idx) | in_partial
 
     if flip and bq == bk and full.shape[-1] == full.shape[-2] and partial.shape[-1] == partial.shape[-2]:
-        listed._attnlib_transposed = _map_mod(np.swapaxes(full, -1, -2), np.swapaxes(partial, -1, -2), bq, bk,
-                                              mask_mod, flip=False)
+        listed._attnlib_neighbours = [(_map_mod(np.swapaxes(full, -1, -2), np.swapaxes(partial, -1, -2), bq, bk,
+                                                mask_mod, flip=False),
+                                       "the block lists transposed (query and key blocks exchanged)")]
     return listed
 
 
