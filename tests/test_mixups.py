@@ -2,6 +2,8 @@
 and a correct kernel of each problem passes (so the failures are the mix-ups')."""
 
 import numpy as np
+
+import attnlib
 import pytest
 
 from attnlib.check import check_kernel, mixups
@@ -36,6 +38,11 @@ def test_the_right_answer_to_each_mixups_problem_passes():
                 out = attention(q, k, v, compute_dtype=prec, **opts).astype(np.float64)
                 stored = [x.astype(ml_dtypes.float8_e4m3fn) for x in (q, k, v)]
                 r = check_kernel(*stored, out, layout="bhsd", **told)
+            elif "dropout_p" in opts:  # the exact answer with the keep mask, rounded once
+                drop = [opts.pop(n) for n in ("dropout_p", "dropout_mask")]
+                out = attnlib.attention_dropout(q, k, v, *drop, **opts).astype(np.float32)
+                lse = attention(q, k, v, return_lse=True, **opts)[1].astype(np.float32)
+                r = check_kernel(q, k, v, out.astype(np.float64), lse=lse, layout="bhsd", dtype=prec, **told)
             else:
                 out, lse = attention(q, k, v, return_lse=True, compute_dtype=prec, **opts)
                 if conv.get("lse_sink") == "excluded":

@@ -9,7 +9,8 @@ in base 2 or with the sink taken as a score, a variant left out
 ``-1`` entries read as a key (the last, wrapped; or key 0, clamped), MLA's ``qv`` ignored or its
 ``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor,
 block-sparse lists read with query and key blocks exchanged, one of several KV sources left out
-or its mask ignored (`attnlib.core.sources`: judged as the joined problem), and a
+or its mask ignored (`attnlib.core.sources`: judged as the joined problem), dropout with its
+``1 / (1 - p)`` left out, ``1 / p`` in its place or the keep mask inverted, and a
 loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
 gradients of the neighbouring loss, rounded once; judged by ``dq``).
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
@@ -29,6 +30,7 @@ import numpy as np
 from ..core.lse_conventions import LN2
 from ..core.backward import attention_backward
 from ..core.block_sparse import block_mask_from_kv_blocks
+from ..core.dropout import attention_dropout
 from ..core.sources import attention_sources, join_sources, source
 from ..core.problem import precision
 from ..core.tiled import attention
@@ -136,6 +138,16 @@ def cases(prec_name, magnitude, seed) -> list:
             with np.errstate(over="ignore"):
                 got = prec.round(attention_sources(q, computed)).astype(np.float64)
             out.append((name, words, dict(mask_mod=joined), dict(out=got), (k_joined, v_joined)))
+        # Dropout with the kernel's keep mask (p = 0.2): the scaling mishandled, the mask inverted
+        keep = np.random.default_rng(5000 + seed).random(q.shape[:-1] + (k.shape[-2],)) >= 0.2
+        right_drop = attention_dropout(q, k, v, 0.2, keep, causal=True)
+        for name, words, got in (
+                ("dropout without 1 / (1 - p)", "1 / (1 - p) left out", right_drop * 0.8),
+                ("dropout scaled by 1 / p", "1 / p", right_drop * 0.8 / 0.2),
+                ("dropout keep mask inverted", "keep mask inverted", attention_dropout(q, k, v, 0.2, ~keep, causal=True))):
+            with np.errstate(over="ignore"):
+                out.append((name, words, dict(causal=True, dropout_p=0.2, dropout_mask=keep),
+                            dict(out=prec.round(got).astype(np.float64))))
         # dlse (a loss of the LSE too): the gradients of that loss with dlse mishandled, rounded once
         rng = np.random.default_rng(3000 + seed)
         dout = prec.round(rng.standard_normal(q.shape[:-1] + (v.shape[-1],))).astype(np.float64)
@@ -185,7 +197,10 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
         # Against the told problem's float64 answer rounded once to the kernel's output type.
         prec, right = precision(prec_name), None
         if stat is None:
-            right = dict(out=_round(prec, attention(q, k, v, **told)))
+            drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
+            rest = {n: x for n, x in told.items() if n not in drop}
+            right = dict(out=_round(prec, attention_dropout(q, k, v, *drop.values(), **rest) if drop
+                                    else attention(q, k, v, **told)))
         elif stat == "dq":
             o64, lse64 = attention(q, k, v, return_lse=True, **told)
             right = dict(dq=_round(prec, attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"],

@@ -17,6 +17,7 @@ from ..core.lse_conventions import LseConvention
 from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
+from .dropout import Dropped
 from .diagnosis import (DROPPED, descale_variants, diagnose, diagnose_gradient, diagnose_lse,
                         diagnose_max_scores, guard_grad, guard_mods, row_ratios, trend, variant_alternatives)
 from ..judge.packing import unpack_paged, unpack_varlen
@@ -87,7 +88,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
                  qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
-                 device=None) -> KernelCheck:
+                 device=None, dropout_p=None, dropout_mask=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule in ulps of
@@ -131,6 +132,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
         as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
         ``sink_token_length``).
+    dropout_p, dropout_mask : optional
+        Dropout with the kernel's keep mask (FlashAttention's ``attention_ref``'s): ``out = (P *
+        keep) v / (1 - dropout_p)``; ``dropout_mask`` a boolean array ``(batch, nheads, seqlen_q,
+        seqlen_k)`` (True: kept) or a function ``keep(b, h, q_idx, kv_idx)``.  ``out`` is judged as
+        the kept keys' attention (`attnlib.check.dropout`), ``lse`` as the undropped row's.
     max_scores : ndarray, optional
         FlexAttention's aux ``max_scores``, ``(batch, nheads, seqlen_q)`` as ``lse``: each row's
         largest visible score (natural units, or base 2 with ``lse_base=2``; ``-inf`` on rows
@@ -326,25 +332,39 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                              attention_chunk=attention_chunk, sink_token_length=sink_token_length,
                              gather_kv_indices=gather_kv_indices)
         sinkless = lse is not None and convention.sink == "excluded" and opts.sinks is not None
-        expected = expect(qh, kh, vh, opts, prec, workers, scheduler, dev, kernel=kernel,
-                          kernel_lse=None if sinkless else kernel_lse)
+        dropped = None
+        if dropout_p is not None or dropout_mask is not None:
+            if any(n in given for n in GRADIENTS) or dsinks is not None or max_scores is not None:
+                raise UnusableInput("with dropout the check judges out and lse (gradients and max_scores: "
+                                    "not yet): leave them out")
+            # out / w judged as the kept keys' attention (`attnlib.check.dropout`)
+            dropped = Dropped.of(qh, kh, vh, opts, dropout_p, dropout_mask, workers, dev)
+        judged = kernel if dropped is None else dropped.to_kept(kernel)
+        expected = expect(qh, kh, vh, opts if dropped is None else dropped.opts, prec, workers, scheduler, dev,
+                          kernel=judged, kernel_lse=None if sinkless or dropped is not None else kernel_lse)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape, or a mod's own error
         raise UnusableInput(str(e)) from e  # chained: a mask_mod's own exception is never replaced
-    verdict, err, ratio = judge_out(kernel, expected)
+    verdict, err, ratio = judge_out(judged, expected)
+    if dropped is not None:
+        verdict.notes.insert(0, f"dropout (p = {dropped.rate:g}): judged as the kept keys' attention, out / w with "
+                                "w = exp(lse_keep - lse) / (1 - p) each row's kept share (errors and "
+                                "values below in those units)")
     row_ratio = row_ratios(err, ratio, expected.allowance)
     head_row_ratio = ratio.max(axis=-1, initial=0.0)
     head_row_ratio = head_row_ratio.reshape((-1,) + head_row_ratio.shape[-2:]).max(axis=0) \
         if head_row_ratio.ndim >= 2 else head_row_ratio[None]  # (Hq, Sq)
     naive_ratio = _naive_ratio(expected)
     diagnosis = []
-    if verdict.passed is False:
-        diagnosis = diagnose(kernel, qh, kh, vh, opts, expected, ratio, shape, layout, given,
-                             prec, workers, dev, _mixups(raw, factors, opts))
+    if verdict.passed is False and dropped is not None:
+        diagnosis = dropped.diagnose(kernel, expected.ref, expected.allowance, qh, kh, vh, workers, dev)
+    if verdict.passed is False and not diagnosis:
+        diagnosis = diagnose(judged, qh, kh, vh, opts if dropped is None else dropped.opts, expected, ratio, shape,
+                             layout, given, prec, workers, dev, _mixups(raw, factors, opts))
     lse_verdict = None
     if lse is not None:
         # An lse without the sink is that of the problem without sinks, with its own allowance.
         lse_opts = replace(opts, sinks=None) if convention.sink == "excluded" else opts
-        lse_expected = expected if lse_opts is opts or opts.sinks is None else \
+        lse_expected = expected if dropped is None and (lse_opts is opts or opts.sinks is None) else \
             expect(qh, kh, vh, lse_opts, prec, workers, scheduler, dev, kernel=kernel, kernel_lse=kernel_lse)
         lse_verdict = judge_lse(given["lse"], lse_expected, lse_dtype or stored["lse"], convention)
         if not convention.is_default:  # its worst entries are shown in base e, the reference's
@@ -387,6 +407,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     shown = options_dict(opts, window=window, softcap=softcap, scale=scale)  # as the caller gave them
     if gather_kv_indices is not None:  # (batch, [Hk,] Sq, topk), attnlib's order
         shown["gather_kv_indices"] = gather_kv_indices
+    if dropped is not None:
+        shown["dropout_p"] = dropped.rate
     if qvh is not None:
         shown["qv"] = tuple(given["qv"].shape)  # in the layout given
     for n, x in zip(descale.NAMES, (q_descale, k_descale, v_descale)):

@@ -1,0 +1,153 @@
+"""Judging dropout (`docs/semantics.md`, "Dropout"): a kernel's output for a given keep mask, and
+the statistics of a kernel's own random keep mask.
+
+**With the mask.**  ``out_i = w_i A_i`` with ``A`` the attention of the kept keys and ``w_i =
+exp(lse_keep_i - lse_i) / (1 - p)`` the kept keys' share of the row (`attnlib.core.dropout`), so a
+kernel's ``out_i / w_i`` is judged as ``A_i`` by the rule of that problem (its allowance, in the
+units of each entry's own size, times ``w_i`` back in the output's units); the diagnosis tries the
+usual mistakes (the ``1 / (1 - p)`` missing, ``1 / p`` in its place, the mask inverted, no dropout).
+
+**A kernel's own dropout** (`dropout_statistics`): the keep mask a kernel drew (or rows of it,
+read back through ``q = 0``, ``v`` the identity: `keep_rows_from_output`) against independent
+Bernoulli(``1 - p``) draws: the keep rate by an exact two-sided binomial test, and the rows' and
+columns' kept counts by chi-square tests of their spread against the binomial's (a row or column
+structure: correlated draws, a seed reused per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..core.dropout import _kept_options, _rate, _share, keep_mod
+from ..core.backend import NUMPY
+from ..core.options import Options
+from ..core.tiled import forward_on
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A dropout problem judged as its kept keys' attention: ``opts`` that problem's options
+    (``base`` the problem's own), ``w (..., Hq, Sq, 1)`` each row's share (0 where no key is
+    kept), ``rate`` and ``keep`` (a ``mask_mod``)."""
+
+    opts: Options
+    base: Options
+    w: np.ndarray
+    rate: float
+    keep: object
+
+    @classmethod
+    def of(cls, qh, kh, vh, opts: Options, dropout_p, dropout_mask, workers=None, device=None) -> "Dropped":
+        rate = _rate(0.0 if dropout_p is None else dropout_p)
+        keep = keep_mod(dropout_mask, qh.shape)
+        kept = replace(opts, mask_mod=_kept_options(dict(mask_mod=opts.mask_mod,
+                                                         gather_kv_indices=opts.gather_kv_indices), keep)["mask_mod"])
+        lse_keep = forward_on(qh, kh, vh, kept, return_lse=True, workers=workers, device=device)[1]
+        lse = forward_on(qh, kh, vh, opts, return_lse=True, workers=workers, device=device)[1]
+        return cls(kept, opts, _share(np.asarray(lse_keep), np.asarray(lse), rate, NUMPY), rate, keep)
+
+    def to_kept(self, out):
+        """A kernel's ``out`` in the kept problem's units, ``out / w`` (as it is where ``w = 0``:
+        there the kept problem's output is 0)."""
+        w = np.broadcast_to(self.w, out.shape)
+        return np.divide(out, w, out=np.array(out, dtype=np.float64), where=w > 0)
+
+    def diagnose(self, kernel, ref, allowance, qh, kh, vh, workers=None, device=None) -> list:
+        """The mistakes a failing ``kernel`` (bhsd, in the output's units) matches, within the
+        rule's allowance for the kept problem (per head at its largest) over ``1 - p``: the
+        ``1 / (1 - p)`` left out, ``1 / p`` in its place, the keep mask inverted, no dropout."""
+        right = ref * np.broadcast_to(self.w, kernel.shape)
+        allowance = np.broadcast_to(allowance, kernel.shape)
+        head = allowance.reshape(allowance.shape[:-2] + (-1,)).max(axis=-1)[..., None, None]
+        # (at the largest share, 1 / (1 - p): a mistake's rows need not be the right output's)
+        loose = np.broadcast_to(head, kernel.shape) / (1 - self.rate)
+        inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
+        candidates = [("the dropout scaling 1 / (1 - p) left out", lambda: right * (1 - self.rate))]
+        if self.rate:
+            candidates.append((f"1 / p (= {1 / self.rate:.4g}) in place of 1 / (1 - p)",
+                               lambda: right * (1 - self.rate) / self.rate))
+        candidates += [
+            ("the keep mask inverted (the dropped weights kept)",
+             lambda: _output(qh, kh, vh, self.base, self.rate, inverted, workers, device)),
+            ("no dropout (every weight kept, unscaled)",
+             lambda: np.asarray(forward_on(qh, kh, vh, self.base, workers=workers, device=device)))]
+        return [f"the output matches dropout with {words}" for words, alt in candidates
+                if np.all(np.abs(kernel - alt()) <= loose)]
+
+
+def _output(qh, kh, vh, opts, rate, keep, workers, device) -> np.ndarray:
+    """The float64 dropout output of ``keep`` (`attnlib.core.dropout.attention_dropout`'s)."""
+    dropped = Dropped.of(qh, kh, vh, opts, rate, keep, workers, device)
+    return np.asarray(forward_on(qh, kh, vh, dropped.opts, workers=workers, device=device)) * dropped.w
+
+
+def dropout_statistics(keep, dropout_p, *, alpha=1e-3) -> dict:
+    """Whether a boolean keep mask ``(..., rows, cols)`` (True: kept) is independent
+    Bernoulli(``1 - dropout_p``) draws: ``{rate, expected, p_rate, p_rows, p_cols, alpha, passed}``.
+
+    ``p_rate``: the exact two-sided binomial test of the kept count (`scipy.stats.binomtest`);
+    ``p_rows``, ``p_cols``: chi-square tests of the kept counts per row (per column), pooled over
+    the leading axes, against the binomial spread ``n q (1 - q)`` (a kernel that reuses a seed per
+    row, or keeps whole columns, spreads them far more; one that draws too evenly, far less: both
+    tails).  ``passed``: every p-value above ``alpha / 3`` (Bonferroni over the three), so the
+    false-alarm rate of a correct kernel is at most ``alpha``."""
+    from scipy import stats
+
+    rate = _rate(dropout_p)
+    mask = np.asarray(keep)
+    if mask.dtype != bool or mask.ndim < 2 or not mask.size:
+        raise ValueError(f"keep must be a non-empty boolean array (..., rows, cols), got {mask.dtype} {mask.shape}")
+    q = 1.0 - rate
+    kept = int(np.count_nonzero(mask))
+    p_rate = float(stats.binomtest(kept, mask.size, q).pvalue) if 0 < q < 1 else float(kept == mask.size)
+    rows, cols = mask.shape[-2], mask.shape[-1]
+
+    def spread(counts, n):  # chi-square of the counts of n draws each against their binomial spread
+        if q in (0.0, 1.0) or n == 0 or counts.size < 2:
+            return 1.0
+        chi2 = float(np.sum((counts - n * q) ** 2) / (n * q * (1 - q)))
+        df = counts.size
+        low, high = stats.chi2.cdf(chi2, df), stats.chi2.sf(chi2, df)
+        return float(min(1.0, 2 * min(low, high)))
+
+    p_rows = spread(mask.sum(axis=-1).ravel(), cols)
+    p_cols = spread(mask.sum(axis=-2).ravel(), rows)
+    result = dict(rate=kept / mask.size, expected=q, p_rate=p_rate, p_rows=p_rows, p_cols=p_cols, alpha=alpha)
+    result["passed"] = min(p_rate, p_rows, p_cols) > alpha / 3
+    return result
+
+
+def calibrate_statistics(rows=128, cols=1024, dropout_p=0.1, runs=1000, errors=(0.001, 0.002, 0.004, 0.008),
+                         alpha=1e-3, seed=0) -> dict:
+    """`dropout_statistics` measured: its false alarms over ``runs`` masks of independent
+    Bernoulli(``1 - dropout_p``) draws (numpy's generator), and, per keep-rate error ``e`` in
+    ``errors``, the share of ``runs // 10`` masks drawn at ``1 - dropout_p - e`` it flags; and of
+    masks whose rows repeat one row (a seed reused per row) or whose columns repeat (per column).
+    ``{rows, cols, dropout_p, alpha, runs, false_alarms, rate_bound, detected: {e: share},
+    smallest_detected (the least e flagged in at least 90% of its runs, or None), row_repeat,
+    column_repeat}``."""
+    rng = np.random.default_rng(seed)
+    keep = 1.0 - dropout_p
+    false = sum(not dropout_statistics(rng.random((rows, cols)) < keep, dropout_p, alpha=alpha)["passed"]
+                for _ in range(runs))
+    few = max(1, runs // 10)
+    detected = {e: sum(not dropout_statistics(rng.random((rows, cols)) < keep - e, dropout_p, alpha=alpha)["passed"]
+                       for _ in range(few)) / few for e in errors}
+    repeated = [np.broadcast_to(rng.random((1, cols)) < keep, (rows, cols)) for _ in range(few)]
+    by_column = [np.broadcast_to(rng.random((rows, 1)) < keep, (rows, cols)) for _ in range(few)]
+    return dict(rows=rows, cols=cols, dropout_p=dropout_p, alpha=alpha, runs=runs, false_alarms=false,
+                rate_bound=_upper_bound(false, runs), detected=detected,
+                smallest_detected=next((e for e in sorted(errors) if detected[e] >= 0.9), None),
+                row_repeat=sum(not dropout_statistics(m, dropout_p, alpha=alpha)["passed"] for m in repeated) / few,
+                column_repeat=sum(not dropout_statistics(m, dropout_p, alpha=alpha)["passed"] for m in by_column) / few)
+
+
+def _upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
+    """The exact one-sided upper confidence bound on a rate seen ``failures`` times in ``runs``."""
+    from scipy import stats
+    return 1.0 if failures >= runs else float(stats.beta.ppf(confidence, failures + 1, runs - failures))
+
+
+__all__ = ["Dropped", "dropout_statistics", "calibrate_statistics"]
