@@ -50,7 +50,7 @@ _PUBLIC = {name: module for module, names in {
     'core.stream': ('attention_stream',),
     'core.tilesizes': ('DEFAULT_TILES', 'LARGE_HEAD_TILES', 'TileSizes', 'default_tiles'),
     'core.stats': ('AttentionStats',),
-    'core.tiled': ('attention',),
+    'core.tiled': ('attention', 'max_sum_exp'),
     'core.varlen': ('attention_varlen', 'attention_varlen_backward', 'reference_attention_varlen'),
     'core.flex': ('BlockMask', 'create_block_mask', 'tensor_mods'),
     'core.block_sparse': ('block_mask_from_kv_blocks', 'block_mask_from_bsr'),

@@ -19,7 +19,7 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens", "gather_kv_indices")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
-OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores", "dlse") + INDEX_FILES
+OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores", "sum_exp", "dlse") + INDEX_FILES
 #: Files besides the kernel's tensors, read like them (in the kernel's type): MLA's second query
 #: and the kernel's gradient of it.
 INPUT_FILES = ("qv", "dqv")
@@ -33,7 +33,7 @@ NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
                    gather_kv_indices="", q_descale="", k_descale="", v_descale="", qv="", dqv="", max_scores="",
-                   dlse="", v_from_k=0, **options) -> KernelCheck:
+                   sum_exp="", dlse="", v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
     ``sinks``, the fp8 descales, MLA's ``qv`` and the integer files of `INDEX_FILES` too.
     ``v_from_k=Dv``: ``v`` is the first ``Dv`` of ``k``'s head dim (FlashMLA's shared latent),
@@ -43,7 +43,7 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
                             "dimensions, FlashMLA's shared latent), one of them")
     specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv, dqv=dqv,
-                 max_scores=max_scores, dlse=dlse)
+                 max_scores=max_scores, sum_exp=sum_exp, dlse=dlse)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens, gather_kv_indices=gather_kv_indices)
     arrays, kinds, names = {}, {}, {}
@@ -112,6 +112,9 @@ def _parser():
     p.add_argument("--max-scores", default="", metavar="FILE",
                    help="FlexAttention's aux max_scores, (batch, nheads, seqlen_q): each row's largest "
                         "visible score (base 2 with --lse-base 2), judged with the score's allowance")
+    p.add_argument("--sum-exp", default="", metavar="FILE",
+                   help="with --max-scores: sum_j exp(s_ij - max_i) over the keys, (batch, nheads, seqlen_q), "
+                        "the row statistics in place of --lse (cuDNN's score_sum_exp): judged as the keys' LSE")
     p.add_argument("--layout", choices=LAYOUTS + ("thd",), default="bshd",
                    help="bshd: (batch, seqlen, nheads, headdim), FlashAttention's (default); "
                         "bhsd: (batch, nheads, seqlen, headdim), PyTorch SDPA's; "

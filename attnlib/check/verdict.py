@@ -88,7 +88,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
                  qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
-                 device=None, dropout_p=None, dropout_mask=None) -> KernelCheck:
+                 device=None, dropout_p=None, dropout_mask=None, sum_exp=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule in ulps of
@@ -132,6 +132,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
         as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
         ``sink_token_length``).
+    sum_exp : ndarray, optional
+        With ``max_scores``, the row statistics a kernel returns instead of the LSE (cuDNN's
+        ``score_max``/``score_sum_exp``, tokamax's residuals): ``sum_exp = sum_j exp(s_ij -
+        max_i)`` over the keys (the sink not among them; base 2 with ``lse_base=2``), judged as the
+        LSE ``max + log(sum_exp)`` of the keys (`judge_lse`), ``max_scores`` as given.
     dropout_p, dropout_mask : optional
         Dropout with the kernel's keep mask (FlashAttention's ``attention_ref``'s): ``out = (P *
         keep) v / (1 - dropout_p)``; ``dropout_mask`` a boolean array ``(batch, nheads, seqlen_q,
@@ -229,6 +234,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("q_lengths comes from cu_seqlens_q in the varlen layout: leave it out")
     if dsinks is not None and sinks is None:
         raise UnusableInput("dsinks was given without sinks")
+    if sum_exp is not None:  # (max, sum_exp): the keys' LSE, max + log(sum_exp), judged as one
+        lse, lse_sink, lse_dtype = _lse_of_stats(max_scores, sum_exp, lse, lse_base, lse_sink, sinks, names)
     if max_scores is not None and varlen:
         raise UnusableInput("max_scores is judged in the bshd and bhsd layouts (batch, nheads, seqlen_q); "
                             "not in the varlen layout thd: pad the sequences into a batch")
@@ -367,6 +374,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         lse_expected = expected if dropped is None and (lse_opts is opts or opts.sinks is None) else \
             expect(qh, kh, vh, lse_opts, prec, workers, scheduler, dev, kernel=kernel, kernel_lse=kernel_lse)
         lse_verdict = judge_lse(given["lse"], lse_expected, lse_dtype or stored["lse"], convention)
+        if sum_exp is not None:
+            lse_verdict.notes.insert(0, "the lse judged is max_scores + log(sum_exp), the keys' (the kernel's "
+                                        "row statistics in place of an LSE)")
         if not convention.is_default:  # its worst entries are shown in base e, the reference's
             lse_verdict.notes.insert(0, f"judged in the convention told: {convention.words()}"
                                      + (" (shown times ln 2)" if convention.base == 2.0 else ""))
@@ -496,6 +506,26 @@ def _problem_alternatives(opts: Options) -> list:
         except DROPPED:
             continue
     return alts
+
+
+def _lse_of_stats(max_scores, sum_exp, lse, lse_base, lse_sink, sinks, names):
+    """``(lse, lse_sink, lse_dtype)`` of a kernel's ``(max_scores, sum_exp)``: ``max + log(sum_exp)``
+    in float64 (in the base told), the sink excluded, the type max was stored in."""
+    if lse is not None or max_scores is None:
+        raise UnusableInput("sum_exp is judged with max_scores, in place of an lse: give max_scores and "
+                            "sum_exp, or lse")
+    if sinks is not None and lse_sink == "included":
+        raise UnusableInput("sum_exp sums the keys alone (the sink is no score): lse_sink='included' does not apply")
+    top, kind = _as_float(max_scores, names["max_scores"])
+    total = _as_float(sum_exp, names.get("sum_exp", "sum_exp"))[0]
+    if total.shape != top.shape:
+        raise UnusableInput(f"sum_exp must have the shape of max_scores {top.shape}, got {total.shape}")
+    if not (np.isfinite(total).all() and (total >= 0).all()):
+        raise UnusableInput("sum_exp must be finite and >= 0 (a sum of exp(s - max))")
+    log = np.log2 if LseConvention.parse(lse_base).base == 2.0 else np.log
+    with np.errstate(divide="ignore", invalid="ignore"):  # rows without a key: -inf + log 0 = -inf
+        derived = np.where(total > 0, top + log(np.where(total > 0, total, 1.0)), -np.inf)
+    return derived, "excluded" if sinks is not None else lse_sink, kind
 
 
 def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, prec_name, dlse=None):

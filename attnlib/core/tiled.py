@@ -523,3 +523,20 @@ def _forward(q, k, v, scale, spec, tiles, cap, slopes, out, lse, rescales, kinds
 
 
 __all__ = ["attention", "AttentionStats", "TileSizes", "DEFAULT_TILES", "LARGE_HEAD_TILES", "default_tiles"]
+
+
+def max_sum_exp(q, k, v, *, lse_base=None, device=None, **options):
+    """``(max_scores, sum_exp)``: the row statistics kernels return in place of the LSE (cuDNN's
+    ``score_max``, ``score_sum_exp``; tokamax's residuals), ``sum_exp_i = sum_j exp(s_ij -
+    max_i)`` over the visible keys (the sink is no key's score: not in it), 0 and ``-inf`` on
+    rows with no visible key, so that ``max + log(sum_exp)`` is the keys' LSE.  ``max_scores`` in
+    base 2 with ``lse_base=2`` (``sum_exp`` is the same in either base).  ``options``: `attention`'s.
+    From one call: the keys' LSE (the sink excluded) and the max, ``sum_exp = exp(lse - max)``
+    (relative error about ``u |lse|``)."""
+    sink = "excluded" if options.get("sinks") is not None else None
+    _, lse, top = attention(q, k, v, return_lse=True, return_max_scores=True, lse_sink=sink, device=device,
+                            **options)
+    xp = NUMPY if device_of(device, q, k, v) is None else backend_for(device_of(device, q, k, v), None)
+    total = xp.exp(lse - xp.finite_or_zero(top))  # rows without a key: exp(-inf - 0) = 0
+    base2 = lse_conventions.LseConvention.parse(lse_base).base == 2.0
+    return (top / lse_conventions.LN2 if base2 else top), total
