@@ -220,6 +220,58 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
     return rows
 
 
+def right_answers(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitudes=(1e-2, 1.0, 1e2),
+                  seeds=(0, 1)) -> list[dict]:
+    """The other side of `measure`: each problem the mix-ups are told, answered right, judged
+    the same way (a false alarm here is the check's, not a mix-up's).  The answers: attnlib's
+    tiled kernel in the type (fp8: its fp8 arithmetic with the descales), with dropout the exact
+    answer rounded once, the gradients of a loss of the LSE (``dlse``) exact, rounded once.  One
+    row per (precision, magnitude, seed, problem): ``problem`` (the first mix-up told it),
+    ``passed``, the largest ``ratio`` over the tensors judged."""
+    rows = []
+    for prec_name, magnitude, seed in itertools.product(precisions, magnitudes, seeds):
+        prec, seen = precision(prec_name), set()
+        with memo.shared():
+            for name, words, q, k, v, told, tensors in cases(prec_name, magnitude, seed):
+                key = (tuple(sorted((n, id(x) if isinstance(x, np.ndarray) or callable(x) else str(x))
+                                    for n, x in told.items())), tuple(sorted(tensors)))
+                if key in seen:
+                    continue
+                seen.add(key)
+                right = _right_answer(prec, q, k, v, told, tensors)
+                stored = (q, k, v)
+                if prec.p_type is not None:  # the fp8 values the kernel read
+                    stored = tuple(x.astype(prec.p_type) for x in stored)
+                r = check_kernel(*stored, **right, layout="bhsd", dtype=prec_name, workers=1, **told)
+                judged = [t for t in r.judged if t.passed is not None]
+                rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, problem=name,
+                                 tensors=[t.name for t in judged], passed=bool(r.passed),
+                                 ratio=max(float(t.ratio) for t in judged)))
+    return rows
+
+
+def _right_answer(prec, q, k, v, told, tensors) -> dict:
+    """The tensors of ``tensors``' names for the problem ``told``, computed right (`right_answers`)."""
+    drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
+    rest = {n: x for n, x in told.items() if n not in drop}
+    with np.errstate(over="ignore"):
+        if drop:
+            found = dict(out=_round(prec, attention_dropout(q, k, v, *drop.values(), **rest)),
+                         lse=attention(q, k, v, return_lse=True, **rest)[1].astype(np.float32))
+        elif prec.p_type is not None:
+            found = dict(out=attention(q, k, v, compute_dtype=prec.name, **rest).astype(np.float64))
+        else:
+            out, lse, top = attention(q, k, v, return_lse=True, return_max_scores=True, compute_dtype=prec.name,
+                                      **rest)
+            found = dict(out=out.astype(np.float64), lse=lse.astype(np.float64), max_scores=top.astype(np.float64))
+        if "dq" in tensors:
+            o64, lse64 = attention(q, k, v, return_lse=True, **rest)
+            grads = attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"], **rest)
+            found |= dict(dout=tensors["dout"], dlse=tensors["dlse"],
+                          **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))
+    return {n: x for n, x in found.items() if n in tensors or n in ("out", "dout", "dlse")}
+
+
 def hit_rates(rows) -> list[dict]:
     """Per (mix-up, precision): runs, failed, named, and the hit rate ``named / runs``."""
     table = {}
@@ -234,4 +286,4 @@ def hit_rates(rows) -> list[dict]:
     return list(table.values())
 
 
-__all__ = ["SHAPE", "cases", "measure", "hit_rates"]
+__all__ = ["SHAPE", "cases", "measure", "hit_rates", "right_answers"]
