@@ -54,6 +54,7 @@ _PUBLIC = {name: module for module, names in {
     'core.varlen': ('attention_varlen', 'attention_varlen_backward', 'reference_attention_varlen'),
     'core.flex': ('BlockMask', 'create_block_mask', 'tensor_mods'),
     'core.block_sparse': ('block_mask_from_kv_blocks', 'block_mask_from_bsr'),
+    'core.nsa': ('NSA', 'nsa_attention'),
     'core.dropout': ('attention_dropout', 'attention_dropout_backward'),
     'core.sources': ('Source', 'source', 'attention_sources', 'attention_sources_backward', 'join_sources'),
 }.items() for name in names}

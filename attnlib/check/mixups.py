@@ -10,7 +10,9 @@ in base 2 or with the sink taken as a score, a variant left out
 ``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor,
 block-sparse lists read with query and key blocks exchanged, one of several KV sources left out
 or its mask ignored (`attnlib.core.sources`: judged as the joined problem), dropout with its
-``1 / (1 - p)`` left out, ``1 / p`` in its place or the keep mask inverted, and a
+``1 / (1 - p)`` left out, ``1 / p`` in its place or the keep mask inverted, native sparse
+attention with its gates in another order or its selected branch left out (`attnlib.check.nsa`),
+and a
 loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
 gradients of the neighbouring loss, rounded once; judged by ``dq``).
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
@@ -31,6 +33,7 @@ from ..core.lse_conventions import LN2
 from ..core.backward import attention_backward
 from ..core.block_sparse import block_mask_from_kv_blocks
 from ..core.dropout import attention_dropout
+from ..core.nsa import NSA, nsa_attention
 from ..core.sources import attention_sources, join_sources, source
 from ..core.problem import precision
 from ..core.tiled import attention
@@ -138,6 +141,17 @@ def cases(prec_name, magnitude, seed) -> list:
             with np.errstate(over="ignore"):
                 got = prec.round(attention_sources(q, computed)).astype(np.float64)
             out.append((name, words, dict(mask_mod=joined), dict(out=got), (k_joined, v_joined)))
+        # Native sparse attention: the gates in another order, the selected branch left out
+        nsa = NSA(block_size=16, stride=8, select_block_size=32, top_n=2, window=24)
+        gates = np.random.default_rng(6000 + seed).random(q.shape[:-1] + (3,))
+        branches = nsa_attention(q, k, v, gates, nsa, return_branches=True)[1]
+        parts = [branches[b] for b in ("compressed", "selected", "window")]
+        for name, words, got in (
+                ("NSA gates swapped (compressed <-> window)", "the gates applied in the order window, selected, "
+                 "compressed", gates[..., 2:3] * parts[0] + gates[..., 1:2] * parts[1] + gates[..., 0:1] * parts[2]),
+                ("NSA selected branch left out", "the selected branch left out",
+                 gates[..., 0:1] * parts[0] + gates[..., 2:3] * parts[2])):
+            out.append((name, words, dict(nsa=nsa, gates=gates), dict(out=prec.round(got).astype(np.float64))))
         # Dropout with the kernel's keep mask (p = 0.2): the scaling mishandled, the mask inverted
         keep = np.random.default_rng(5000 + seed).random(q.shape[:-1] + (k.shape[-2],)) >= 0.2
         right_drop = attention_dropout(q, k, v, 0.2, keep, causal=True)
@@ -197,10 +211,7 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
         # Against the told problem's float64 answer rounded once to the kernel's output type.
         prec, right = precision(prec_name), None
         if stat is None:
-            drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
-            rest = {n: x for n, x in told.items() if n not in drop}
-            right = dict(out=_round(prec, attention_dropout(q, k, v, *drop.values(), **rest) if drop
-                                    else attention(q, k, v, **told)))
+            right = dict(out=_round(prec, _exact_out(q, k, v, told)))
         elif stat == "dq":
             o64, lse64 = attention(q, k, v, return_lse=True, **told)
             right = dict(dq=_round(prec, attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"],
@@ -210,7 +221,7 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
         stored = (q, k, v)
         if prec_name == "float8_e4m3fn":  # the fp8 values the kernel read (`_problem`)
             stored = (x.astype(precision(prec_name).p_type) for x in stored)
-        r = check_kernel(*stored, **tensors, layout="bhsd", dtype=prec_name, workers=1, **told)
+        r = _check(stored, tensors, prec_name, told)
         judged = r.out if stat is None else r.grads[stat] if stat == "dq" else getattr(r, stat)
         # The diagnosis only: a statistic's other notes state facts a miss would state too.
         notes = r.diagnosis if stat is None else [n for n in judged.notes if n.startswith("diagnosis: ")]
@@ -242,7 +253,7 @@ def right_answers(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitude
                 stored = (q, k, v)
                 if prec.p_type is not None:  # the fp8 values the kernel read
                     stored = tuple(x.astype(prec.p_type) for x in stored)
-                r = check_kernel(*stored, **right, layout="bhsd", dtype=prec_name, workers=1, **told)
+                r = _check(stored, right, prec_name, told)
                 judged = [t for t in r.judged if t.passed is not None]
                 rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, problem=name,
                                  tensors=[t.name for t in judged], passed=bool(r.passed),
@@ -255,7 +266,9 @@ def _right_answer(prec, q, k, v, told, tensors) -> dict:
     drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
     rest = {n: x for n, x in told.items() if n not in drop}
     with np.errstate(over="ignore"):
-        if drop:
+        if "nsa" in told:
+            found = dict(out=_round(prec, _exact_out(q, k, v, told)))
+        elif drop:
             found = dict(out=_round(prec, attention_dropout(q, k, v, *drop.values(), **rest)),
                          lse=attention(q, k, v, return_lse=True, **rest)[1].astype(np.float32))
         elif prec.p_type is not None:
@@ -270,6 +283,28 @@ def _right_answer(prec, q, k, v, told, tensors) -> dict:
             found |= dict(dout=tensors["dout"], dlse=tensors["dlse"],
                           **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))
     return {n: x for n, x in found.items() if n in tensors or n in ("out", "dout", "dlse")}
+
+
+def _exact_out(q, k, v, told) -> np.ndarray:
+    """The float64 output of the problem ``told`` (attention, with dropout, or NSA's)."""
+    if "nsa" in told:
+        return nsa_attention(q, k, v, told["gates"], told["nsa"])
+    drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
+    if drop:
+        return attention_dropout(q, k, v, *drop.values(), **{n: x for n, x in told.items() if n not in drop})
+    return attention(q, k, v, **told)
+
+
+def _check(stored, tensors, prec_name, told):
+    """`check_kernel` of ``tensors`` for ``told`` (NSA's: `check_nsa`, its verdict and diagnosis
+    laid out as a `KernelCheck`'s)."""
+    if "nsa" not in told:
+        return check_kernel(*stored, **tensors, layout="bhsd", dtype=prec_name, workers=1, **told)
+    from types import SimpleNamespace
+    from .nsa import check_nsa
+    r = check_nsa(*stored, tensors["out"], told["gates"], told["nsa"], layout="bhsd", dtype=prec_name, workers=1)
+    return SimpleNamespace(out=r.out, judged=[r.out], passed=r.passed,
+                           diagnosis=[n[len("diagnosis: "):] for n in r.out.notes if n.startswith("diagnosis: ")])
 
 
 def hit_rates(rows) -> list[dict]:

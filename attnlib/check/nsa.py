@@ -1,0 +1,126 @@
+"""Judging a native sparse attention kernel (`docs/semantics.md`, "Native sparse attention"):
+its gated output against the sum of the three branches, each branch's allowance by the rule of
+its own problem (`attnlib.check.rule.expect`), and each branch output it gives on its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core import problem
+from ..core.arrays import as_numpy
+from ..core.nsa import BRANCHES, NSA, _weights
+from ..core.options import Options
+from .rule import TensorVerdict, expect, judge
+from .shapes import LAYOUTS, UnusableInput, positions, to_bhsd
+from .verdict import KernelCheck, check_kernel
+
+
+@dataclass
+class NSACheck:
+    """``out``: the gated output's verdict; ``branches``: `KernelCheck` of each branch output
+    the kernel gave; ``selection_differs``: the (query, kv head) rows whose selected blocks differ
+    from the float64 selection (with the kernel's ``selected``; a note, not a verdict)."""
+
+    out: TensorVerdict
+    branches: dict = field(default_factory=dict)
+    selection_differs: int | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.out.passed is not False and all(c.passed for c in self.branches.values())
+
+
+def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, branches=None, layout="bshd",
+              dtype=None, scale=None, workers=None) -> NSACheck:
+    """An NSA kernel's ``out`` (and its ``branches``, ``{"compressed" | "selected" | "window":
+    output}``) against attnlib's float64 branches: ``gates (batch, nheads, seqlen_q, 3)``; ``selected``
+    the kernel's own selection ``(batch, nheads_k, seqlen_q, top_n)``, on which the branches are
+    then judged.  The gated output's allowance is ``sum_b |g_b| allowance_b`` plus two roundings
+    in the type of ``sum_b |g_b o_b|`` (the gated sum's products and additions)."""
+    from ..core.nsa import nsa_attention
+
+    nsa = nsa or NSA()
+    if layout not in LAYOUTS:
+        raise UnusableInput(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    stored = [as_numpy(x, n) for x, n in zip((q, k, v, out), ("q", "k", "v", "out"))]
+    try:
+        prec = problem.precision(dtype if dtype is not None else stored[0].dtype.name)
+    except ValueError:
+        raise UnusableInput(f"dtype: give the kernel's precision (dtype=), q is {stored[0].dtype}") from None
+    qh, kh, vh, kernel = (to_bhsd(np.asarray(x, dtype=np.float64) if x.dtype.kind == "f" else x.astype(np.float64),
+                                  layout) for x in stored)
+    g = np.asarray(as_numpy(gates, "gates"), dtype=np.float64)
+    if g.shape != qh.shape[:-1] + (3,):
+        raise UnusableInput(f"gates must have shape {qh.shape[:-1] + (3,)} (batch, nheads, seqlen_q, 3), got {g.shape}")
+    try:
+        _, ours = nsa_attention(qh, kh, vh, g, nsa, scale=scale, return_branches=True, workers=workers)
+        blocks = ours["blocks"] if selected is None else np.asarray(as_numpy(selected, "selected"))
+        want = kh.shape[:-2] + (qh.shape[-2], nsa.top_n)
+        if blocks.shape != want or not np.issubdtype(blocks.dtype, np.integer):
+            raise ValueError(f"selected must be integer block indices of shape {want} (batch, nheads_k, "
+                             f"seqlen_q, top_n), got {blocks.dtype} {blocks.shape}")
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(str(e)) from e
+    sq, sk = qh.shape[-2], kh.shape[-2]
+    k_cmp, v_cmp = nsa.compressed(kh, vh)
+    problems = {"compressed": (k_cmp, v_cmp, Options.parse(mask_mod=nsa.compressed_mod(sq, sk), scale=scale)),
+                "selected": (kh, vh, Options.parse(gather_kv_indices=nsa.keys_of(blocks, sk), causal=True, scale=scale)),
+                "window": (kh, vh, Options.parse(causal=True, window=(nsa.window - 1, 0), scale=scale))}
+    expected = {b: expect(qh, kb, vb, opts, prec, workers) for b, (kb, vb, opts) in problems.items()}
+    ref = sum(g[..., i:i + 1] * expected[b].ref for i, b in enumerate(BRANCHES))
+    size = sum(np.abs(g[..., i:i + 1] * expected[b].ref) for i, b in enumerate(BRANCHES))
+    allowance = sum(np.abs(g[..., i:i + 1]) * np.broadcast_to(expected[b].allowance, kernel.shape)
+                    for i, b in enumerate(BRANCHES)) + 2 * prec.eps * size
+    verdict = judge("out", kernel, ref, allowance, None, positions("query"))[0]
+    if verdict.passed is False:  # the gates or branches mixed up: named where the output matches
+        verdict.notes += _diagnose(kernel, g, [expected[b].ref for b in BRANCHES], allowance)
+    result = NSACheck(verdict)
+    result.notes.append(f"NSA: l = {nsa.block_size}, s = {nsa.stride}, l' = {nsa.select_block_size}, "
+                        f"top_n = {nsa.top_n}, window = {nsa.window}; judged against the three branches gated"
+                        + (" on the kernel's own selection" if selected is not None else ""))
+    if selected is not None:
+        mine = np.sort(np.where(ours["blocks"] < 0, np.iinfo(np.int64).max, ours["blocks"]), axis=-1)
+        theirs = np.sort(np.where(blocks < 0, np.iinfo(np.int64).max, blocks), axis=-1)
+        result.selection_differs = int(np.count_nonzero((mine != theirs).any(axis=-1)))
+        result.notes.append(f"the kernel's selection differs from the float64 one on {result.selection_differs} "
+                            f"of {mine[..., 0].size} (query, kv head) rows (near-ties flip in rounding: not a verdict)")
+    def laid(x):  # attnlib's (..., H, S, X) in the kernel's layout
+        return np.swapaxes(x, -2, -3) if layout == "bshd" else x
+
+    for b, given in (branches or {}).items():
+        if b not in BRANCHES:
+            raise UnusableInput(f"branches: unknown branch {b!r}, the branches are {BRANCHES}")
+        kb, vb, opts = problems[b]
+        options = opts.given()
+        if "gather_kv_indices" in options:  # per kv head: (batch, seqlen_q, nheads_k, topk) in bshd
+            options["gather_kv_indices"] = laid(options["gather_kv_indices"])
+        keys = (laid(kb), laid(vb)) if b == "compressed" else (stored[1], stored[2])
+        result.branches[b] = check_kernel(stored[0], *keys, given, layout=layout, dtype=prec.name, workers=workers,
+                                          **options)
+    return result
+
+
+def _diagnose(kernel, g, refs, allowance) -> list:
+    """``diagnosis: ...`` notes: the gated sum with the gates in another order, or a branch left out."""
+    import itertools
+
+    head = allowance.reshape(allowance.shape[:-2] + (-1,)).max(axis=-1)[..., None, None]
+    loose = np.broadcast_to(head, kernel.shape)
+
+    def gated(order, drop=None):
+        return sum(g[..., i:i + 1] * refs[j] for i, j in enumerate(order) if j != drop)
+
+    alternatives = [(f"the gates applied in the order {', '.join(BRANCHES[j] for j in order)} (not "
+                     f"{', '.join(BRANCHES)})", gated(order)) for order in itertools.permutations(range(3))
+                    if order != (0, 1, 2)]
+    alternatives += [(f"the {b} branch left out", gated((0, 1, 2), drop=n)) for n, b in enumerate(BRANCHES)]
+    alternatives.append(("no gates (the three branches summed)", sum(refs)))
+    found = [f"diagnosis: the output matches NSA with {words}" for words, alt in alternatives
+             if np.all(np.abs(kernel - alt) <= loose)]
+    return found or ["diagnosis: no known cause matched"]
+
+
+__all__ = ["NSACheck", "check_nsa"]
