@@ -66,7 +66,7 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                            cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                            lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
                            qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
-                           device=None, dropout_p=None, dropout_mask=None, sum_exp=None):
+                           device=None, dropout_p=None, dropout_mask=None, sum_exp=None, k_mean=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
 
@@ -121,6 +121,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         Dropout with the kernel's keep mask (an array, or ``keep(b, h, q_idx, kv_idx)``).
     sum_exp : array, optional
         With ``max_scores``: the row statistics in place of an LSE (cuDNN's, tokamax's).
+    k_mean : array, optional
+        SageAttention's mean key, subtracted before ``k`` was quantised (added back here).
     names, lse_dtype, scheduler : optional
         How messages name each tensor, the type the kernel stored ``lse`` in, and a Dask
         cluster for the float64 reference.

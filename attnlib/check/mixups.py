@@ -12,7 +12,8 @@ block-sparse lists read with query and key blocks exchanged, one of several KV s
 or its mask ignored (`attnlib.core.sources`: judged as the joined problem), dropout with its
 ``1 / (1 - p)`` left out, ``1 / p`` in its place or the keep mask inverted, native sparse
 attention with its gates in another order or its selected branch left out (`attnlib.check.nsa`),
-and a
+block scales misread (one block off, E8M0 read as E4M3, one per tensor, NVFP4's per-tensor scale
+left out) and SageAttention's LSE without its mean key, and a
 loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
 gradients of the neighbouring loss, rounded once; judged by ``dq``).
 A run *fails* when the check fails the tensor the mix-up changed, and is *named* when its
@@ -140,7 +141,7 @@ def cases(prec_name, magnitude, seed) -> list:
                  [source(sources[0].k, sources[0].v, "window"), sources[1]])):
             with np.errstate(over="ignore"):
                 got = prec.round(attention_sources(q, computed)).astype(np.float64)
-            out.append((name, words, dict(mask_mod=joined), dict(out=got), (k_joined, v_joined)))
+            out.append((name, words, dict(mask_mod=joined), dict(out=got), dict(k=k_joined, v=v_joined)))
         # Native sparse attention: the gates in another order, the selected branch left out
         nsa = NSA(block_size=16, stride=8, select_block_size=32, top_n=2, window=24)
         gates = np.random.default_rng(6000 + seed).random(q.shape[:-1] + (3,))
@@ -174,8 +175,11 @@ def cases(prec_name, magnitude, seed) -> list:
             out.append((name, name, dict(causal=True, sinks=sinks),
                         dict(out=right[0], lse=right[1], dout=dout, dlse=dlse,
                              **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))))
+        out += _quantised(prec, q, k, v)
         assert d == dv  # the MLA cases take qv of v's head dim
-        return [(n, w, q, *(c[0] if c else (k, v)), told, t) for n, w, told, t, *c in out]
+        # (a case's own inputs, where it has them: the joined sources' keys, the quantised elements)
+        return [(n, w, *({**dict(q=q, k=k, v=v), **(c[0] if c else {})}[x] for x in "qkv"), told, t)
+                for n, w, told, t, *c in out]
     rng = np.random.default_rng(1000 + seed)
     f = {n: rng.uniform(0.05, 0.5, (SHAPE[0], SHAPE[2])).astype(np.float32) for n in ("q", "k", "v")}
     f["v"] = (f["v"] * magnitude).astype(np.float32)
@@ -264,7 +268,7 @@ def right_answers(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitude
 def _right_answer(prec, q, k, v, told, tensors) -> dict:
     """The tensors of ``tensors``' names for the problem ``told``, computed right (`right_answers`)."""
     drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
-    rest = {n: x for n, x in told.items() if n not in drop}
+    q, k, v, rest = _told_inputs(q, k, v, {n: x for n, x in told.items() if n not in drop})
     with np.errstate(over="ignore"):
         if "nsa" in told:
             found = dict(out=_round(prec, _exact_out(q, k, v, told)))
@@ -285,10 +289,79 @@ def _right_answer(prec, q, k, v, told, tensors) -> dict:
     return {n: x for n, x in found.items() if n in tensors or n in ("out", "dout", "dlse")}
 
 
+def _quantised(prec, q, k, v) -> list:
+    """The block-scale mix-ups: ``(name, words, told, tensors, inputs)`` with the problem's
+    values quantised (MXFP8's scheme, E4M3 elements under E8M0 scales, in blocks of 16 of the
+    head dim so that ``D = 32`` holds two; NVFP4: E2M1, an E4M3 scale per 16 and a float32 per
+    tensor; SageAttention's keys with the mean key taken off, stored in the type), the kernel
+    computing right but for one scale or the LSE's correction."""
+    import ml_dtypes
+
+    def mx(x, block=16):
+        xb = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+        e = np.floor(np.log2(np.abs(xb).max(-1, keepdims=True))) - 8  # E4M3's largest power, 2^8
+        elements = np.clip(xb / 2.0 ** e, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        return elements.reshape(x.shape), (2.0 ** e[..., 0]).astype(ml_dtypes.float8_e8m0fnu)
+
+    def values(elements, *scales, block=16):
+        out = elements.astype(np.float64)
+        for f in scales:
+            f = np.asarray(f, dtype=np.float64)
+            out = out * (np.repeat(f, block, -1) if f.ndim == out.ndim else f)
+        return out
+
+    (qe, qs), (ke, ks), (ve, vs) = mx(q), mx(k), mx(v)
+    told = dict(causal=True, q_descale=qs, k_descale=ks, v_descale=vs)
+    q_v, k_v = values(qe, qs), values(ke, ks)
+    wrong_v = [("MXFP8 v scales one block off", "v_descale's blocks read one block off",
+                np.roll(vs.astype(np.float64), -1, axis=-1)),
+               ("MXFP8 v's E8M0 scales read as E4M3", "v_descale's E8M0 scales read as E4M3",
+                vs.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)),
+               ("MXFP8 v one scale per tensor", "v_descale one scale for the tensor",
+                np.full(vs.shape, vs.astype(np.float64).flat[0]))]
+    found = []
+    with np.errstate(over="ignore"):
+        for name, words, f in wrong_v:
+            if not np.isfinite(f).all():  # an E8M0 byte that is NaN as E4M3 (0x7f: the scale 1): no such kernel
+                continue
+            got = prec.round(attention(q_v, k_v, values(ve, f), causal=True)).astype(np.float64)
+            found.append((name, words, told, dict(out=got), dict(q=qe, k=ke, v=ve)))
+        # NVFP4: v's per-tensor scale left out
+        tensor = np.float32(np.abs(v).max() / (6 * 448))
+        vb16 = v.reshape(v.shape[:-1] + (v.shape[-1] // 16, 16))
+        block = (np.abs(vb16).max(-1) / 6 / tensor).astype(ml_dtypes.float8_e4m3fn)
+        v4 = np.clip(vb16 / (block.astype(np.float64)[..., None] * tensor), -6, 6).astype(ml_dtypes.float4_e2m1fn)
+        v4 = v4.reshape(v.shape)
+        nv_told = dict(causal=True, v_descale=(block, np.array(tensor)))
+        got = prec.round(attention(q, k, values(v4, block), causal=True)).astype(np.float64)
+        found.append(("NVFP4 per-tensor scale left out", "factor 1 of 2 left out", nv_told, dict(out=got),
+                      dict(v=v4)))
+        # SageAttention: the LSE of the smoothed keys (the mean key not added back)
+        mean = k.mean(-2, keepdims=True) + 1.0
+        smoothed = prec.round(k - mean).astype(np.float64)  # the keys the kernel stores
+        out, lse = attention(q, smoothed, v, causal=True, return_lse=True)
+        found.append(("K smoothing's LSE correction skipped", "k_mean) not added back", dict(causal=True, k_mean=mean),
+                      dict(out=prec.round(out).astype(np.float64), lse=lse.astype(np.float32).astype(np.float64)),
+                      dict(k=smoothed)))
+    return found
+
+
+def _told_inputs(q, k, v, told):
+    """``(q, k, v, options)`` of the problem ``told`` as `attention` takes it: with SageAttention's
+    ``k_mean``, the dequantised keys plus the mean key (its descales applied here)."""
+    if "k_mean" not in told:
+        return q, k, v, told
+    from ..core import descale
+    rest = {n: x for n, x in told.items() if n not in descale.NAMES and n != "k_mean"}
+    q, k, v, _ = descale.dequantize(q, k, v, *(told.get(n) for n in descale.NAMES))
+    return q, np.asarray(k, dtype=np.float64) + told["k_mean"], v, rest
+
+
 def _exact_out(q, k, v, told) -> np.ndarray:
     """The float64 output of the problem ``told`` (attention, with dropout, or NSA's)."""
     if "nsa" in told:
         return nsa_attention(q, k, v, told["gates"], told["nsa"])
+    q, k, v, told = _told_inputs(q, k, v, told)
     drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
     if drop:
         return attention_dropout(q, k, v, *drop.values(), **{n: x for n, x in told.items() if n not in drop})

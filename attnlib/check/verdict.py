@@ -68,12 +68,15 @@ class KernelCheck:
         return 0 if self.passed else 1
 
 
-def _as_float(x, name):
+def _as_float(x, name, integers=False):
     """``(array, stored dtype)`` for a float array (numpy, ml_dtypes, or a torch tensor or
-    any other array `as_numpy` takes), else UnusableInput."""
+    any other array `as_numpy` takes), and with ``integers`` an int8 one (quantised values,
+    exact in float32), else UnusableInput."""
     x = as_numpy(x, name)
     if isinstance(x, np.ndarray) and x.dtype.kind == "f":
         return x, x.dtype
+    if integers and isinstance(x, np.ndarray) and x.dtype == np.int8:
+        return x.astype(np.float32), x.dtype
     if isinstance(x, np.ndarray) and arrays._is_ml_float(x.dtype):
         return x.astype(np.float32), x.dtype  # bfloat16, float8: exact in float32
     raise UnusableInput(f"{name}: expected a floating-point array, got {x.dtype}")
@@ -88,7 +91,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
                  qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
-                 device=None, dropout_p=None, dropout_mask=None, sum_exp=None) -> KernelCheck:
+                 device=None, dropout_p=None, dropout_mask=None, sum_exp=None, k_mean=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule in ulps of
@@ -132,6 +135,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
         as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
         ``sink_token_length``).
+    k_mean : ndarray, optional
+        SageAttention's K smoothing: the mean key ``(batch, 1, nheads_k, headdim)`` (bshd; ``(batch,
+        nheads_k, 1, headdim)`` in bhsd) subtracted before ``k`` was quantised; added back to the
+        keys judged (the softmax is unchanged by it, the LSE is not: an LSE of the smoothed keys
+        fails, named).
     sum_exp : ndarray, optional
         With ``max_scores``, the row statistics a kernel returns instead of the LSE (cuDNN's
         ``score_max``/``score_sum_exp``, tokamax's residuals): ``sum_exp = sum_j exp(s_ij -
@@ -255,7 +263,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv,
                      max_scores=max_scores, dlse=dlse).items():
         if x is not None:
-            given[n], stored[n] = _as_float(x, names[n])
+            # int8 values with their scales (SageAttention's q and k): exact as float32
+            quantised = n in "qkv" and locals()[f"{n}_descale"] is not None
+            given[n], stored[n] = _as_float(x, names[n], integers=quantised)
     try:  # the lists in attnlib's order, against q as read
         gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
                                                                                  "gather_kv_indices")), layout,
@@ -315,18 +325,27 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
             raise UnusableInput(str(e)) from None
     qh, kh, vh = (to_bhsd(given[n], layout).astype(np.float64) for n in ("q", "k", "v"))
     qvh = None if "qv" not in given else to_bhsd(given["qv"], layout).astype(np.float64)
-    factors = {}  # the fp8 descales, laid out on (..., H, S, D)
+    factors, scales = {}, {}  # the fp8 descales, laid out on (..., H, S, D), and as given (bhsd)
     if descale.given(q_descale, k_descale, v_descale):
         if any(n in given for n in GRADIENTS) or dsinks is not None:
             raise UnusableInput("gradients are not judged with fp8 descales (FlashAttention 3's fp8 "
                                 "path is forward only): leave the descales or the gradients out")
         try:
-            factors = descale.factors(qh, kh, *(as_numpy(x, names.get(n, n)) for x, n in
-                                                zip((q_descale, k_descale, v_descale), descale.NAMES)))
+            scales = {n: _descale_in(x, names.get(n, n), layout, qh.ndim)
+                      for x, n in zip((q_descale, k_descale, v_descale), descale.NAMES) if x is not None}
+            factors = descale.factors(qh, kh, **scales, v=vh)
         except (ValueError, TypeError) as e:
             raise UnusableInput(str(e)) from None
     raw = (qh, kh, vh, qvh)  # as the kernel read them, bhsd
     qh, kh, vh = _inputs(raw, factors)
+    smoothed = None  # the keys as the kernel quantised them, before the mean key is added back
+    if k_mean is not None:
+        mean = to_bhsd(np.asarray(_as_float(k_mean, names.get("k_mean", "k_mean"))[0], dtype=np.float64), layout)
+        try:
+            smoothed, kh = kh, kh + np.broadcast_to(mean, kh.shape[:-2] + (1, kh.shape[-1]))
+        except ValueError:
+            raise UnusableInput(f"k_mean must be the mean key per batch entry and kv head, {kh.shape[:-2] + (1,)} "
+                                f"+ (headdim,) in bhsd, got {mean.shape}") from None
     dense = dense_fits(shape["sq"], heads=shape["batch"] * shape["hq"], sk=shape["sk"])
     kernel = to_bhsd(given["out"], layout).astype(np.float64)
     # The kernel's lse in natural units (its worst rows join the baselines' sample too).
@@ -366,7 +385,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         diagnosis = dropped.diagnose(kernel, expected.ref, expected.allowance, qh, kh, vh, workers, dev)
     if verdict.passed is False and not diagnosis:
         diagnosis = diagnose(judged, qh, kh, vh, opts if dropped is None else dropped.opts, expected, ratio, shape,
-                             layout, given, prec, workers, dev, _mixups(raw, factors, opts))
+                             layout, given, prec, workers, dev, _mixups(raw, factors, opts, scales))
     lse_verdict = None
     if lse is not None:
         # An lse without the sink is that of the problem without sinks, with its own allowance.
@@ -382,7 +401,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                                      + (" (shown times ln 2)" if convention.base == 2.0 else ""))
         if lse_verdict.passed is False:
             _diagnose_lse(lse_verdict, given["lse"], lse_expected, qh, kh, vh, opts, lse_opts, convention,
-                          workers, dev)
+                          workers, dev, smoothed)
     max_verdict = None
     if max_scores is not None:
         ms_ref, ms_allow, ms_naive = expect_max_scores(qh, kh, vh, opts, prec, expected, workers, dense,
@@ -423,7 +442,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         shown["qv"] = tuple(given["qv"].shape)  # in the layout given
     for n, x in zip(descale.NAMES, (q_descale, k_descale, v_descale)):
         if x is not None:
-            shown[n] = np.asarray(as_numpy(x, names.get(n, n)))
+            shown[n] = (tuple(np.asarray(as_numpy(f, names.get(n, n))) for f in x) if isinstance(x, (tuple, list))
+                        else np.asarray(as_numpy(x, names.get(n, n))))
     if lse is not None and not convention.is_default:
         shown["lse_convention"] = convention.words()
     if layout_note:
@@ -468,10 +488,13 @@ def _inputs(stored, factors):
     return q, k, v
 
 
-def _mixups(stored, factors, opts: Options):
-    """``(words, (q, k, v), options)``: the inputs a kernel may have mishandled (the fp8
-    descales; MLA's qv ignored, or its Dv left out of the default scale), made one at a time as
-    the diagnosis asks (each is a float64 copy of the inputs)."""
+def _mixups(stored, factors, opts: Options, scales=None):
+    """``(words, (q, k, v), options)``: the inputs a kernel may have mishandled (block scales read
+    one block off, as another format or per tensor; the fp8 descales; MLA's qv ignored, or its Dv
+    left out of the default scale), made one at a time as the diagnosis asks (each is a float64
+    copy of the inputs)."""
+    for words, f in descale.block_variants(scales or {}, *stored[:3]):
+        yield words, _inputs(stored, {**factors, **f}), opts
     for words, f in (descale_variants(factors) if factors else ()):
         yield words, _inputs(stored, f), opts
     q, k, v, qv = stored
@@ -506,6 +529,15 @@ def _problem_alternatives(opts: Options) -> list:
         except DROPPED:
             continue
     return alts
+
+
+def _descale_in(x, name, layout, ndim):
+    """A descale as read: FlashAttention 3's ``(batch, nheads_k)`` as it is, a block scale (the
+    data's rank) from the kernel's layout to attnlib's, a tuple (NVFP4's) each of its factors."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_descale_in(f, f"{name}[{i}]", layout, ndim) for i, f in enumerate(x))
+    a = as_numpy(x, name)
+    return to_bhsd(a, layout) if a is not None and np.ndim(a) == ndim and ndim >= 3 else a
 
 
 def _lse_of_stats(max_scores, sum_exp, lse, lse_base, lse_sink, sinks, names):
@@ -561,7 +593,7 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, 
 
 
 def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, lse_opts: Options, convention,
-                  workers, device=None):
+                  workers, device=None, smoothed=None):
     """Diagnosis notes on a failing lse: another convention (base, the sink's place, the empty
     rows' infinity), its neighbour's row, a neighbouring problem's.  ``lse_opts``: the problem
     whose lse was judged (``opts`` without sinks when the sink is excluded)."""
@@ -569,6 +601,9 @@ def _diagnose_lse(verdict, lse, expected, qh, kh, vh, opts: Options, lse_opts: O
         return forward_on(qh, kh, vh, o, return_lse=True, workers=workers, device=device)[1]
 
     alternatives = []
+    if smoothed is not None:  # SageAttention's K smoothing: the mean key not added back to the LSE
+        alternatives.append(("the mean key (k_mean) not added back (the LSE of the smoothed keys)",
+                             forward_on(qh, smoothed, vh, lse_opts, return_lse=True, workers=workers, device=device)[1]))
     for words, alt in _problem_alternatives(guard_mods(lse_opts)):
         try:
             alternatives.append((words, lse_of(alt)))

@@ -354,7 +354,10 @@ def attention(q, k, v, *, client=None, causal=False, causal_align="bottom_right"
     if unread_k_descale is not None:  # checked as `attnlib.attention` checks it, though unused
         descale.factors(*stand_ins[:2], k_descale=unread_k_descale)
     qv_input = None if qv is None else Input(qv, "qv", layout == "bshd")
-    factors = descale.factors(*stand_ins[:2], q_descale, k_descale, v_descale)  # {} without descales
+    factors = descale.factors(*stand_ins[:2], q_descale, k_descale, v_descale, v=stand_ins[2])  # {} without descales
+    if any(a.shape[-2:] != (1, 1) for a in factors.values()):  # a piece slices heads and entries only
+        raise ValueError("block-scaled descales (one factor per block of positions or dimensions) are not taken by "
+                         "attnlib.distributed: dequantise first, or use attnlib.attention")
     if qv_input is not None:  # the joined problem's shapes, [q, qv] against [k, v] (nothing read)
         mla.check(*stand_ins, np.broadcast_to(np.zeros(()), qv_input.shape))
         dv = stand_ins[2].shape[-1]
