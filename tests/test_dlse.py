@@ -194,6 +194,39 @@ def test_check_refuses_dlse_where_it_is_not_judged():
         check_kernel(**base, dout=dout, dlse=dlse, sinks=np.zeros(2), lse_sink="excluded")
     with pytest.raises(attnlib.check.UnusableInput, match="dlse must have shape"):
         check_kernel(**base, dout=dout, dq=q, dlse=dlse[..., 1:])
+    packed = dict(q=q[0].transpose(1, 0, 2), k=k[0].transpose(1, 0, 2), v=v[0].transpose(1, 0, 2),
+                  out=out[0].transpose(1, 0, 2), layout="thd", cu_seqlens_q=np.array([0, 20]),
+                  cu_seqlens_k=np.array([0, 20]))
+    with pytest.raises(attnlib.check.UnusableInput, match="not with varlen"):
+        check_kernel(**packed, dout=out[0].transpose(1, 0, 2), dq=q[0].transpose(1, 0, 2), dlse=dlse[0])
+
+
+def test_float32_dsinks_of_a_loss_of_mostly_lse_pass():
+    """dlse >> D_i (small v and dout): a float32 kernel's p_sink from its float32 lse is off by
+    about u |lse|, which dsinks' size carries (the second reader's repro: 15/30 failed without it)."""
+    def f(x):
+        return x.astype(np.float32)
+
+    worst = 0.0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        q = f(8 * rng.standard_normal((1, 8, 1, 64)))
+        k, v = f(rng.standard_normal((1, 8, 128, 64))), f(1e-4 * rng.standard_normal((1, 8, 128, 64)))
+        dout, dlse, sinks = f(1e-4 * rng.standard_normal((1, 8, 1, 64))), f(1e-3 * rng.standard_normal((1, 8, 1))), \
+            f(2 * rng.standard_normal(8))
+        wide = [x.astype(np.float64) for x in (q, k, v, dout, dlse, sinks)]
+        out, lse = attnlib.attention(*wide[:3], sinks=wide[5], return_lse=True)
+        grads = attention_backward(*wide[:3], out, lse, wide[3], dlse=wide[4], sinks=wide[5])
+        lse32 = f(lse)  # the kernel's dsinks as FlashAttention forms it, in float32
+        dsinks = -(np.exp(sinks[None, :, None] - lse32) * (f((wide[3] * out).sum(-1)) - dlse)).sum((0, 2))
+        verdict = check_kernel(q, k, v, f(out), lse=lse32, dout=dout, dlse=dlse, dq=f(grads[0]), dk=f(grads[1]),
+                               dv=f(grads[2]), dsinks=dsinks, sinks=sinks, layout="bhsd")
+        worst = max(worst, verdict.grads["dsinks"].ratio)
+        assert verdict.passed, verdict
+        wrong = check_kernel(q, k, v, f(out), lse=lse32, dout=dout, dlse=dlse, dq=f(grads[0]), dk=f(grads[1]),
+                             dv=f(grads[2]), dsinks=-dsinks, sinks=sinks, layout="bhsd")
+        assert not wrong.grads["dsinks"].passed
+    assert worst < 0.5
 
 
 def test_cli_takes_dlse(tmp_path):

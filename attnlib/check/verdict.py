@@ -242,6 +242,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         raise UnusableInput("q_lengths comes from cu_seqlens_q in the varlen layout: leave it out")
     if dsinks is not None and sinks is None:
         raise UnusableInput("dsinks was given without sinks")
+    if dlse is not None and (varlen or paged):
+        raise UnusableInput(f"{names.get('dlse', 'dlse')} is judged in the bshd and bhsd layouts: not with varlen "
+                            "offsets or a paged cache")
     if sum_exp is not None:  # (max, sum_exp): the keys' LSE, max + log(sum_exp), judged as one
         lse, lse_sink, lse_dtype = _lse_of_stats(max_scores, sum_exp, lse, lse_base, lse_sink, sinks, names)
     if max_scores is not None and varlen:
@@ -300,9 +303,6 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                                 "both (pass zeros for a loss of the lse alone)")
         if not np.isfinite(given["dlse"]).all():
             raise UnusableInput(f"{names['dlse']}: holds NaN or inf; the loss's gradient must be finite")
-        if varlen or paged:
-            raise UnusableInput(f"{names['dlse']} is judged in the bshd and bhsd layouts: not with "
-                                "varlen offsets or a paged cache")
         if convention.sink == "excluded" and sinks is not None:
             raise UnusableInput(f"{names['dlse']} with lse_sink='excluded': the gradient of the "
                                 "sink-free LSE is not judged (pass the LSE's with the sink included)")

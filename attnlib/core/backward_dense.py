@@ -320,7 +320,7 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
             dv = 0.0 * dv
         dq = pb.scale ** 2 * (a2 @ (k5 * k5))
         dk = pb.scale ** 2 * (np.swapaxes(a2, -1, -2) @ (q5 * q5))
-        dsink = None if sink is None else np.sum((p_sink * d1) ** 2, axis=(-2, -1))
+        dsink = None if sink is None else np.sum((p_sink * d1) ** 2 * (1.0 + w2 if rss_scores else 1.0), axis=(-2, -1))
         grads = _split_grads(pb, dq, dk.sum(axis=-3), dv.sum(axis=-3), dsink, sinks)
         return tuple(np.sqrt(g) for g in grads)
 

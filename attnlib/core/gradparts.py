@@ -130,8 +130,8 @@ def _unscale_grads(result, e: int, names=("dq", "dk", "dv", "dsinks"), xp=NUMPY)
     kept = []
     for g, s, ok, still, name in zip(grads, scaled, flags[:len(grads)], flags[len(grads):], names):
         if ok and not still:
-            raise ValueError(f"{name} exceeds float64's range (dout times v, out, q and k reaches "
-                             f"2**{e} times it): scale dout (or v) down")
+            raise ValueError(f"{name} exceeds float64's range (dout times v, out, q and k, or dlse, reaches "
+                             f"2**{e} times it): scale dout (or v, dlse) down")
         kept.append(s if ok else g)
     return tuple(kept) if isinstance(result, tuple) else kept[0]
 

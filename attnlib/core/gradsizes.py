@@ -115,8 +115,13 @@ class _SizedPass:
         """``(dq, dk, dv[, dsinks])``: the sizes in the layouts of the gradients."""
         dq2 = self.dq2
         dq2 *= self.operand(pb.scale)
-        # dsinks: sum_i (P_sink_i d1_i)**2 (or P_sink_i d1_i) over the rows of each grouped head.
-        dsink2 = None if p_sink is None else self.operand(p_sink * self.d1).sum(-1)
+        # dsinks: sum_i (P_sink_i d1_i)**2 (or P_sink_i d1_i) over the rows of each grouped head, with
+        # the scores' rounding, (1 + w_i**2): P_sink = exp(sink - lse) from a rounded lse is off by
+        # about u |lse| (with dlse >> D_i, float32 kernels' dsinks failed at 1.2-2.9 without it)
+        dsink2 = None if p_sink is None else self.operand(p_sink * self.d1)
+        if dsink2 is not None and self.w2 is not None and self.power == 2:
+            dsink2 = dsink2 * self.w2
+        dsink2 = None if dsink2 is None else dsink2.sum(-1)
         sizes = _split_grads(pb, dq2, self.dk2, self.dv2, dsink2, sinks)
         return tuple(g ** 0.5 for g in sizes) if self.power == 2 else sizes
 
