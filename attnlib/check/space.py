@@ -15,8 +15,8 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
   ``FLEX_COMPILED_EVERY``-th problem, where a C++ compiler is present), the same mods, its
   output only (Inductor's CPU kernel returns no LSE);
 * on the gradient problems, an eager kernel written in torch ops as Hugging Face's eager
-  attention is (scores ``q k^T`` times the scale in the type, the softmax and its LSE in
-  float32, the weights rounded to the type before ``p @ v``; the sinks a last logit), its autograd
+  attention is (scores ``q k^T`` times the scale in the type, a softcap, the softmax and its LSE
+  in float32, the weights rounded to the type before ``p @ v``; the sinks a last logit), its autograd
   gradients of a loss of ``out`` and the LSE: ``dout`` and a drawn ``dlse`` (ring attention's);
 
 and judges each with `check_kernel` (one reference per problem, `memo.shared`): out, LSE,
@@ -247,12 +247,15 @@ def kernels(prec_name: str) -> dict:
             return None  # a row with no visible key: softmax gives NaN there, the contract 0
         q, k, v = _to_torch(prec_name, p.q, p.k, p.v, grad=True)
         group = q.shape[1] // k.shape[1]
+        dp = torch.from_numpy(p.dout) @ torch.from_numpy(p.v).repeat_interleave(group, 1).transpose(-1, -2)
+        if float(dp.abs().max()) > float(torch.finfo(q.dtype).max):
+            return None  # dp = dout v^T, which this kernel stores in the type, beyond it: it cannot hold the problem
         scale = p.options.get("scale", 1.0 / math.sqrt(q.shape[-1]))
-        s = torch.matmul(q, k.repeat_interleave(group, 1).transpose(-1, -2)) * scale  # in the type
-        if "softcap" in p.options:
+        s = (torch.matmul(q, k.repeat_interleave(group, 1).transpose(-1, -2)) * scale).float()  # stored in the type
+        if "softcap" in p.options:  # in float32: in float16 the chain rule's grad x cap overflowed (dk all inf)
             cap = p.options["softcap"]
             s = torch.tanh(s / cap) * cap
-        s = s.float().masked_fill(~vis, -math.inf)
+        s = s.masked_fill(~vis, -math.inf)
         if sinks is not None:  # (gpt-oss's eager sinks: a float32 leaf, its gradient dsinks)
             sinks = torch.tensor(sinks, dtype=torch.float32, requires_grad=True)
             s = torch.cat([s, sinks[None, :, None, None].expand(s.shape[:-1] + (1,))], dim=-1)
