@@ -239,10 +239,11 @@ def right_answers(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitude
                   seeds=(0, 1)) -> list[dict]:
     """The other side of `measure`: each problem the mix-ups are told, answered right, judged
     the same way (a false alarm here is the check's, not a mix-up's).  The answers: attnlib's
-    tiled kernel in the type (fp8: its fp8 arithmetic with the descales), with dropout the exact
-    answer rounded once, the gradients of a loss of the LSE (``dlse``) exact, rounded once.  One
+    tiled kernel in the type (fp8: its fp8 arithmetic with the descales; NSA: each branch so,
+    gated in float32), with dropout and for the gradients of a loss of the LSE (``dlse``) the
+    exact answer rounded once (``exact``: the rule's reference rounded, which tests little).  One
     row per (precision, magnitude, seed, problem): ``problem`` (the first mix-up told it),
-    ``passed``, the largest ``ratio`` over the tensors judged."""
+    ``exact``, ``passed``, the largest ``ratio`` over the tensors judged."""
     rows = []
     for prec_name, magnitude, seed in itertools.product(precisions, magnitudes, seeds):
         prec, seen = precision(prec_name), set()
@@ -259,7 +260,8 @@ def right_answers(precisions=("float32", "bfloat16", "float8_e4m3fn"), magnitude
                     stored = tuple(x.astype(prec.p_type) for x in stored)
                 r = _check(stored, right, prec_name, told)
                 judged = [t for t in r.judged if t.passed is not None]
-                rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, problem=name,
+                exact = "dropout_p" in told or "dq" in tensors
+                rows.append(dict(precision=prec_name, magnitude=magnitude, seed=seed, problem=name, exact=exact,
                                  tensors=[t.name for t in judged], passed=bool(r.passed),
                                  ratio=max(float(t.ratio) for t in judged)))
     return rows
@@ -270,8 +272,16 @@ def _right_answer(prec, q, k, v, told, tensors) -> dict:
     drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
     q, k, v, rest = _told_inputs(q, k, v, {n: x for n, x in told.items() if n not in drop})
     with np.errstate(over="ignore"):
-        if "nsa" in told:
-            found = dict(out=_round(prec, _exact_out(q, k, v, told)))
+        if "nsa" in told:  # each branch by the tiled kernel in the type, gated in float32
+            nsa, gates = told["nsa"], told["gates"]
+            blocks = nsa_attention(q, k, v, gates, nsa, return_branches=True)[1]["blocks"]
+            k_cmp, v_cmp = nsa.compressed(k, v)
+            sq, sk = q.shape[-2], k.shape[-2]
+            parts = [attention(q, k_cmp, v_cmp, mask_mod=nsa.compressed_mod(sq, sk), compute_dtype=prec.name),
+                     attention(q, k, v, gather_kv_indices=nsa.keys_of(blocks, sk), causal=True, compute_dtype=prec.name),
+                     attention(q, k, v, causal=True, window=(nsa.window - 1, 0), compute_dtype=prec.name)]
+            g = gates.astype(np.float32)
+            found = dict(out=_round(prec, sum(g[..., i:i + 1] * parts[i].astype(np.float32) for i in range(3))))
         elif drop:
             found = dict(out=_round(prec, attention_dropout(q, k, v, *drop.values(), **rest)),
                          lse=attention(q, k, v, return_lse=True, **rest)[1].astype(np.float32))

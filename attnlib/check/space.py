@@ -14,7 +14,7 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
 * FlexAttention compiled by ``torch.compile`` (Inductor's fused CPU kernel; on every
   ``FLEX_COMPILED_EVERY``-th problem, where a C++ compiler is present), the same mods, its
   output only (Inductor's CPU kernel returns no LSE);
-* on the gradient problems, an eager kernel written in torch ops as Hugging Face's eager
+* on the gradient problems, an eager kernel written in torch ops in the manner of Hugging Face's eager
   attention is (scores ``q k^T`` times the scale in the type, a softcap, the softmax and its LSE
   in float32, the weights rounded to the type before ``p @ v``; the sinks a last logit), its autograd
   gradients of a loss of ``out`` and the LSE: ``dout`` and a drawn ``dlse`` (ring attention's);
@@ -269,7 +269,7 @@ def kernels(prec_name: str) -> dict:
                     dv=_to_numpy(v.grad), dlse=p.dlse) | ({} if sinks is None else dict(dsinks=_to_numpy(sinks.grad)))
 
     version = torch.__version__
-    found[f"torch {version} eager (Hugging Face's), autograd with dlse"] = eager
+    found[f"torch {version} eager (float32 softmax), autograd with dlse"] = eager
     found[f"torch {version} SDPA, math backend"] = sdpa([SDPBackend.MATH])
     found[f"torch {version} SDPA, default backend"] = sdpa([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
     found[f"torch {version} FlexAttention, eager"] = flex(compiled=False)

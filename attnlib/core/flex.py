@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import validate
-from .arrays import _is_torch_tensor
+from .arrays import _is_torch_tensor, as_numpy
 from .device import float64_default
 from .masks import FULL, PARTIAL, SKIP
 from .tilesizes import DEFAULT_TILES
@@ -220,8 +220,6 @@ def as_block_mask(block_mask):
     if not (kind.__name__ == "BlockMask" and kind.__module__.startswith("torch")):
         raise TypeError(f"block_mask must be a BlockMask from attnlib.create_block_mask (or FlexAttention's), "
                         f"got {kind.__name__}")
-    from .block_sparse import _map_mod, blocks_map  # (it builds on this module)
-
     sq, sk = (int(n) for n in block_mask.seq_lengths)
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
     nq_blocks, nk_blocks = -(-sq // bq), -(-sk // bk)
@@ -239,6 +237,65 @@ def as_block_mask(block_mask):
     # its mask_mod (the lists decide too): given with that mask_mod, both apply (`visible_mod`).
     return create_block_mask(_map_mod(full, partial, bq, bk, mod), nb if nb > 1 else None, nh if nh > 1 else None,
                              sq, sk, bq, bk)
+
+
+def _ints(x, name: str) -> np.ndarray:
+    """An integer array (numpy or torch) as int64, or a TypeError naming it."""
+    a = np.asarray(as_numpy(x, name))
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def blocks_map(counts, indices, n_q_blocks: int, n_k_blocks: int, names=("kv_num_blocks", "kv_indices")) -> np.ndarray:
+    """Counts ``(B, H, nq)`` and indices ``(B, H, nq, max_blocks)`` as a ``(B, H, n_q_blocks,
+    n_k_blocks)`` boolean map of the listed blocks (entries past a count never read); None: no block."""
+    if counts is None and indices is None:
+        return np.zeros((1, 1, n_q_blocks, n_k_blocks), dtype=bool)
+    if counts is None or indices is None:
+        raise ValueError(f"{names[0]} and {names[1]} go together: give both or neither")
+    counts, indices = _ints(counts, names[0]), _ints(indices, names[1])
+    if counts.ndim != 3 or indices.ndim != 4 or indices.shape[:3] != counts.shape:
+        raise ValueError(f"{names[0]} must be (B, H, n_q_blocks) and {names[1]} (B, H, n_q_blocks, max_blocks), "
+                         f"got {counts.shape} and {indices.shape}")
+    if counts.shape[2] < n_q_blocks:
+        raise ValueError(f"{names[0]} lists {counts.shape[2]} query blocks, the sequence has {n_q_blocks}")
+    if counts.size and (counts.min() < 0 or counts.max() > indices.shape[-1]):
+        raise ValueError(f"{names[0]} must lie in [0, {indices.shape[-1]}] (the lists' length), "
+                         f"got {counts.min()} .. {counts.max()}")
+    counts, indices = counts[:, :, :n_q_blocks], indices[:, :, :n_q_blocks]
+    used = np.arange(indices.shape[-1]) < counts[..., None]
+    listed = indices[used]
+    if listed.size and (listed.min() < 0 or listed.max() >= n_k_blocks):
+        raise ValueError(f"{names[1]} must list key blocks in [0, {n_k_blocks}), got {listed.min()} .. {listed.max()}")
+    validate.check_allocation(counts.size * n_k_blocks, f"a block map of {counts.shape} x {n_k_blocks} blocks")
+    dense = np.zeros(counts.shape + (n_k_blocks,), dtype=bool)
+    where = np.nonzero(used)
+    dense[where[:-1] + (listed,)] = True  # (b, h, a) of each used slot, and its key block
+    return dense
+
+
+def _map_mod(full, partial, bq, bk, mask_mod, flip=True):
+    """The pairs the lists make visible: a block listed full, or partial where ``mask_mod`` holds
+    (maps ``(B, H, nq, nk)``, each B and H 1 where shared).  Square maps of square blocks carry
+    the lists read transposed (query and key blocks exchanged, ``mask_mod`` kept) in
+    ``_attnlib_neighbours``: a wrong kernel's mask the check's diagnosis tries."""
+    def at(m, b, h, q_idx, kv_idx):
+        return m[(np.asarray(b) if m.shape[0] > 1 else 0, np.asarray(h) if m.shape[1] > 1 else 0,
+                  np.asarray(q_idx) // bq, np.asarray(kv_idx) // bk)]
+
+    def listed(b, h, q_idx, kv_idx):
+        in_partial = at(partial, b, h, q_idx, kv_idx)
+        if mask_mod is not None:
+            shape = np.broadcast_shapes(np.shape(b), np.shape(h), np.shape(q_idx), np.shape(kv_idx))
+            in_partial = in_partial & mask_values(mask_mod, b, h, q_idx, kv_idx, shape)
+        return at(full, b, h, q_idx, kv_idx) | in_partial
+
+    if flip and bq == bk and full.shape[-1] == full.shape[-2] and partial.shape[-1] == partial.shape[-2]:
+        listed._attnlib_neighbours = [(_map_mod(np.swapaxes(full, -1, -2), np.swapaxes(partial, -1, -2), bq, bk,
+                                                mask_mod, flip=False),
+                                       "the block lists transposed (query and key blocks exchanged)")]
+    return listed
 
 
 def visible_mod(mask_mod, block_mask):
