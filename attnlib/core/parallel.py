@@ -167,9 +167,15 @@ _settings_users = 0  # calls inside the guard now
 _settings_saved = None  # (switch interval, BLAS limiter or None) seen by the first entrant
 
 
-@lru_cache(maxsize=1)
 def _blas_controller() -> ThreadpoolController:
-    return ThreadpoolController()  # finds the BLAS libraries loaded (once: about 1 ms)
+    """The BLAS libraries loaded (about 1 ms to find), found again once modules were imported
+    since: a library loaded later (scipy's own OpenBLAS) was left at its threads."""
+    return _controller_for(len(sys.modules))
+
+
+@lru_cache(maxsize=1)
+def _controller_for(modules: int) -> ThreadpoolController:
+    return ThreadpoolController()
 
 
 @contextlib.contextmanager
