@@ -109,6 +109,8 @@ def test_sage_int8_blocks_and_k_smoothing():
     wrong = check_kernel(qi, ki, v, out.astype(np.float32), lse=smoothed_lse.astype(np.float32), **told)
     assert wrong.out.passed and not wrong.lse.passed
     assert any("k_mean) not added back" in n for n in wrong.lse.notes)
+    scaled = dict(q_descale=qs, k_descale=ks)  # attention takes the int8 values with their scales too
+    assert np.abs(attnlib.attention(qi, ki, v, causal=True, **scaled) - attnlib.attention(qd, kd, v, causal=True)).max() == 0
     with pytest.raises(UnusableInput, match="expected a floating-point array, got int8"):
         check_kernel(qi, ki, v, out, layout="bhsd", dtype="float32")  # int8 without its scale
 

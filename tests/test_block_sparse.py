@@ -166,5 +166,7 @@ def test_bad_lists_are_refused_naming_them():
         block_mask_from_bsr(np.array([0, 2, 1]), np.array([0, 1]), 32, 32, 64, 64)
     with pytest.raises(ValueError, match="indices must list key blocks"):
         block_mask_from_bsr(np.array([0, 1, 2]), np.array([0, 2]), 32, 32, 64, 64)
+    with pytest.raises(ValueError, match="lists a block twice"):
+        block_mask_from_bsr(np.array([0, 2]), np.array([0, 0]), 1, 2, 1, 2, mask=np.ones((2, 1, 2), bool))
     with pytest.raises(ValueError, match="mask must be boolean"):
         block_mask_from_bsr(np.array([0, 1, 2]), np.array([0, 1]), 32, 32, 64, 64, mask=np.ones((2, 32, 16), bool))

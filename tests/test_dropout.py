@@ -88,6 +88,11 @@ def test_no_drop_is_plain_attention_and_bad_arguments_are_refused():
         attention_dropout(q, k, v, 0.1, keep.astype(float))
     with pytest.raises(TypeError, match="needs its keep mask"):
         attention_dropout(q, k, v, 0.1, None)
+    with pytest.raises(ValueError, match="dropout_mask must broadcast to"):
+        attention_dropout(q, k, v, 0.1, keep[..., :-1])
+    # near p = 0 or 1 the spread tests step aside (too few expected per row): numpy's draws pass
+    rng = np.random.default_rng(5)
+    assert all(dropout_statistics(rng.random((2, 4, 64, 64)) >= p, p)["passed"] for p in (0.001, 0.999) for _ in range(20))
 
 
 def torch_kernel(q, k, v, keep, prec, scale=None, mask=None):

@@ -116,5 +116,7 @@ def test_bad_nsa_arguments_are_refused():
         nsa_attention(q, k, v, np.ones((1, 2, 80, 2)), SIZES)
     with pytest.raises(ValueError, match="selected must be integer block indices"):
         nsa_attention(q, k, v, np.ones((1, 2, 80, 3)), SIZES, selected=np.zeros((1, 2, 80, 2), int))
+    with pytest.raises(ValueError, match=r"selected must hold block indices in \[0, 2\)"):
+        nsa_attention(q, k, v, np.ones((1, 2, 80, 3)), SIZES, selected=np.full((1, 2, 80, 3), 99))
     with pytest.raises(ValueError, match="pool must map the blocks"):
         nsa_attention(q, k, v, np.ones((1, 2, 80, 3)), NSA(**{**SIZES.__dict__, "pool": lambda x: x}))

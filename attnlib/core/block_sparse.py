@@ -88,6 +88,11 @@ def block_mask_from_bsr(indptr, indices, R, C, M, N, mask=None) -> BlockMask:
                          f"got {indices.min()} .. {indices.max()}")
     validate.check_allocation(nq * nk * 9, f"a block map of {nq} x {nk} blocks")
     rows = np.repeat(np.arange(nq), np.diff(indptr))
+    codes = rows * nk + indices
+    if np.unique(codes).size != codes.size:
+        twice = int(np.flatnonzero(np.bincount(codes) > 1)[0])
+        raise ValueError(f"indices lists a block twice in one block row (row {twice // nk}, key block {twice % nk}): "
+                         "each block once, its mask saying which of its pairs are visible")
     position = np.full((nq, nk), -1, dtype=np.int64)  # which listed block each is (-1: none)
     position[rows, indices] = np.arange(indices.size)
     listed = (position >= 0)[None, None]

@@ -139,8 +139,10 @@ def scaled(q, k, v, qv, f: dict, dev=None):
         a = f.get(f"{name[0]}_descale")
         if a is None or x is None:
             continue
-        if dev is None:
-            xs[name] = as_float_array(x, name).astype(np.float64, copy=False) * a
+        if dev is None:  # (int8 values with their scale, SageAttention's: exact in float64)
+            raw = as_numpy(x, name)
+            raw = raw.astype(np.float64) if isinstance(raw, np.ndarray) and raw.dtype == np.int8 else raw
+            xs[name] = as_float_array(raw, name).astype(np.float64, copy=False) * a
         else:
             torch = dev_mod._torch()
             t = dev_mod.as_tensor(x, name, dev).to(torch.float64)

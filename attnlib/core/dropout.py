@@ -21,7 +21,7 @@ from .arrays import as_numpy
 from .flex import mask_values, visible_mod
 
 
-def keep_mod(keep, q_shape: tuple):
+def keep_mod(keep, q_shape: tuple, sk: int):
     """``keep`` as a ``mask_mod(b, h, q_idx, kv_idx)``: a callable as it is, or a boolean array
     that broadcasts to ``(..., Hq, Sq, Sk)`` read at the indices (``b`` the batch entry in C order)."""
     if keep is None:
@@ -41,8 +41,10 @@ def keep_mod(keep, q_shape: tuple):
     if flat is None:  # fewer axes: broadcast over the batch (and heads)
         full = (1,) * (len(lead) + 2 - mask.ndim) + mask.shape
         flat = mask.reshape(full).reshape((-1,) + full[-3:]) if len(full) >= 3 else mask
-    if flat.shape[0] not in (1, math.prod(batch)) or flat.shape[1] not in (1, lead[-1] if lead else 1):
-        raise ValueError(f"dropout_mask must broadcast to (..., Hq, Sq, Sk) = {lead} + (Sq, Sk), got {mask.shape}")
+    if (flat.shape[0] not in (1, math.prod(batch)) or flat.shape[1] not in (1, lead[-1] if lead else 1)
+            or flat.shape[2] not in (1, q_shape[-2]) or flat.shape[3] not in (1, sk)):
+        raise ValueError(f"dropout_mask must broadcast to (..., Hq, Sq, Sk) = {lead + (q_shape[-2], sk)}, "
+                         f"got {mask.shape}")
 
     def from_array(b, h, q_idx, kv_idx):
         b, h = (np.asarray(x) if n > 1 else 0 for x, n in ((b, flat.shape[0]), (h, flat.shape[1])))
@@ -91,7 +93,7 @@ def attention_dropout(q, k, v, dropout_p, dropout_mask, *, return_lse=False, dev
     from .tiled import attention
 
     rate = _rate(dropout_p)
-    keep = keep_mod(dropout_mask, np.shape(q) if not hasattr(q, "shape") else tuple(q.shape))
+    keep = keep_mod(dropout_mask, tuple(np.shape(q)), np.shape(k)[-2])
     kept, lse_keep = attention(q, k, v, return_lse=True, device=device, **_kept_options(options, keep))
     _, lse = attention(q, k, v, return_lse=True, device=device, **options)
     dev = resolve(device, q, k, v)
@@ -111,7 +113,7 @@ def attention_dropout_backward(q, k, v, out, lse, dout, dropout_p, dropout_mask,
     from .tiled import attention
 
     rate = _rate(dropout_p)
-    keep = keep_mod(dropout_mask, np.shape(q) if not hasattr(q, "shape") else tuple(q.shape))
+    keep = keep_mod(dropout_mask, tuple(np.shape(q)), np.shape(k)[-2])
     kept_opts = _kept_options(options, keep)
     kept, lse_keep = attention(q, k, v, return_lse=True, device=device, **kept_opts)
     dev = resolve(device, q, k, v, out, lse, dout)

@@ -149,9 +149,13 @@ def nsa_attention(q, k, v, gates, nsa: NSA | None = None, *, selected=None, scal
     else:
         selected = np.asarray(as_numpy(selected, "selected"))
         want = k.shape[:-2] + (sq, nsa.top_n)
+        n_slc = -(-sk // nsa.select_block_size)
         if selected.shape != want or not np.issubdtype(selected.dtype, np.integer):
             raise ValueError(f"selected must be integer block indices of shape {want} (..., Hk, Sq, top_n), got "
                              f"{selected.dtype} {selected.shape}")
+        if selected.size and (selected.min() < -1 or selected.max() >= n_slc):
+            raise ValueError(f"selected must hold block indices in [0, {n_slc}) or -1 (none), got "
+                             f"{selected.min()} .. {selected.max()}")
     o_slc = attention(q, k, v, gather_kv_indices=nsa.keys_of(selected, sk), causal=True, scale=scale, workers=workers)
     o_win = attention(q, k, v, causal=True, window=(nsa.window - 1, 0), scale=scale, workers=workers)
     out = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
