@@ -10,11 +10,11 @@ import numpy as np
 
 from ..core import problem
 from ..core.arrays import as_numpy
-from ..core.nsa import BRANCHES, NSA, _weights
+from ..core.nsa import BRANCHES, NSA
 from ..core.options import Options
 from .rule import TensorVerdict, expect, judge
 from .shapes import LAYOUTS, UnusableInput, positions, to_bhsd
-from .verdict import KernelCheck, check_kernel
+from .verdict import check_kernel
 
 
 @dataclass

@@ -16,7 +16,6 @@ import numbers
 
 import numpy as np
 
-from . import problem
 from .arrays import as_numpy
 from .flex import mask_values, visible_mod
 
