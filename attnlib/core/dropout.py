@@ -17,7 +17,7 @@ import numbers
 import numpy as np
 
 from .arrays import as_numpy
-from .flex import mask_values, visible_mod
+from .flex import and_mods, visible_mod
 
 
 def keep_mod(keep, q_shape: tuple, sk: int):
@@ -63,12 +63,7 @@ def _kept_options(options: dict, keep) -> dict:
     if options.get("gather_kv_indices") is not None:
         raise ValueError("dropout with gather_kv_indices is not taken: AND the keep mask into the lists")
     own = visible_mod(options.get("mask_mod"), options.get("block_mask"))
-    if own is None:
-        mod = keep
-    else:
-        def mod(b, h, q_idx, kv_idx):
-            shape = np.broadcast_shapes(np.shape(b), np.shape(h), np.shape(q_idx), np.shape(kv_idx))
-            return mask_values(own, b, h, q_idx, kv_idx, shape) & mask_values(keep, b, h, q_idx, kv_idx, shape)
+    mod = keep if own is None else and_mods(own, keep)
     return {**{n: x for n, x in options.items() if n != "block_mask"}, "mask_mod": mod}
 
 
@@ -87,7 +82,7 @@ def attention_dropout(q, k, v, dropout_p, dropout_mask, *, return_lse=False, dev
     memory).  ``options``: `attention`'s (masks, scale, softcap, sinks, ...).  ``lse`` (with
     ``return_lse``) is the undropped row's, as kernels return it.  Float64 (numpy, or torch on
     ``device``)."""
-    from .backend import NUMPY
+    from .backend import NUMPY, backend_for
     from .device import resolve
     from .tiled import attention
 
@@ -96,7 +91,7 @@ def attention_dropout(q, k, v, dropout_p, dropout_mask, *, return_lse=False, dev
     kept, lse_keep = attention(q, k, v, return_lse=True, device=device, **_kept_options(options, keep))
     _, lse = attention(q, k, v, return_lse=True, device=device, **options)
     dev = resolve(device, q, k, v)
-    xp = NUMPY if dev is None else _torch_xp(dev)
+    xp = NUMPY if dev is None else backend_for(dev, None)
     out = kept * _share(lse_keep, lse, rate, xp)
     return (out, lse) if return_lse else out
 
@@ -106,7 +101,7 @@ def attention_dropout_backward(q, k, v, out, lse, dout, dropout_p, dropout_mask,
     """Gradients ``(dq, dk, dv[, dsinks])`` of `attention_dropout` for ``dout`` (and ``dlse``):
     ``ds_ij = p_ij (keep_ij dp_ij / (1 - dropout_p) - D_i + dlse_i)``, ``dv_j = sum_i p_ij keep_ij
     dout_i / (1 - dropout_p)``, ``D_i = dout_i . out_i``; ``out``, ``lse`` the forward's."""
-    from .backend import NUMPY
+    from .backend import NUMPY, backend_for
     from .backward import attention_backward
     from .device import resolve
     from .tiled import attention
@@ -116,18 +111,13 @@ def attention_dropout_backward(q, k, v, out, lse, dout, dropout_p, dropout_mask,
     kept_opts = _kept_options(options, keep)
     kept, lse_keep = attention(q, k, v, return_lse=True, device=device, **kept_opts)
     dev = resolve(device, q, k, v, out, lse, dout)
-    xp = NUMPY if dev is None else _torch_xp(dev)
+    xp = NUMPY if dev is None else backend_for(dev, None)
     w = _share(lse_keep, lse, rate, xp)
     d_out = (dout * out).sum(-1)  # dout . out: what the kept keys' share carries
     kept_grads = attention_backward(q, k, v, kept, lse_keep, dout * w, dlse=d_out, device=device, **kept_opts)
     whole = attention_backward(q, k, v, out * 0.0, lse, dout * 0.0, dlse=-d_out if dlse is None else dlse - d_out,
                                device=device, **options)
     return tuple(a + b for a, b in zip(kept_grads, whole))
-
-
-def _torch_xp(dev):
-    from .backend import backend_for
-    return backend_for(dev, None)
 
 
 __all__ = ["attention_dropout", "attention_dropout_backward", "keep_mod"]

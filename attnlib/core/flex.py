@@ -307,11 +307,14 @@ def visible_mod(mask_mod, block_mask):
         return mask_mod
     if mask_mod is None or _same_function(mask_mod, block_mask.mask_mod):
         return block_mask.mask_mod
-    own = block_mask.mask_mod
+    return and_mods(mask_mod, block_mask.mask_mod)
 
+
+def and_mods(f, g):
+    """The ``mask_mod`` of the pairs both ``f`` and ``g`` make visible."""
     def both(b, h, q_idx, kv_idx):
         shape = np.broadcast_shapes(np.shape(b), np.shape(h), np.shape(q_idx), np.shape(kv_idx))
-        return mask_values(mask_mod, b, h, q_idx, kv_idx, shape) & mask_values(own, b, h, q_idx, kv_idx, shape)
+        return mask_values(f, b, h, q_idx, kv_idx, shape) & mask_values(g, b, h, q_idx, kv_idx, shape)
 
     return both
 

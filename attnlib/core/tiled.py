@@ -536,7 +536,8 @@ def max_sum_exp(q, k, v, *, lse_base=None, device=None, **options):
     sink = "excluded" if options.get("sinks") is not None else None
     _, lse, top = attention(q, k, v, return_lse=True, return_max_scores=True, lse_sink=sink, device=device,
                             **options)
-    xp = NUMPY if device_of(device, q, k, v) is None else backend_for(device_of(device, q, k, v), None)
+    dev = device_of(device, q, k, v)
+    xp = NUMPY if dev is None else backend_for(dev, None)
     total = xp.exp(lse - xp.finite_or_zero(top))  # rows without a key: exp(-inf - 0) = 0
     base2 = lse_conventions.LseConvention.parse(lse_base).base == 2.0
     return (top / lse_conventions.LN2 if base2 else top), total
