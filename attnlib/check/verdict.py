@@ -263,12 +263,11 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if q is None:
         raise UnusableInput("q is None: the check judges scores q k^T (+ qv v^T); for MLA's qv-only "
                             "scores give q and k of head dim 0 (np.zeros((..., 0)))")
+    scaled = dict(q=q_descale, k=k_descale, v=v_descale)  # int8 values with their scales (SageAttention's)
     for n, x in dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, qv=qv, dqv=dqv,
                      max_scores=max_scores, dlse=dlse).items():
         if x is not None:
-            # int8 values with their scales (SageAttention's q and k): exact as float32
-            quantised = n in "qkv" and locals()[f"{n}_descale"] is not None
-            given[n], stored[n] = _as_float(x, names[n], integers=quantised)
+            given[n], stored[n] = _as_float(x, names[n], integers=scaled.get(n) is not None)
     try:  # the lists in attnlib's order, against q as read
         gather_kv_indices = sparse.in_bhsd(as_numpy(gather_kv_indices, names.get("gather_kv_indices",
                                                                                  "gather_kv_indices")), layout,
@@ -291,7 +290,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if empty_dims:
         raise UnusableInput(f"{names['q']}: the problem is empty ({', '.join(empty_dims)} = 0): there "
                             "is no output to judge")
-    for n in ("q", "k", "v", "dout", "qv"):
+    for n in ("q", "k", "v", "dout", "qv", "dlse"):
         if n in given and not np.isfinite(given[n]).all():
             bad = np.argwhere(~np.isfinite(given[n]))[:3].tolist()
             raise UnusableInput(f"{names[n]}: holds NaN or inf (first at {bad}); the inputs must be finite")
@@ -301,8 +300,6 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         if "dout" not in given:
             raise UnusableInput(f"{names['dlse']} was given without dout: the gradients answer "
                                 "both (pass zeros for a loss of the lse alone)")
-        if not np.isfinite(given["dlse"]).all():
-            raise UnusableInput(f"{names['dlse']}: holds NaN or inf; the loss's gradient must be finite")
         if convention.sink == "excluded" and sinks is not None:
             raise UnusableInput(f"{names['dlse']} with lse_sink='excluded': the gradient of the "
                                 "sink-free LSE is not judged (pass the LSE's with the sink included)")
