@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core import problem
 from ..core.arrays import as_numpy
-from ..core.nsa import BRANCHES, NSA
+from ..core.nsa import BRANCHES, NSA, checked_selection, compressed_and_selection
 from ..core.options import Options
 from .rule import TensorVerdict, expect, judge
 from .shapes import LAYOUTS, UnusableInput, positions, to_bhsd
@@ -40,8 +40,6 @@ def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, bra
     the kernel's own selection ``(batch, nheads_k, seqlen_q, top_n)``, on which the branches are
     then judged.  The gated output's allowance is ``sum_b |g_b| allowance_b`` plus two roundings
     in the type of ``sum_b |g_b o_b|`` (the gated sum's products and additions)."""
-    from ..core.nsa import nsa_attention
-
     nsa = nsa or NSA()
     if layout not in LAYOUTS:
         raise UnusableInput(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -56,12 +54,8 @@ def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, bra
     if g.shape != qh.shape[:-1] + (3,):
         raise UnusableInput(f"gates must have shape {qh.shape[:-1] + (3,)} (batch, nheads, seqlen_q, 3), got {g.shape}")
     try:
-        _, ours = nsa_attention(qh, kh, vh, g, nsa, scale=scale, return_branches=True, workers=workers)
-        blocks = ours["blocks"] if selected is None else np.asarray(as_numpy(selected, "selected"))
-        want = kh.shape[:-2] + (qh.shape[-2], nsa.top_n)
-        if blocks.shape != want or not np.issubdtype(blocks.dtype, np.integer):
-            raise ValueError(f"selected must be integer block indices of shape {want} (batch, nheads_k, "
-                             f"seqlen_q, top_n), got {blocks.dtype} {blocks.shape}")
+        ours = compressed_and_selection(qh, kh, vh, nsa, scale=scale, workers=workers)[1]  # the float64 selection
+        blocks = ours if selected is None else checked_selection(selected, kh.shape, qh.shape[-2], nsa)
     except (ValueError, TypeError) as e:
         raise UnusableInput(str(e)) from e
     sq, sk = qh.shape[-2], kh.shape[-2]
@@ -82,7 +76,7 @@ def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, bra
                         f"top_n = {nsa.top_n}, window = {nsa.window}; judged against the three branches gated"
                         + (" on the kernel's own selection" if selected is not None else ""))
     if selected is not None:
-        mine = np.sort(np.where(ours["blocks"] < 0, np.iinfo(np.int64).max, ours["blocks"]), axis=-1)
+        mine = np.sort(np.where(ours < 0, np.iinfo(np.int64).max, ours), axis=-1)
         theirs = np.sort(np.where(blocks < 0, np.iinfo(np.int64).max, blocks), axis=-1)
         result.selection_differs = int(np.count_nonzero((mine != theirs).any(axis=-1)))
         result.notes.append(f"the kernel's selection differs from the float64 one on {result.selection_differs} "

@@ -134,34 +134,48 @@ def nsa_attention(q, k, v, gates, nsa: NSA | None = None, *, selected=None, scal
     if gates.shape != q.shape[:-1] + (3,):
         raise ValueError(f"gates must have shape {q.shape[:-1] + (3,)} (compressed, selected, window per query "
                          f"and head), got {gates.shape}")
-    sq, sk = q.shape[-2], k.shape[-2]
-    group = q.shape[-3] // k.shape[-3]
-    k_cmp, v_cmp = nsa.compressed(k, v)
-    o_cmp, lse_cmp = attention(q, k_cmp, v_cmp, mask_mod=nsa.compressed_mod(sq, sk), scale=scale, return_lse=True,
-                               workers=workers)
-    if selected is None:
-        if k_cmp.shape[-2]:
-            scale_ = scale if scale is not None else 1.0 / np.sqrt(q.shape[-1])
-            p_cmp = _weights(q, k_cmp, lse_cmp, nsa.compressed_mod(sq, sk), scale_, group)
-        else:
-            p_cmp = np.zeros(q.shape[:-1] + (0,))
-        selected = nsa.select(nsa.importance(p_cmp, group), sq, sk)
-    else:
-        selected = np.asarray(as_numpy(selected, "selected"))
-        want = k.shape[:-2] + (sq, nsa.top_n)
-        n_slc = -(-sk // nsa.select_block_size)
-        if selected.shape != want or not np.issubdtype(selected.dtype, np.integer):
-            raise ValueError(f"selected must be integer block indices of shape {want} (..., Hk, Sq, top_n), got "
-                             f"{selected.dtype} {selected.shape}")
-        if selected.size and (selected.min() < -1 or selected.max() >= n_slc):
-            raise ValueError(f"selected must hold block indices in [0, {n_slc}) or -1 (none), got "
-                             f"{selected.min()} .. {selected.max()}")
+    sk = k.shape[-2]
+    o_cmp, ours = compressed_and_selection(q, k, v, nsa, scale=scale, workers=workers)
+    selected = ours if selected is None else checked_selection(selected, k.shape, q.shape[-2], nsa)
     o_slc = attention(q, k, v, gather_kv_indices=nsa.keys_of(selected, sk), causal=True, scale=scale, workers=workers)
     o_win = attention(q, k, v, causal=True, window=(nsa.window - 1, 0), scale=scale, workers=workers)
     out = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
     if return_branches:
         return out, dict(compressed=o_cmp, selected=o_slc, window=o_win, blocks=selected)
     return out
+
+
+def compressed_and_selection(q, k, v, nsa: NSA, *, scale=None, workers=None):
+    """``(o_cmp, selected)``: the compressed branch's output and the blocks selected from its
+    weights (`NSA.select`), from one pass over the compressed keys (float64 numpy arrays)."""
+    from .tiled import attention
+
+    sq, sk = q.shape[-2], k.shape[-2]
+    group = q.shape[-3] // k.shape[-3]
+    k_cmp, v_cmp = nsa.compressed(k, v)
+    o_cmp, lse_cmp = attention(q, k_cmp, v_cmp, mask_mod=nsa.compressed_mod(sq, sk), scale=scale, return_lse=True,
+                               workers=workers)
+    if k_cmp.shape[-2]:
+        scale_ = scale if scale is not None else 1.0 / np.sqrt(q.shape[-1])
+        p_cmp = _weights(q, k_cmp, lse_cmp, nsa.compressed_mod(sq, sk), scale_, group)
+    else:
+        p_cmp = np.zeros(q.shape[:-1] + (0,))
+    return o_cmp, nsa.select(nsa.importance(p_cmp, group), sq, sk)
+
+
+def checked_selection(selected, k_shape, sq: int, nsa: NSA) -> np.ndarray:
+    """A kernel's own ``selected`` blocks, checked: integers of shape ``(..., Hk, Sq, top_n)`` in
+    ``[-1, n_blocks)``; a ValueError naming it otherwise."""
+    selected = np.asarray(as_numpy(selected, "selected"))
+    want = tuple(k_shape[:-2]) + (sq, nsa.top_n)
+    n_slc = -(-k_shape[-2] // nsa.select_block_size)
+    if selected.shape != want or not np.issubdtype(selected.dtype, np.integer):
+        raise ValueError(f"selected must be integer block indices of shape {want} (..., Hk, Sq, top_n), got "
+                         f"{selected.dtype} {selected.shape}")
+    if selected.size and (selected.min() < -1 or selected.max() >= n_slc):
+        raise ValueError(f"selected must hold block indices in [0, {n_slc}) or -1 (none), got "
+                         f"{selected.min()} .. {selected.max()}")
+    return selected
 
 
 def _weights(q, k_cmp, lse, mask_mod, scale, group) -> np.ndarray:
