@@ -66,7 +66,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
                            cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                            lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
                            qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
-                           device=None, dropout_p=None, dropout_mask=None, sum_exp=None, k_mean=None):
+                           device=None, dropout_p=None, dropout_mask=None, sum_exp=None, k_mean=None,
+                           intermediate_dtype=None):
     """Assert that a kernel's ``out`` (and ``lse``, gradients) is attention of ``q, k, v``
     to within what a correct kernel in its precision differs by.
 
@@ -123,6 +124,8 @@ def assert_attention_close(out, q, k, v, *, lse=None, dout=None, dq=None, dk=Non
         With ``max_scores``: the row statistics in place of an LSE (cuDNN's, tokamax's).
     k_mean : array, optional
         SageAttention's mean key, subtracted before ``k`` was quantised (added back here).
+    intermediate_dtype : str, optional
+        The type the kernel rounds the weights to before ``p @ v`` (FlashAttention's name).
     names, lse_dtype, scheduler : optional
         How messages name each tensor, the type the kernel stored ``lse`` in, and a Dask
         cluster for the float64 reference.

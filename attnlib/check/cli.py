@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from ..core.validate import add_mask_flags, cli_options
-from ..core.tensorio import TensorFileError, load_indices, load_tensor, split_spec
+from ..core.problem import INTERMEDIATES
+from ..core.tensorio import TensorFileError, load_indices, load_mask, load_tensor, split_spec
 from .shapes import LAYOUTS, TENSORS, UnusableInput
 from .text import format_text
 from .verdict import KernelCheck, check_kernel
@@ -19,7 +20,8 @@ NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
 INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens", "gather_kv_indices")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
-OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores", "sum_exp", "dlse") + INDEX_FILES
+OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores", "sum_exp", "dlse",
+                "k_mean") + INDEX_FILES + ("dropout_mask",)
 #: Files besides the kernel's tensors, read like them (in the kernel's type): MLA's second query
 #: and the kernel's gradient of it.
 INPUT_FILES = ("qv", "dqv")
@@ -27,15 +29,17 @@ INPUT_FILES = ("qv", "dqv")
 NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype", "layout", "causal", "causal_align", "window",
                                                 "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
                                                 "attention_chunk", "sink_token_length", "lse_base",
-                                                "lse_sink", "lse_empty", "workers", "results_json")
+                                                "lse_sink", "lse_empty", "workers", "intermediate_dtype",
+                                                "dropout_p", "results_json")
 
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
                    gather_kv_indices="", q_descale="", k_descale="", v_descale="", qv="", dqv="", max_scores="",
-                   sum_exp="", dlse="", v_from_k=0, **options) -> KernelCheck:
+                   sum_exp="", dlse="", k_mean="", dropout_mask="", v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
-    ``sinks``, the fp8 descales, MLA's ``qv`` and the integer files of `INDEX_FILES` too.
+    ``sinks``, the fp8 descales, MLA's ``qv``, the integer files of `INDEX_FILES` and a dropout
+    keep mask (booleans, or integers: nonzero kept) too.
     ``v_from_k=Dv``: ``v`` is the first ``Dv`` of ``k``'s head dim (FlashMLA's shared latent),
     a view of it: no ``v`` file."""
     if bool(v) == bool(v_from_k):
@@ -43,13 +47,15 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
                             "dimensions, FlashMLA's shared latent), one of them")
     specs = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, dq=dq, dk=dk, dv=dv, sinks=sinks, dsinks=dsinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv, dqv=dqv,
-                 max_scores=max_scores, sum_exp=sum_exp, dlse=dlse)
+                 max_scores=max_scores, sum_exp=sum_exp, dlse=dlse, k_mean=k_mean)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                    block_table=block_table, cache_seqlens=cache_seqlens, gather_kv_indices=gather_kv_indices)
     arrays, kinds, names = {}, {}, {}
     for name, spec in indices.items():
         if spec:
             arrays[name] = load_indices(spec, f"--{name.replace('_', '-')}")
+    if dropout_mask:
+        arrays["dropout_mask"] = load_mask(dropout_mask, "--dropout-mask")
     for name, spec in specs.items():
         if spec:
             # The sinks, descales, max_scores and dlse are parameters or statistics: read as stored.
@@ -155,6 +161,17 @@ def _parser():
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32", "float64", "float8_e4m3fn"), default=None,
                    help="the kernel's compute precision (default: the type q is stored in; float8_e4m3fn: "
                         "FlashAttention 3's fp8 forward, bfloat16 with p rounded to fp8)")
+    p.add_argument("--intermediate-dtype", choices=INTERMEDIATES, default=None,
+                   help="the type the kernel rounds the weights p to before p @ v (FlashAttention's "
+                        "intermediate_dtype), within --dtype")
+    p.add_argument("--k-mean", default="", metavar="FILE",
+                   help="SageAttention's K smoothing: the mean key subtracted before k was quantised, "
+                        "(batch, 1, nheads_k, headdim) in bshd")
+    p.add_argument("--dropout-p", type=float, default=None, metavar="P",
+                   help="dropout with the kernel's keep mask (--dropout-mask): out = (P * keep) v / (1 - P)")
+    p.add_argument("--dropout-mask", default="", metavar="FILE",
+                   help="the kernel's keep mask, (batch, nheads, seqlen_q, seqlen_k), booleans or integers "
+                        "(nonzero: kept)")
     p.add_argument("--workers", type=int, default=None,
                    help="threads for the float64 reference (default: every available CPU)")
     p.add_argument("--device", default=None, metavar="DEVICE",
@@ -187,7 +204,8 @@ def _head_dim(text: str) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(cli_options(args), layout=args.layout, lse_base=args.lse_base, lse_sink=args.lse_sink,
-                   lse_empty=args.lse_empty, workers=args.workers, device=args.device)
+                   lse_empty=args.lse_empty, workers=args.workers, device=args.device,
+                   intermediate_dtype=args.intermediate_dtype, dropout_p=args.dropout_p)
     files = {name: getattr(args, name) for name in TENSORS + INPUT_FILES + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:
@@ -248,6 +266,8 @@ def _run_notebook(files, dtype, options, target) -> tuple[str, int]:
         if spec:
             if name in INDEX_FILES:
                 load_indices(spec, f"--{name.replace('_', '-')}")
+            elif name == "dropout_mask":
+                load_mask(spec, "--dropout-mask")
             else:
                 load_tensor(spec, f"--{name.replace('_', '-')}", None if name in OPTION_FILES else dtype or None)
 

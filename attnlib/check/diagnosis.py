@@ -23,10 +23,11 @@ from dataclasses import replace
 import numpy as np
 
 from ..core import arrays
-from ..core import descale, problem
+from ..core import problem
 from ..core.lse_conventions import LN2, NATURAL, LseConvention
 from ..core.options import Options
 from ..judge.gate import row_stats
+from ..core.reference import dense_attention
 from ..core.tiled import forward_on
 from .rule import expect, per_head_max, ratios, row_masks
 from .shapes import AXES, other_layout, positions, shape_problem, to_bhsd, where
@@ -171,6 +172,8 @@ def diagnose(kernel, qh, kh, vh, opts: Options, expected, ratio, shape, layout, 
                      "the differences between plain formulations of attention in this precision; a "
                      "correct kernel that sums or scales in yet another order can land here, while "
                      "the bugs the check looks for fail by orders of magnitude")
+    if todo.any() and not marginal and prec.p_type is not None and prec.p_type.itemsize == 1:
+        found += _normalised_weights(kernel, qh, kh, vh, opts, prec, expected)
     if todo.any():
         found += _input_mixups(kernel, mixups, prec, workers, device)
         found += _alternatives(kernel, qh, kh, vh, opts, todo, shape, expected, workers, device,
@@ -224,6 +227,21 @@ def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, device=No
                     f"not {prec.name}; check its input casts and matmul precision settings, or pass "
                     f"--dtype {name}"]
     return []
+
+
+def _normalised_weights(kernel, qh, kh, vh, opts: Options, prec, expected) -> list:
+    """Whether the output is plain attention with the *normalised* weights rounded to the fp8
+    type of ``p`` (FlashAttention's ``attention_ref(intermediate_dtype=)`` order), within the
+    allowance: at long rows ``p ~ 1/Sk`` falls among fp8's subnormals."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        alt = np.asarray(dense_attention(qh, kh, vh, opts, compute_dtype=prec, orders=("softmax_first",),
+                                         check_finite=False), dtype=np.float64)
+    if not np.isfinite(alt).all() or not _passes(kernel, alt, expected.allowance):
+        return []
+    t = prec.p_type.name
+    return [f"the output matches the normalised weights p / l rounded to {t} before p @ v (the order of "
+            f"FlashAttention's attention_ref with intermediate_dtype): at long rows p ~ 1/Sk falls among "
+            f"{t}'s subnormals; round p = exp(s - m) <= 1 and divide by l after"]
 
 
 def _row_words(p) -> str:
@@ -339,24 +357,6 @@ def _alternatives(kernel, qh, kh, vh, opts: Options, todo, shape, expected, work
     # A problem that explains every failing row makes the partial explanations noise: left out.
     whole = any(score >= 1.5 for score, _ in scored)
     return [words for score, words in sorted(scored, key=lambda s: -s[0]) if score >= 1.5 or not whole]
-
-
-def descale_variants(factors) -> list:
-    """``(words, factors)``: the fp8 descales mishandled (ROCm/aiter 5661, vLLM 51363): ignored
-    (all, or one: None), applied twice, or one per-tensor factor for every (batch, kv head)."""
-    given = [n for n in descale.NAMES if n in factors]
-    varying = {n: f for n, f in factors.items() if np.ptp(f) > 0}
-    out = []
-    for how, detail, change in (("ignored", "the stored fp8 values attended as they are", lambda f: None),
-                                ("applied twice", "to values already dequantised", lambda f: f ** 2)):
-        out.append((f"the descales {how} ({detail})", {n: change(factors[n]) for n in given}))
-        out += [(f"{n} {how}", {n: change(factors[n])}) for n in given if len(given) > 1]
-    for which, pick in (("first", lambda f: f.flat[0]), ("largest", np.max)):
-        if varying:
-            out.append((f"per-tensor descales (the {which} factor for every batch entry and kv head) "
-                        "instead of one per (batch, kv head)",
-                        {n: np.full_like(f, pick(f)) for n, f in varying.items()}))
-    return [(words, {**factors, **change}) for words, change in out]
 
 
 def _input_mixups(kernel, candidates, prec, workers, device=None) -> list:

@@ -133,7 +133,7 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
 
     def naive(q, k, o, orders, at, eager=False):  # {order: (out, lse)} on the rows ``at`` (None: all), in chunks
         at = np.arange(qh.shape[-2]) if at is None else at
-        parts = [dense_forward(q, k, v_r, o, return_lse=True, compute_dtype=prec.name, check_finite=False,
+        parts = [dense_forward(q, k, v_r, o, return_lse=True, compute_dtype=prec, check_finite=False,
                                orders=orders, rows=at[c:c + max(1, per_row)], rounded=True, eager=eager)
                  for c in range(0, max(at.size, 1), max(1, per_row))]
         pick = (lambda x, f: x) if len(orders) == 1 else (lambda x, f: x[f])
@@ -155,7 +155,7 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
         if np.isfinite(q_s).all() and np.isfinite(k_s).all():
             # PyTorch's math path, FlashAttention's test reference: softmax(s), rounded, @ v (not
             # fp8: p ~ 1/Sk among its subnormals)
-            orders = ("blas",) if prec.name.startswith("float8") else ("blas", "softmax_first")
+            orders = ("blas",) if prec.p_type is not None and prec.p_type.itemsize == 1 else ("blas", "softmax_first")
             tasks += [(("BLAS order, q and k scaled by sqrt(scale) first", "softmax first, q and k scaled first"),
                        rows, lambda: naive(q_s, k_s, unscaled, orders, rows)),
                       (("key by key, q and k scaled first",), in_order,
@@ -182,7 +182,7 @@ def naive_errors(qh, kh, vh, opts: Options, prec, ref, ref_lse, on=None, worst=N
         raise UnusableInput(f"plain attention in {prec.name} overflows on these inputs in every "
                             "formulation (scores beyond the type's range): there is no "
                             f"{prec.name} baseline to judge a kernel by; scale q or k down")
-    return naive_err, naive_lse_err, f"{prec.name}: " + "; ".join(used), draws, lse_draws
+    return naive_err, naive_lse_err, f"{prec.label}: " + "; ".join(used), draws, lse_draws
 
 
 @_one_blas_thread
@@ -237,7 +237,7 @@ def naive_gradient_errors(qh, kh, vh, douth, opts: Options, mod_grad, prec, ref_
         return [at[c:c + step] for c in range(0, at.size, step)]
 
     def run(**part):  # every formulation's, sharing the scores they round alike
-        return dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec.name, formulation=FORMULATIONS,
+        return dense_backward(qh, kh, vh, douth, opts, mod_grad, compute_dtype=prec, formulation=FORMULATIONS,
                               check_finite=False, dlse=dlse, **part)
 
     errs, draws = dict.fromkeys(ref_grads), {n: [] for n in ref_grads}

@@ -483,11 +483,11 @@ def expect_max_scores(qh, kh, vh, opts: Options, prec, expected: Expected, worke
                         block_k=1, options=opts)
         return ref, 2 * np.asarray(tol.delta) + unit(np.abs(r), np.float64), None
     naive_err = np.zeros(ref.shape)
-    runs = [lambda: run(qh, kh, vh, opts, return_max_scores=True, compute_dtype=prec.name, workers=workers,
+    runs = [lambda: run(qh, kh, vh, opts, return_max_scores=True, compute_dtype=prec, workers=workers,
                         check_finite=False)[1]]
     if dense:
         runs.append(lambda: (dense_attention if on is None else on.dense)(
-            qh, kh, vh, opts, return_max_scores=True, compute_dtype=prec.name, check_finite=False)[1])
+            qh, kh, vh, opts, return_max_scores=True, compute_dtype=prec, check_finite=False)[1])
     for naive in runs:
         with np.errstate(over="ignore", invalid="ignore"):  # a naive that overflows is left out
             m = np.asarray(arrays.as_numpy(naive(), "max_scores"), dtype=np.float64)

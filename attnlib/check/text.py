@@ -26,7 +26,7 @@ def rule_text(dtype: str) -> str:
     if dtype == "float64":
         return ("rule: |kernel - ref| <= the float64 rounding bound of two correct implementations, "
                 "per row (relative to P @ |V|; any tiling)")
-    return (f"rule: |kernel - ref| <= (2 r + {FINAL_ROUNDINGS:g}) u per entry, u = an ulp of {dtype} at the "
+    return (f"rule: |kernel - ref| <= (2 r + {FINAL_ROUNDINGS:g}) u per entry, u = an ulp of {dtype.split(' (')[0]} at the "
             "entry's size |ref| + sqrt(sum p^2 v^2) + w S sqrt(sum p^2 (v - ref)^2) (S: the row's score "
             "size, w: the state's epsilon over the type's), r = max over the tensor of |naive - ref| / u "
             f"(naive: plain attention in {dtype}); no 0.3-anchored atol")

@@ -18,7 +18,7 @@ from ..core.options import Options
 from ..core.device import resolve as device_of
 from ..core.tiled import forward_on
 from .dropout import Dropped
-from .diagnosis import (DROPPED, descale_variants, diagnose, diagnose_gradient, diagnose_lse,
+from .diagnosis import (DROPPED, diagnose, diagnose_gradient, diagnose_lse,
                         diagnose_max_scores, guard_grad, guard_mods, row_ratios, trend, variant_alternatives)
 from ..judge.packing import unpack_paged, unpack_varlen
 from .rule import (Expected, TensorVerdict, expect, expect_max_scores, judge_grads, judge_lse,
@@ -91,7 +91,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
                  cache_seqlens=None, workers=None, names=None, lse_dtype=None, lse_base=None,
                  lse_sink=None, lse_empty=None, q_descale=None, k_descale=None, v_descale=None,
                  qv=None, dqv=None, gather_kv_indices=None, max_scores=None, scheduler=None,
-                 device=None, dropout_p=None, dropout_mask=None, sum_exp=None, k_mean=None) -> KernelCheck:
+                 device=None, dropout_p=None, dropout_mask=None, sum_exp=None, k_mean=None,
+                 intermediate_dtype=None) -> KernelCheck:
     """Judge a kernel's ``out`` (and ``lse``, gradients) against attnlib's reference.
 
     The rule (`attnlib.check.rule`): below float64, FlashAttention's test rule in ulps of
@@ -135,6 +136,10 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         Left-padded keys ``(batch,)``, chunked attention and sink tokens inside a window,
         as in `attention` (FlashAttention's ``cache_leftpad``, ``attention_chunk``,
         ``sink_token_length``).
+    intermediate_dtype : {None, "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+        The type the kernel rounds the weights ``p`` to before ``p @ v`` (FlashAttention's
+        ``intermediate_dtype``), no wider than ``dtype``: the naive baselines round them alike
+        (``docs/semantics.md``); gradients are not judged with it.
     k_mean : ndarray, optional
         SageAttention's K smoothing: the mean key ``(batch, 1, nheads_k, headdim)`` (bshd; ``(batch,
         nheads_k, 1, headdim)`` in bhsd) subtracted before ``k`` was quantised; added back to the
@@ -311,6 +316,14 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         given_as = f"{dtype!r}" if dtype is not None else f"q's storage type {stored['q'].name}"
         raise UnusableInput(f"dtype: the kernel's compute precision must be one of float64, float32, "
                             f"float16, bfloat16, float8_e4m3fn; got {given_as} (pass dtype=/--dtype)") from None
+    if intermediate_dtype is not None:
+        try:
+            prec = problem.precision(prec, intermediate_dtype)
+        except ValueError as e:
+            raise UnusableInput(str(e)) from None
+        if any(n in given for n in GRADIENTS) or dsinks is not None:
+            raise UnusableInput("gradients are not judged with intermediate_dtype (no backward rounds p to "
+                                "another type here): leave intermediate_dtype or the gradients out")
     kv_lengths, q_lengths, key_leftpad = (as_numpy(x, names.get(n, n)) for x, n in (
         (kv_lengths, "kv_lengths"), (q_lengths, "q_lengths"), (key_leftpad, "key_leftpad")))
     if block_mask is not None:
@@ -446,7 +459,7 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
     if layout_note:
         shown["layout_note"] = layout_note
     return KernelCheck(
-        shape=shape, options=shown, dtype=prec.name, eps=prec.eps, baseline=expected.baseline,
+        shape=shape, options=shown, dtype=prec.label, eps=prec.eps, baseline=expected.baseline,
         out=verdict, lse=lse_verdict, grads=grads, row_err=row_err, row_ratio=row_ratio,
         row_naive_ratio=None if naive_ratio is None else row_ratios(naive_ratio[0], naive_ratio[1], expected.allowance),
         head_row_ratio=head_row_ratio, ratios=finite.ravel()[sample],
@@ -492,7 +505,7 @@ def _mixups(stored, factors, opts: Options, scales=None):
     copy of the inputs)."""
     for words, f in descale.block_variants(scales or {}, *stored[:3]):
         yield words, _inputs(stored, {**factors, **f}), opts
-    for words, f in (descale_variants(factors) if factors else ()):
+    for words, f in (descale.descale_variants(factors) if factors else ()):
         yield words, _inputs(stored, f), opts
     q, k, v, qv = stored
     if qv is not None:

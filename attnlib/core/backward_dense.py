@@ -144,8 +144,8 @@ def dense_backward(q, k, v, dout, opts: Options, mod_grad=None, *, return_abs=Fa
                          "the gradients, without their sizes")
     prec = problem.precision(compute_dtype)
     if prec.p_type is not None:
-        raise ValueError(f"compute_dtype={prec.name!r} has no backward: FlashAttention 3's fp8 path "
-                         "is forward only; judge fp8 gradients as bfloat16")
+        raise ValueError(f"{prec.label} has no backward (p rounded to {prec.p_type.name}: FlashAttention 3's "
+                         "fp8 path is forward only); judge fp8 gradients as bfloat16")
     if several and (return_abs or return_rss or prec.is_float64):
         raise ValueError("several formulations are those of a lower compute_dtype, without sizes")
     q5, k5, v5, pb = problem.parse(q, k, v, scale=opts.scale, check_finite_inputs=check_finite)

@@ -89,6 +89,24 @@ def _blocks(a, shape, name) -> np.ndarray:
     return a
 
 
+def descale_variants(factors) -> list:
+    """``(words, factors)``: the fp8 descales mishandled (ROCm/aiter 5661, vLLM 51363): ignored
+    (all, or one: None), applied twice, or one per-tensor factor for every (batch, kv head)."""
+    given = [n for n in NAMES if n in factors]
+    varying = {n: f for n, f in factors.items() if np.ptp(f) > 0}
+    out = []
+    for how, detail, change in (("ignored", "the stored fp8 values attended as they are", lambda f: None),
+                                ("applied twice", "to values already dequantised", lambda f: f ** 2)):
+        out.append((f"the descales {how} ({detail})", {n: change(factors[n]) for n in given}))
+        out += [(f"{n} {how}", {n: change(factors[n])}) for n in given if len(given) > 1]
+    for which, pick in (("first", lambda f: f.flat[0]), ("largest", np.max)):
+        if varying:
+            out.append((f"per-tensor descales (the {which} factor for every batch entry and kv head) "
+                        "instead of one per (batch, kv head)",
+                        {n: np.full_like(f, pick(f)) for n, f in varying.items()}))
+    return [(words, {**factors, **change}) for words, change in out]
+
+
 def block_variants(scales: dict, q, k, v) -> list:
     """``(words, {name: laid-out factor})``: block scales a kernel reads wrongly: each block
     given its neighbour's scale (the blocks one off along an axis), an OCP E8M0 scale read as

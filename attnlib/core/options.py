@@ -229,7 +229,8 @@ class Call:
     @classmethod
     def bind(cls, arguments: dict | None = None, /, *, options: Options | None = None, **given) -> "Call":
         """The checked call of an entry point's ``arguments`` (``locals()`` on entry) with
-        ``given`` on top: the options among them (on top of ``options``), ``compute_dtype``,
+        ``given`` on top: the options among them (on top of ``options``), ``compute_dtype`` (and
+        ``intermediate_dtype``),
         ``return_lse``/``return_max_scores``/``return_stats``, ``lse_base``/``lse_sink``/
         ``lse_empty``, ``block_q``/``block_k``, ``kv_splits``, ``workers``,
         ``rescale_threshold``, ``check_finite`` and ``device``; other names are left out.
@@ -243,7 +244,7 @@ class Call:
         lse, most, stats = (validate.flag(a.get(n, False), n) for n in
                             ("return_lse", "return_max_scores", "return_stats"))
         tiles = {n: None if a.get(n) is None else validate.positive_int(a[n], n) for n in ("block_q", "block_k")}
-        return cls(opts, problem.precision(a.get("compute_dtype")), lse, most, stats,
+        return cls(opts, problem.precision(a.get("compute_dtype"), a.get("intermediate_dtype")), lse, most, stats,
                    lse_conventions.parse_for_output(a.get("lse_base"), a.get("lse_sink"), a.get("lse_empty"),
                                                     lse, most),
                    **tiles, kv_splits=validate.positive_int(a.get("kv_splits", 1), "kv_splits"),
@@ -253,7 +254,7 @@ class Call:
 
 
 #: What `Call.bind` reads besides the options.
-_CALL_ARGUMENTS = ("compute_dtype", "return_lse", "return_max_scores", "return_stats", "lse_base", "lse_sink",
+_CALL_ARGUMENTS = ("compute_dtype", "intermediate_dtype", "return_lse", "return_max_scores", "return_stats", "lse_base", "lse_sink",
                    "lse_empty", "block_q", "block_k", "kv_splits", "workers", "rescale_threshold", "check_finite",
                    "device")
 

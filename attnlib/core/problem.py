@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -123,6 +123,12 @@ class Precision:
     def is_float64(self) -> bool:
         return self.name == "float64"
 
+    @property
+    def label(self) -> str:
+        """The name, and an intermediate type of ``p`` (``intermediate_dtype``) where one is set."""
+        own = self.p_type is None or self.name == "float8_e4m3fn"  # an fp8 kernel's own weights
+        return self.name if own else f"{self.name} (p in {self.p_type.name})"
+
     def round(self, x) -> np.ndarray:
         """``x`` rounded to the compute type, held in the accumulate type."""
         return _rounded(np.asarray(x), self.compute, self.accumulate)
@@ -204,15 +210,24 @@ _ROUND_BITS = {"bfloat16": _to_bfloat16, "float16": _to_float16}
 _PRECISIONS = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn")
 
 
-def precision(x) -> Precision:
+def precision(x, intermediate=None) -> Precision:
     """``compute_dtype``: None/"float64", "float32", "float16", "bfloat16" or "float8_e4m3fn"
     (the last two need ml_dtypes; float8_e4m3fn is an fp8 kernel's arithmetic, FlashAttention
     3's: bfloat16 inputs and scores, the weights ``exp(s - m) <= 1`` rounded to float8_e4m3fn
-    before ``p @ v``, the state in float32, ``out`` in bfloat16).
+    before ``p @ v``, the state in float32, ``out`` in bfloat16); ``intermediate``
+    (``intermediate_dtype``): the type ``p`` is rounded to before ``p @ v`` (`INTERMEDIATES`, no
+    wider than the compute type, below float64 only).
 
     A numpy dtype or type of those names is taken too, and a torch dtype; anything else is a ValueError
     naming the choices.
     """
+    if intermediate is not None:
+        prec, p_type = precision(x), _intermediate(intermediate)
+        if prec.is_float64 or prec.p_type is not None or finfo(p_type).eps < prec.eps:
+            raise ValueError(f"intermediate_dtype={p_type.name!r} needs a compute_dtype below float64, at least "
+                             "as wide as it, and not float8_e4m3fn (whose p is fp8 already); got "
+                             f"compute_dtype={prec.name!r}")
+        return replace(prec, p_type=p_type)
     if isinstance(x, Precision):  # internal callers pass one, e.g. `extended_precision`
         return x
     if x is None:
@@ -238,6 +253,30 @@ def precision(x) -> Precision:
     bf16 = np.dtype(ml_dtypes.bfloat16)  # bfloat16, or float8_e4m3fn: bfloat16 with fp8 weights
     p_type = np.dtype(ml_dtypes.float8_e4m3fn) if name == "float8_e4m3fn" else None
     return Precision(name, bf16, np.dtype(np.float32), float(finfo(bf16).eps), p_type)
+
+
+#: The types ``p`` may be rounded to before ``p @ v`` (`precision`'s ``intermediate``).
+INTERMEDIATES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _intermediate(x) -> np.dtype:
+    """``intermediate_dtype`` as a numpy dtype (a name, numpy or torch dtype of `INTERMEDIATES`)."""
+    name = x if isinstance(x, str) else str(x).removeprefix("torch.") if type(x).__module__ == "torch" else None
+    if name is None:
+        try:
+            name = str(np.dtype(x))
+        except (TypeError, ValueError):
+            pass
+    if name not in INTERMEDIATES:
+        raise ValueError(f"intermediate_dtype must be one of {INTERMEDIATES}, got {x!r}")
+    if name in ("float32", "float16"):
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError(f"intermediate_dtype={name!r} needs the ml_dtypes package "
+                         "(pip install attnlib[lowp])") from None
+    return np.dtype(getattr(ml_dtypes, name))
 
 
 def extended_precision() -> Precision | None:

@@ -123,6 +123,7 @@ def pair_terms(pb, opts: Options, dtype=np.float64, rows=None, cols=None):
 
 
 def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute_dtype=None,
+                        intermediate_dtype=None,
                         qv=None, q_descale=None, k_descale=None, v_descale=None, lse_base=None, lse_sink=None,
                         lse_empty=None, return_max_scores=False, device=None, **options):
     """Dense float64 attention, ``softmax(scores) v`` with the whole score matrix.
@@ -151,6 +152,11 @@ def reference_attention(q, k, v, *, return_lse=False, check_finite=True, compute
         rounded to float8_e4m3fn before it is normalised, as fp8 kernels hold it; not the
         normalised ``p`` of FlashAttention's ``attention_ref(intermediate_dtype=fp8)``, see
         ``docs/semantics.md``, "fp8 descales").
+    intermediate_dtype : {None, "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+        The type the weights are rounded to before ``p @ v`` (FlashAttention's test reference's
+        name), with a ``compute_dtype`` below float64 no narrower than it: ``p = exp(s - m) <= 1``
+        rounded from the state's type (the softmax-first order of the check's baselines: the
+        normalised ``p`` rounded to ``compute_dtype``, then to it).  See ``docs/semantics.md``.
     qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
         MLA's second query, as in `attention` (``q`` may be None).
     q_descale, k_descale, v_descale : array_like, shape ``(..., Hk)``, optional
@@ -281,7 +287,9 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp
         seen = l > 0
         if order == "softmax_first":  # the weights normalised, then rounded, then summed: softmax(s) @ v
             w = xp.divide_where(p, l, seen)
-            out = xp.matmul(xp.rounded_p(w, prec) if low and not same else w, v_scaled)
+            if low and not same:  # the softmax in the compute type, then in p's (attention_ref's casts)
+                w = xp.rounded_p(xp.rounded(w, prec) if prec.p_type is not None else w, prec)
+            out = xp.matmul(w, v_scaled)
         else:
             out = xp.divide_where(pv if order == "key_by_key" else xp.matmul(rounded, v_scaled), l, seen)
         out = problem.unscale_values(out, e, v_max)

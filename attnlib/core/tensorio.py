@@ -42,8 +42,9 @@ _SAFETENSORS = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "F8_E4M
 #: Integer safetensors dtypes, read by `load_indices` (offsets, page tables, lengths).
 _SAFETENSORS_INT = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8", "U8": "<u1", "U16": "<u2",
                     "U32": "<u4", "U64": "<u8"}
-#: The ``dtype`` argument that asks the readers for integers instead of floats.
-_INDICES = "indices"
+#: The ``dtype`` argument that asks the readers for integers instead of floats; `_MASK`: for
+#: booleans or integers (a keep mask, `load_mask`).
+_INDICES, _MASK = "indices", "mask"
 #: Item sizes of the other safetensors dtypes: entries we do not read are still checked.
 _SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
                          "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
@@ -112,6 +113,12 @@ def load_indices(spec: str, label: str) -> np.ndarray:
     if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
         raise TensorFileError(f"{label} {spec}: values beyond int64")
     return arr.astype(np.int64)
+
+
+def load_mask(spec: str, label: str) -> np.ndarray:
+    """Read one boolean tensor (a keep mask: True or nonzero kept), with `load_tensor`'s checks:
+    ``.npy``, ``.npz`` or ``.safetensors`` (``BOOL``, ``I8`` .. ``U64``)."""
+    return load_tensor(spec, label, _MASK)[0] != 0
 
 
 def _one_line(message: str, limit: int = 600) -> str:
@@ -322,9 +329,9 @@ def _from_safetensors(path, key, where, dtype):
         entries = {name: _safetensors_entry(name, entry, data_size, where) for name, entry in header.items()}
         name = _pick(entries, key, where)
         kind, shape, start, end = entries[name]
-        known = _SAFETENSORS_INT if dtype == _INDICES else _SAFETENSORS
+        known = {_INDICES: _SAFETENSORS_INT, _MASK: {"BOOL": "|b1", **_SAFETENSORS_INT}}.get(dtype, _SAFETENSORS)
         if kind not in known:
-            what_kind = "integers" if dtype == _INDICES else "floating point"
+            what_kind = {_INDICES: "integers", _MASK: "booleans or integers"}.get(dtype, "floating point")
             raise TensorFileError(f"{where}: tensor {name!r} has dtype {kind}; it must be {what_kind} "
                                   f"({', '.join(known)})")
         src = np.dtype(known[kind])
@@ -362,10 +369,10 @@ def _safetensors_entry(name, entry, data_size, where):
 
 def _plan(src: np.dtype, stored, where, dtype):
     """How to read data of type ``src``: ``(mode, kind)``, decided before reading it."""
-    if dtype == _INDICES:
-        if src.kind in "iu":
+    if dtype in (_INDICES, _MASK):
+        if src.kind in ("iu" if dtype == _INDICES else "biu"):
             return "raw", src.name
-        raise TensorFileError(f"{where}: dtype {src} is not an integer type")
+        raise TensorFileError(f"{where}: dtype {src} is not an integer type" + (" or bool" if dtype == _MASK else ""))
     if stored == "bfloat16":
         return "bf16", "bfloat16"
     if stored == "float8_e4m3fn" or (src.itemsize == 1 and src.kind in "Vu" and dtype == "float8_e4m3fn"):

@@ -30,7 +30,7 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
               kv_lengths=None, q_lengths=None, q_segment_ids=None, kv_segment_ids=None,
               key_leftpad=None, attention_chunk=None, sink_token_length=0, softcap=None, alibi_slopes=None,
               sinks=None, scale=None, block_q=None, block_k=None,
-              kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None,
+              kv_splits=1, workers=None, rescale_threshold=0.0, compute_dtype=None, intermediate_dtype=None,
               return_lse=False, return_stats=False, check_finite=True, block_table=None,
               cache_seqlens=None, mask_mod=None, score_mod=None, block_mask=None, qv=None, q_descale=None,
               k_descale=None, v_descale=None, lse_base=None, lse_sink=None, lse_empty=None,
@@ -116,6 +116,10 @@ def attention(q, k, v, *, causal=False, causal_align="bottom_right", window=None
         ``lse`` in float32.  float8_e4m3fn: an fp8 kernel's arithmetic (FlashAttention 3's),
         bfloat16 but for ``p``, rounded to float8_e4m3fn before ``p @ v`` (``out`` in
         bfloat16).  Default: float64 throughout.
+    intermediate_dtype : {None, "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+        The type the weights are rounded to before ``p @ v`` (FlashAttention's test reference's
+        name), with a ``compute_dtype`` below float64 no narrower than it: ``p = exp(s - m) <= 1``
+        rounded from the state's type (normalised after).  See ``docs/semantics.md``.
     qv : array_like, shape ``(..., Hq, Sq, Dv)``, optional
         MLA's second query (FlashAttention 3/4's ``qv``): scores ``scale (q k^T + qv v^T)``,
         default ``scale = 1/sqrt(D + Dv)``; ``q`` may then be None (``qv v^T`` alone).
