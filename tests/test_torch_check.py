@@ -152,7 +152,7 @@ def test_long_gradients_are_judged_with_the_device_backward(monkeypatch, case):
     """The float64 gradients and their componentwise sizes come from the tiled backward, on the
     device (the one kernel's torch backend): judged at any length, as on the host, and a
     gradient off by 1e-6 at one entry fails."""
-    from attnlib.check import rule
+    from attnlib.check import gradrule as rule
 
     fwd, grad = LONG[case]
     q, k, v = _qkv(torch.float64, seed=5)

@@ -39,7 +39,7 @@ def _key(x):
     if isinstance(x, dict):
         return ("dict",) + tuple((k, _key(v)) for k, v in sorted(x.items()))
     if isinstance(x, problem.Precision):
-        return ("precision", x.name)
+        return ("precision", x.name, None if x.p_type is None else x.p_type.name)
     if isinstance(x, np.dtype):
         return ("dtype", x.str)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # Options: every field by value
@@ -107,8 +107,8 @@ def _memoized(fn, cache, lock, stats):
 
 
 def _targets():
-    from . import diagnosis, rule, verdict
-    return [(rule, "forward_on"), (rule, "dense_attention"), (rule, "dense_backward"), (rule, "tiled_backward"),
+    from . import diagnosis, gradrule, rule, verdict
+    return [(rule, "forward_on"), (rule, "dense_attention"), (gradrule, "dense_backward"), (gradrule, "tiled_backward"),
             (verdict, "dense_backward"), (verdict, "forward_on"), (diagnosis, "forward_on")]
 
 

@@ -21,7 +21,8 @@ from .dropout import Dropped
 from .diagnosis import (DROPPED, diagnose, diagnose_gradient, diagnose_lse,
                         diagnose_max_scores, guard_grad, guard_mods, row_ratios, trend, variant_alternatives)
 from ..judge.packing import unpack_paged, unpack_varlen
-from .rule import (Expected, TensorVerdict, expect, expect_max_scores, judge_grads, judge_lse,
+from .gradrule import judge_grads
+from .rule import (Expected, TensorVerdict, expect, expect_max_scores, judge_lse,
                    judge_max_scores, judge_out, OnDevice)
 from .shapes import LAYOUTS, TENSORS, UnusableInput, check_shapes, to_bhsd
 
