@@ -77,6 +77,58 @@ class Dropped:
                 if np.all(np.abs(kernel - alt()) <= loose)]
 
 
+    def expect_grads(self, qh, kh, vh, douth, dlse, expected, prec, layout, shape, workers=None, device=None,
+                     mod_grad=None):
+        """The dropout problem's `~attnlib.check.gradrule.ExpectedGrads`: its scores' gradient is
+        ``w_i A_ij (dout_i . v_j) - P_ij (D_i - dlse_i)`` (``D_i = dout_i . out_i``, the exact
+        dropout output's), the kept problem's gradients for ``dout w`` with ``dlse = D`` (its own
+        ``D`` cancelled) plus the whole problem's for ``dout = 0`` with ``dlse - D``, ``D``'s roundings
+        in its sizes, as a kernel that computes ``D`` makes them (as
+        `attnlib.core.dropout.attention_dropout_backward` computes them), each by its own rule,
+        the allowances added; ``expected``: the kept problem's `~attnlib.check.rule.Expected`."""
+        from .gradrule import expect_grads
+        from .sizes import score_size
+
+        terms = douth * (expected.ref * self.w)  # D_i's terms, dout_ic out_ic
+        d = np.sum(terms, axis=-1)
+        kept = expect_grads({}, qh, kh, vh, expected.ref, expected.ref_lse, douth * self.w, prec, self.opts, layout,
+                            shape, workers, mod_grad, device, scores=expected.scores, dlse=d)
+        ref, lse = (np.asarray(x, dtype=np.float64) for x in
+                    forward_on(qh, kh, vh, self.base, return_lse=True, workers=workers, device=device))
+        whole = expect_grads({}, qh, kh, vh, ref, lse, np.zeros_like(douth), prec, self.base, layout, shape, workers,
+                             mod_grad, device, scores=score_size(qh, kh, self.base, lse, device),
+                             dlse=(0.0 if dlse is None else dlse) - d, d_terms=terms)
+        return kept + whole
+
+    def gradient_alternatives(self, qh, kh, vh, douth, dlse, mod_grad=None, workers=None, device=None) -> list:
+        """``(words, {name: gradient})``: the dropout gradients' likely mistakes (dense float64): no
+        dropout in the backward, the keep mask inverted, the ``1 / (1 - p)`` left out."""
+        from ..core.backward import dense_backward
+
+        inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
+
+        def grads(keep, factor=1.0):  # the dropout loss's with ``keep``, dout times ``factor``
+            alt = self if keep is self.keep else Dropped.of(qh, kh, vh, self.base, self.rate, keep, workers, device)
+            dout = douth * factor
+            d = np.sum(dout * np.asarray(forward_on(qh, kh, vh, alt.opts, workers=workers, device=device)) * alt.w, -1)
+            parts = (dense_backward(qh, kh, vh, dout * alt.w, alt.opts, mod_grad, dlse=d),
+                     dense_backward(qh, kh, vh, 0 * dout, self.base, mod_grad, dlse=(0.0 if dlse is None else dlse) - d))
+            return [a + b for a, b in zip(*parts)]
+
+        names = ("dq", "dk", "dv", "dsinks")
+        found = [("no dropout in the backward (the gradients of attention without it)",
+                  dense_backward(qh, kh, vh, douth, self.base, mod_grad, dlse=dlse)),
+                 ("the keep mask inverted in the backward", grads(inverted)),
+                 ("the dropout scaling 1 / (1 - p) left out", grads(self.keep, 1 - self.rate))]
+        out = []
+        for words, g in found:
+            g = dict(zip(names, g))
+            if "dsinks" in g:
+                g["dsinks"] = np.asarray(g["dsinks"])[..., None, None]
+            out.append((words, g))
+        return out
+
+
 def _output(qh, kh, vh, opts, rate, keep, workers, device) -> np.ndarray:
     """The float64 dropout output of ``keep`` (`attnlib.core.dropout.attention_dropout`'s)."""
     dropped = Dropped.of(qh, kh, vh, opts, rate, keep, workers, device)

@@ -139,7 +139,8 @@ def judge_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Optio
 
 
 def expect_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Options, layout, shape,
-                 workers, mod_grad=None, device=None, qv_dim=None, scores=None, dlse=None) -> ExpectedGrads:
+                 workers, mod_grad=None, device=None, qv_dim=None, scores=None, dlse=None,
+                 d_terms=None) -> ExpectedGrads:
     """The problem's `ExpectedGrads` by the gradients' rule.  ``kernel_grads``: the kernel's (its
     worst rows join the naive's sample; ``{}``: none); ``mod_grad``: the ``score_mod_grad``
     (required with a ``score_mod``); ``device``: where the tiled float64 gradients (the lengths
@@ -148,7 +149,8 @@ def expect_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Opti
     (`attnlib.core.mla`): the kernel's ``dq``, ``dqv``, ``dk`` are judged by the joined
     gradients' parts, its ``dv`` by ``dv_p + dk'[..., D:]`` with the two allowances (and naive
     errors) added, a bound on the error of the sum.  ``dlse``: the loss's gradient with respect to the
-    natural LSE, ``(..., Hq, Sq)`` (`attnlib.core.backward.attention_backward`'s), or None."""
+    natural LSE, ``(..., Hq, Sq)`` (`attnlib.core.backward.attention_backward`'s), or None; ``d_terms``:
+    `~attnlib.core.gradsizes.GradSizes`'s (another problem's ``D_i`` that ``dlse`` carries)."""
     mod_grad = _score_mod_grad(mod_grad, opts)  # refused as the backward's keyword arguments are
     heads = shape["batch"] * shape["hq"]
     sq, sk = shape["sq"], shape["sk"]
@@ -168,7 +170,7 @@ def expect_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Opti
         # float64: the first-order rounding bound on the componentwise size, summed beside the
         # gradients tile by tile (any length).
         grads, sizes = tiled_backward(qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device,
-                                      sizes=GradSizes(componentwise=True), dlse=dlse)
+                                      sizes=GradSizes(componentwise=True, d_terms=d_terms), dlse=dlse)
         ref_grads = {n: np.asarray(arrays.as_numpy(g, n), dtype=np.float64) for n, g in zip(names, grads)}
         sizes = {n: np.asarray(arrays.as_numpy(g, n), dtype=np.float64) for n, g in zip(names, sizes)}
         e_g = gradient_rounding(qh, kh, vh, opts, prec)
@@ -182,7 +184,8 @@ def expect_grads(kernel_grads, qh, kh, vh, ref, ref_lse, douth, prec, opts: Opti
         # (flush: the weights below the accumulator's smallest normal, which GPU exponentials flush to zero)
         grads, rss, naive_rows, flushed = tiled_backward(
             qh, kh, vh, ref, ref_lse, douth, opts, mod_grad, workers=workers, dev=device, dlse=dlse,
-            sizes=GradSizes(accumulate, accumulate * scores, naive=prec, flush=float(arrays.finfo(prec.accumulate).tiny)))
+            sizes=GradSizes(accumulate, accumulate * scores, naive=prec, flush=float(arrays.finfo(prec.accumulate).tiny),
+                            d_terms=d_terms))
         ref_grads = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, grads)}
         rss = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, rss)}
         flushed = {n: per_head(n, np.asarray(arrays.as_numpy(g, n), dtype=np.float64)) for n, g in zip(names, flushed)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -371,9 +372,9 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         sinkless = lse is not None and convention.sink == "excluded" and opts.sinks is not None
         dropped = None
         if dropout_p is not None or dropout_mask is not None:
-            if any(n in given for n in GRADIENTS) or dsinks is not None or max_scores is not None:
-                raise UnusableInput("with dropout the check judges out and lse (gradients and max_scores: "
-                                    "not yet): leave them out")
+            if max_scores is not None:
+                raise UnusableInput("with dropout the check judges out, lse and the gradients (max_scores: "
+                                    "not yet): leave max_scores out")
             # out / w judged as the kept keys' attention (`attnlib.check.dropout`)
             dropped = Dropped.of(qh, kh, vh, opts, dropout_p, dropout_mask, workers, dev)
         judged = kernel if dropped is None else dropped.to_kept(kernel)
@@ -430,14 +431,19 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         # dL/dlse in natural units: a base-2 LSE's gradient over ln 2
         dlse_e = None if "dlse" not in given else convention.gradient_to_natural(given["dlse"])
         try:
+            # with dropout: the kept problem's gradients and the whole one's, added (`Dropped.expect_grads`)
+            expected_grads = None if dropped is None else dropped.expect_grads(
+                qh, kh, vh, douth, dlse_e, expected, prec, layout, shape, workers, dev, score_mod_grad)
             grads = judge_grads(kernel_grads, qh, kh, vh, expected.ref,
                                 expected.ref_lse, douth, prec, opts, layout, shape, workers, context,
                                 mod_grad=score_mod_grad, device=dev, qv_dim=None if qvh is None else shape["d"],
-                                scores=expected.scores, dlse=dlse_e)
+                                scores=expected.scores, dlse=dlse_e, expected=expected_grads)
         except (ValueError, TypeError) as e:  # e.g. a score_mod without its derivative
             raise UnusableInput(str(e)) from e
         if qvh is None:  # the neighbouring problems' gradients are q, k and v's own
-            _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name, dlse_e)
+            _diagnose_grads(grads, context, qh, kh, vh, douth, opts, score_mod_grad, prec.name, dlse_e,
+                            None if dropped is None else functools.partial(
+                                dropped.gradient_alternatives, qh, kh, vh, douth, dlse_e, score_mod_grad, workers, dev))
     finite = np.where(np.isfinite(ratio), ratio, 0.0)
     sample = slice(None)
     if err.size > SAMPLE:
@@ -571,10 +577,13 @@ def _lse_of_stats(max_scores, sum_exp, lse, lse_base, lse_sink, sinks, names):
     return derived, "excluded" if sinks is not None else lse_sink, kind
 
 
-def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, prec_name, dlse=None):
+def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, prec_name, dlse=None,
+                    dropout=None):
     """Diagnosis notes on each failing gradient: its sign, the scale, a neighbouring problem's
     gradient, heads swapped, a constant factor; with ``dlse`` (natural units), the gradients with
-    it ignored, its sign flipped, or off by the factor ln 2 between the LSE's bases."""
+    it ignored, its sign flipped, or off by the factor ln 2 between the LSE's bases.  ``dropout``: a
+    callable giving the dropout gradients' mistakes (`Dropped.gradient_alternatives`), tried in place
+    of the neighbouring problems (which have no dropout)."""
     failing = [n for n, v in grads.items() if v.passed is False and n in context]
     if not failing:
         return
@@ -586,7 +595,10 @@ def _diagnose_grads(grads, context, qh, kh, vh, douth, opts: Options, mod_grad, 
         ("dlse ignored (the gradients of out alone)", opts, None), ("dlse with its sign flipped", opts, -dlse),
         ("dlse times ln 2 (the gradient of a base-2 LSE taken as the natural one's)", opts, dlse * ln2),
         ("dlse over ln 2 (the gradient of a natural LSE taken as a base-2 one's)", opts, dlse / ln2)]
-    for words, alt, alt_dlse in [(w, a, dlse) for w, a in _problem_alternatives(guard_mods(opts))] + mixed:
+    if dropout is not None:
+        alternatives, mixed = dropout(), []
+    for words, alt, alt_dlse in ([] if dropout is not None else
+                                 [(w, a, dlse) for w, a in _problem_alternatives(guard_mods(opts))] + mixed):
         try:
             g = dense_backward(qh, kh, vh, douth, alt, mod_grad, dlse=alt_dlse)
         except DROPPED:  # refused, or the user's mods failing on it: no such alternative

@@ -174,7 +174,7 @@ def tiled_backward(q, k, v, out, lse, dout, opts: Options, mod_grad=None, *, blo
         delta -= dlse5
     if hook is not None:
         delta = hook("delta", delta)
-    sized = None if sizes is None else sizes.bind(pb, out5, dout5, setup.cap, xp, dlse5)
+    sized = None if sizes is None else sizes.bind(pb, out5, dout5, setup.cap, xp, dlse5, e)
     # The shift of p = exp(s - lse): rows without a visible key have lse = -inf and only -inf
     # scores; shifting them by 0 gives exp(-inf) = 0, not -inf - (-inf).
     shift = xp.finite_or_zero(lse5)

@@ -35,13 +35,20 @@ class GradSizes:
     componentwise: bool = False
     naive: object = None  # a `problem.Precision`: also each row's statistics as its naive backward has them
     flush: float = 0.0  # > 0: also what the terms whose weight lies in (0, flush) add to each entry (`_SizedPass.flushed`)
+    #: ``(..., Hq, Sq, Dv)``: the terms ``dout_ic out_ic`` of another problem's ``D_i`` that this
+    #: one's ``dlse`` carries (dropout's whole problem, `attnlib.check.dropout`): their roundings join
+    #: ``D_i``'s size, as a kernel that computes that ``D_i`` rounds them
+    d_terms: object = None
 
-    def bind(self, pb, out5, dout5, cap, xp, dlse5=None) -> "_SizedPass":
+    def bind(self, pb, out5, dout5, cap, xp, dlse5=None, e=0) -> "_SizedPass":
         """The arrays the passes sum into, grouped as the kernel's ``(*batch, hk, g, ...)``;
-        ``dlse5``: the backward's ``dlse`` or None."""
+        ``dlse5``: the backward's ``dlse`` or None; ``e``: the exponent ``dout`` was scaled by."""
         lead = pb.batch + (pb.hk, pb.group)
         # D_i - dlse_i: dlse is one more of D_i's terms
         d1 = xp.zeros(lead + (pb.sq,)) if dlse5 is None else abs(dlse5)
+        if self.d_terms is not None:
+            t = xp.from_host(np.ldexp(np.asarray(self.d_terms, dtype=np.float64), -e).reshape(lead + (pb.sq, -1)))
+            d1 = d1 + (abs(t).sum(-1) if self.componentwise else (t * t).sum(-1) ** 0.5)
         w2 = None
         if self.scores is not None and not self.componentwise:
             # D_i = dout_i . out_i from the output as stored: its entries' roundings, root-sum-square.
