@@ -10,7 +10,9 @@ in base 2 or with the sink taken as a score, a variant left out
 ``Dv`` left out of the default scale, fp8 descales ignored, applied twice or per tensor,
 block-sparse lists read with query and key blocks exchanged, one of several KV sources left out
 or its mask ignored (`attnlib.core.sources`: judged as the joined problem), dropout with its
-``1 / (1 - p)`` left out, ``1 / p`` in its place or the keep mask inverted, native sparse
+``1 / (1 - p)`` left out, ``1 / p`` in its place or the keep mask inverted (and in the
+backward: no dropout, the mask inverted, the ``1 / (1 - p)`` left out; judged by ``dq``), the
+normalised weights rounded to an fp8 ``intermediate_dtype`` (at 1024 keys), native sparse
 attention with its gates in another order or its selected branch left out (`attnlib.check.nsa`),
 block scales misread (one block off, E8M0 read as E4M3, one per tensor, NVFP4's per-tensor scale
 left out) and SageAttention's LSE without its mean key, and a
@@ -33,7 +35,7 @@ import numpy as np
 from ..core.lse_conventions import LN2
 from ..core.backward import attention_backward
 from ..core.block_sparse import block_mask_from_kv_blocks
-from ..core.dropout import attention_dropout
+from ..core.dropout import attention_dropout, attention_dropout_backward
 from ..core.nsa import NSA, nsa_attention
 from ..core.sources import attention_sources, join_sources, source
 from ..core.problem import precision
@@ -168,6 +170,19 @@ def cases(prec_name, magnitude, seed) -> list:
         dout = prec.round(rng.standard_normal(q.shape[:-1] + (v.shape[-1],))).astype(np.float64)
         # (of D_i = dout_i . out_i's size, which v's magnitude sets: as ring attention's merge gives it)
         dlse = (2 * magnitude * rng.standard_normal(q.shape[:-1])).astype(np.float32).astype(np.float64)
+        # Dropout's gradients (with dlse): the backward without dropout, with the mask inverted, or
+        # without 1 / (1 - p) (the gradients of that forward, rounded once)
+        drop_told = dict(causal=True, dropout_p=0.2, dropout_mask=keep)
+        plain_out, plain_lse = attention(q, k, v, causal=True, return_lse=True)
+        for name, words, grads in (
+                ("dropout left out of the backward", "no dropout in the backward",
+                 attention_backward(q, k, v, plain_out, plain_lse, dout, dlse=dlse, causal=True)),
+                ("dropout's keep mask inverted in the backward", "keep mask inverted in the backward",
+                 _dropout_grads(q, k, v, dout, dlse, 0.2, ~keep, causal=True)),
+                ("dropout's 1 / (1 - p) left out of the backward", "1 / (1 - p) left out",
+                 _dropout_grads(q, k, v, dout * 0.8, dlse, 0.2, keep, causal=True))):
+            out.append((name, words, drop_told, dict(out=prec.round(right_drop).astype(np.float64), dout=dout, dlse=dlse,
+                                                     **dict(zip(("dq", "dk", "dv"), (_round(prec, g) for g in grads))))))
         o64, lse64 = attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
         for name, factor in (("dlse ignored", 0.0), ("dlse with its sign flipped", -1.0),
                              ("dlse times ln 2", LN2)):
@@ -176,6 +191,7 @@ def cases(prec_name, magnitude, seed) -> list:
                         dict(out=right[0], lse=right[1], dout=dout, dlse=dlse,
                              **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))))
         out += _quantised(prec, q, k, v)
+        out += _normalised_fp8_weights(prec, magnitude, seed)
         assert d == dv  # the MLA cases take qv of v's head dim
         # (a case's own inputs, where it has them: the joined sources' keys, the quantised elements)
         return [(n, w, *({**dict(q=q, k=k, v=v), **(c[0] if c else {})}[x] for x in "qkv"), told, t)
@@ -217,9 +233,7 @@ def _measure_cases(prec_name, magnitude, seed) -> list[dict]:
         if stat is None:
             right = dict(out=_round(prec, _exact_out(q, k, v, told)))
         elif stat == "dq":
-            o64, lse64 = attention(q, k, v, return_lse=True, **told)
-            right = dict(dq=_round(prec, attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"],
-                                                            **told)[0]))
+            right = dict(dq=_round(prec, _exact_grads(q, k, v, told, tensors)[0]))
         if right is not None and not _changed(tensors, right, stat or "out", prec_name):
             continue  # the mix-up vanishes in the type
         stored = (q, k, v)
@@ -292,8 +306,7 @@ def _right_answer(prec, q, k, v, told, tensors) -> dict:
                                       **rest)
             found = dict(out=out.astype(np.float64), lse=lse.astype(np.float64), max_scores=top.astype(np.float64))
         if "dq" in tensors:
-            o64, lse64 = attention(q, k, v, return_lse=True, **rest)
-            grads = attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"], **rest)
+            grads = _exact_grads(q, k, v, told, tensors)
             found |= dict(dout=tensors["dout"], dlse=tensors["dlse"],
                           **dict(zip(("dq", "dk", "dv", "dsinks"), (_round(prec, g) for g in grads))))
     return {n: x for n, x in found.items() if n in tensors or n in ("out", "dout", "dlse")}
@@ -356,6 +369,41 @@ def _quantised(prec, q, k, v) -> list:
     return found
 
 
+def _exact_grads(q, k, v, told, tensors):
+    """The float64 gradients of the problem ``told`` (with dropout: `_dropout_grads`'s) for the
+    ``dout`` and ``dlse`` of ``tensors``."""
+    drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
+    rest = {n: x for n, x in told.items() if n not in drop}
+    if drop:
+        return _dropout_grads(q, k, v, tensors["dout"], tensors["dlse"], *drop.values(), **rest)
+    o64, lse64 = attention(q, k, v, return_lse=True, **told)
+    return attention_backward(q, k, v, o64, lse64, tensors["dout"], dlse=tensors["dlse"], **told)
+
+
+def _dropout_grads(q, k, v, dout, dlse, rate, keep, **options):
+    """The float64 gradients of attention with dropout (`attnlib.core.dropout`)."""
+    out, lse = attention_dropout(q, k, v, rate, keep, return_lse=True, **options)
+    return attention_dropout_backward(q, k, v, out, lse, dout, rate, keep, dlse=dlse, **options)
+
+
+def _normalised_fp8_weights(prec, magnitude, seed) -> list:
+    """``intermediate_dtype="float8_e4m3fn"``: a kernel that rounds the *normalised* weights to fp8
+    (FlashAttention's ``attention_ref`` order), on rows of 1024 keys (``p ~ 1/Sk`` among fp8's
+    subnormals; the shared problem's 96 keys are too few for it to show)."""
+    from ..core.options import Options
+    from ..core.reference import dense_attention
+
+    rng = np.random.default_rng(7000 + seed)
+    q, k, v = (prec.round(rng.standard_normal((1, 2, n, 32)) * (magnitude if x == "v" else 1.0)).astype(np.float64)
+               for n, x in ((32, "q"), (1024, "k"), (1024, "v")))
+    told = dict(intermediate_dtype="float8_e4m3fn")
+    with np.errstate(over="ignore"):
+        got = dense_attention(q, k, v, Options.parse(), compute_dtype=precision(prec.name, "float8_e4m3fn"),
+                              orders=("softmax_first",))
+    return [("p normalised before its fp8 rounding (attention_ref's order)", "the normalised weights p / l",
+             told, dict(out=np.asarray(got, dtype=np.float64)), dict(q=q, k=k, v=v))]
+
+
 def _told_inputs(q, k, v, told):
     """``(q, k, v, options)`` of the problem ``told`` as `attention` takes it: with SageAttention's
     ``k_mean``, the dequantised keys plus the mean key (its descales applied here)."""
@@ -371,7 +419,7 @@ def _exact_out(q, k, v, told) -> np.ndarray:
     """The float64 output of the problem ``told`` (attention, with dropout, or NSA's)."""
     if "nsa" in told:
         return nsa_attention(q, k, v, told["gates"], told["nsa"])
-    q, k, v, told = _told_inputs(q, k, v, told)
+    q, k, v, told = _told_inputs(q, k, v, {n: x for n, x in told.items() if n != "intermediate_dtype"})
     drop = {n: told[n] for n in ("dropout_p", "dropout_mask") if n in told}
     if drop:
         return attention_dropout(q, k, v, *drop.values(), **{n: x for n, x in told.items() if n not in drop})
