@@ -21,9 +21,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..core.dropout import _kept_options, _rate, _share, keep_mod
+from ..core import arrays
 from ..core.backend import NUMPY
 from ..core.options import Options
 from ..core.tiled import forward_on
+from .sizes import doubled_options, score_size
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Dropped:
     w: np.ndarray
     rate: float
     keep: object
+    lse: np.ndarray = None  # (..., Hq, Sq): the whole row's
 
     @classmethod
     def of(cls, qh, kh, vh, opts: Options, dropout_p, dropout_mask, workers=None, device=None) -> "Dropped":
@@ -46,7 +49,40 @@ class Dropped:
                                                          gather_kv_indices=opts.gather_kv_indices), keep)["mask_mod"])
         lse_keep = forward_on(qh, kh, vh, kept, return_lse=True, workers=workers, device=device)[1]
         lse = forward_on(qh, kh, vh, opts, return_lse=True, workers=workers, device=device)[1]
-        return cls(kept, opts, _share(np.asarray(lse_keep), np.asarray(lse), rate, NUMPY), rate, keep)
+        lse = np.asarray(lse, dtype=np.float64)
+        return cls(kept, opts, _share(np.asarray(lse_keep), lse, rate, NUMPY), rate, keep, lse)
+
+    def widened(self, expected, qh, kh, vh, prec, workers=None, device=None):
+        """``expected`` (the kept problem's, in units of ``out / w``) with what its allowance leaves
+        out: a kernel normalises by the whole row, whose dropped keys' scores it rounds too; each
+        moves ``out / w`` by ``p_j ds_j`` times it, ``ds_j`` up to an ulp of the state's type at the
+        row's score size ``S_i``: ``sqrt(sum_dropped p_j^2) S_i |ref|`` (root-sum-square, as the rule
+        counts the scores' rounding) in the state's ulps, times the allowance's multiple of ulps.
+        Without it float32 kernels failed at up to 9.7 (large logits, many keys dropped)."""
+        if expected.unit is None:  # float64: the gate's bound
+            return expected
+        inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
+        dropped = replace(self.base, sinks=None, mask_mod=_kept_options(
+            dict(mask_mod=self.base.mask_mod, gather_kv_indices=self.base.gather_kv_indices), inverted)["mask_mod"])
+        lse2 = np.asarray(forward_on(qh, kh, vh, doubled_options(dropped, qh.shape[-1]), return_lse=True,
+                                     workers=workers, device=device)[1], dtype=np.float64)  # log sum_dropped exp(2 s)
+        seen = np.isfinite(lse2) & np.isfinite(self.lse)
+        rss = np.exp(np.where(seen, lse2 / 2 - np.where(seen, self.lse, 0.0), -np.inf))  # sqrt(sum_dropped p^2)
+        size = score_size(qh, kh, self.base, self.lse, device) * rss
+        multiple = np.divide(expected.allowance, expected.unit, out=np.zeros_like(expected.allowance),
+                             where=expected.unit > 0)
+        extra = multiple * float(np.finfo(prec.accumulate).eps) * size[..., None] * np.abs(expected.ref)
+        # and the type's absolute resolution, which the kernel has in out's units (its weights
+        # p_j keep_j / (1 - p) and its output rounded at half the smallest subnormal each) and the kept
+        # problem in its own: (tiny / 2) (1 + sum_j |v_j|) (1 / w - 1) more in these units where w < 1
+        # (float16 kernels failed at up to 43 in rows whose kept share w << 1: every kept weight subnormal)
+        tiny = float(arrays.finfo(prec.compute).smallest_subnormal)
+        w = np.broadcast_to(self.w, expected.ref.shape)
+        v_sum = np.abs(vh).sum(axis=-2)[..., None, :]  # (..., Hk, 1, Dv): every key's, whatever the mask
+        v_sum = np.repeat(v_sum, expected.ref.shape[-3] // max(1, vh.shape[-3]), axis=-3)
+        excess = np.maximum(np.divide(1.0, w, out=np.ones_like(extra), where=w > 0) - 1.0, 0.0)
+        extra += multiple * (tiny / 2) * (1.0 + v_sum) * excess
+        return replace(expected, allowance=expected.allowance + extra)
 
     def to_kept(self, out):
         """A kernel's ``out`` in the kept problem's units, ``out / w`` (as it is where ``w = 0``:

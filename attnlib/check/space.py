@@ -18,6 +18,10 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
   attention is (scores ``q k^T`` times the scale in the type, a softcap, the softmax and its LSE
   in float32, the weights rounded to the type before ``p @ v``; the sinks a last logit), its autograd
   gradients of a loss of ``out`` and the LSE: ``dout`` and a drawn ``dlse`` (ring attention's);
+* the 2026 variants these kernels express, each on a `VARIANT_SHARE` of the problems: dropout with
+  a drawn keep mask (``p`` 0.1, 0.3 or 0.5; the eager kernel, its weights dropped and scaled before
+  ``p @ v``, with its gradients on the gradient problems) and ``p`` rounded to a narrower
+  ``intermediate_dtype`` (attnlib's tiled kernel); the other kernels skip those problems;
 
 and judges each with `check_kernel` (one reference per problem, `memo.shared`): out, LSE,
 and on every ``GRADIENT_EVERY``-th problem (the long ones among them) the autograd gradients of
@@ -34,7 +38,7 @@ import json
 import math
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +67,12 @@ FLEX_EVERY = 4
 #: FlexAttention compiled runs on every this-many-th problem: Inductor compiles a kernel per
 #: shape (3.4-3.8 s measured per problem here, float32 and bfloat16; the first ~20 s).
 FLEX_COMPILED_EVERY = 20
+#: The share of problems drawn with each 2026 variant the kernels here express: dropout (the eager
+#: kernel, with its gradients on the gradient problems) and ``p`` rounded to an intermediate type
+#: (attnlib's tiled kernel); the kernels that cannot express a problem's variant skip it.
+VARIANT_SHARE = 0.1
+#: The intermediate types drawn, each where it is no wider than the precision (`precision`).
+INTERMEDIATES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass
@@ -75,6 +85,9 @@ class Problem:
     options: dict  # attnlib's keywords: causal, window, kv_lengths, softcap, sinks, scale
     regime: str  # decode, short, prefill or long
     index: int  # its number in the run
+    #: the check's keywords of a 2026 variant, which only some kernels express: dropout with the
+    #: kernel's keep mask (``dropout_p``, ``dropout_mask``), or ``p`` rounded to ``intermediate_dtype``
+    variant: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> str:
@@ -154,7 +167,23 @@ def draw(rng, prec_name: str, index: int) -> Problem:
         top = 1e3 if prec_name == "float16" else math.inf  # p dlse in float16's range
         size = min(top, magnitude * grad_magnitude * 10.0 ** rng.uniform(-1, 1))
         dlse = (rng.standard_normal((b, hq, sq)) * size).astype(np.float32).astype(np.float64)
-    return Problem(q, k, v, dout, dlse, options, regime, index)
+    variant, u = {}, rng.random()
+    if u < VARIANT_SHARE and regime != "long":  # dropout with the keep mask the kernel drew (n^2 bools)
+        rate = float(rng.choice([0.1, 0.3, 0.5]))
+        variant = dict(dropout_p=rate, dropout_mask=rng.random((b, hq, sq, sk)) >= rate)
+    elif u < 2 * VARIANT_SHARE:  # p rounded to a narrower type before p @ v
+        narrower = [t for t in INTERMEDIATES if t != prec_name and _narrower(prec_name, t)]
+        variant = dict(intermediate_dtype=str(rng.choice(narrower)))
+    return Problem(q, k, v, dout, dlse, options, regime, index, variant)
+
+
+def _narrower(prec_name: str, intermediate: str) -> bool:
+    """Whether ``intermediate`` may hold ``p`` in a ``prec_name`` kernel (no wider than it)."""
+    try:
+        precision(prec_name, intermediate)
+    except ValueError:
+        return False
+    return True
 
 
 def _visible(p: Problem) -> np.ndarray:
@@ -173,10 +202,13 @@ def kernels(prec_name: str) -> dict:
     """``name -> fn(problem, rng, grads) -> dict of tensors, or None`` (the kernel cannot
     express the problem): the correct kernels of the sweep (see the module docstring)."""
     def tiled(p, rng, grads):
+        if "dropout_p" in p.variant:
+            return None
         tiles = dict(block_q=int(rng.choice([16, 32, 64, 128])), block_k=int(rng.choice([1, 16, 32, 64, 128])))
         if rng.random() < 0.25:
             tiles["kv_splits"] = int(rng.choice([2, 3, 4]))
-        out, lse = attention(p.q, p.k, p.v, compute_dtype=prec_name, return_lse=True, **tiles, **p.options)
+        out, lse = attention(p.q, p.k, p.v, compute_dtype=prec_name, return_lse=True, **tiles, **p.options,
+                             intermediate_dtype=p.variant.get("intermediate_dtype"))
         return dict(out=out.astype(np.float64), lse=lse.astype(np.float64))
 
     found = {f"attnlib tiled in {prec_name}": tiled}
@@ -195,7 +227,7 @@ def kernels(prec_name: str) -> dict:
 
     def sdpa(backends):
         def run(p, rng, grads):
-            if any(n in p.options for n in ("softcap", "sinks")):
+            if any(n in p.options for n in ("softcap", "sinks")) or p.variant:
                 return None
             vis = _visible(p)
             if not vis.any(axis=-1).all():
@@ -212,7 +244,7 @@ def kernels(prec_name: str) -> dict:
         every, offset = (FLEX_COMPILED_EVERY, 11) if compiled else (FLEX_EVERY, 1)
 
         def run(p, rng, grads):
-            if "sinks" in p.options or p.index % every != offset:
+            if "sinks" in p.options or p.variant or p.index % every != offset:
                 return None
             vis = torch.from_numpy(np.array(_visible(p)[:, 0]))
             cap = p.options.get("softcap")
@@ -239,16 +271,18 @@ def kernels(prec_name: str) -> dict:
         return run
 
     def eager(p, rng, grads):  # Hugging Face's eager attention, differentiated through its LSE too
-        if not grads or p.dlse is None:
+        rate = p.variant.get("dropout_p")
+        grads = grads and p.dlse is not None
+        if not grads and rate is None or "intermediate_dtype" in p.variant:
             return None
         vis = torch.from_numpy(np.array(_visible(p)))
         sinks = p.options.get("sinks")
         if sinks is None and not vis.any(axis=-1).all():
             return None  # a row with no visible key: softmax gives NaN there, the contract 0
-        q, k, v = _to_torch(prec_name, p.q, p.k, p.v, grad=True)
+        q, k, v = _to_torch(prec_name, p.q, p.k, p.v, grad=grads)
         group = q.shape[1] // k.shape[1]
         dp = torch.from_numpy(p.dout) @ torch.from_numpy(p.v).repeat_interleave(group, 1).transpose(-1, -2)
-        if float(dp.abs().max()) > float(torch.finfo(q.dtype).max):
+        if grads and float(dp.abs().max()) / (1 - (rate or 0.0)) > float(torch.finfo(q.dtype).max):
             return None  # dp = dout v^T, which this kernel stores in the type, beyond it: it cannot hold the problem
         scale = p.options.get("scale", 1.0 / math.sqrt(q.shape[-1]))
         s = (torch.matmul(q, k.repeat_interleave(group, 1).transpose(-1, -2)) * scale).float()  # stored in the type
@@ -261,8 +295,12 @@ def kernels(prec_name: str) -> dict:
             s = torch.cat([s, sinks[None, :, None, None].expand(s.shape[:-1] + (1,))], dim=-1)
         lse = torch.logsumexp(s, dim=-1)
         w = torch.softmax(s, dim=-1)
-        w = (w if sinks is None else w[..., :-1]).to(q.dtype)
-        out = torch.matmul(w, v.repeat_interleave(group, 1))
+        w = w if sinks is None else w[..., :-1]
+        if rate is not None:  # dropout with the drawn keep mask, as FlashAttention's attention_ref applies it
+            w = w * torch.from_numpy(p.variant["dropout_mask"]) / (1 - rate)
+        out = torch.matmul(w.to(q.dtype), v.repeat_interleave(group, 1))
+        if not grads:
+            return dict(out=_to_numpy(out), lse=_to_numpy(lse))
         dout = _to_torch(prec_name, p.dout)[0]
         torch.autograd.backward([out, lse], [dout, torch.from_numpy(p.dlse).float()])
         return dict(out=_to_numpy(out), lse=_to_numpy(lse), dq=_to_numpy(q.grad), dk=_to_numpy(k.grad),
@@ -301,14 +339,15 @@ def run_problem(prec_name: str, seed: int, index: int) -> list[dict]:
                 tensors = fn(p, rng, grads and "attnlib" not in name)
             if tensors is None:
                 continue
+            shown = {**p.options, **{"dropout" if n == "dropout_mask" else n: x for n, x in p.variant.items()}}
             row = dict(precision=prec_name, seed=seed, index=index, regime=p.regime, shape=p.shape,
-                       rows=int(p.q.shape[2]), options=sorted(p.options), kernel=name)
+                       rows=int(p.q.shape[2]), options=sorted(n for n in shown if n != "dropout_p"), kernel=name)
             try:
                 r = check_kernel(p.q, p.k, p.v, tensors["out"], lse=tensors.get("lse"),
                                  dout=p.dout if "dq" in tensors else None, dq=tensors.get("dq"),
                                  dk=tensors.get("dk"), dv=tensors.get("dv"), dlse=tensors.get("dlse"),
                                  dsinks=tensors.get("dsinks"),
-                                 layout="bhsd", dtype=prec_name, workers=1, **p.options)
+                                 layout="bhsd", dtype=prec_name, workers=1, **p.options, **p.variant)
             except UnusableInput as e:  # e.g. float16 scores beyond its range: no baseline
                 rows.append(row | dict(judged=False, why=str(e)[:200]))
                 continue

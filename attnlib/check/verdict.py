@@ -380,6 +380,8 @@ def check_kernel(q, k, v, out, *, lse=None, dout=None, dq=None, dk=None, dv=None
         judged = kernel if dropped is None else dropped.to_kept(kernel)
         expected = expect(qh, kh, vh, opts if dropped is None else dropped.opts, prec, workers, scheduler, dev,
                           kernel=judged, kernel_lse=None if sinkless or dropped is not None else kernel_lse)
+        if dropped is not None:  # and the whole row's normaliser, which the kept problem's lacks
+            expected = dropped.widened(expected, qh, kh, vh, prec, workers, dev)
     except (ValueError, TypeError) as e:  # e.g. kv_lengths of the wrong shape, or a mod's own error
         raise UnusableInput(str(e)) from e  # chained: a mask_mod's own exception is never replaced
     verdict, err, ratio = judge_out(judged, expected)
