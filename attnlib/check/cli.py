@@ -18,7 +18,10 @@ from .verdict import KernelCheck, check_kernel
 #: The notebook `check --html` runs: package data, so that it works from a plain install.
 NOTEBOOK = Path(__file__).with_name("kernel_check.ipynb")
 #: Integer files: varlen offsets and lengths, a paged cache's table and lengths.
-INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens", "gather_kv_indices")
+INDEX_FILES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "cache_seqlens", "gather_kv_indices",
+               "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "bsr_indptr", "bsr_indices")
+#: The block-sparse lists (`attnlib.core.block_sparse`): FlexAttention's and FlashAttention 4's, FlashInfer's BSR.
+BLOCK_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "bsr_indptr", "bsr_indices")
 #: Tensor files besides the kernel's tensors: the options that come as arrays.
 OPTION_FILES = ("sinks", "dsinks", "q_descale", "k_descale", "v_descale", "max_scores", "sum_exp", "dlse",
                 "k_mean") + INDEX_FILES + ("dropout_mask",)
@@ -30,13 +33,15 @@ NOTEBOOK_PARAMETERS = TENSORS + INPUT_FILES + OPTION_FILES + ("v_from_k", "dtype
                                                 "softcap", "scale", "kv_lengths", "q_lengths", "key_leftpad",
                                                 "attention_chunk", "sink_token_length", "lse_base",
                                                 "lse_sink", "lse_empty", "workers", "intermediate_dtype",
-                                                "dropout_p", "results_json")
+                                                "dropout_p", "block_size", "results_json")
 
 
 def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks="", dsinks="", dtype="",
                    cu_seqlens_q="", cu_seqlens_k="", seqused_k="", block_table="", cache_seqlens="",
                    gather_kv_indices="", q_descale="", k_descale="", v_descale="", qv="", dqv="", max_scores="",
-                   sum_exp="", dlse="", k_mean="", dropout_mask="", v_from_k=0, **options) -> KernelCheck:
+                   sum_exp="", dlse="", k_mean="", dropout_mask="", kv_num_blocks="", kv_indices="",
+                   full_kv_num_blocks="", full_kv_indices="", bsr_indptr="", bsr_indices="", block_size=None,
+                   v_from_k=0, **options) -> KernelCheck:
     """`check_kernel` on tensor files (``path`` or ``path:name``; "" = not given), the
     ``sinks``, the fp8 descales, MLA's ``qv``, the integer files of `INDEX_FILES` and a dropout
     keep mask (booleans, or integers: nonzero kept) too.
@@ -49,7 +54,9 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv, dqv=dqv,
                  max_scores=max_scores, sum_exp=sum_exp, dlse=dlse, k_mean=k_mean)
     indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                   block_table=block_table, cache_seqlens=cache_seqlens, gather_kv_indices=gather_kv_indices)
+                   block_table=block_table, cache_seqlens=cache_seqlens, gather_kv_indices=gather_kv_indices,
+                   kv_num_blocks=kv_num_blocks, kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
+                   full_kv_indices=full_kv_indices, bsr_indptr=bsr_indptr, bsr_indices=bsr_indices)
     arrays, kinds, names = {}, {}, {}
     for name, spec in indices.items():
         if spec:
@@ -68,8 +75,41 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
             raise UnusableInput(f"--v-from-k {v_from_k}: must be between 1 and k's head dim {d}")
         arrays["v"] = arrays["k"][..., :v_from_k]  # a view: the latent's first Dv dimensions
         names["v"] = f"--v-from-k {v_from_k} (k's first {v_from_k} dimensions)"
+    lists = {n: arrays.pop(n) for n in BLOCK_LISTS if n in arrays}
+    if lists:
+        options["block_mask"] = _block_mask(lists, block_size, arrays, options.get("layout", "bshd"))
+    elif block_size is not None:
+        raise UnusableInput("--block-size is the block-sparse lists' block size: give the lists too")
     lse_dtype = _stored_dtype(kinds["lse"]) if "lse" in kinds else None
     return check_kernel(**arrays, dtype=dtype or kinds["q"], names=names, lse_dtype=lse_dtype, **options)
+
+
+def _block_mask(lists, block_size, arrays, layout):
+    """The `BlockMask` of the block-sparse list files: FlexAttention's (and FlashAttention 4's)
+    ``kv_num_blocks``/``kv_indices`` (partial blocks: every pair the other mask flags leave visible)
+    and ``full_kv_*``, or FlashInfer's BSR ``indptr``/``indices``; ``block_size``: ``(block_q,
+    block_k)`` (BSR's ``R``, ``C``), the sequences' lengths from q and k."""
+    from ..core.block_sparse import block_mask_from_bsr, block_mask_from_kv_blocks
+
+    if layout == "thd":
+        raise UnusableInput("block-sparse lists are taken with --layout bshd or bhsd, not thd")
+    if block_size is None:
+        raise UnusableInput("block-sparse lists need --block-size (BLOCK_Q BLOCK_K)")
+    axis = -3 if layout == "bshd" else -2
+    sq, sk = (arrays[n].shape[axis] if arrays[n].ndim >= 3 else arrays[n].shape[-2] for n in ("q", "k"))
+    bsr = {"bsr_indptr", "bsr_indices"} & set(lists)
+    flex = set(lists) - bsr
+    try:
+        if bsr and flex or (bsr and len(bsr) != 2) or (flex and not {"kv_num_blocks", "kv_indices"} <= flex):
+            raise ValueError("give --kv-num-blocks and --kv-indices (with --full-kv-num-blocks and "
+                             "--full-kv-indices), or --bsr-indptr and --bsr-indices, one kind of lists")
+        if bsr:
+            return block_mask_from_bsr(lists["bsr_indptr"], lists["bsr_indices"], *block_size, sq, sk)
+        return block_mask_from_kv_blocks(lists["kv_num_blocks"], lists["kv_indices"], lists.get("full_kv_num_blocks"),
+                                         lists.get("full_kv_indices"), block_size=tuple(block_size),
+                                         seq_lengths=(sq, sk))
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(str(e)) from None
 
 
 def _stored_dtype(kind: str):
@@ -138,6 +178,18 @@ def _parser():
     p.add_argument("--gather-kv-indices", default="", metavar="FILE",
                    help="top-k sparse keys: integer lists (batch, seqlen_q, topk) shared by the heads, or "
                         "per kv head in the layout's order; -1 or out-of-range entries select no key")
+    for name, words in (("kv-num-blocks", "block-sparse lists (FlexAttention's from_kv_blocks, FlashAttention 4's "
+                                           "mask_block_cnt): each query block's count of partial key blocks, "
+                                           "(batch, nheads, n_q_blocks); partial blocks keep the pairs the mask "
+                                           "flags leave visible"),
+                        ("kv-indices", "their key blocks, (batch, nheads, n_q_blocks, max_blocks)"),
+                        ("full-kv-num-blocks", "the same for the full blocks (every pair visible)"),
+                        ("full-kv-indices", "their key blocks"),
+                        ("bsr-indptr", "FlashInfer's block-sparse rows: the offsets, (n_q_blocks + 1,)"),
+                        ("bsr-indices", "FlashInfer's block-sparse rows: each block row's key blocks")):
+        p.add_argument(f"--{name}", default="", metavar="FILE", help=words)
+    p.add_argument("--block-size", type=int, nargs=2, default=None, metavar=("BLOCK_Q", "BLOCK_K"),
+                   help="the block-sparse lists' block size (BSR's R and C)")
     p.add_argument("--sinks", default="", metavar="FILE",
                    help="attention-sink logits, (nheads,) or (batch, nheads): one more logit in every "
                         "row's softmax denominator, with no value (gpt-oss, FlashAttention learnable_sink)")
@@ -205,7 +257,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     options = dict(cli_options(args), layout=args.layout, lse_base=args.lse_base, lse_sink=args.lse_sink,
                    lse_empty=args.lse_empty, workers=args.workers, device=args.device,
-                   intermediate_dtype=args.intermediate_dtype, dropout_p=args.dropout_p)
+                   intermediate_dtype=args.intermediate_dtype, dropout_p=args.dropout_p, block_size=args.block_size)
     files = {name: getattr(args, name) for name in TENSORS + INPUT_FILES + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
     try:

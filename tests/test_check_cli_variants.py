@@ -1,0 +1,75 @@
+"""The check's CLI flags of the 2026 variants: ``--intermediate-dtype``, ``--dropout-p`` with
+``--dropout-mask`` (booleans or integers), ``--k-mean``, and the block-sparse lists
+(``--kv-num-blocks``/``--kv-indices``/``--full-kv-*``, ``--bsr-indptr``/``--bsr-indices`` with
+``--block-size``): each passes a right kernel's files and fails a wrong one's."""
+
+import numpy as np
+
+import attnlib
+
+
+def _cli(tmp_path, files, *flags):
+    import subprocess
+    import sys
+    for name, x in files.items():
+        np.save(tmp_path / f"{name}.npy", x)
+    args = [sys.executable, "-m", "attnlib", "check", "--layout", "bhsd", *flags]
+    args += sum(([f"--{n.replace('_', '-')}", str(tmp_path / f"{n}.npy")] for n in files), [])
+    return subprocess.run(args, capture_output=True, text=True)
+
+
+def test_cli_takes_intermediate_dtype_and_a_dropout_mask(tmp_path):
+    q, k, v = attnlib.random_qkv(48, 640, 64, seed=5, batch=(1,), heads=2)
+    good = attnlib.attention(q, k, v, compute_dtype="float32", intermediate_dtype="float8_e4m3fn")
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=good)
+    told = _cli(tmp_path, files, "--intermediate-dtype", "float8_e4m3fn")
+    assert told.returncode == 0, told.stdout + told.stderr
+    assert "float32 (p in float8_e4m3fn)" in told.stdout
+    assert _cli(tmp_path, files).returncode == 1  # judged as a plain float32 kernel: fp8 p fails
+    # dropout: the mask saved as booleans (a torch kernel's) or as uint8
+    rate = 0.25
+    keep = np.random.default_rng(1).random((1, 2, 48, 640)) >= rate
+    out = attnlib.attention_dropout(q, k, v, dropout_p=rate, dropout_mask=keep).astype(np.float32)
+    for mask in (keep, keep.astype(np.uint8)):
+        files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=out,
+                     dropout_mask=mask)
+        assert _cli(tmp_path, files, "--dropout-p", str(rate)).returncode == 0
+        assert _cli(tmp_path, files, "--dropout-p", "0.5").returncode == 1
+    # SageAttention's K smoothing: the kernel read k - mean; its LSE is the true keys'
+    mean = k.mean(axis=-2, keepdims=True)
+    out, lse = attnlib.attention(q, k, v, return_lse=True)
+    files = dict(q=q.astype(np.float32), k=(k - mean).astype(np.float32), v=v.astype(np.float32),
+                 out=out.astype(np.float32), lse=lse.astype(np.float32), k_mean=mean.astype(np.float32))
+    assert _cli(tmp_path, files).returncode == 0
+    files.pop("k_mean")
+    (tmp_path / "k_mean.npy").unlink()
+    assert _cli(tmp_path, files).returncode == 1  # the LSE judged against the smoothed keys'
+
+
+def test_cli_takes_block_sparse_lists(tmp_path):
+    """FlexAttention's lists (partial blocks decided by the mask flags) and FlashInfer's BSR, as files."""
+    from attnlib import block_mask_from_kv_blocks
+    q, k, v = attnlib.random_qkv(96, 128, 32, seed=6, batch=(1,), heads=2)
+    listed = np.random.default_rng(0).random((3, 4)) < 0.5
+    listed[:, 0] = True
+    counts, order = listed.sum(-1)[None, None], np.argsort(~listed, axis=-1, kind="stable")[None, None]
+    mask = block_mask_from_kv_blocks(counts, order, block_size=32, seq_lengths=(96, 128),
+                                     mask_mod=lambda b, h, i, j: i + 32 >= j)
+    out = attnlib.attention(q, k, v, block_mask=mask).astype(np.float32)
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=out,
+                 kv_num_blocks=counts.astype(np.int32), kv_indices=order.astype(np.int32))
+    flex = ("--block-size", "32", "32", "--causal")  # bottom-right causal: i + 32 >= j at 96 x 128
+    assert _cli(tmp_path, files, *flex).returncode == 0
+    assert _cli(tmp_path, files, "--block-size", "32", "32").returncode == 1  # partial blocks without causal
+    t = np.ascontiguousarray(np.transpose(order, (0, 1, 2, 3)))
+    files["kv_indices"] = np.where(np.arange(4) < counts[..., None], np.roll(t, 1, -1), t).astype(np.int32)
+    assert _cli(tmp_path, files, *flex).returncode == 1  # the lists misread
+    # FlashInfer's BSR: the same blocks, every pair in them (no mask flags)
+    rows, cols = np.nonzero(listed)
+    indptr = np.concatenate([[0], np.cumsum(listed.sum(-1))]).astype(np.int32)
+    out = attnlib.attention(q, k, v, block_mask=attnlib.block_mask_from_bsr(indptr, cols, 32, 32, 96, 128))
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=out.astype(np.float32),
+                 bsr_indptr=indptr, bsr_indices=cols.astype(np.int32))
+    assert _cli(tmp_path, files, "--block-size", "32", "32").returncode == 0
+    bad = _cli(tmp_path, files)
+    assert bad.returncode == 2 and "--block-size" in bad.stderr
