@@ -120,3 +120,50 @@ def test_bad_nsa_arguments_are_refused():
         nsa_attention(q, k, v, np.ones((1, 2, 80, 3)), SIZES, selected=np.full((1, 2, 80, 3), 99))
     with pytest.raises(ValueError, match="pool must map the blocks"):
         nsa_attention(q, k, v, np.ones((1, 2, 80, 3)), NSA(**{**SIZES.__dict__, "pool": lambda x: x}))
+
+
+def _low_selection(q, k, v, nsa, dtype, head=None, rows=None, order=-1):
+    """A kernel's selection: the compressed weights rounded to ``dtype`` (its scores in float32),
+    the importance summed in float32 over the group (``head``: one query head's only), the top-n by
+    it (``order=+1``: the least important), of each query (``rows``: another row's)."""
+    import ml_dtypes
+    from attnlib.core.nsa import _weights
+    sq, sk, group = q.shape[-2], k.shape[-2], q.shape[1] // k.shape[1]
+    k_cmp, v_cmp = nsa.compressed(k, v)
+    lse = attnlib.attention(q, k_cmp, v_cmp, mask_mod=nsa.compressed_mod(sq, sk), return_lse=True,
+                            compute_dtype="float32")[1].astype(np.float64)
+    p = _weights(q.astype(np.float32).astype(np.float64), k_cmp, lse, nsa.compressed_mod(sq, sk),
+                 1 / np.sqrt(q.shape[-1]), group)[0]
+    p = p.astype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else dtype).astype(np.float32)
+    if head is not None:  # one head's importance for the whole group
+        p = np.repeat(p[:, head::group], group, axis=1)
+    imp = nsa.importance(p.astype(np.float64), group).astype(np.float32).astype(np.float64)
+    picked = nsa.select(order * -imp if order > 0 else imp, sq, sk)
+    return picked if rows is None else picked[..., rows, :]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_selection_has_a_verdict_near_ties_free_and_wrong_selections_fail(dtype):
+    rng = np.random.default_rng(3)
+    nsa = NSA(block_size=16, stride=8, select_block_size=32, top_n=4, window=32)
+    sq = sk = 512
+    q = rng.standard_normal((1, 4, sq, 32)) * 2
+    k, v = (rng.standard_normal((1, 2, sk, 32)) for _ in range(2))
+    gates = rng.random((1, 4, sq, 3))
+    kwargs = dict(layout="bhsd", dtype=dtype)
+    for selected in (_low_selection(q, k, v, nsa, dtype),
+                     nsa_attention(q, k, v, gates, nsa, return_branches=True)[1]["blocks"]):
+        out = nsa_attention(q, k, v, gates, nsa, selected=selected)
+        r = check_nsa(q, k, v, out, gates, nsa, selected=selected, **kwargs)
+        assert r.selection is not None and r.selection.passed, r.selection.notes
+    wrong = {"one head's importance": _low_selection(q, k, v, nsa, dtype, head=0),
+             "the next query's blocks": _low_selection(q, k, v, nsa, dtype, rows=np.minimum(np.arange(sq) + 32, sq - 1)),
+             "the least important": _low_selection(q, k, v, nsa, dtype, order=+1)}
+    right = _low_selection(q, k, v, nsa, dtype)
+    dup = right.copy()
+    dup[..., 200:, -1] = dup[..., 200:, -2]
+    wrong["a block listed twice"] = dup
+    for words, selected in wrong.items():
+        out = nsa_attention(q, k, v, gates, nsa, selected=np.maximum(selected, -1))
+        r = check_nsa(q, k, v, out, gates, nsa, selected=selected, **kwargs)
+        assert not r.selection.passed and not r.passed, words

@@ -20,17 +20,72 @@ from .verdict import check_kernel
 @dataclass
 class NSACheck:
     """``out``: the gated output's verdict; ``branches``: `KernelCheck` of each branch output
-    the kernel gave; ``selection_differs``: the (query, kv head) rows whose selected blocks differ
-    from the float64 selection (with the kernel's ``selected``; a note, not a verdict)."""
+    the kernel gave; with the kernel's ``selected``: ``selection`` its verdict (`judge_selection`:
+    None without), ``selection_differs`` the (query, kv head) rows whose blocks differ from the
+    float64 selection (near-ties included)."""
 
     out: TensorVerdict
     branches: dict = field(default_factory=dict)
     selection_differs: int | None = None
     notes: list = field(default_factory=list)
+    selection: "SelectionVerdict | None" = None
 
     @property
     def passed(self) -> bool:
-        return self.out.passed is not False and all(c.passed for c in self.branches.values())
+        return (self.out.passed is not False and all(c.passed for c in self.branches.values())
+                and (self.selection is None or self.selection.passed))
+
+
+@dataclass
+class SelectionVerdict:
+    """A kernel's NSA selection judged (`judge_selection`): ``rows`` judged, ``failed`` rows, and
+    the first failures in words."""
+
+    passed: bool
+    rows: int
+    failed: int
+    notes: list = field(default_factory=list)
+
+
+def judge_selection(selected, importance, size, nsa: NSA, sq: int, sk: int, group: int, prec,
+                    n_cmp: int) -> SelectionVerdict:
+    """The kernel's ``selected`` ``(..., Hk, Sq, top_n)`` against the float64 ``importance``
+    ``(..., Hk, Sq, n_slc)``: per row, every forced block it reaches taken, none past the query or
+    twice, ``min(top_n, reach)`` blocks, and each chosen block as important as each reachable one
+    left out up to the rounding ``t_j = 2 (eps + 2 eps_s S_i + n_j eps_s) I_j`` (``size``: ``S_i``,
+    ``(..., Hk, Sq)``; ``n_cmp``: the compressed blocks; ``docs/semantics.md``, "Native sparse attention")."""
+    n_slc = -(-sk // nsa.select_block_size)
+    forced, reach = nsa.forced_and_reach(sq, sk)  # (Sq, n_slc), (Sq,)
+    imp = np.zeros(importance.shape[:-1] + (n_slc,))
+    imp[..., :min(n_slc, importance.shape[-1])] = importance[..., :n_slc]
+    terms = np.zeros(n_slc)  # the compressed weights each importance sums (per query head)
+    terms[:min(n_slc, importance.shape[-1])] = [hi - lo for lo, hi in nsa.overlaps(n_cmp)][:n_slc]
+    eps, eps_s = prec.eps, float(np.finfo(prec.accumulate).eps)
+    tol = 2 * (eps + 2 * eps_s * size[..., None] + group * terms * eps_s) * imp
+    counts = np.zeros(selected.shape[:-1] + (n_slc + 1,), dtype=np.int64)  # column n_slc: the -1 entries
+    for t in range(selected.shape[-1]):  # how often each block is listed
+        counts += (np.where(selected[..., t:t + 1] < 0, n_slc, selected[..., t:t + 1]) == np.arange(n_slc + 1))
+    taken = counts[..., :n_slc] > 0
+    reachable = np.arange(n_slc)[None, :] < reach[:, None]  # (Sq, n_slc)
+    want = np.minimum(nsa.top_n, reach)  # (Sq,)
+    bad = {"a block listed twice": (counts[..., :n_slc] > 1).any(-1),
+           "a block past the query": (taken & ~reachable).any(-1),
+           "a forced block (initial or local) left out": (~taken & forced & reachable).any(-1),
+           "fewer or more blocks than the row has to give": taken.sum(-1) != want}
+    free = reachable & ~forced
+    low = np.where(taken & free, imp + tol, np.inf).min(-1)  # the least important chosen, at its most
+    high = np.where(~taken & free, imp - tol, -np.inf).max(-1)  # the most important left out, at its least
+    bad["a block chosen over a more important one beyond rounding"] = low < high
+    failed = np.zeros(taken.shape[:-1], dtype=bool)
+    for b in bad.values():
+        failed |= b
+    notes = [f"{words}: {int(np.count_nonzero(b))} rows" for words, b in bad.items() if b.any()]
+    if failed.any():
+        at = np.argwhere(failed)[0]
+        notes.append(f"first failing row: {dict(zip(('batch', 'kv_head', 'query')[-len(at):], map(int, at)))}, "
+                     f"selected {sorted(int(x) for x in selected[tuple(at)] if x >= 0)}, float64 importance "
+                     f"order {np.argsort(-imp[tuple(at)], kind='stable')[:nsa.top_n + 2].tolist()}")
+    return SelectionVerdict(not failed.any(), int(failed.size), int(np.count_nonzero(failed)), notes)
 
 
 def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, branches=None, layout="bshd",
@@ -54,7 +109,8 @@ def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, bra
     if g.shape != qh.shape[:-1] + (3,):
         raise UnusableInput(f"gates must have shape {qh.shape[:-1] + (3,)} (batch, nheads, seqlen_q, 3), got {g.shape}")
     try:
-        ours = compressed_and_selection(qh, kh, vh, nsa, scale=scale, workers=workers)[1]  # the float64 selection
+        _, ours, importance, row_size = compressed_and_selection(qh, kh, vh, nsa, scale=scale, workers=workers,
+                                                             return_importance=True)  # the float64 selection
         blocks = ours if selected is None else checked_selection(selected, kh.shape, qh.shape[-2], nsa)
     except (ValueError, TypeError) as e:
         raise UnusableInput(str(e)) from e
@@ -79,8 +135,12 @@ def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, bra
         mine = np.sort(np.where(ours < 0, np.iinfo(np.int64).max, ours), axis=-1)
         theirs = np.sort(np.where(blocks < 0, np.iinfo(np.int64).max, blocks), axis=-1)
         result.selection_differs = int(np.count_nonzero((mine != theirs).any(axis=-1)))
-        result.notes.append(f"the kernel's selection differs from the float64 one on {result.selection_differs} "
-                            f"of {mine[..., 0].size} (query, kv head) rows (near-ties flip in rounding: not a verdict)")
+        result.selection = judge_selection(blocks, importance, row_size, nsa, sq, sk, qh.shape[-3] // kh.shape[-3], prec,
+                                           k_cmp.shape[-2])
+        result.notes.append(f"selection: {'PASS' if result.selection.passed else 'FAIL'}, "
+                            f"{result.selection.failed} of {result.selection.rows} (query, kv head) rows failed; it "
+                            f"differs from the float64 one on {result.selection_differs} rows (near-ties may)")
+        result.notes += [f"selection: {n}" for n in result.selection.notes]
     def laid(x):  # attnlib's (..., H, S, X) in the kernel's layout
         return np.swapaxes(x, -2, -3) if layout == "bshd" else x
 
@@ -117,4 +177,4 @@ def _diagnose(kernel, g, refs, allowance) -> list:
     return found or ["diagnosis: no known cause matched"]
 
 
-__all__ = ["NSACheck", "check_nsa"]
+__all__ = ["NSACheck", "SelectionVerdict", "check_nsa", "judge_selection"]

@@ -77,28 +77,39 @@ class NSA:
         """``(..., Hk, Sq, n_slc)``: each selection block's importance, the compressed weights
         ``p_cmp (..., Hq, Sq, n_cmp)`` of the compressed blocks that overlap its keys, each counted
         once, summed, and over the query heads of each kv head's group."""
-        l, s, ls = self.block_size, self.stride, self.select_block_size
-        n_cmp = p_cmp.shape[-1]
-        n_slc = -(-((n_cmp - 1) * s + l) // ls) if n_cmp else 0
-        total = np.zeros(p_cmp.shape[:-1] + (n_slc,))
-        for j in range(n_slc):  # block c covers [c s, c s + l): it overlaps [j l', (j + 1) l')
-            lo, hi = max(0, (j * ls - l) // s + 1), min(n_cmp, ((j + 1) * ls - 1) // s + 1)
+        spans = self.overlaps(p_cmp.shape[-1])
+        total = np.zeros(p_cmp.shape[:-1] + (len(spans),))
+        for j, (lo, hi) in enumerate(spans):
             if hi > lo:
                 total[..., j] = p_cmp[..., lo:hi].sum(-1)
         hq = total.shape[-3]
         return total.reshape(total.shape[:-3] + (hq // group, group) + total.shape[-2:]).sum(-3)
+
+    def overlaps(self, n_cmp: int) -> list:
+        """``[(lo, hi)]`` per selection block: the compressed blocks ``lo .. hi - 1`` that overlap
+        its keys (block ``c`` covers ``[c s, c s + l)``, selection block ``j`` ``[j l', (j + 1) l')``)."""
+        l, s, ls = self.block_size, self.stride, self.select_block_size
+        n_slc = -(-((n_cmp - 1) * s + l) // ls) if n_cmp else 0
+        return [(max(0, (j * ls - l) // s + 1), min(n_cmp, ((j + 1) * ls - 1) // s + 1)) for j in range(n_slc)]
+
+    def forced_and_reach(self, sq: int, sk: int) -> tuple:
+        """``(forced (Sq, n_slc), reach (Sq,))``: the blocks each query always takes (the
+        ``initial_blocks`` first, the ``local_blocks`` last it reaches) and how many it reaches."""
+        n_slc = -(-sk // self.select_block_size)
+        t = np.arange(sq) + sk - sq  # each query's position
+        reach = np.where(t >= 0, t // self.select_block_size + 1, 0)  # blocks 0 .. reach - 1
+        j = np.arange(n_slc)
+        return (j[None, :] < self.initial_blocks) | (j[None, :] >= reach[:, None] - self.local_blocks), reach
 
     def select(self, importance, sq: int, sk: int) -> np.ndarray:
         """``(..., Hk, Sq, top_n)`` selected block indices (-1: none): per query and kv head,
         the ``initial_blocks`` first and ``local_blocks`` last blocks it reaches, then the most
         important, ties to the earlier block; never a block past the query."""
         n_slc = -(-sk // self.select_block_size)
-        t = np.arange(sq) + sk - sq  # each query's position
-        reach = np.where(t >= 0, t // self.select_block_size + 1, 0)  # blocks 0 .. reach - 1
+        forced, reach = self.forced_and_reach(sq, sk)
         j = np.arange(n_slc)
         score = np.zeros(importance.shape[:-1] + (n_slc,))
         score[..., :importance.shape[-1]] = importance[..., :n_slc]
-        forced = (j[None, :] < self.initial_blocks) | (j[None, :] >= reach[:, None] - self.local_blocks)
         score = np.where(forced, np.inf, score)
         score = np.where(j[None, :] < reach[:, None], score, -np.inf)
         order = np.argsort(-score, axis=-1, kind="stable")[..., :self.top_n]
@@ -145,9 +156,12 @@ def nsa_attention(q, k, v, gates, nsa: NSA | None = None, *, selected=None, scal
     return out
 
 
-def compressed_and_selection(q, k, v, nsa: NSA, *, scale=None, workers=None):
+def compressed_and_selection(q, k, v, nsa: NSA, *, scale=None, workers=None, return_importance=False):
     """``(o_cmp, selected)``: the compressed branch's output and the blocks selected from its
-    weights (`NSA.select`), from one pass over the compressed keys (float64 numpy arrays)."""
+    weights (`NSA.select`), from one pass over the compressed keys (float64 numpy arrays); with
+    ``return_importance`` also the importances ``(..., Hk, Sq, n_slc)`` and each row's compressed
+    score size ``sigma_i + |lse_i|`` ``(..., Hk, Sq)``, the largest over the group's heads (what a
+    kernel's rounding of the importances scales with: `attnlib.check.check_nsa`)."""
     from .tiled import attention
 
     sq, sk = q.shape[-2], k.shape[-2]
@@ -157,10 +171,16 @@ def compressed_and_selection(q, k, v, nsa: NSA, *, scale=None, workers=None):
                                workers=workers)
     if k_cmp.shape[-2]:
         scale_ = scale if scale is not None else 1.0 / np.sqrt(q.shape[-1])
-        p_cmp = _weights(q, k_cmp, lse_cmp, nsa.compressed_mod(sq, sk), scale_, group)
+        p_cmp, sigma = _weights(q, k_cmp, lse_cmp, nsa.compressed_mod(sq, sk), scale_, group)
     else:
-        p_cmp = np.zeros(q.shape[:-1] + (0,))
-    return o_cmp, nsa.select(nsa.importance(p_cmp, group), sq, sk)
+        p_cmp, sigma = np.zeros(q.shape[:-1] + (0,)), np.zeros(q.shape[:-1])
+    importance = nsa.importance(p_cmp, group)
+    selected = nsa.select(importance, sq, sk)
+    if not return_importance:
+        return o_cmp, selected
+    size = sigma + np.abs(np.where(np.isfinite(lse_cmp), lse_cmp, 0.0))  # (..., Hq, Sq)
+    size = size.reshape(size.shape[:-2] + (size.shape[-2] // group, group, sq)).max(-2)
+    return o_cmp, selected, importance, size
 
 
 def checked_selection(selected, k_shape, sq: int, nsa: NSA) -> np.ndarray:
@@ -178,12 +198,14 @@ def checked_selection(selected, k_shape, sq: int, nsa: NSA) -> np.ndarray:
     return selected
 
 
-def _weights(q, k_cmp, lse, mask_mod, scale, group) -> np.ndarray:
-    """``p_cmp (..., Hq, Sq, n_cmp)``: the compressed branch's softmax weights, ``exp(s - lse)``
-    (0 where hidden), a query tile of rows at a time (``n_cmp`` is ``Sk / stride``)."""
+def _weights(q, k_cmp, lse, mask_mod, scale, group) -> tuple:
+    """``(p_cmp (..., Hq, Sq, n_cmp), sigma (..., Hq, Sq))``: the compressed branch's softmax
+    weights, ``exp(s - lse)`` (0 where hidden), and each row's ``max_j |scale| sum_c |q_ic k_jc|``
+    over its visible compressed keys, a query tile of rows at a time (``n_cmp`` is ``Sk / stride``)."""
     sq = q.shape[-2]
     kk = np.repeat(k_cmp, group, axis=-3)
     out = np.zeros(q.shape[:-1] + (k_cmp.shape[-2],))
+    sigma = np.zeros(q.shape[:-1])
     cols = np.arange(k_cmp.shape[-2])
     for r0 in range(0, sq, 256):
         rows = np.arange(r0, min(sq, r0 + 256))
@@ -192,7 +214,9 @@ def _weights(q, k_cmp, lse, mask_mod, scale, group) -> np.ndarray:
         shift = np.where(np.isfinite(lse[..., rows]), lse[..., rows], 0.0)[..., None]
         with np.errstate(under="ignore", over="ignore"):
             out[..., rows, :] = np.where(seen, np.exp(np.where(seen, s - shift, -np.inf)), 0.0)
-    return out
+        size = abs(scale) * (np.abs(q[..., rows, :]) @ np.swapaxes(np.abs(kk), -1, -2))
+        sigma[..., rows] = np.max(np.where(seen, size, 0.0), axis=-1, initial=0.0)
+    return out, sigma
 
 
 __all__ = ["NSA", "nsa_attention", "BRANCHES"]
