@@ -58,8 +58,12 @@ def test_block_scale_mistakes_fail_and_are_named():
     scales = dict(q_descale=qs, k_descale=ks, v_descale=vs)
     for words, wrong_vs in (("blocks read one block off", np.roll(vs.astype(np.float64), -1, axis=-1)),
                             ("E8M0 scales read as E4M3", as_e4m3),
-                            ("one scale for the tensor", np.full(vs.shape, vs.astype(np.float64).flat[0]))):
-        kernel = attnlib.attention(q, k, dequantised(ve, wrong_vs), causal=True, compute_dtype="bfloat16")
+                            ("one scale for the tensor", np.full(vs.shape, vs.astype(np.float64).flat[0])),
+                            # element c given scale c // 16 (the last past the end): per 16, scales 0, 1, 1, 1
+                            ("read as blocks of 16", vs.astype(np.float64)[..., [0, 1, 1, 1]]),
+                            ("read as blocks of 64", vs.astype(np.float64)[..., :1])):
+        block = D // np.shape(wrong_vs)[-1]
+        kernel = attnlib.attention(q, k, dequantised(ve, wrong_vs, block=block), causal=True, compute_dtype="bfloat16")
         verdict = check_kernel(qe, ke, ve, kernel.astype(np.float32), causal=True, layout="bhsd", dtype="bfloat16",
                                **scales)
         assert not verdict.passed and any(words in d for d in verdict.diagnosis), (words, verdict.diagnosis)

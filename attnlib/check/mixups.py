@@ -14,7 +14,7 @@ or its mask ignored (`attnlib.core.sources`: judged as the joined problem), drop
 backward: no dropout, the mask inverted, the ``1 / (1 - p)`` left out; judged by ``dq``), the
 normalised weights rounded to an fp8 ``intermediate_dtype`` (at 1024 keys), native sparse
 attention with its gates in another order or its selected branch left out (`attnlib.check.nsa`),
-block scales misread (one block off, E8M0 read as E4M3, one per tensor, NVFP4's per-tensor scale
+block scales misread (one block off, the wrong block size, E8M0 read as E4M3, one per tensor, NVFP4's per-tensor scale
 left out) and SageAttention's LSE without its mean key, and a
 loss's gradient of the LSE (``dlse``) ignored, its sign flipped or taken in the other base (the
 gradients of the neighbouring loss, rounded once; judged by ``dq``).
@@ -341,7 +341,9 @@ def _quantised(prec, q, k, v) -> list:
                ("MXFP8 v's E8M0 scales read as E4M3", "v_descale's E8M0 scales read as E4M3",
                 vs.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)),
                ("MXFP8 v one scale per tensor", "v_descale one scale for the tensor",
-                np.full(vs.shape, vs.astype(np.float64).flat[0]))]
+                np.full(vs.shape, vs.astype(np.float64).flat[0])),
+               ("MXFP8 v scales read as blocks of 32", "v_descale's scales read as blocks of 32",  # the wrong size
+                np.repeat(vs.astype(np.float64)[..., :1], vs.shape[-1], -1))]
     found = []
     with np.errstate(over="ignore"):
         for name, words, f in wrong_v:

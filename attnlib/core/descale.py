@@ -109,7 +109,8 @@ def descale_variants(factors) -> list:
 
 def block_variants(scales: dict, q, k, v) -> list:
     """``(words, {name: laid-out factor})``: block scales a kernel reads wrongly: each block
-    given its neighbour's scale (the blocks one off along an axis), an OCP E8M0 scale read as
+    given its neighbour's scale (the blocks one off along an axis), read as blocks of twice or half
+    their size (element ``c`` given scale ``c // size'``, the last past the end), an OCP E8M0 scale read as
     E4M3 (its byte taken for an fp8 number), one scale (the first block's) for the whole tensor.
     ``scales``: the descales as given (bhsd), of which only the block scales count."""
     import ml_dtypes
@@ -127,9 +128,16 @@ def block_variants(scales: dict, q, k, v) -> list:
         a = np.asarray(raw)
         laid = {}
         for axis in range(a.ndim):
-            if a.shape[axis] > 1 and shapes[name][axis] > a.shape[axis]:  # blocks along this axis
+            n, m = shapes[name][axis], a.shape[axis]
+            if m > 1 and n > m:  # blocks along this axis
                 laid[f"{name}'s blocks read one block off along axis {axis - a.ndim} (each block given the next "
                      "block's scale)"] = np.roll(a, -1, axis=axis)
+                size = -(-n // m)
+                for other in (2 * size, size // 2):  # the scales read as blocks of another size, element by element
+                    if other >= 1:
+                        at = np.minimum(np.arange(n) // other, m - 1)
+                        laid[f"{name}'s scales read as blocks of {other} along axis {axis - a.ndim}, not {size} "
+                             "(the wrong block size)"] = np.take(np.asarray(a, dtype=np.float64), at, axis=axis)
         if a.dtype == ml_dtypes.float8_e8m0fnu:
             as_e4m3 = a.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
             if np.isfinite(as_e4m3).all() and (as_e4m3 > 0).all():
