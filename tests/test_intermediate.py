@@ -111,3 +111,15 @@ def test_normalised_fp8_weights_fail_at_long_rows_named():
     assert not c.passed
     assert "normalised weights" in c.diagnosis[0]
 
+
+
+def test_p_rounded_twice_fails_at_long_rows_named():
+    """p = exp(s - m) rounded to fp8 for p @ v, divided by l, and rounded again (float32 scores)."""
+    f8, bf = ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16
+    q, k, v = (x.astype(bf).astype(np.float64) for x in attnlib.random_qkv(32, 1024, 64, seed=2))
+    s = (q @ np.swapaxes(k, -1, -2) / 8).astype(np.float32)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    w = (e.astype(f8).astype(np.float32) / e.sum(-1, keepdims=True)).astype(bf).astype(f8).astype(np.float32)
+    out = (w @ v.astype(np.float32)).astype(bf)
+    c = check_kernel(q.astype(bf), k.astype(bf), v.astype(bf), out, layout="bhsd", intermediate_dtype="float8_e4m3fn")
+    assert not c.passed and "rounded to float8_e4m3fn twice" in c.diagnosis[0]

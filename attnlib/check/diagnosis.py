@@ -231,17 +231,21 @@ def _lower_precision(kernel, qh, kh, vh, opts: Options, prec, workers, device=No
 
 def _normalised_weights(kernel, qh, kh, vh, opts: Options, prec, expected) -> list:
     """Whether the output is plain attention with the *normalised* weights rounded to the fp8
-    type of ``p`` (FlashAttention's ``attention_ref(intermediate_dtype=)`` order), within the
-    allowance: at long rows ``p ~ 1/Sk`` falls among fp8's subnormals."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        alt = np.asarray(dense_attention(qh, kh, vh, opts, compute_dtype=prec, orders=("softmax_first",),
-                                         check_finite=False), dtype=np.float64)
-    if not np.isfinite(alt).all() or not _passes(kernel, alt, expected.allowance):
-        return []
+    type of ``p`` (FlashAttention's ``attention_ref(intermediate_dtype=)`` order), or ``p`` rounded
+    twice (before and after it is normalised), within the allowance: at long rows ``p ~ 1/Sk``
+    falls among fp8's subnormals."""
     t = prec.p_type.name
-    return [f"the output matches the normalised weights p / l rounded to {t} before p @ v (the order of "
-            f"FlashAttention's attention_ref with intermediate_dtype): at long rows p ~ 1/Sk falls among "
-            f"{t}'s subnormals; round p = exp(s - m) <= 1 and divide by l after"]
+    with np.errstate(over="ignore", invalid="ignore"):
+        alts = [dense_attention(qh, kh, vh, opts, compute_dtype=prec, orders=(order,), check_finite=False)
+                for order in ("softmax_first", "rounded_twice")]
+    for alt, words in zip(alts, (f"the normalised weights p / l rounded to {t} before p @ v (the order of "
+                                 "FlashAttention's attention_ref with intermediate_dtype)",
+                                 f"p rounded to {t} twice: p = exp(s - m) rounded, divided by l, and rounded again")):
+        alt = np.asarray(alt, dtype=np.float64)
+        if np.isfinite(alt).all() and _passes(kernel, alt, expected.allowance):
+            return [f"the output matches {words}: at long rows p ~ 1/Sk falls among {t}'s subnormals; round p = "
+                    "exp(s - m) <= 1 once and divide by l after"]
+    return []
 
 
 def _row_words(p) -> str:

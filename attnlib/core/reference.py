@@ -234,8 +234,10 @@ def dense_attention(q, k, v, opts: Options, *, return_lse=False, check_finite=Tr
 #: test ``attention_ref`` do; ``"key_by_key"``, ``sum_j p_j v_j`` and ``l`` summed one key
 #: after another in the accumulator's type, as a tiled kernel with one-key tiles accumulates
 #: (its scores kept in that type, as tiled kernels keep them, so it is asked for alone; the
-#: row's max known from the start: no rescaling).
-ORDERS = ("blas", "softmax_first", "key_by_key")
+#: row's max known from the start: no rescaling); ``"rounded_twice"``, a mistake the check
+#: names: ``p`` rounded as ``p @ v`` takes it, then normalised and rounded again (softmax-first;
+#: its scores kept in the state's type as a kernel keeps them, so it too is asked for alone).
+ORDERS = ("blas", "softmax_first", "key_by_key", "rounded_twice")
 
 
 def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp=NUMPY, rows=None,
@@ -249,14 +251,15 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp
     rounded before they are normalised, ``p = exp(s - m) <= 1``, as kernels hold them.
     """
     unknown = sorted(set(orders) - set(ORDERS))
-    if unknown or not orders or ("key_by_key" in orders and len(orders) > 1):
-        raise ValueError(f"orders must name some of {ORDERS} (key_by_key alone), got {orders!r}")
+    alone = {"key_by_key", "rounded_twice"}
+    if unknown or not orders or (alone & set(orders) and len(orders) > 1):
+        raise ValueError(f"orders must name some of {ORDERS} (key_by_key, rounded_twice alone), got {orders!r}")
     low = prec is not None and not prec.is_float64
     sink = xp.from_host(problem.sinks(opts.sinks, pb, dtype), dtype)  # (..., hk, g) or None
     s = _scores(q5, k5, pb, opts, dtype, xp, rows, eager=prec if low and eager else None)  # (..., sq, sk)
     # A naive kernel stores its scores in the compute type (numpy float32 scores: already, no copy).
     same = low and prec.compute == prec.accumulate and prec.p_type is None and s.dtype == prec.compute
-    if low and not same and orders != ("key_by_key",) and not eager:  # (eager scores: stored already)
+    if low and not same and orders not in (("key_by_key",), ("rounded_twice",)) and not eager:  # (eager: stored)
         s = xp.rounded(s, prec)
     # -inf for rows with no key
     m = xp.amax(s, -1)[..., None] if pb.sk else xp.full(tuple(s.shape[:-1]) + (1,), -math.inf, s.dtype)
@@ -285,8 +288,8 @@ def _dense(q5, k5, v5, pb, dtype, opts: Options, prec=None, orders=("blas",), xp
         if sink_p is not None:
             l = l + sink_p
         seen = l > 0
-        if order == "softmax_first":  # the weights normalised, then rounded, then summed: softmax(s) @ v
-            w = xp.divide_where(p, l, seen)
+        if order in ("softmax_first", "rounded_twice"):  # the weights normalised, then rounded, then summed
+            w = xp.divide_where(rounded if order == "rounded_twice" else p, l, seen)
             if low and not same:  # the softmax in the compute type, then in p's (attention_ref's casts)
                 w = xp.rounded_p(xp.rounded(w, prec) if prec.p_type is not None else w, prec)
             out = xp.matmul(w, v_scaled)
