@@ -73,3 +73,15 @@ def test_cli_takes_block_sparse_lists(tmp_path):
     assert _cli(tmp_path, files, "--block-size", "32", "32").returncode == 0
     bad = _cli(tmp_path, files)
     assert bad.returncode == 2 and "--block-size" in bad.stderr
+
+
+def test_cli_refuses_half_a_dropout(tmp_path):
+    q, k, v = attnlib.random_qkv(8, 16, 8, seed=1, batch=(1,), heads=1)
+    keep = np.ones((1, 1, 8, 16), bool)
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32),
+                 out=attnlib.attention(q, k, v).astype(np.float32), dropout_mask=keep)
+    alone = _cli(tmp_path, files)
+    assert alone.returncode == 2 and "--dropout-p and --dropout-mask" in alone.stderr
+    files.pop("dropout_mask")
+    (tmp_path / "dropout_mask.npy").unlink()
+    assert _cli(tmp_path, files, "--dropout-p", "0.1").returncode == 2

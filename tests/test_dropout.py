@@ -219,3 +219,58 @@ def test_float64_dropout_gradients_are_judged_by_the_gate():
                 lse=lse, dq=dq, dv=dv, dsinks=dsinks)
     assert check_kernel(q, k, v, out, dk=dk, **told).passed
     assert not check_kernel(q, k, v, out, dk=dk * (1 + 1e-9), **told).grads["dk"].passed
+
+
+def test_a_broadcast_keep_mask_is_read_as_broadcast():
+    """A keep mask with size-1 axes (one row for every query, one column for every key)."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 16, 8)) for _ in range(3))
+    for shape in ((1, 2, 1, 16), (1, 1, 16, 1)):
+        keep = rng.random(shape) > 0.3
+        full = np.broadcast_to(keep, (1, 2, 16, 16)).copy()
+        assert np.array_equal(attention_dropout(q, k, v, 0.3, keep), attention_dropout(q, k, v, 0.3, full))
+
+
+def flash_backward(ins, out, lse, dout, dlse, keep, rate, causal, mistake=None):
+    """A FlashAttention-2-style backward in float32 from the stored ``out`` and ``lse``: ``D =
+    rowsum(dout * out)``, ``ds = p (dp keep / (1 - p) - D + dlse)``; ``mistake``: the dropout
+    left out of it, the mask inverted, or the ``1 / (1 - p)`` left out (D still the stored one)."""
+    q, k, v = (t.float() for t in ins)
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(g, 1) for t in (k, v))
+    s = (q @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(s.shape[-1] - s.shape[-2]), -torch.inf)
+    p = torch.exp(s - lse.float()[..., None])
+    kept = torch.tensor(keep)
+    f = {None: kept / (1 - rate), "no dropout": torch.ones_like(p), "inverted": ~kept / (1 - rate),
+         "unscaled": kept * 1.0}[mistake]
+    dout = torch.tensor(dout).float()
+    d = (dout * out.float()).sum(-1, keepdim=True)
+    ds = p * ((dout @ vv.transpose(-1, -2)) * f - d + torch.tensor(dlse).float()[..., None])
+    dq = ds @ kk / math.sqrt(q.shape[-1])
+    dk = (ds.transpose(-1, -2) @ q / math.sqrt(q.shape[-1])).unflatten(1, (-1, g)).sum(2)
+    dv = ((p * f).transpose(-1, -2) @ dout).unflatten(1, (-1, g)).sum(2)
+    return dq, dk, dv
+
+
+def test_a_flash_style_backward_with_dropout_is_judged_and_its_mistakes_named():
+    rate, causal = 0.3, True
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((1, 4, 96, 64))
+    k, v = (rng.standard_normal((1, 2, 200, 64)) for _ in range(2))
+    dout, dlse = rng.standard_normal((1, 4, 96, 64)), rng.standard_normal((1, 4, 96))
+    keep = rng.random((1, 4, 96, 200)) >= rate
+    ins, out, lse, _ = autograd_kernel(q, k, v, dout, dlse, keep, rate, "float32", causal, None)
+    told = dict(layout="bhsd", causal=causal, dropout_p=rate, dropout_mask=keep, dlse=dlse.astype(np.float32),
+                lse=lse, dout=dout.astype(np.float32))
+    for mistake, words in ((None, None), ("no dropout", "no dropout in the backward, D = dout . out from the stored"),
+                           ("inverted", "keep mask inverted in the backward, D = dout . out from the stored"),
+                           ("unscaled", "1 / (1 - p) left out, D = dout . out from the stored")):
+        dq, dk, dv = flash_backward(ins, out, lse, dout, dlse, keep, rate, causal, mistake)
+        verdict = check_kernel(*ins, out, dq=dq, dk=dk, dv=dv, **told)
+        if words is None:
+            assert verdict.passed, verdict.grads
+        else:
+            notes = [n for x in verdict.grads.values() if x.passed is False for n in x.notes]
+            assert not verdict.passed and any(words in n for n in notes), (mistake, notes)

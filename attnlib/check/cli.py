@@ -61,6 +61,9 @@ def load_and_check(q, k, v, out, *, lse="", dout="", dq="", dk="", dv="", sinks=
     for name, spec in indices.items():
         if spec:
             arrays[name] = load_indices(spec, f"--{name.replace('_', '-')}")
+    if bool(dropout_mask) != (options.get("dropout_p") is not None):
+        raise UnusableInput("dropout is judged with the kernel's keep mask: give --dropout-p and --dropout-mask "
+                            "together")
     if dropout_mask:
         arrays["dropout_mask"] = load_mask(dropout_mask, "--dropout-mask")
     for name, spec in specs.items():

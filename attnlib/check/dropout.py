@@ -143,19 +143,33 @@ class Dropped:
 
         inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
 
-        def grads(keep, factor=1.0):  # the dropout loss's with ``keep``, dout times ``factor``
+        loss = 0.0 if dlse is None else dlse
+        # D_i = dout_i . out_i of the right output: a FlashAttention-style backward reads it from the
+        # stored output whatever its own mistake (``ds = p (dp - D + dlse)``: another D is another dlse)
+        stored = np.sum(douth * np.asarray(forward_on(qh, kh, vh, self.opts, workers=workers, device=device))
+                        * self.w, -1)
+
+        def grads(keep, factor=1.0, d=None):  # the dropout loss's with ``keep``, dout times ``factor``
             alt = self if keep is self.keep else Dropped.of(qh, kh, vh, self.base, self.rate, keep, workers, device)
             dout = douth * factor
-            d = np.sum(dout * np.asarray(forward_on(qh, kh, vh, alt.opts, workers=workers, device=device)) * alt.w, -1)
-            parts = (dense_backward(qh, kh, vh, dout * alt.w, alt.opts, mod_grad, dlse=d),
-                     dense_backward(qh, kh, vh, 0 * dout, self.base, mod_grad, dlse=(0.0 if dlse is None else dlse) - d))
+            own = np.sum(dout * np.asarray(forward_on(qh, kh, vh, alt.opts, workers=workers, device=device)) * alt.w, -1)
+            d = own if d is None else d
+            parts = (dense_backward(qh, kh, vh, dout * alt.w, alt.opts, mod_grad, dlse=own),
+                     dense_backward(qh, kh, vh, 0 * dout, self.base, mod_grad, dlse=loss - d))
             return [a + b for a, b in zip(*parts)]
 
+        plain = np.sum(douth * np.asarray(forward_on(qh, kh, vh, self.base, workers=workers, device=device)), -1)
         names = ("dq", "dk", "dv", "dsinks")
         found = [("no dropout in the backward (the gradients of attention without it)",
                   dense_backward(qh, kh, vh, douth, self.base, mod_grad, dlse=dlse)),
                  ("the keep mask inverted in the backward", grads(inverted)),
-                 ("the dropout scaling 1 / (1 - p) left out", grads(self.keep, 1 - self.rate))]
+                 ("the dropout scaling 1 / (1 - p) left out", grads(self.keep, 1 - self.rate)),
+                 ("no dropout in the backward, D = dout . out from the stored output",
+                  dense_backward(qh, kh, vh, douth, self.base, mod_grad, dlse=loss + plain - stored)),
+                 ("the keep mask inverted in the backward, D = dout . out from the stored output",
+                  grads(inverted, d=stored)),
+                 ("the dropout scaling 1 / (1 - p) left out, D = dout . out from the stored output",
+                  grads(self.keep, 1 - self.rate, d=stored))]
         out = []
         for words, g in found:
             g = dict(zip(names, g))

@@ -45,9 +45,9 @@ def keep_mod(keep, q_shape: tuple, sk: int):
         raise ValueError(f"dropout_mask must broadcast to (..., Hq, Sq, Sk) = {lead + (q_shape[-2], sk)}, "
                          f"got {mask.shape}")
 
-    def from_array(b, h, q_idx, kv_idx):
-        b, h = (np.asarray(x) if n > 1 else 0 for x, n in ((b, flat.shape[0]), (h, flat.shape[1])))
-        return flat[b, h, np.asarray(q_idx), np.asarray(kv_idx)]
+    def from_array(b, h, q_idx, kv_idx):  # a size-1 axis broadcasts: read at index 0
+        b, h, i, j = (np.asarray(x) if n > 1 else 0 for x, n in zip((b, h, q_idx, kv_idx), flat.shape))
+        return flat[b, h, i, j]
 
     return from_array
 
