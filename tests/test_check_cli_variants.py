@@ -85,3 +85,24 @@ def test_cli_refuses_half_a_dropout(tmp_path):
     files.pop("dropout_mask")
     (tmp_path / "dropout_mask.npy").unlink()
     assert _cli(tmp_path, files, "--dropout-p", "0.1").returncode == 2
+
+
+def test_cli_judges_native_sparse_attention(tmp_path):
+    """``--nsa L S L_SEL TOP_N WINDOW`` with ``--gates`` (and the kernel's ``--selected``)."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 4, 256, 32))
+    k, v = (rng.standard_normal((1, 2, 256, 32)) for _ in range(2))
+    gates = rng.random((1, 4, 256, 3))
+    nsa = attnlib.NSA(block_size=16, stride=8, select_block_size=32, top_n=3, window=32)
+    out, branches = attnlib.nsa_attention(q, k, v, gates, nsa, return_branches=True)
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=out.astype(np.float32),
+                 gates=gates.astype(np.float32), selected=branches["blocks"].astype(np.int32))
+    flags = ("--nsa", "16", "8", "32", "3", "32")
+    right = _cli(tmp_path, files, *flags)
+    assert right.returncode == 0 and "selection: PASS" in right.stdout, right.stdout + right.stderr
+    files["gates"] = gates[..., ::-1].astype(np.float32)  # the gates in the other order
+    assert _cli(tmp_path, files, *flags).returncode == 1
+    files["gates"] = gates.astype(np.float32)
+    files["selected"] = np.argsort(-branches["blocks"], -1).astype(np.int32)  # not a selection
+    assert _cli(tmp_path, files, *flags).returncode == 1
+    assert _cli(tmp_path, files, *flags, "--causal").returncode == 2  # NSA's masks are its own

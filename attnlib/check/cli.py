@@ -12,7 +12,7 @@ from ..core.validate import add_mask_flags, cli_options
 from ..core.problem import INTERMEDIATES
 from ..core.tensorio import TensorFileError, load_indices, load_mask, load_tensor, split_spec
 from .shapes import LAYOUTS, TENSORS, UnusableInput
-from .text import format_text
+from .text import format_tensor, format_text
 from .verdict import KernelCheck, check_kernel
 
 #: The notebook `check --html` runs: package data, so that it works from a plain install.
@@ -193,6 +193,14 @@ def _parser():
         p.add_argument(f"--{name}", default="", metavar="FILE", help=words)
     p.add_argument("--block-size", type=int, nargs=2, default=None, metavar=("BLOCK_Q", "BLOCK_K"),
                    help="the block-sparse lists' block size (BSR's R and C)")
+    p.add_argument("--nsa", type=int, nargs=5, default=None, metavar=("L", "S", "L_SEL", "TOP_N", "WINDOW"),
+                   help="native sparse attention: --out is the gated sum of its three branches (compressed "
+                        "blocks of L keys every S, mean-pooled; the TOP_N selected blocks of L_SEL keys, the first "
+                        "and the two last always; a causal window of WINDOW keys), with --gates")
+    p.add_argument("--gates", default="", metavar="FILE", help="NSA's gates, (batch, nheads, seqlen_q, 3)")
+    p.add_argument("--selected", default="", metavar="FILE",
+                   help="NSA: the kernel's own selected blocks, (batch, nheads_k, seqlen_q, TOP_N), -1 none: the "
+                        "branches judged on them, and the selection judged")
     p.add_argument("--sinks", default="", metavar="FILE",
                    help="attention-sink logits, (nheads,) or (batch, nheads): one more logit in every "
                         "row's softmax denominator, with no value (gpt-oss, FlashAttention learnable_sink)")
@@ -263,6 +271,14 @@ def main(argv=None) -> int:
                    intermediate_dtype=args.intermediate_dtype, dropout_p=args.dropout_p, block_size=args.block_size)
     files = {name: getattr(args, name) for name in TENSORS + INPUT_FILES + OPTION_FILES}
     on_cluster = args.scheduler is not None or args.distributed
+    if args.nsa is not None or args.gates or args.selected:
+        try:
+            text, code = _nsa(args, files, options)
+        except (TensorFileError, UnusableInput) as e:
+            print(f"attnlib check: unusable input: {e}", file=sys.stderr)
+            return 2
+        print(text)
+        return code
     try:
         if args.html and on_cluster:
             raise UnusableInput("--html runs the check in a notebook on this machine: it does not take "
@@ -289,6 +305,37 @@ def main(argv=None) -> int:
     if args.html:
         print(f"report: {args.html}")
     return code
+
+
+def _nsa(args, files, options) -> tuple[str, int]:
+    """``--nsa``: `check_nsa` of the files, ``(text, exit code)``."""
+    from ..core.nsa import NSA
+    from .nsa import check_nsa
+
+    if args.nsa is None or not args.gates:
+        raise UnusableInput("native sparse attention needs --nsa L S L_SEL TOP_N WINDOW and --gates FILE")
+    given = sorted(n for n, x in files.items() if x and n not in ("q", "k", "v", "out"))
+    extra = sorted(n for n, x in options.items() if n not in ("layout", "workers", "scale", "causal_align",
+                                                              "lse_base", "lse_sink") and x not in (None, False, 0))
+    if given or extra or args.html or args.scheduler or args.distributed or args.device:
+        raise UnusableInput(f"--nsa judges q, k, v, out with --gates (and --selected, --scale, --dtype, --layout); "
+                            f"it does not take {', '.join(given + extra) or '--html, a cluster or --device'}")
+    try:
+        nsa = NSA(block_size=args.nsa[0], stride=args.nsa[1], select_block_size=args.nsa[2], top_n=args.nsa[3],
+                  window=args.nsa[4])
+    except (ValueError, TypeError) as e:
+        raise UnusableInput(f"--nsa: {e}") from None
+    loaded = [load_tensor(files[n], f"--{n}", args.dtype or None) for n in ("q", "k", "v", "out")]
+    (q, kind), (k, _), (v, _), (out, _) = loaded
+    dtype = args.dtype or kind  # (bfloat16 files are read as the float32 of equal value)
+    gates = load_tensor(args.gates, "--gates")[0]
+    selected = load_indices(args.selected, "--selected") if args.selected else None
+    r = check_nsa(q, k, v, out, gates, nsa, selected=selected, layout=options["layout"], dtype=dtype,
+                  scale=options["scale"], workers=options["workers"])
+    lines = ["attnlib check: native sparse attention's gated output against attnlib's float64 branches", ""]
+    lines += format_tensor(r.out) + [f"  note: {n}" for n in r.notes] + [""]
+    lines.append(f"verdict: {'PASS' if r.passed else 'FAIL'} (exit {0 if r.passed else 1})")
+    return "\n".join(lines), 0 if r.passed else 1
 
 
 @contextlib.contextmanager
