@@ -358,6 +358,9 @@ def _check_rule_costs(p):
     n = p["long_gradient_n"]
     yield Cost(("long_gradient_n",), "the long float32 gradients (one causal head, head dim 64)",
                8 * _arrays(1, n, n, 64), 6 * BACKWARD * _pass(1, n, n, 64))
+    # a mask of 128 x 1024 draws and its three tests per run (1.1 a tenth more: the errors and structures)
+    yield Cost(("dropout_runs",), "the dropout statistics' calibration (128 x 1024 masks)", 16 * 128 * 1024,
+               int(1.1 * p["dropout_runs"] * 50 * 128 * 1024))
     # per precision (3), magnitude and seed: 15 mix-ups, each judged with up to 10 neighbours
     yield Cost(("mixup_magnitudes", "mixup_seeds"), "the mix-up runs (attnlib.check.mixups.SHAPE)",
                8 * _arrays(4, 96, 96, 32), 3 * len(p["mixup_magnitudes"]) * p["mixup_seeds"] * 15 * 10

@@ -309,15 +309,16 @@ NOTEBOOKS = {
         {"n_seeds": positive, "precisions": precisions, "shapes": check_shapes,
          "power_magnitudes": magnitudes, "power_shapes": power_shapes, "power_seeds": positive,
          "long_gradient_n": positive, "mixup_magnitudes": magnitudes, "mixup_seeds": positive,
-         "space_problems": positive, "space_seed": non_negative, "space_jsonl": text, "results_json": text},
+         "space_problems": positive, "space_seed": non_negative, "space_jsonl": text, "dropout_runs": positive,
+         "results_json": text},
         {"n_seeds": 1, "precisions": ["float64", "float32"],
          "shapes": [[1, 2, 64, 64, 32, True], [2, 2, 1, 300, 32, False]],
          "power_magnitudes": [1e-4, 1.0], "power_shapes": [[1, 4, 2, 64, 64, 32, True]], "power_seeds": 1,
-         "long_gradient_n": 512, "mixup_magnitudes": [1.0], "mixup_seeds": 1, "space_problems": 8},
+         "long_gradient_n": 512, "mixup_magnitudes": [1.0], "mixup_seeds": 1, "space_problems": 8, "dropout_runs": 100},
         costs=_check_rule_costs,
         # make report-full: the values the committed full run was made at
         full={'n_seeds': 5, 'precisions': ['float64', 'float32', 'bfloat16', 'float16'], 'shapes': [[1, 1, 128, 128, 64, True], [2, 4, 512, 512, 64, True], [1, 4, 512, 512, 128, False], [4, 8, 1, 4096, 128, False], [8, 16, 1, 1024, 128, True]], 'power_magnitudes': [1e-06, 0.0001, 0.01, 1.0, 100.0, 10000.0], 'power_shapes': [[1, 4, 2, 384, 384, 64, True], [2, 4, 4, 1, 1024, 64, False]], 'power_seeds': 1, 'long_gradient_n': 8192, 'mixup_magnitudes': [0.01, 1.0, 100.0], 'mixup_seeds': 2,
-              'space_problems': 2700, 'space_jsonl': 'reports-local/check_rule_space.jsonl'}),
+              'space_problems': 2700, 'space_jsonl': 'reports-local/check_rule_space.jsonl', 'dropout_runs': 10000}),
 }
 
 
