@@ -250,7 +250,7 @@ def test_check_rule_figures(quick_reports):
     # Every mix-up of the 2026 conventions and variants failed and was named.
     table = data["figures"]["mixup_table"]
     assert {t["precision"] for t in table} == {"float32", "bfloat16", "float8_e4m3fn"}
-    assert len(table) == 2 * 30 + 4  # 30 mix-ups in float32 and bfloat16, the 4 fp8 descale ones
+    assert len(table) == 2 * 35 + 4  # 35 mix-ups in float32 and bfloat16, the 4 fp8 descale ones
     assert all(t["hit_rate"] == 1.0 and t["failed"] == t["runs"] for t in table)
 
 

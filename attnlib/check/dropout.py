@@ -185,6 +185,19 @@ def _output(qh, kh, vh, opts, rate, keep, workers, device) -> np.ndarray:
     return np.asarray(forward_on(qh, kh, vh, dropped.opts, workers=workers, device=device)) * dropped.w
 
 
+def keep_rows_from_output(out, dropout_p) -> np.ndarray:
+    """A kernel's own keep mask, read back from its output on the probe ``q = 0`` (every score 0,
+    so each of the ``Sk`` visible keys weighs ``1 / Sk``) and ``v`` the identity (``Dv = Sk``,
+    no mask): ``out_ij = keep_ij / (Sk (1 - p))``, so ``keep = out Sk (1 - p) > 1/2``.  ``out``:
+    ``(..., Sq, Sk)``, float (the kernel's output, in its type: the nearest value to ``1 / (Sk (1 -
+    p))`` is far from 0 in any floating type); returns a boolean array for `dropout_statistics`."""
+    rate = _rate(dropout_p)
+    x = np.asarray(out, dtype=np.float64)
+    if x.ndim < 2 or not x.size or not np.isfinite(x).all():
+        raise ValueError(f"out must be a finite array (..., Sq, Sk) from the probe q = 0, v = I, got {x.shape}")
+    return x * x.shape[-1] * (1.0 - rate) > 0.5
+
+
 def dropout_statistics(keep, dropout_p, *, alpha=1e-3) -> dict:
     """Whether a boolean keep mask ``(..., rows, cols)`` (True: kept) is independent
     Bernoulli(``1 - dropout_p``) draws: ``{rate, expected, p_rate, p_rows, p_cols, alpha, passed}``.
@@ -255,4 +268,4 @@ def _upper_bound(failures: int, runs: int, confidence: float = 0.95) -> float:
     return 1.0 if failures >= runs else float(stats.beta.ppf(confidence, failures + 1, runs - failures))
 
 
-__all__ = ["Dropped", "dropout_statistics", "calibrate_statistics"]
+__all__ = ["Dropped", "dropout_statistics", "calibrate_statistics", "keep_rows_from_output"]

@@ -336,13 +336,13 @@ def _quantised(prec, q, k, v) -> list:
     (qe, qs), (ke, ks), (ve, vs) = mx(q), mx(k), mx(v)
     told = dict(causal=True, q_descale=qs, k_descale=ks, v_descale=vs)
     q_v, k_v = values(qe, qs), values(ke, ks)
-    wrong_v = [("MXFP8 v scales one block off", "v_descale's blocks read one block off",
+    wrong_v = [("MX-style (E8M0 per 16) v scales one block off", "v_descale's blocks read one block off",
                 np.roll(vs.astype(np.float64), -1, axis=-1)),
-               ("MXFP8 v's E8M0 scales read as E4M3", "v_descale's E8M0 scales read as E4M3",
+               ("MX-style (E8M0 per 16) v scales read as E4M3", "v_descale's E8M0 scales read as E4M3",
                 vs.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)),
-               ("MXFP8 v one scale per tensor", "v_descale one scale for the tensor",
+               ("MX-style (E8M0 per 16) v one scale per tensor", "v_descale one scale for the tensor",
                 np.full(vs.shape, vs.astype(np.float64).flat[0])),
-               ("MXFP8 v scales read as blocks of 32", "v_descale's scales read as blocks of 32",  # the wrong size
+               ("MX-style (E8M0 per 16) v scales read per 32, not 16", "v_descale's scales read as blocks of 32",  # the wrong size
                 np.repeat(vs.astype(np.float64)[..., :1], vs.shape[-1], -1))]
     found = []
     with np.errstate(over="ignore"):
@@ -402,7 +402,8 @@ def _normalised_fp8_weights(prec, magnitude, seed) -> list:
     with np.errstate(over="ignore"):
         got = dense_attention(q, k, v, Options.parse(), compute_dtype=precision(prec.name, "float8_e4m3fn"),
                               orders=("softmax_first",))
-    return [("p normalised before its fp8 rounding (attention_ref's order)", "the normalised weights p / l",
+    return [("p normalised, then rounded to fp8 (attention_ref's convention, rejected at long rows)",
+             "the normalised weights p / l",
              told, dict(out=np.asarray(got, dtype=np.float64)), dict(q=q, k=k, v=v))]
 
 

@@ -277,8 +277,9 @@ def kernels(prec_name: str) -> dict:
             return None
         vis = torch.from_numpy(np.array(_visible(p)))
         sinks = p.options.get("sinks")
-        if sinks is None and not vis.any(axis=-1).all():
-            return None  # a row with no visible key: softmax gives NaN there, the contract 0
+        # rows with no visible key (no sink): softmax gives NaN there; given 0 and an LSE of -inf,
+        # as FlashAttention's attention_ref fills them (their scores made finite first: no NaN in autograd)
+        empty = None if sinks is not None or vis.any(axis=-1).all() else ~vis.any(axis=-1, keepdim=True)
         q, k, v = _to_torch(prec_name, p.q, p.k, p.v, grad=grads)
         group = q.shape[1] // k.shape[1]
         dp = torch.from_numpy(p.dout) @ torch.from_numpy(p.v).repeat_interleave(group, 1).transpose(-1, -2)
@@ -290,12 +291,16 @@ def kernels(prec_name: str) -> dict:
             cap = p.options["softcap"]
             s = torch.tanh(s / cap) * cap
         s = s.masked_fill(~vis, -math.inf)
+        if empty is not None:
+            s = s.masked_fill(empty, 0.0)
         if sinks is not None:  # (gpt-oss's eager sinks: a float32 leaf, its gradient dsinks)
             sinks = torch.tensor(sinks, dtype=torch.float32, requires_grad=True)
             s = torch.cat([s, sinks[None, :, None, None].expand(s.shape[:-1] + (1,))], dim=-1)
         lse = torch.logsumexp(s, dim=-1)
         w = torch.softmax(s, dim=-1)
         w = w if sinks is None else w[..., :-1]
+        if empty is not None:
+            w, lse = w.masked_fill(empty, 0.0), lse.masked_fill(empty[..., 0], -math.inf)
         if rate is not None:  # dropout with the drawn keep mask, as FlashAttention's attention_ref applies it
             w = w * torch.from_numpy(p.variant["dropout_mask"]) / (1 - rate)
         out = torch.matmul(w.to(q.dtype), v.repeat_interleave(group, 1))
