@@ -16,7 +16,8 @@ every correct kernel that can express it, in float32, bfloat16 and float16:
   output only (Inductor's CPU kernel returns no LSE);
 * on the gradient problems, an eager kernel written in torch ops in the manner of Hugging Face's eager
   attention is (scores ``q k^T`` times the scale in the type, a softcap, the softmax and its LSE
-  in float32, the weights rounded to the type before ``p @ v``; the sinks a last logit), its autograd
+  in float32, the weights rounded to the type before ``p @ v``; the sinks a last logit; rows that see
+  no key 0, as FlashAttention's ``attention_ref`` fills them), its autograd
   gradients of a loss of ``out`` and the LSE: ``dout`` and a drawn ``dlse`` (ring attention's);
 * the 2026 variants these kernels express, each on a `VARIANT_SHARE` of the problems: dropout with
   a drawn keep mask (``p`` 0.1, 0.3 or 0.5; the eager kernel, its weights dropped and scaled before
