@@ -47,7 +47,7 @@ def test_cli_takes_intermediate_dtype_and_a_dropout_mask(tmp_path):
 
 
 def test_cli_takes_block_sparse_lists(tmp_path):
-    """FlexAttention's lists (partial blocks decided by the mask flags) and FlashInfer's BSR, as files."""
+    """FlexAttention's lists (the mask flags apply to the listed pairs) and FlashInfer's BSR, as files."""
     from attnlib import block_mask_from_kv_blocks
     q, k, v = attnlib.random_qkv(96, 128, 32, seed=6, batch=(1,), heads=2)
     listed = np.random.default_rng(0).random((3, 4)) < 0.5
@@ -106,3 +106,17 @@ def test_cli_judges_native_sparse_attention(tmp_path):
     files["selected"] = np.argsort(-branches["blocks"], -1).astype(np.int32)  # not a selection
     assert _cli(tmp_path, files, *flags).returncode == 1
     assert _cli(tmp_path, files, *flags, "--causal").returncode == 2  # NSA's masks are its own
+
+
+def test_cli_refuses_lists_of_other_heads_and_nan_gates(tmp_path):
+    q, k, v = attnlib.random_qkv(64, 64, 16, seed=3, batch=(1,), heads=3)
+    out = attnlib.attention(q, k, v).astype(np.float32)
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=out,
+                 kv_num_blocks=np.ones((1, 2, 2), np.int32), kv_indices=np.zeros((1, 2, 2, 2), np.int32))
+    bad = _cli(tmp_path, files, "--block-size", "32", "32")
+    assert bad.returncode == 2 and "--kv-num-blocks" in bad.stderr and "Traceback" not in bad.stderr
+    gates = np.random.default_rng(0).random((1, 3, 64, 3)).astype(np.float32)
+    gates[0, 0, 50, 1] = np.nan
+    files = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32), out=out, gates=gates)
+    bad = _cli(tmp_path, files, "--nsa", "16", "8", "32", "2", "16")
+    assert bad.returncode == 2 and "gates hold NaN" in bad.stderr

@@ -100,6 +100,12 @@ def _block_mask(lists, block_size, arrays, layout):
         raise UnusableInput("block-sparse lists need --block-size (BLOCK_Q BLOCK_K)")
     axis = -3 if layout == "bshd" else -2
     sq, sk = (arrays[n].shape[axis] if arrays[n].ndim >= 3 else arrays[n].shape[-2] for n in ("q", "k"))
+    q_shape = arrays["q"].shape
+    lead = (q_shape[0] if len(q_shape) == 4 else 1, q_shape[axis + 1 if axis == -3 else -3] if len(q_shape) >= 3 else 1)
+    for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        shape = lists[n].shape if n in lists else None
+        if shape is not None and (len(shape) < 3 or any(x not in (1, want) for x, want in zip(shape[:2], lead))):
+            raise UnusableInput(f"--{n.replace('_', '-')}: its (batch, nheads) must be 1 or q's {lead}, got shape {shape}")
     bsr = {"bsr_indptr", "bsr_indices"} & set(lists)
     flex = set(lists) - bsr
     try:
@@ -183,8 +189,8 @@ def _parser():
                         "per kv head in the layout's order; -1 or out-of-range entries select no key")
     for name, words in (("kv-num-blocks", "block-sparse lists (FlexAttention's from_kv_blocks, FlashAttention 4's "
                                            "mask_block_cnt): each query block's count of partial key blocks, "
-                                           "(batch, nheads, n_q_blocks); partial blocks keep the pairs the mask "
-                                           "flags leave visible"),
+                                           "(batch, nheads, n_q_blocks); the mask flags apply to every listed pair, "
+                                           "full blocks too (as create_block_mask lists them)"),
                         ("kv-indices", "their key blocks, (batch, nheads, n_q_blocks, max_blocks)"),
                         ("full-kv-num-blocks", "the same for the full blocks (every pair visible)"),
                         ("full-kv-indices", "their key blocks"),
@@ -330,8 +336,11 @@ def _nsa(args, files, options) -> tuple[str, int]:
     dtype = args.dtype or kind  # (bfloat16 files are read as the float32 of equal value)
     gates = load_tensor(args.gates, "--gates")[0]
     selected = load_indices(args.selected, "--selected") if args.selected else None
-    r = check_nsa(q, k, v, out, gates, nsa, selected=selected, layout=options["layout"], dtype=dtype,
-                  scale=options["scale"], workers=options["workers"])
+    try:
+        r = check_nsa(q, k, v, out, gates, nsa, selected=selected, layout=options["layout"], dtype=dtype,
+                      scale=options["scale"], workers=options["workers"])
+    except (ValueError, TypeError, MemoryError) as e:  # shapes that do not fit, sizes past memory
+        raise UnusableInput(f"--nsa: {type(e).__name__}: {e}") from None
     lines = ["attnlib check: native sparse attention's gated output against attnlib's float64 branches", ""]
     lines += format_tensor(r.out) + [f"  note: {n}" for n in r.notes] + [""]
     lines.append(f"verdict: {'PASS' if r.passed else 'FAIL'} (exit {0 if r.passed else 1})")

@@ -52,7 +52,7 @@ def judge_selection(selected, importance, size, nsa: NSA, sq: int, sk: int, grou
     """The kernel's ``selected`` ``(..., Hk, Sq, top_n)`` against the float64 ``importance``
     ``(..., Hk, Sq, n_slc)``: per row, every forced block it reaches taken, none past the query or
     twice, ``min(top_n, reach)`` blocks, and each chosen block as important as each reachable one
-    left out up to the rounding ``t_j = 2 (eps + 2 eps_s S_i + n_j eps_s) I_j`` (``size``: ``S_i``,
+    left out up to the rounding ``t_j = 2 (eps + (eps + 2 eps_s) S_i + n_j eps_s) I_j`` (``size``: ``S_i``,
     ``(..., Hk, Sq)``; ``n_cmp``: the compressed blocks; ``docs/semantics.md``, "Native sparse attention")."""
     n_slc = -(-sk // nsa.select_block_size)
     forced, reach = nsa.forced_and_reach(sq, sk)  # (Sq, n_slc), (Sq,)
@@ -61,7 +61,9 @@ def judge_selection(selected, importance, size, nsa: NSA, sq: int, sk: int, grou
     terms = np.zeros(n_slc)  # the compressed weights each importance sums (per query head)
     terms[:min(n_slc, importance.shape[-1])] = [hi - lo for lo, hi in nsa.overlaps(n_cmp)][:n_slc]
     eps, eps_s = prec.eps, float(np.finfo(prec.accumulate).eps)
-    tol = 2 * (eps + 2 * eps_s * size[..., None] + group * terms * eps_s) * imp
+    # (the scores' rounding in the type, not only the state's: kernels store the pooled keys in the input
+    # type, as fla's mean pooling does; a bfloat16 one then tied two blocks 3.9% apart in float64)
+    tol = 2 * (eps + (eps + 2 * eps_s) * size[..., None] + group * terms * eps_s) * imp
     counts = np.zeros(selected.shape[:-1] + (n_slc + 1,), dtype=np.int64)  # column n_slc: the -1 entries
     for t in range(selected.shape[-1]):  # how often each block is listed
         counts += (np.where(selected[..., t:t + 1] < 0, n_slc, selected[..., t:t + 1]) == np.arange(n_slc + 1))
@@ -108,6 +110,11 @@ def check_nsa(q, k, v, out, gates, nsa: NSA | None = None, *, selected=None, bra
     g = np.asarray(as_numpy(gates, "gates"), dtype=np.float64)
     if g.shape != qh.shape[:-1] + (3,):
         raise UnusableInput(f"gates must have shape {qh.shape[:-1] + (3,)} (batch, nheads, seqlen_q, 3), got {g.shape}")
+    if not np.isfinite(g).all():  # a NaN gate would hide its row from the verdict
+        raise UnusableInput(f"gates hold NaN or inf (first at {tuple(int(x) for x in np.argwhere(~np.isfinite(g))[0])})")
+    if kernel.shape != qh.shape[:-1] + (vh.shape[-1],):
+        raise UnusableInput(f"out must have q's shape with v's head dim, {qh.shape[:-1] + (vh.shape[-1],)} in bhsd, "
+                            f"got {kernel.shape}")
     try:
         _, ours, importance, row_size = compressed_and_selection(qh, kh, vh, nsa, scale=scale, workers=workers,
                                                              return_importance=True)  # the float64 selection
