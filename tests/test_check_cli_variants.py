@@ -9,13 +9,24 @@ import attnlib
 
 
 def _cli(tmp_path, files, *flags):
-    import subprocess
-    import sys
+    """``python -m attnlib check`` on ``files`` saved as .npy, in this process (its `main`): the
+    exit code and what it printed, as `subprocess.run` gives them."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from attnlib.check.cli import main
     for name, x in files.items():
         np.save(tmp_path / f"{name}.npy", x)
-    args = [sys.executable, "-m", "attnlib", "check", "--layout", "bhsd", *flags]
+    args = ["--layout", "bhsd", *flags]
     args += sum(([f"--{n.replace('_', '-')}", str(tmp_path / f"{n}.npy")] for n in files), [])
-    return subprocess.run(args, capture_output=True, text=True)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_takes_intermediate_dtype_and_a_dropout_mask(tmp_path):
