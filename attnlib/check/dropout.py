@@ -40,17 +40,21 @@ class Dropped:
     rate: float
     keep: object
     lse: np.ndarray = None  # (..., Hq, Sq): the whole row's
+    kept_out: np.ndarray = None  # (..., Hq, Sq, Dv): the kept problem's attention (float64)
+    whole_out: np.ndarray = None  # the whole problem's, without dropout
 
     @classmethod
     def of(cls, qh, kh, vh, opts: Options, dropout_p, dropout_mask, workers=None, device=None) -> "Dropped":
         rate = _rate(0.0 if dropout_p is None else dropout_p)
         keep = keep_mod(dropout_mask, qh.shape, kh.shape[-2])
-        kept = replace(opts, mask_mod=_kept_options(dict(mask_mod=opts.mask_mod,
-                                                         gather_kv_indices=opts.gather_kv_indices), keep)["mask_mod"])
-        lse_keep = forward_on(qh, kh, vh, kept, return_lse=True, workers=workers, device=device)[1]
-        lse = forward_on(qh, kh, vh, opts, return_lse=True, workers=workers, device=device)[1]
-        lse = np.asarray(lse, dtype=np.float64)
-        return cls(kept, opts, _share(np.asarray(lse_keep), lse, rate, NUMPY), rate, keep, lse)
+        kept = _masked(opts, keep)
+        kept_out, lse_keep, whole_out, lse = (np.asarray(x, dtype=np.float64) for o in (kept, opts) for x in
+                                              forward_on(qh, kh, vh, o, return_lse=True, workers=workers, device=device))
+        return cls(kept, opts, _share(lse_keep, lse, rate, NUMPY), rate, keep, lse, kept_out, whole_out)
+
+    def inverted(self, b, h, i, j):
+        """The keep mask inverted (the dropped weights kept), as a ``mask_mod``."""
+        return ~np.asarray(self.keep(b, h, i, j), dtype=bool)
 
     def widened(self, expected, qh, kh, vh, prec, workers=None, device=None):
         """``expected`` (the kept problem's, in units of ``out / w``) with what its allowance leaves
@@ -61,9 +65,7 @@ class Dropped:
         Without it float32 kernels failed at up to 9.7 (large logits, many keys dropped)."""
         if expected.unit is None:  # float64: the gate's bound
             return expected
-        inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
-        dropped = replace(self.base, sinks=None, mask_mod=_kept_options(
-            dict(mask_mod=self.base.mask_mod, gather_kv_indices=self.base.gather_kv_indices), inverted)["mask_mod"])
+        dropped = replace(_masked(self.base, self.inverted), sinks=None)
         lse2 = np.asarray(forward_on(qh, kh, vh, doubled_options(dropped, qh.shape[-1]), return_lse=True,
                                      workers=workers, device=device)[1], dtype=np.float64)  # log sum_dropped exp(2 s)
         seen = np.isfinite(lse2) & np.isfinite(self.lse)
@@ -99,16 +101,15 @@ class Dropped:
         head = allowance.reshape(allowance.shape[:-2] + (-1,)).max(axis=-1)[..., None, None]
         # (at the largest share, 1 / (1 - p): a mistake's rows need not be the right output's)
         loose = np.broadcast_to(head, kernel.shape) / (1 - self.rate)
-        inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
         candidates = [("the dropout scaling 1 / (1 - p) left out", lambda: right * (1 - self.rate))]
         if self.rate:
             candidates.append((f"1 / p (= {1 / self.rate:.4g}) in place of 1 / (1 - p)",
                                lambda: right * (1 - self.rate) / self.rate))
         candidates += [
             ("the keep mask inverted (the dropped weights kept)",
-             lambda: _output(qh, kh, vh, self.base, self.rate, inverted, workers, device)),
+             lambda: _output(qh, kh, vh, self.base, self.rate, self.inverted, workers, device)),
             ("no dropout (every weight kept, unscaled)",
-             lambda: np.asarray(forward_on(qh, kh, vh, self.base, workers=workers, device=device)))]
+             lambda: self.whole_out)]
         return [f"the output matches dropout with {words}" for words, alt in candidates
                 if np.all(np.abs(kernel - alt()) <= loose)]
 
@@ -123,16 +124,13 @@ class Dropped:
         `attnlib.core.dropout.attention_dropout_backward` computes them), each by its own rule,
         the allowances added; ``expected``: the kept problem's `~attnlib.check.rule.Expected`."""
         from .gradrule import expect_grads
-        from .sizes import score_size
 
         terms = douth * (expected.ref * self.w)  # D_i's terms, dout_ic out_ic
         d = np.sum(terms, axis=-1)
         kept = expect_grads({}, qh, kh, vh, expected.ref, expected.ref_lse, douth * self.w, prec, self.opts, layout,
                             shape, workers, mod_grad, device, scores=expected.scores, dlse=d)
-        ref, lse = (np.asarray(x, dtype=np.float64) for x in
-                    forward_on(qh, kh, vh, self.base, return_lse=True, workers=workers, device=device))
-        whole = expect_grads({}, qh, kh, vh, ref, lse, np.zeros_like(douth), prec, self.base, layout, shape, workers,
-                             mod_grad, device, scores=score_size(qh, kh, self.base, lse, device),
+        whole = expect_grads({}, qh, kh, vh, self.whole_out, self.lse, np.zeros_like(douth), prec, self.base, layout,
+                             shape, workers, mod_grad, device, scores=score_size(qh, kh, self.base, self.lse, device),
                              dlse=(0.0 if dlse is None else dlse) - d, d_terms=terms)
         return kept + whole
 
@@ -141,33 +139,30 @@ class Dropped:
         dropout in the backward, the keep mask inverted, the ``1 / (1 - p)`` left out."""
         from ..core.backward import dense_backward
 
-        inverted = lambda b, h, i, j: ~np.asarray(self.keep(b, h, i, j), dtype=bool)  # noqa: E731
-
         loss = 0.0 if dlse is None else dlse
         # D_i = dout_i . out_i of the right output: a FlashAttention-style backward reads it from the
         # stored output whatever its own mistake (``ds = p (dp - D + dlse)``: another D is another dlse)
-        stored = np.sum(douth * np.asarray(forward_on(qh, kh, vh, self.opts, workers=workers, device=device))
-                        * self.w, -1)
+        stored = np.sum(douth * self.kept_out * self.w, -1)
 
         def grads(keep, factor=1.0, d=None):  # the dropout loss's with ``keep``, dout times ``factor``
             alt = self if keep is self.keep else Dropped.of(qh, kh, vh, self.base, self.rate, keep, workers, device)
             dout = douth * factor
-            own = np.sum(dout * np.asarray(forward_on(qh, kh, vh, alt.opts, workers=workers, device=device)) * alt.w, -1)
+            own = np.sum(dout * alt.kept_out * alt.w, -1)
             d = own if d is None else d
             parts = (dense_backward(qh, kh, vh, dout * alt.w, alt.opts, mod_grad, dlse=own),
                      dense_backward(qh, kh, vh, 0 * dout, self.base, mod_grad, dlse=loss - d))
             return [a + b for a, b in zip(*parts)]
 
-        plain = np.sum(douth * np.asarray(forward_on(qh, kh, vh, self.base, workers=workers, device=device)), -1)
+        plain = np.sum(douth * self.whole_out, -1)
         names = ("dq", "dk", "dv", "dsinks")
         found = [("no dropout in the backward (the gradients of attention without it)",
                   dense_backward(qh, kh, vh, douth, self.base, mod_grad, dlse=dlse)),
-                 ("the keep mask inverted in the backward", grads(inverted)),
+                 ("the keep mask inverted in the backward", grads(self.inverted)),
                  ("the dropout scaling 1 / (1 - p) left out", grads(self.keep, 1 - self.rate)),
                  ("no dropout in the backward, D = dout . out from the stored output",
                   dense_backward(qh, kh, vh, douth, self.base, mod_grad, dlse=loss + plain - stored)),
                  ("the keep mask inverted in the backward, D = dout . out from the stored output",
-                  grads(inverted, d=stored)),
+                  grads(self.inverted, d=stored)),
                  ("the dropout scaling 1 / (1 - p) left out, D = dout . out from the stored output",
                   grads(self.keep, 1 - self.rate, d=stored))]
         out = []
@@ -179,10 +174,16 @@ class Dropped:
         return out
 
 
+def _masked(opts: Options, keep) -> Options:
+    """``opts`` with ``keep`` (a ``mask_mod``) ANDed into its mask (`attnlib.core.dropout`'s kept problem)."""
+    return replace(opts, mask_mod=_kept_options(dict(mask_mod=opts.mask_mod, gather_kv_indices=opts.gather_kv_indices),
+                                                keep)["mask_mod"])
+
+
 def _output(qh, kh, vh, opts, rate, keep, workers, device) -> np.ndarray:
     """The float64 dropout output of ``keep`` (`attnlib.core.dropout.attention_dropout`'s)."""
     dropped = Dropped.of(qh, kh, vh, opts, rate, keep, workers, device)
-    return np.asarray(forward_on(qh, kh, vh, dropped.opts, workers=workers, device=device)) * dropped.w
+    return dropped.kept_out * dropped.w
 
 
 def keep_rows_from_output(out, dropout_p) -> np.ndarray:
