@@ -27,9 +27,13 @@ venv: $(VENV)/.installed
 # 136 s against 61 s of user time, the same tests passing).
 ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 
+# The serial part collects only the files that hold serial tests (collecting the whole suite
+# again, doctests included, took 10-21 s for a handful of tests).
+SERIAL_FILES = $(shell grep -l "mark.serial" tests/test_*.py)
+
 test: $(VENV)/.installed
 	$(ONE_THREAD) $(BIN)/python -m pytest -n auto --dist loadfile -m "not serial"
-	$(BIN)/python -m pytest -m serial -q
+	$(BIN)/python -m pytest -m serial -q $(SERIAL_FILES)
 
 # The inner loop: everything not marked slow (the notebooks, clusters, long sizes).
 test-fast: $(VENV)/.installed

@@ -45,11 +45,17 @@ def test_softmax_first_equals_flash_attentions_reference(sq, sk, dtype, upcast, 
                            compute_dtype=prec, orders=("softmax_first",))
     ours = torch.from_numpy(np.asarray(ours, dtype=np.float64)).transpose(1, 2)
     diff = (ours - fa).abs()
-    # Only the float32 sums' order differs: it flips an entry's final rounding, or one weight's
-    # rounding to the intermediate type, which moves the entry by at most eps_p * (P @ |V|).
-    pv = torch.softmax(torch.einsum("bthd,bshd->bhts", q.double(), k.double()) / 8, -1) @ v.double().abs().transpose(1, 2)
-    assert (diff == 0).double().mean() >= 0.99
-    assert (diff <= float(ml_dtypes.finfo(prec.p_type).eps) * pv.transpose(1, 2)).all()
+    pv = (torch.softmax(torch.einsum("bthd,bshd->bhts", q.double(), k.double()) / 8, -1)
+          @ v.double().abs().transpose(1, 2)).transpose(1, 2)
+    # Only the float32 sums' order differs (BLAS's against torch's, which depends on the CPU: an
+    # AVX2 EPYC gave 13% of float32 entries identical, an Intel Xeon 99%): it moves an entry by
+    # a few float32 ulps of P @ |V|, or flips one weight's rounding to the intermediate type, at
+    # most eps_p * (P @ |V|). In a 16-bit compute type the sums' order is hidden by its rounding.
+    assert (diff <= float(ml_dtypes.finfo(prec.p_type).eps) * pv).all()
+    if upcast:
+        assert (diff <= 4 * float(np.finfo(np.float32).eps) * pv).double().mean() >= 0.99
+    else:
+        assert (diff == 0).double().mean() >= 0.99
 
 
 def test_tiled_kernel_rounds_p_on_numpy_and_torch_alike():

@@ -239,7 +239,7 @@ def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path, monke
         assert t["tasks"][w]["piece"] == scaleout.plan_stats(1, 2, 1024, 32, 256)["pieces"]
     assert t["others_max"] >= 0 and len(t["loadavg"]) == 3 * 2
     with scaleout.clusters((1, 2)) as clients:
-        cases = [(1, 1024, 32, 256), (1, 2048, 32, 512), (1, 1024, 32, 512)]
+        cases = [(1, 512, 32, 128), (1, 1024, 32, 256), (1, 512, 32, 256)]
         runs, before = [], []  # the timed runs, and how many came before `middle`
         timed_run = scaleout.timed_run
 
@@ -251,13 +251,13 @@ def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path, monke
         rows = scaleout.model_runs(clients, cases, str(tmp_path), repeats=2, middle=lambda: before.append(len(runs)))
         assert before == [len(cases) * 2] and len(runs) == 2 * len(cases) * 2  # once, between the repeats
         assert [(r["n"], r["block"], r["workers"]) for r in rows] == [
-            (1024, 256, 1), (1024, 256, 2), (2048, 512, 1), (2048, 512, 2), (1024, 512, 1), (1024, 512, 2)]
+            (512, 128, 1), (512, 128, 2), (1024, 256, 1), (1024, 256, 2), (512, 256, 1), (512, 256, 2)]
         assert not list(tmp_path.glob("*_1x1x*.npy"))  # the cases' files are removed
         assert all(r["wall"] > 0 and r["machine_cores"] >= 1 for r in rows)
         assert scaleout.scheduler_rate(clients[2], tasks=200) > 10
-        long_paths = scaleout.save_case(str(tmp_path), 1, 1, 4096, 32, seed=3)
-        long = scaleout.long_run(clients[2], long_paths, 1024, str(tmp_path / "out.npy"), samples=2)
-    assert [c["rows"] for c in long["checks"]] == ["0..1023", "3072..4095"]
+        long_paths = scaleout.save_case(str(tmp_path), 1, 1, 2048, 32, seed=3)
+        long = scaleout.long_run(clients[2], long_paths, 512, str(tmp_path / "out.npy"), samples=2)
+    assert [c["rows"] for c in long["checks"]] == ["0..511", "1536..2047"]
     assert max(c["rel_error"] for c in long["checks"]) < 1e-13
     assert len(long["rss_peak"]) == 2 and all(v > 0 for v in long["rss_peak"].values())
 

@@ -7,6 +7,7 @@ arithmetic on measured rows: no cluster is started here (`attnlib.bench.scaleout
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -18,6 +19,13 @@ def plan_stats(b, h, n, d, block, causal=True, heads_per_task=1) -> dict:
     """Task counts of the plan, the bytes each piece reads (q block, k and v ranges), the
     visible pairs and their flops, and the flops of the plan's largest piece (its whole
     ``block_q x kv_block`` rectangle)."""
+    return dict(_plan_stats(int(b), int(h), int(n), int(d), int(block), bool(causal), int(heads_per_task)))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_stats(b, h, n, d, block, causal, heads_per_task) -> dict:
+    # Made once per shape: a projection's plan (2^20 keys, 32 heads) holds ~10^6 pieces, and
+    # each projected cluster size and its range asked for it again (17 plans, 10 s, in a test).
     from ..distributed import count_tasks, make_plan
 
     specs = mask_specs((b,), n, n, causal=causal)

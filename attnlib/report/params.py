@@ -283,8 +283,8 @@ NOTEBOOKS = {
          "project_machines": sizes, "project_cores": positive, "project_block": positive,
          "results_json": text},
         {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096],
-         "model_fit": [[1, 2048, 256], [1, 4096, 512], [1, 4096, 256], [1, 2048, 512]],
-         "model_heldout": [[2, 2048, 512]],
+         "model_fit": [[1, 1024, 128], [1, 2048, 256], [1, 2048, 128], [1, 1024, 256]],
+         "model_heldout": [[2, 1024, 256]],
          # long_n: a worker's RSS steps up ~8 MiB once between n = 8192 and 16384 at block 2048, then
          # stays flat (+2 MiB to 65536; measured, 2 workers): at 16384 that step met the 6 MiB bound;
          # 32768 bounds it by 14.7 MiB, in a quarter of 65536's 87 s.
