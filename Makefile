@@ -21,7 +21,9 @@ venv: $(VENV)/.installed
 
 # The whole suite, on every core (pytest-xdist; a test file stays on one worker, so a
 # module's cluster or quick reports start once), then the few tests that measure the
-# machine's own load, alone.
+# machine's own load, alone. Files are handed out longest first (tests/conftest.py's
+# LONGEST_FIRST; xdist's default reorder hands out the files with the most tests first, which
+# left the notebook modules, few tests and minutes long, to the end).
 # One worker per core, so each worker's BLAS and torch keep to one thread: their spinning
 # OpenMP threads on cores the other worker holds took twice the CPU (measured on 4 files:
 # 136 s against 61 s of user time, the same tests passing).
@@ -32,12 +34,12 @@ ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 SERIAL_FILES = $(shell grep -l "mark.serial" tests/test_*.py)
 
 test: $(VENV)/.installed
-	$(ONE_THREAD) $(BIN)/python -m pytest -n auto --dist loadfile -m "not serial"
+	$(ONE_THREAD) $(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(BIN)/python -m pytest -m serial -q $(SERIAL_FILES)
 
 # The inner loop: everything not marked slow (the notebooks, clusters, long sizes).
 test-fast: $(VENV)/.installed
-	$(ONE_THREAD) $(BIN)/python -m pytest -n auto --dist loadfile -m "not slow and not serial" -q
+	$(ONE_THREAD) $(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder -m "not slow and not serial" -q
 
 # The evidence in minutes: every notebook at its defaults, into reports/.
 report: $(VENV)/.installed

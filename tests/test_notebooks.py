@@ -530,7 +530,9 @@ def test_equivalence_report_fails_with_a_defect_in_the_kernel(tmp_path, monkeypa
     lines = []
     # Fewer problems than quick: each one must fail, so two of each run show it.
     fewer = [f"{k}={v}" for k, v in dict(n_cases=2, broad_cases=2, feature_cases=2, sink_cases=1,
-                                         document_cases=1, layout_cases=2).items()]
+                                         document_cases=1, layout_cases=2, max_len=128, broad_max_len=128,
+                                         feature_max_len=128, sink_n=128, document_max_len=256,
+                                         adversarial_n=128, paged_pages=[256]).items()]
     status = report.run(["equivalence"], overrides=fewer, quick=True, out_dir=tmp_path / "out", log=lines.append)
     assert status == 1, lines
     data = results(tmp_path / "out", "equivalence")
