@@ -121,8 +121,9 @@ def test_equals_attention_in_memory_and_dask(client, tmp_path, kind):
 
 
 def test_long_context(client, tmp_path):
-    """Causal GQA at n = 16384 from .npy memmaps, and a sliding window at n = 32768 from zarr
-    (the scale-out report's quick run checks a causal n = 32768 on a cluster)."""
+    """GQA (2 query heads on 1 key head): causal at n = 16384 from .npy memmaps, causal with a
+    sliding window at n = 32768 from zarr (the scale-out report's quick run checks one causal
+    head at n = 32768 on a cluster, on sampled blocks)."""
     q, _, _ = attnlib.random_qkv(32768, 0, 8, batch=(1,), heads=2, seed=9)
     _, k, v = attnlib.random_qkv(0, 32768, 8, batch=(1,), heads=1, seed=10)
     for kind, length, options in (("memmap", 16384, dict(causal=True)),

@@ -50,10 +50,12 @@ def test_softmax_first_equals_flash_attentions_reference(sq, sk, dtype, upcast, 
     # Only the float32 sums' order differs (BLAS's against torch's, which depends on the CPU: an
     # AVX2 EPYC gave 13% of float32 entries identical, an Intel Xeon 99%): it moves an entry by
     # a few float32 ulps of P @ |V|, or flips one weight's rounding to the intermediate type, at
-    # most eps_p * (P @ |V|). In a 16-bit compute type the sums' order is hidden by its rounding.
+    # most eps_p * (P @ |V|): with 512 weights a row near 1% of the entries for bfloat16 (0.6% on
+    # the EPYC), against >= 99.8% outside 4 ulps for p left unrounded or rounded to another type.
+    # In a 16-bit compute type the sums' order is hidden by its rounding.
     assert (diff <= float(ml_dtypes.finfo(prec.p_type).eps) * pv).all()
     if upcast:
-        assert (diff <= 4 * float(np.finfo(np.float32).eps) * pv).double().mean() >= 0.99
+        assert (diff <= 4 * float(np.finfo(np.float32).eps) * pv).double().mean() >= 0.97
     else:
         assert (diff == 0).double().mean() >= 0.99
 

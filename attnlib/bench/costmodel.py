@@ -19,7 +19,7 @@ def plan_stats(b, h, n, d, block, causal=True, heads_per_task=1) -> dict:
     """Task counts of the plan, the bytes each piece reads (q block, k and v ranges), the
     visible pairs and their flops, and the flops of the plan's largest piece (its whole
     ``block_q x kv_block`` rectangle)."""
-    return dict(_plan_stats(int(b), int(h), int(n), int(d), int(block), bool(causal), int(heads_per_task)))
+    return dict(_plan_stats(b, h, n, d, block, causal, heads_per_task))
 
 
 @functools.lru_cache(maxsize=64)
