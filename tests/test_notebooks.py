@@ -1,6 +1,7 @@
 """The evidence notebooks, executed through papermill at tiny parameters, and the runner."""
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 import attnlib
 from attnlib import BOUND, check, report
+from attnlib.report import notebook as report_notebook
 from attnlib.report import runner as report_runner
 from attnlib.evidence.defects import BACKWARD_DEFECTS, DEFECTS
 from attnlib.evidence.memory import CAP_BYTES
@@ -362,8 +364,9 @@ def tiny_notebook(nb_dir, *cells, name="rescales"):
                 nbformat.v4.new_code_cell("from attnlib import report\nreport.strict()\n"
                                           "report.stage('the tiny stage')")]
     nb.cells += [nbformat.v4.new_code_cell(source) for source in cells]
+    params = '{"seed": seed}' if "seed" in parameters.source else "{}"
     nb.cells.append(nbformat.v4.new_code_cell(
-        f'report.save_results(results_json, "{name}", {{"seed": seed}}, passed=True, line="tiny verdict", '
+        f'report.save_results(results_json, "{name}", {params}, passed=True, line="tiny verdict", '
         'figures={})'))
     Path(nb_dir).mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(Path(nb_dir) / f"{name}.ipynb"))
@@ -690,3 +693,52 @@ def test_flex_gallery_title_and_headline_say_what_was_measured(quick_reports):
         for word in ("slower", "faster", "within noise"):
             if said.count(word):
                 assert f"{word} on {said.count(word)}" in times["measured"]
+
+
+def test_side_by_side_runs_share_the_cpus_and_time_nothing_beside_another(tmp_path):
+    """``jobs=2``: the notebooks that time nothing run two at a time, each in a process pinned
+    to its share of the CPUs with as many BLAS threads; a notebook that times things
+    (`Notebook.alone`) runs after them, on every CPU; a failing notebook and a killed process
+    are errors of their own notebook only."""
+    nb_dir, out = tmp_path / "notebooks", tmp_path / "out"
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    record = ("import json, os, time\nfrom attnlib.report.notebook import environment\n"
+              f"json.dump({{'cpus': sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else [],"
+              f" 'omp': os.environ.get('OMP_NUM_THREADS'), 'start': time.time(), 'env': environment()['CPU']}}, "
+              f"open(r'{seen}/' + '{{name}}.json', 'w'))\ntime.sleep(1.0)")
+    for name in ("rescales", "gradients", "performance"):
+        tiny_notebook(nb_dir, record.replace("{name}", name), name=name)
+    tiny_notebook(nb_dir, 'raise RuntimeError("boom")', name="numerics")
+    tiny_notebook(nb_dir, "import os, signal; os.kill(os.getppid(), signal.SIGKILL)", name="memory")
+    names = ["rescales", "gradients", "performance", "numerics", "memory"]
+    lines, errors = [], []
+    status = report.run(names, nb_dir=nb_dir, out_dir=out, log=lines.append, error=errors.append, jobs=2)
+    assert status == 1
+    assert any(line.startswith("4 notebooks run up to 2 at a time") and line.endswith("alone (they time "
+               "things): performance") for line in lines), lines
+    assert sorted(e.split(":")[0] for e in errors) == ["[4/5] numerics", "[5/5] memory"], errors
+    assert "RuntimeError: boom" in next(e for e in errors if "numerics" in e)
+    assert "ended with exit code -9 before the notebook did" in next(e for e in errors if "memory" in e)
+    for i, name in ((1, "rescales"), (2, "gradients"), (3, "performance")):
+        assert any(line.startswith(f"[{i}/5] {name}: PASS: tiny verdict") for line in lines), lines
+        assert results(out, name)["passed"] is True
+    ran = {name: json.loads((seen / f"{name}.json").read_text()) for name in ("rescales", "gradients", "performance")}
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    assert ran["performance"]["cpus"] == cpus  # alone: every CPU, the caller's threads
+    assert ran["performance"]["start"] > max(ran["rescales"]["start"], ran["gradients"]["start"])
+    if len(cpus) >= 2:
+        shares = [ran[name]["cpus"] for name in ("rescales", "gradients")]
+        assert all(shares) and sorted(sum(shares, [])) == sorted(set(sum(shares, []))) <= cpus
+        assert [ran[name]["omp"] for name in ("rescales", "gradients")] == [str(len(s)) for s in shares]
+        assert all(ran[name]["env"].endswith(f"logical cores; this run on {len(share)} of them)")
+                   for name, share in zip(("rescales", "gradients"), shares))  # the page says so
+        assert ran["performance"]["env"] == report_notebook.environment()["CPU"]  # the caller's
+    assert (out / "index.html").exists()
+
+
+def test_jobs_must_be_a_positive_integer(tmp_path):
+    errors = []
+    for bad in (0, -1, 1.5, True, "2"):
+        assert report.run(["rescales"], out_dir=tmp_path, log=errors.append, jobs=bad) == 2
+    assert len(errors) == 5 and all(e.startswith("error: jobs must be a positive integer") for e in errors)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from .params import NOTEBOOKS
-from .runner import run
+from .runner import MAX_JOBS, default_jobs, run
 
 #: The first line of ``--help`` (the first paragraph of `attnlib.report`'s docstring).
 DESCRIPTION = "The report runner: notebook parameters, provenance, papermill runs and HTML rendering."
@@ -43,9 +43,13 @@ def main(argv=None) -> int:
     parser.add_argument("--allow-nondefault-reports", action="store_true",
                         help="let a --quick, -p or --notebooks run write into reports/ (marked NON-DEFAULT)")
     parser.add_argument("--notebooks", default=None, help="notebook folder (default: notebooks/)")
+    parser.add_argument("--jobs", type=int, default=default_jobs(), metavar="N",
+                        help="notebooks that time nothing run up to N at a time, each on its share of the "
+                             f"CPUs; those that time things run alone after them (default: the CPUs, at most "
+                             f"{MAX_JOBS}: {default_jobs()} here)")
     args = parser.parse_args(argv)
     return run(args.only, args.param, args.quick, args.out, args.notebooks,
                log=lambda m: print(m, flush=True),
                error=lambda m: print(m, file=sys.stderr, flush=True),
-               allow_nondefault_reports=args.allow_nondefault_reports, full=args.full)
+               allow_nondefault_reports=args.allow_nondefault_reports, full=args.full, jobs=args.jobs)
 

@@ -105,8 +105,15 @@ def environment() -> dict:
         "numpy": np.__version__,
         "torch": _version_of("torch"),  # the torch backend's and the peers' (not imported here)
         "BLAS": _blas(),
-        "CPU": f"{validate.cpu_name()} ({os.cpu_count()} logical cores)",
+        "CPU": f"{validate.cpu_name()} ({_cores()})",
     }
+
+
+def _cores() -> str:
+    """The machine's logical cores, and those this run may use where fewer (a notebook the
+    runner ran beside another, on its share of the CPUs)."""
+    total, usable = os.cpu_count(), validate.available_cpus()
+    return f"{total} logical cores" + (f"; this run on {usable} of them" if total and usable < total else "")
 
 
 def _version_of(package: str) -> str:

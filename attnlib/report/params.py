@@ -173,7 +173,9 @@ class Notebook:
     ``costs`` maps the checked parameters to the notebook's stages (`Cost`), which bound
     every size-like parameter by the memory, disk and work it asks for; ``full`` holds the
     values of ``make report-full`` (``--full``: the measurements expensive by nature, into
-    ``reports/full/``), empty where the defaults already are the full run.
+    ``reports/full/``), empty where the defaults already are the full run.  ``alone``: the
+    notebook times something (wall-clock figures), so the runner never runs another notebook
+    beside it.
     """
 
     title: str
@@ -182,6 +184,7 @@ class Notebook:
     dense_runs: tuple = ()
     costs: object = None
     full: dict = None
+    alone: bool = False
 
     @property
     def has_full(self) -> bool:
@@ -254,7 +257,7 @@ NOTEBOOKS = {
          "mask_memory_cases": 1, "sweep_sizes": [64, 128],
          "device_cases": [[1, 1, 256, 16, True], [1, 2, 256, 16, True], [1, 1, 256, 16, False],
                           [1, 2, 256, 16, False]], "device_memory_ns": [256, 1024]},
-        (("dense_max_n", 1),), costs=_performance_costs,
+        (("dense_max_n", 1),), costs=_performance_costs, alone=True,
         # make report-full: the values the committed full run was made at
         # (full_cases=True then: the issue's 8 cases, its 4 backward cases, SHAPES on the device)
         full={'workers': [1], 'repeats': 5, 'n_values': [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], 'dense_max_n': 8192, 'torch_max_n': 16384,
@@ -290,7 +293,7 @@ NOTEBOOKS = {
          # 32768 bounds it by 14.7 MiB, in a quarter of 65536's 87 s.
          "model_repeats": 1, "long_n": 32768, "long_block": 2048, "long_repeats": 1, "long_samples": 2,
          "project_n": 262144},
-        costs=_scaleout_costs,
+        costs=_scaleout_costs, alone=True,
         # make report-full: the values the committed full run was made at
         full={'n': 16384, 'heads': 4, 'd': 64, 'block': 4096, 'workers': [1, 2], 'repeats': 7, 'sweep': [8192, 16384, 32768, 65536], 'model_fit': [[1, 8192, 1024], [1, 8192, 2048], [1, 8192, 4096], [2, 8192, 2048], [1, 16384, 1024], [1, 16384, 2048], [1, 16384, 4096]], 'model_heldout': [[1, 32768, 4096], [2, 16384, 2048], [4, 16384, 4096]], 'model_repeats': 4, 'long_n': 262144, 'long_block': 4096, 'long_repeats': 1, 'long_samples': 3, 'project_n': 1048576, 'project_heads': 32, 'project_d': 128, 'project_machines': [1, 8, 64, 512], 'project_cores': 32, 'project_block': 8192}),
     "flex_gallery": Notebook(

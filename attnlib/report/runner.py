@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import json
 import logging
+import numbers
 import os
+import queue as queue_module
 import shutil
 import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
+
+from ..core import validate
 
 from .costs import _importable
 from .notebook import PROGRESS_ENV, ROOT, Verdict, _now
@@ -364,8 +370,117 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict |
     marker = f" [NON-DEFAULT PARAMETERS: {', '.join(overrides)}]" if overrides else ""
     return True, f"{label}: {data['verdict']} ({elapsed:.1f} s){marker}"
 
+#: At most this many notebooks run side by side by default (`default_jobs`): the runner lets
+#: one notebook hold up to half the machine's memory (`~attnlib.report.costs.check_costs`).
+MAX_JOBS = 2
+
+#: The thread counts a side-by-side notebook's kernel (and its BLAS, OpenMP and torch) starts with.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def default_jobs() -> int:
+    """Notebooks side by side by default: one per CPU this process may use, at most `MAX_JOBS`."""
+    return min(MAX_JOBS, validate.available_cpus())
+
+
+class _Run(NamedTuple):
+    """One planned notebook run: its log prefix and `run_one`'s arguments."""
+    prefix: str
+    name: str
+    path: Path
+    params: dict
+    defaults: dict
+    marks: dict | None
+
+
+def _run_here(r: _Run, out_dir: Path, log) -> tuple[bool, str]:
+    log(f"{r.prefix} running {r.path.name} ...")
+    return run_one(r.name, r.path, r.params, out_dir, r.defaults, marks=r.marks,
+                   progress=lambda line: log(f"{r.prefix}   {line}"))
+
+
+def _cpu_shares(jobs: int) -> list[list[int]]:
+    """This process's CPUs dealt into ``jobs`` disjoint shares (empty where the OS does not
+    say which CPUs a process may use, or there are fewer CPUs than jobs)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return [[] for _ in range(jobs)]
+    return [cpus[s::jobs] if len(cpus) >= jobs else [] for s in range(jobs)]
+
+
+def _child(channel, slot: int, cpus: list[int], r: _Run, out_dir: Path) -> None:
+    """A side-by-side notebook's process: pinned to ``cpus`` (which its kernel inherits, so the
+    kernels' default thread count is the share's), with as many BLAS and OpenMP threads."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    for variable in THREAD_VARIABLES:
+        os.environ[variable] = str(max(1, len(cpus)))
+    channel.put(("log", slot, f"{r.prefix} running {r.path.name} on CPU {','.join(map(str, cpus)) or 'any'} ..."))
+    try:
+        ok, message = run_one(r.name, r.path, r.params, out_dir, r.defaults, marks=r.marks,
+                              progress=lambda line: channel.put(("log", slot, f"{r.prefix}   {line}")))
+    except BaseException as e:  # reported as the notebook's error, never lost with the process
+        ok, message = False, f"ERROR: {type(e).__name__}: {e}".rstrip(": ")
+    channel.put(("done", slot, ok, message))
+
+
+def _last_seconds(out_dir: Path, name: str) -> float:
+    """How long ``name`` took when it last wrote into ``out_dir`` (infinity: never)."""
+    try:
+        return float(json.loads((out_dir / f"{name}.json").read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float("inf")
+
+
+def _side_by_side(runs: list[_Run], out_dir: Path, jobs: int, log):
+    """Runs ``runs`` up to ``jobs`` at a time, each in a process of its own on its share of the
+    CPUs (`_cpu_shares`), the longest (by the previous report's time) first; yields
+    ``(run, ran, message)`` as each ends, as `run_one` returns them."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    channel, shares = context.Queue(), _cpu_shares(jobs)
+    pending = sorted(runs, key=lambda r: -_last_seconds(out_dir, r.name))
+    running, silent = {}, {}  # slot -> (process, run); slot -> polls since its process ended
+    try:
+        while pending or running:
+            for slot in range(jobs):
+                if slot not in running and pending:
+                    r = pending.pop(0)
+                    process = context.Process(target=_child, args=(channel, slot, shares[slot], r, out_dir),
+                                              name=f"attnlib-report-{r.name}")
+                    process.start()
+                    running[slot] = (process, r)
+            try:
+                kind, slot, *rest = channel.get(timeout=1.0)
+            except queue_module.Empty:
+                # A process that ended without its "done" (killed): two quiet polls after it ended,
+                # so a message it sent just before is read first.
+                for slot, (process, r) in list(running.items()):
+                    if process.is_alive():
+                        continue
+                    silent[slot] = silent.get(slot, 0) + 1
+                    if silent[slot] >= 2:
+                        del running[slot], silent[slot]
+                        yield r, False, (f"ERROR: the process running {r.path.name} ended with exit code "
+                                         f"{process.exitcode} before the notebook did (killed?)")
+                continue
+            if kind == "log":
+                log(rest[0])
+                continue
+            process, r = running.pop(slot)
+            silent.pop(slot, None)
+            process.join()
+            yield r, rest[0], rest[1]
+    finally:
+        for process, _ in running.values():
+            process.terminate()
+            process.join()
+
+
 def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print, error=None,
-        allow_nondefault_reports=False, full=False) -> int:
+        allow_nondefault_reports=False, full=False, jobs=1) -> int:
     """Run the selected notebooks and write their reports; returns an exit status.
 
     0: every notebook ran and passed its checks (or, measuring only, reported INFO);
@@ -377,8 +492,14 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
     at their defaults, to `FULL_REPORTS` for a ``full`` one, and to `LOCAL_REPORTS` for any
     other (``quick``, ``overrides`` or ``nb_dir``); such a run into `REPORTS` needs
     ``allow_nondefault_reports``.
+
+    ``jobs`` > 1 runs the notebooks that time nothing up to ``jobs`` at a time (`_side_by_side`),
+    then those that do (`Notebook.alone`) one by one; `default_jobs` is the command line's.
     """
     error = error or log
+    if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
+        error(f"error: jobs must be a positive integer, got {jobs!r}")
+        return 2
     try:
         runs = _plan(names, overrides, quick, nb_dir, full)
     except ReportError as e:
@@ -403,18 +524,26 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
             error(f"error: another report run is writing to {out_dir}; wait for it or use --out")
             return 2
         status = 0
-        for i, (name, path, params, defaults) in enumerate(runs, 1):
-            prefix = f"[{i}/{len(runs)}] {name}:"
-            log(f"{prefix} running {path.name} ...")
-            marks = ({"notebook": {"default": f"notebooks/{name}.ipynb", "actual": str(path)}}
-                     if other_notebooks else None)
-            ok, message = run_one(name, path, params, out_dir, defaults, marks=marks,
-                                  progress=lambda line, prefix=prefix: log(f"{prefix}   {line}"))
+        numbered = [_Run(f"[{i}/{len(runs)}] {name}:", name, path, params, defaults,
+                         {"notebook": {"default": f"notebooks/{name}.ipynb", "actual": str(path)}}
+                         if other_notebooks else None)
+                    for i, (name, path, params, defaults) in enumerate(runs, 1)]
+        beside = [r for r in numbered if not NOTEBOOKS[r.name].alone] if jobs > 1 else []
+        if len(beside) < 2:
+            beside = []
+        if beside:
+            alone = [r.name for r in numbered if r not in beside]
+            log(f"{len(beside)} notebooks run up to {min(jobs, len(beside))} at a time, each on its share of "
+                f"this process's {validate.available_cpus()} CPUs" + (
+                    f"; then, alone (they time things): {', '.join(alone)}" if alone else ""))
+        outcomes = _side_by_side(beside, out_dir, jobs, log) if beside else iter(())
+        for r, ok, message in itertools.chain(outcomes, ((r, *_run_here(r, out_dir, log))
+                                                          for r in numbered if r not in beside)):
             if not ok or message.startswith("FAIL"):
                 status = 1
-                error(f"{prefix} {message}")
+                error(f"{r.prefix} {message}")
             else:
-                log(f"{prefix} {message}")
+                log(f"{r.prefix} {message}")
         index = write_index(out_dir)
         if out_dir.resolve() == (REPORTS / FULL).resolve():  # the main index links the full runs
             write_index(REPORTS)
