@@ -195,6 +195,16 @@ def peak_rss(case_index: int, n: int, impl: str, timeout: float = 600.0) -> dict
     return peak_rss_all(case_index, n, [impl], timeout)[impl]
 
 
+def peak_rss_each(pairs, n: int, at_once: int = 2, timeout: float = 600.0) -> list[dict]:
+    """`peak_rss` of each ``(case_index, impl)`` in ``pairs``, in that order, up to ``at_once``
+    fresh processes at a time: each process's RSS is its own, so its neighbours change no
+    figure, only the wall time (16 fresh processes, each importing torch, took 45 s one by one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, at_once)) as pool:
+        return list(pool.map(lambda pair: peak_rss(pair[0], n, pair[1], timeout), pairs))
+
+
 def peak_rss_all(case_index: int, n: int, impls, timeout: float = 600.0) -> dict:
     """`peak_rss` of each of ``impls`` (names) on one case, in one fresh process per case:
     every implementation warmed up at a small size first, then each measured in the order
