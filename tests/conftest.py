@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import numpy as np
@@ -61,3 +62,48 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(_module_name(item), len(rank)))  # stable: the rest in order
+
+
+#: The CPUs this process could use before `pytest_configure` kept it to its share.
+ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+@contextlib.contextmanager
+def every_cpu():
+    """Every CPU for tests that measure the machine (the scale-out report's clusters of 1 and 2
+    workers, performance's thread counts, notebooks side by side), the worker's share after."""
+    if not ALL_CPUS:
+        yield
+        return
+    share = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, ALL_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, share)
+
+
+@pytest.fixture
+def all_cpus():
+    with every_cpu():
+        yield
+
+
+@pytest.fixture(scope="module")
+def all_cpus_module():
+    with every_cpu():
+        yield
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker process keeps to its share of the CPUs (`make test`: one
+    worker per core), so the kernels' default thread count (every CPU the process may use) is
+    that share: two threads per worker on a core the other worker holds paid for GIL hand-offs
+    and thread starts on every call, for no parallelism (eight kernel test files, 2 workers:
+    36.5-37.8 s unpinned, 31.8-32.5 s pinned).  Tests that ask for threads still get them."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, count = sorted(os.sched_getaffinity(0)), int(count)
+    if count <= len(cpus):
+        os.sched_setaffinity(0, cpus[int(worker.removeprefix("gw")) :: count])

@@ -695,7 +695,7 @@ def test_flex_gallery_title_and_headline_say_what_was_measured(quick_reports):
                 assert f"{word} on {said.count(word)}" in times["measured"]
 
 
-def test_side_by_side_runs_share_the_cpus_and_time_nothing_beside_another(tmp_path):
+def test_side_by_side_runs_share_the_cpus_and_time_nothing_beside_another(tmp_path, all_cpus):
     """``jobs=2``: the notebooks that time nothing run two at a time, each in a process pinned
     to its share of the CPUs with as many BLAS threads; a notebook that times things
     (`Notebook.alone`) runs after them, on every CPU; a failing notebook and a killed process

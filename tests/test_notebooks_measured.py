@@ -12,8 +12,8 @@ MEASURED = ["performance", "scaleout"]
 
 
 @pytest.fixture(scope="module")
-def quick_reports(tmp_path_factory):
-    return run_quick(tmp_path_factory, MEASURED)
+def quick_reports(tmp_path_factory, all_cpus_module):
+    return run_quick(tmp_path_factory, MEASURED)  # on every CPU: they measure the machine
 
 
 def test_quick_run_passes_and_reports_progress(quick_reports):

@@ -308,6 +308,8 @@ def _scaleout_costs(p):
                6 * 8 * ln * d + 8 * 4 * lb * d + PIECE_BYTES * 2 * _plan_pieces(1, ln, lb),
                p["long_repeats"] * (_pass(1, ln, ln, d) + TASK_WORK * 2 * _plan_pieces(1, ln, lb))
                + 2 * p["long_samples"] * _pass(1, lb, ln, d), disk=4 * 8 * ln * d)
+    yield Cost(("scheduler_batches", "scheduler_tasks"), "the scheduler's no-op tasks (a future each)",
+               PIECE_BYTES * p["scheduler_tasks"], TASK_WORK * p["scheduler_batches"] * p["scheduler_tasks"])
     pieces = _plan_pieces(p["project_heads"], p["project_n"], p["project_block"])  # planned, never run
     yield Cost(("project_n", "project_heads", "project_block", "project_machines"), "the projection's plan (its pieces made "
                "as Python objects)", PIECE_BYTES * pieces, len(p["project_machines"]) * PIECE_WORK * pieces)

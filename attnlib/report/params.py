@@ -282,7 +282,7 @@ NOTEBOOKS = {
         {"n": positive, "heads": positive, "d": positive, "block": positive, "workers": sizes,
          "repeats": positive, "sweep": sizes, "model_fit": model_cases, "model_heldout": model_cases,
          "model_repeats": positive, "long_n": positive, "long_block": positive, "long_repeats": positive,
-         "long_samples": positive, "project_n": positive, "project_heads": positive, "project_d": positive,
+         "long_samples": positive, "scheduler_batches": positive, "scheduler_tasks": positive, "project_n": positive, "project_heads": positive, "project_d": positive,
          "project_machines": sizes, "project_cores": positive, "project_block": positive,
          "results_json": text},
         {"n": 1024, "heads": 2, "d": 64, "block": 256, "repeats": 1, "sweep": [1024, 4096],
@@ -292,10 +292,10 @@ NOTEBOOKS = {
          # stays flat (+2 MiB to 65536; measured, 2 workers): at 16384 that step met the 6 MiB bound;
          # 32768 bounds it by 14.7 MiB, in a quarter of 65536's 87 s.
          "model_repeats": 1, "long_n": 32768, "long_block": 2048, "long_repeats": 1, "long_samples": 2,
-         "project_n": 262144},
+         "scheduler_batches": 3, "scheduler_tasks": 200, "project_n": 262144},
         costs=_scaleout_costs, alone=True,
         # make report-full: the values the committed full run was made at
-        full={'n': 16384, 'heads': 4, 'd': 64, 'block': 4096, 'workers': [1, 2], 'repeats': 7, 'sweep': [8192, 16384, 32768, 65536], 'model_fit': [[1, 8192, 1024], [1, 8192, 2048], [1, 8192, 4096], [2, 8192, 2048], [1, 16384, 1024], [1, 16384, 2048], [1, 16384, 4096]], 'model_heldout': [[1, 32768, 4096], [2, 16384, 2048], [4, 16384, 4096]], 'model_repeats': 4, 'long_n': 262144, 'long_block': 4096, 'long_repeats': 1, 'long_samples': 3, 'project_n': 1048576, 'project_heads': 32, 'project_d': 128, 'project_machines': [1, 8, 64, 512], 'project_cores': 32, 'project_block': 8192}),
+        full={'n': 16384, 'heads': 4, 'd': 64, 'block': 4096, 'workers': [1, 2], 'repeats': 7, 'sweep': [8192, 16384, 32768, 65536], 'model_fit': [[1, 8192, 1024], [1, 8192, 2048], [1, 8192, 4096], [2, 8192, 2048], [1, 16384, 1024], [1, 16384, 2048], [1, 16384, 4096]], 'model_heldout': [[1, 32768, 4096], [2, 16384, 2048], [4, 16384, 4096]], 'model_repeats': 4, 'long_n': 262144, 'long_block': 4096, 'long_repeats': 1, 'long_samples': 3, 'scheduler_batches': 5, 'scheduler_tasks': 500, 'project_n': 1048576, 'project_heads': 32, 'project_d': 128, 'project_machines': [1, 8, 64, 512], 'project_cores': 32, 'project_block': 8192}),
     "flex_gallery": Notebook(
         "Programmable attention: a gallery of FlexAttention masks and scores against the float64 reference",
         {"n": positive, "heads": positive, "d": positive, "block": positive, "repeats": positive,
