@@ -71,7 +71,8 @@ ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") e
 @contextlib.contextmanager
 def every_cpu():
     """Every CPU for tests that measure the machine (the scale-out report's clusters of 1 and 2
-    workers, performance's thread counts, notebooks side by side), the worker's share after."""
+    workers, performance's thread counts, notebooks side by side) and those that compare the
+    kernels' default thread count (every CPU) with one thread; the worker's share after."""
     if not ALL_CPUS:
         yield
         return

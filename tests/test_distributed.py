@@ -409,10 +409,10 @@ def test_worker_memory_gate_has_power(tmp_path):
     from attnlib.bench import scaleout
 
     d, block, sweep = 64, 256, (1024, 4096)
-    from attnlib.report.params import NOTEBOOKS
+    from attnlib.report.runner import plan
 
-    quick = NOTEBOOKS["scaleout"].quick
-    assert (quick["d"], quick["block"], quick["sweep"]) == (d, block, list(sweep))
+    (_, _, quick), = plan(["scaleout"], quick=True)  # the quick run's values, defaults included
+    assert (quick["d"], quick["block"], quick["sweep"], max(quick["workers"])) == (d, block, list(sweep), 2)
     working = []
     with scaleout.local_cluster(2) as client:
         for n in sweep:

@@ -706,7 +706,7 @@ def test_side_by_side_runs_share_the_cpus_and_time_nothing_beside_another(tmp_pa
     record = ("import json, os, time\nfrom attnlib.report.notebook import environment\n"
               f"json.dump({{'cpus': sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else [],"
               f" 'omp': os.environ.get('OMP_NUM_THREADS'), 'start': time.time(), 'env': environment()['CPU']}}, "
-              f"open(r'{seen}/' + '{{name}}.json', 'w'))\ntime.sleep(1.0)")
+              f"open(r'{seen}/' + '{{name}}.json', 'w'))")
     for name in ("rescales", "gradients", "performance"):
         tiny_notebook(nb_dir, record.replace("{name}", name), name=name)
     tiny_notebook(nb_dir, 'raise RuntimeError("boom")', name="numerics")
@@ -720,6 +720,13 @@ def test_side_by_side_runs_share_the_cpus_and_time_nothing_beside_another(tmp_pa
     assert sorted(e.split(":")[0] for e in errors) == ["[4/5] numerics", "[5/5] memory"], errors
     assert "RuntimeError: boom" in next(e for e in errors if "numerics" in e)
     assert "ended with exit code -9 before the notebook did" in next(e for e in errors if "memory" in e)
+    # Both errors are recorded as any notebook's are: the index shows them over no earlier report.
+    killed = json.loads((out / "memory.status.json").read_text())
+    assert killed["status"] == "ERROR" and killed["kernel_died"] is True and "exit code -9" in killed["error"]
+    assert json.loads((out / "numerics.status.json").read_text())["error"] == "RuntimeError: boom"
+    assert (out / "failed" / "numerics.ipynb").exists()  # kept, whatever the other processes did
+    index = (out / "index.html").read_text()
+    assert index.count('<span class="error">ERROR</span>') == 2
     for i, name in ((1, "rescales"), (2, "gradients"), (3, "performance")):
         assert any(line.startswith(f"[{i}/5] {name}: PASS: tiny verdict") for line in lines), lines
         assert results(out, name)["passed"] is True
@@ -729,7 +736,7 @@ def test_side_by_side_runs_share_the_cpus_and_time_nothing_beside_another(tmp_pa
     assert ran["performance"]["start"] > max(ran["rescales"]["start"], ran["gradients"]["start"])
     if len(cpus) >= 2:
         shares = [ran[name]["cpus"] for name in ("rescales", "gradients")]
-        assert all(shares) and sorted(sum(shares, [])) == sorted(set(sum(shares, []))) <= cpus
+        assert all(shares) and sorted(sum(shares, [])) == cpus  # disjoint, together every CPU
         assert [ran[name]["omp"] for name in ("rescales", "gradients")] == [str(len(s)) for s in shares]
         assert all(ran[name]["env"].endswith(f"logical cores; this run on {len(share)} of them)")
                    for name, share in zip(("rescales", "gradients"), shares))  # the page says so
@@ -742,3 +749,23 @@ def test_jobs_must_be_a_positive_integer(tmp_path):
     for bad in (0, -1, 1.5, True, "2"):
         assert report.run(["rescales"], out_dir=tmp_path, log=errors.append, jobs=bad) == 2
     assert len(errors) == 5 and all(e.startswith("error: jobs must be a positive integer") for e in errors)
+
+
+def test_a_caller_that_stops_reading_ends_the_side_by_side_processes(tmp_path):
+    """A ``log`` that raises (a closed pipe under ``make report | head``) ends the run at once:
+    its notebooks' processes are terminated, not waited for."""
+    import multiprocessing
+    import time
+
+    nb_dir = tmp_path / "notebooks"
+    for name in ("rescales", "gradients"):
+        tiny_notebook(nb_dir, "import time; time.sleep(60)", name=name)
+
+    def log(line):
+        if "running" in line:
+            raise BrokenPipeError("the reader is gone")
+
+    started = time.perf_counter()
+    with pytest.raises(BrokenPipeError):
+        report.run(["rescales", "gradients"], nb_dir=nb_dir, out_dir=tmp_path / "out", log=log, jobs=2)
+    assert time.perf_counter() - started < 30 and not multiprocessing.active_children()

@@ -15,7 +15,7 @@ from attnlib.core.parallel import _MIN_UNITS, _UNIT_BYTES, Aborted, Turns, run_t
                                 dict(kv_lengths=[300, 17], causal=True, softcap=20.0),
                                 dict(alibi_slopes=[0.1, 0.2, 0.3, 0.4], kv_splits=3)])
 @pytest.mark.parametrize("workers", [2, 3, -1])
-def test_workers_are_bit_identical_to_serial(kw, workers):
+def test_workers_are_bit_identical_to_serial(kw, workers, all_cpus):
     q, k, v = random_qkv(300, 300, 16, batch=(2,), heads=4, kv_heads=2, seed=1)
     serial = attention(q, k, v, block_q=32, block_k=64, return_lse=True, return_stats=True,
                        workers=1, **kw)
@@ -32,7 +32,7 @@ def test_workers_are_bit_identical_to_serial(kw, workers):
                                 dict(q_segment_ids=np.repeat([[0, 1, 2]], 2, axis=0).repeat(100, axis=1),
                                      kv_segment_ids=np.repeat([[0, 1, 2]], 2, axis=0).repeat(100, axis=1))])
 @pytest.mark.parametrize("workers", [2, -1])
-def test_backward_workers_are_bit_identical_to_serial(kw, workers):
+def test_backward_workers_are_bit_identical_to_serial(kw, workers, all_cpus):
     q, k, v = random_qkv(300, 300, 16, batch=(2,), heads=4, kv_heads=2, seed=1)
     dout = random_qkv(300, 1, 16, batch=(2,), heads=4, seed=2)[0]
     out, lse = attention(q, k, v, return_lse=True, **kw)
@@ -46,7 +46,7 @@ def test_backward_workers_are_bit_identical_to_serial(kw, workers):
 
 @pytest.mark.parametrize("sq, kw", [(1, dict()), (1, dict(kv_lengths=[300, 7, 0])), (5, dict(causal=True)),
                                     (40, dict(window=(20, 3)))])
-def test_head_blocks_are_bit_identical_to_serial(sq, kw):
+def test_head_blocks_are_bit_identical_to_serial(sq, kw, all_cpus):
     # Decode-like shapes put many heads in one unit and split them into several units
     # (at least `_MIN_UNITS`); GQA heads share a kv head across units.
     q, k, v = random_qkv(sq, 300, 16, batch=(3,), heads=8, kv_heads=2, seed=3)
@@ -76,7 +76,7 @@ def test_work_units_cover_every_head_once(lead, rows, keys, n_q_tiles):
         assert len(units) * n_q_tiles >= _MIN_UNITS or max(seen[u].size for u in units) >= smallest
 
 
-def test_default_is_every_available_cpu_and_bit_identical():
+def test_default_is_every_available_cpu_and_bit_identical(all_cpus):
     assert validate.workers(None) == validate.workers(-1) == validate.available_cpus() >= 1
     q, k, v = random_qkv(200, 200, 16, heads=3, seed=0)
     for fn in (lambda **w: attention(q, k, v, causal=True, block_q=32, **w),

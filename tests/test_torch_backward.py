@@ -325,7 +325,7 @@ def _mods(name):
 
 
 @pytest.mark.parametrize("name", list(MODS))
-def test_mods_equal_the_numpy_backward(name):
+def test_mods_equal_the_numpy_backward(name, all_cpus):
     fwd, grad = _mods(name)
     q, k, v, dout = problem(seed=17)
     tiles = {} if "block_mask" in fwd else TILES

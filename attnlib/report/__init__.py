@@ -30,8 +30,8 @@ Runs never pass for what they are not:
   process then runs under `STRICT` (``np.errstate(divide='raise', over='raise',
   invalid='raise')``); `save_results` records whether it did, and only then does the
   verdict say so.
-* Notebooks that time something (`Notebook.alone`: performance, scale-out) never run beside
-  another: ``--jobs 2`` (the default on two or more CPUs) runs the others two at a time, each
+* Notebooks that time something (`Notebook.alone`: performance, scale-out, the Flex gallery)
+  never run beside another: ``--jobs 2`` (the default on two or more CPUs) runs the others two at a time, each
   pinned to its share of the CPUs, which its report's CPU line states, then these alone.
 * `stage` in a notebook prints a progress line on the runner's terminal (through a file
   named by ``$ATTNLIB_REPORT_PROGRESS``: the kernel's own stdout and stderr end up in the

@@ -43,6 +43,9 @@ TASK_WORK = 10**7
 #: One piece of a distributed plan (`attnlib.distributed.make_plan`): a small Python object
 #: (bytes) and the steps that make it (operations).
 PIECE_BYTES, PIECE_WORK = 512, 10**4
+#: One Dask task in flight: its future and task records on the client, the scheduler and a
+#: worker (measured: 7.8 KiB a no-op task, all three in one process, traced peak of 2,000).
+TASK_BYTES = 16 * 2**10
 #: One Dask worker process: the interpreter with numpy, dask and distributed imported.
 PROCESS_BYTES = 256 * 2**20
 #: One kernel thread: its own tile buffers (the forward's working memory, capped at
@@ -309,7 +312,7 @@ def _scaleout_costs(p):
                p["long_repeats"] * (_pass(1, ln, ln, d) + TASK_WORK * 2 * _plan_pieces(1, ln, lb))
                + 2 * p["long_samples"] * _pass(1, lb, ln, d), disk=4 * 8 * ln * d)
     yield Cost(("scheduler_batches", "scheduler_tasks"), "the scheduler's no-op tasks (a future each)",
-               PIECE_BYTES * p["scheduler_tasks"], TASK_WORK * p["scheduler_batches"] * p["scheduler_tasks"])
+               TASK_BYTES * p["scheduler_tasks"], TASK_WORK * p["scheduler_batches"] * p["scheduler_tasks"])
     pieces = _plan_pieces(p["project_heads"], p["project_n"], p["project_block"])  # planned, never run
     yield Cost(("project_n", "project_heads", "project_block", "project_machines"), "the projection's plan (its pieces made "
                "as Python objects)", PIECE_BYTES * pieces, len(p["project_machines"]) * PIECE_WORK * pieces)

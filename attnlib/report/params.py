@@ -304,7 +304,7 @@ NOTEBOOKS = {
          "long_ns": [1024, 4096]},
         # The dense reference, P @ |V| and the gate's sizes for every head, and the dense
         # mask count; FlexAttention eager holds n x n scores per head as well.
-        (("n", 16),), costs=_flex_gallery_costs,
+        (("n", 16),), costs=_flex_gallery_costs, alone=True,  # times attnlib against FlexAttention eager
         # make report-full: the values the committed full run was made at
         full={'n': 2048, 'heads': 4, 'd': 64, 'block': 128, 'repeats': 3, 'memory_entries': 10, 'long_ns': [8192, 32768]}),
     "check_rule": Notebook(

@@ -16,7 +16,6 @@ import json
 import logging
 import numbers
 import os
-import queue as queue_module
 import shutil
 import tempfile
 import threading
@@ -324,8 +323,24 @@ def execute(path: Path, params: dict, target: Path, *, banner: str = "", progres
         render_html(executed, target, banner, data)
     return data
 
+def _overrides(params: dict, defaults: dict | None, marks: dict | None) -> dict:
+    return {**overridden(params, defaults or {}), **(marks or {})}
+
+
+def _record_error(out_dir: Path, name: str, params: dict, overrides: dict, e: NotebookError) -> str:
+    """``<name>.status.json`` for a notebook that did not run to the end (the index shows it as
+    ERROR over the previous report); returns the runner's ERROR line."""
+    _write_json(out_dir / f"{name}.status.json", {
+        "notebook": e.notebook, "status": "ERROR", "cell": e.cell, "error": e.error,
+        "kernel_died": e.dead, "executed": str(e.executed) if e.executed else None,
+        "date (UTC)": _now(), "params": {**params, "results_json": ""},
+        "default_params": not overrides, "overrides": overrides})
+    kept_line = f"; the executed notebook is kept in {e.executed}" if e.executed else ""
+    return f"ERROR: {e}{kept_line}"
+
+
 def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict | None = None,
-            progress=None, marks: dict | None = None) -> tuple[bool, str]:
+            progress=None, marks: dict | None = None, tidy: bool = True) -> tuple[bool, str]:
     """Execute one notebook and render it; the previous report stays unless this succeeds.
 
     Returns ``(ran, message)``.  On success the results JSON records ``default_params`` and
@@ -333,10 +348,11 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict |
     as default) and any error marker of an earlier run is cleared.  On failure
     ``<name>.status.json`` records the error and ``failed/<name>.ipynb`` keeps the executed
     notebook.  ``marks`` are further ``{name: {"default": ..., "actual": ...}}`` entries that
-    make the run non-default (e.g. a notebook from another folder).
+    make the run non-default (e.g. a notebook from another folder).  ``tidy``: remove an
+    empty ``failed/`` after a success (not while another notebook may be writing there).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    overrides = {**overridden(params, defaults or {}), **(marks or {})}
+    overrides = _overrides(params, defaults, marks)
     status_file, kept = out_dir / f"{name}.status.json", out_dir.resolve() / "failed" / f"{name}.ipynb"
     started = time.perf_counter()
 
@@ -350,13 +366,7 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict |
         except OSError as e:  # the notebook ran, but its report could not be rendered or written
             raise NotebookError(path.name, "", f"writing its report failed: {type(e).__name__}: {e}") from e
     except NotebookError as e:
-        _write_json(status_file, {
-            "notebook": e.notebook, "status": "ERROR", "cell": e.cell, "error": e.error,
-            "kernel_died": e.dead, "executed": str(e.executed) if e.executed else None,
-            "date (UTC)": _now(), "params": {**params, "results_json": ""},
-            "default_params": not overrides, "overrides": overrides})
-        kept_line = f"; the executed notebook is kept in {e.executed}" if e.executed else ""
-        return False, f"ERROR: {e}{kept_line}"
+        return False, _record_error(out_dir, name, params, overrides, e)
     elapsed = time.perf_counter() - started
     data["seconds"] = round(elapsed, 1)
     data["params"] = {**data["params"], "results_json": ""}
@@ -364,8 +374,9 @@ def run_one(name: str, path: Path, params: dict, out_dir: Path, defaults: dict |
     _write_json(out_dir / f"{name}.json", data)
     status_file.unlink(missing_ok=True)
     kept.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # only when empty
-        kept.parent.rmdir()
+    if tidy:
+        with contextlib.suppress(OSError):  # only when empty
+            kept.parent.rmdir()
     label = Verdict(data["passed"], data["verdict"]).label
     marker = f" [NON-DEFAULT PARAMETERS: {', '.join(overrides)}]" if overrides else ""
     return True, f"{label}: {data['verdict']} ({elapsed:.1f} s){marker}"
@@ -409,20 +420,24 @@ def _cpu_shares(jobs: int) -> list[list[int]]:
     return [cpus[s::jobs] if len(cpus) >= jobs else [] for s in range(jobs)]
 
 
-def _child(channel, slot: int, cpus: list[int], r: _Run, out_dir: Path) -> None:
+def _child(channel, cpus: list[int], r: _Run, out_dir: Path) -> None:
     """A side-by-side notebook's process: pinned to ``cpus`` (which its kernel inherits, so the
-    kernels' default thread count is the share's), with as many BLAS and OpenMP threads."""
+    kernels' default thread count is the share's), with as many BLAS and OpenMP threads; sends
+    ``("log", line)`` messages, then one ``("done", ran, message)``, on ``channel``."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     for variable in THREAD_VARIABLES:
         os.environ[variable] = str(max(1, len(cpus)))
-    channel.put(("log", slot, f"{r.prefix} running {r.path.name} on CPU {','.join(map(str, cpus)) or 'any'} ..."))
+    where = f"on CPU {','.join(map(str, cpus))}" if cpus else "unpinned, one BLAS thread"
+    channel.send(("log", f"{r.prefix} running {r.path.name} {where} ..."))
     try:
-        ok, message = run_one(r.name, r.path, r.params, out_dir, r.defaults, marks=r.marks,
-                              progress=lambda line: channel.put(("log", slot, f"{r.prefix}   {line}")))
-    except BaseException as e:  # reported as the notebook's error, never lost with the process
-        ok, message = False, f"ERROR: {type(e).__name__}: {e}".rstrip(": ")
-    channel.put(("done", slot, ok, message))
+        ok, message = run_one(r.name, r.path, r.params, out_dir, r.defaults, marks=r.marks, tidy=False,
+                              progress=lambda line: channel.send(("log", f"{r.prefix}   {line}")))
+    except BaseException as e:  # recorded as the notebook's error, never lost with the process
+        error = NotebookError(r.path.name, "", f"{type(e).__name__}: {e}".rstrip(": "))
+        ok, message = False, _record_error(out_dir, r.name, r.params, _overrides(r.params, r.defaults, r.marks), error)
+    channel.send(("done", ok, message))
+    channel.close()
 
 
 def _last_seconds(out_dir: Path, name: str) -> float:
@@ -436,47 +451,60 @@ def _last_seconds(out_dir: Path, name: str) -> float:
 def _side_by_side(runs: list[_Run], out_dir: Path, jobs: int, log):
     """Runs ``runs`` up to ``jobs`` at a time, each in a process of its own on its share of the
     CPUs (`_cpu_shares`), the longest (by the previous report's time) first; yields
-    ``(run, ran, message)`` as each ends, as `run_one` returns them."""
+    ``(run, ran, message)`` as each ends, as `run_one` returns them.  Each process has a pipe
+    of its own, and its end is seen at once (its sentinel): a process that ends without its
+    "done" (killed) is its notebook's ERROR, recorded like any other."""
     import multiprocessing
+    from multiprocessing.connection import wait
 
     context = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    channel, shares = context.Queue(), _cpu_shares(jobs)
+    shares = _cpu_shares(jobs)
     pending = sorted(runs, key=lambda r: -_last_seconds(out_dir, r.name))
-    running, silent = {}, {}  # slot -> (process, run); slot -> polls since its process ended
+    running = {}  # slot -> (process, its pipe's reading end, run)
     try:
         while pending or running:
             for slot in range(jobs):
                 if slot not in running and pending:
                     r = pending.pop(0)
-                    process = context.Process(target=_child, args=(channel, slot, shares[slot], r, out_dir),
+                    receive, send = context.Pipe(duplex=False)
+                    process = context.Process(target=_child, args=(send, shares[slot], r, out_dir),
                                               name=f"attnlib-report-{r.name}")
                     process.start()
-                    running[slot] = (process, r)
-            try:
-                kind, slot, *rest = channel.get(timeout=1.0)
-            except queue_module.Empty:
-                # A process that ended without its "done" (killed): two quiet polls after it ended,
-                # so a message it sent just before is read first.
-                for slot, (process, r) in list(running.items()):
-                    if process.is_alive():
-                        continue
-                    silent[slot] = silent.get(slot, 0) + 1
-                    if silent[slot] >= 2:
-                        del running[slot], silent[slot]
-                        yield r, False, (f"ERROR: the process running {r.path.name} ended with exit code "
-                                         f"{process.exitcode} before the notebook did (killed?)")
-                continue
-            if kind == "log":
-                log(rest[0])
-                continue
-            process, r = running.pop(slot)
-            silent.pop(slot, None)
-            process.join()
-            yield r, rest[0], rest[1]
+                    send.close()  # the child holds the writing end: its exit closes the pipe
+                    running[slot] = (process, receive, r)
+            wait([c for _, c, _ in running.values()] + [p.sentinel for p, _, _ in running.values()])
+            for slot, (process, receive, r) in list(running.items()):
+                done, ended = None, False
+                while receive.poll():
+                    try:
+                        kind, *rest = receive.recv()
+                    except (EOFError, OSError):  # the process is gone (or died mid-message)
+                        ended = True
+                        break
+                    if kind == "log":
+                        log(rest[0])
+                    else:
+                        done = rest
+                if done is None and not (ended or not process.is_alive()):
+                    continue
+                del running[slot]
+                receive.close()
+                process.join(timeout=60)
+                if process.is_alive():
+                    process.terminate()
+                    process.join()
+                if done is None:
+                    error = NotebookError(r.path.name, "", f"the process running it ended with exit code "
+                                                           f"{process.exitcode} before the notebook did (killed?)",
+                                          dead=True)
+                    done = (False, _record_error(out_dir, r.name, r.params, _overrides(r.params, r.defaults, r.marks),
+                                                 error))
+                yield (r, *done)
     finally:
-        for process, _ in running.values():
+        for process, receive, _ in running.values():
             process.terminate()
             process.join()
+            receive.close()
 
 
 def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=print, error=None,
@@ -533,17 +561,22 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
             beside = []
         if beside:
             alone = [r.name for r in numbered if r not in beside]
-            log(f"{len(beside)} notebooks run up to {min(jobs, len(beside))} at a time, each on its share of "
-                f"this process's {validate.available_cpus()} CPUs" + (
+            shared = (f"each on its share of this process's {validate.available_cpus()} CPUs"
+                      if all(_cpu_shares(jobs)) else "unpinned (fewer CPUs than jobs), one BLAS thread each")
+            log(f"{len(beside)} notebooks run up to {min(jobs, len(beside))} at a time, {shared}" + (
                     f"; then, alone (they time things): {', '.join(alone)}" if alone else ""))
         outcomes = _side_by_side(beside, out_dir, jobs, log) if beside else iter(())
-        for r, ok, message in itertools.chain(outcomes, ((r, *_run_here(r, out_dir, log))
-                                                          for r in numbered if r not in beside)):
-            if not ok or message.startswith("FAIL"):
-                status = 1
-                error(f"{r.prefix} {message}")
-            else:
-                log(f"{r.prefix} {message}")
+        with contextlib.closing(outcomes) if beside else contextlib.nullcontext():  # its processes end with it
+            for r, ok, message in itertools.chain(outcomes, ((r, *_run_here(r, out_dir, log))
+                                                              for r in numbered if r not in beside)):
+                if not ok or message.startswith("FAIL"):
+                    status = 1
+                    error(f"{r.prefix} {message}")
+                else:
+                    log(f"{r.prefix} {message}")
+        if beside:
+            with contextlib.suppress(OSError):  # only when empty: what `run_one` leaves while others run
+                (out_dir.resolve() / "failed").rmdir()
         index = write_index(out_dir)
         if out_dir.resolve() == (REPORTS / FULL).resolve():  # the main index links the full runs
             write_index(REPORTS)
