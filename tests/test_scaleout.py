@@ -221,24 +221,24 @@ def test_interleaved_timing_model_runs_and_long_run_on_a_cluster(tmp_path, monke
     the load beside each median, the model's runs, the scheduler's rate and the long run's
     check."""
     paths = scaleout.save_case(str(tmp_path), 1, 2, 1024, 32, seed=0)
-    t = scaleout.time_single_vs_cluster(paths, 256, (1, 2), repeats=2)
-    assert t["bitwise_identical"]
-    assert set(t["median"]) == {"single", 1, 2} and all(len(s) == 2 for s in t["samples"].values())
-    for w in (1, 2):
-        paired = [a * t["cores"] / (b * w) for a, b in zip(t["samples"]["single"], t["samples"][w])]
-        assert t["efficiency_by_repeat"][w] == pytest.approx(paired)
-        assert t["efficiency"][w] == pytest.approx(np.median(paired))
-        assert t["efficiency_noise"][w] == pytest.approx((max(paired) - min(paired)) / 2)
-        assert t["efficiency_of_medians"][w] == pytest.approx(
-            t["median"]["single"] * t["cores"] / (t["median"][w] * w))
-        ph = t["phases"][w]
-        assert ph["read"] > 0 and ph["kernel"] > ph["read"] and ph["merge"] > 0, ph
-        # Every phase run by run (its spread on the page), its median the one above.
-        assert set(t["phases_by_run"][w]) == set(ph) and t["phases_by_run"][w]["kernel"] == t["kernel_by_run"][w]
-        assert all(len(v) == 2 and ph[k] == pytest.approx(np.median(v)) for k, v in t["phases_by_run"][w].items())
-        assert t["tasks"][w]["piece"] == scaleout.plan_stats(1, 2, 1024, 32, 256)["pieces"]
-    assert t["others_max"] >= 0 and len(t["loadavg"]) == 3 * 2
-    with scaleout.clusters((1, 2)) as clients:
+    with scaleout.clusters((1, 2)) as clients:  # started once for every run below, as the report does
+        t = scaleout.time_single_vs_cluster(paths, 256, (1, 2), repeats=2, clients=clients)
+        assert t["bitwise_identical"]
+        assert set(t["median"]) == {"single", 1, 2} and all(len(s) == 2 for s in t["samples"].values())
+        for w in (1, 2):
+            paired = [a * t["cores"] / (b * w) for a, b in zip(t["samples"]["single"], t["samples"][w])]
+            assert t["efficiency_by_repeat"][w] == pytest.approx(paired)
+            assert t["efficiency"][w] == pytest.approx(np.median(paired))
+            assert t["efficiency_noise"][w] == pytest.approx((max(paired) - min(paired)) / 2)
+            assert t["efficiency_of_medians"][w] == pytest.approx(
+                t["median"]["single"] * t["cores"] / (t["median"][w] * w))
+            ph = t["phases"][w]
+            assert ph["read"] > 0 and ph["kernel"] > ph["read"] and ph["merge"] > 0, ph
+            # Every phase run by run (its spread on the page), its median the one above.
+            assert set(t["phases_by_run"][w]) == set(ph) and t["phases_by_run"][w]["kernel"] == t["kernel_by_run"][w]
+            assert all(len(v) == 2 and ph[k] == pytest.approx(np.median(v)) for k, v in t["phases_by_run"][w].items())
+            assert t["tasks"][w]["piece"] == scaleout.plan_stats(1, 2, 1024, 32, 256)["pieces"]
+        assert t["others_max"] >= 0 and len(t["loadavg"]) == 3 * 2
         cases = [(1, 512, 32, 128), (1, 1024, 32, 256), (1, 512, 32, 256)]
         runs, before = [], []  # the timed runs, and how many came before `middle`
         timed_run = scaleout.timed_run
