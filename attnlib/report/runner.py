@@ -29,7 +29,7 @@ from ..core import validate
 from .costs import _importable
 from .notebook import PROGRESS_ENV, ROOT, Verdict, _now
 from .params import NOTEBOOKS, check_params
-from .render import FULL, _banner, _write_json, render_html, write_index
+from .render import FULL, _banner, _load, _write_json, render_html, write_index
 
 REPORTS = ROOT / "reports"  # the committed runs at the notebooks' defaults (`make report`)
 FULL_REPORTS = REPORTS / FULL  # the committed --full runs (`make report-full`)
@@ -403,6 +403,10 @@ class _Run(NamedTuple):
     defaults: dict
     marks: dict | None
 
+    @property
+    def overrides(self) -> dict:
+        return _overrides(self.params, self.defaults, self.marks)
+
 
 def _run_here(r: _Run, out_dir: Path, log) -> tuple[bool, str]:
     log(f"{r.prefix} running {r.path.name} ...")
@@ -435,7 +439,7 @@ def _child(channel, cpus: list[int], r: _Run, out_dir: Path) -> None:
                               progress=lambda line: channel.send(("log", f"{r.prefix}   {line}")))
     except BaseException as e:  # recorded as the notebook's error, never lost with the process
         error = NotebookError(r.path.name, "", f"{type(e).__name__}: {e}".rstrip(": "))
-        ok, message = False, _record_error(out_dir, r.name, r.params, _overrides(r.params, r.defaults, r.marks), error)
+        ok, message = False, _record_error(out_dir, r.name, r.params, r.overrides, error)
     channel.send(("done", ok, message))
     channel.close()
 
@@ -443,8 +447,8 @@ def _child(channel, cpus: list[int], r: _Run, out_dir: Path) -> None:
 def _last_seconds(out_dir: Path, name: str) -> float:
     """How long ``name`` took when it last wrote into ``out_dir`` (infinity: never)."""
     try:
-        return float(json.loads((out_dir / f"{name}.json").read_text())["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return float(_load(out_dir, name)[0]["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):  # TypeError: no report there
         return float("inf")
 
 
@@ -485,7 +489,7 @@ def _side_by_side(runs: list[_Run], out_dir: Path, jobs: int, log):
                         log(rest[0])
                     else:
                         done = rest
-                if done is None and not (ended or not process.is_alive()):
+                if done is None and not ended and process.is_alive():
                     continue
                 del running[slot]
                 receive.close()
@@ -497,8 +501,7 @@ def _side_by_side(runs: list[_Run], out_dir: Path, jobs: int, log):
                     error = NotebookError(r.path.name, "", f"the process running it ended with exit code "
                                                            f"{process.exitcode} before the notebook did (killed?)",
                                           dead=True)
-                    done = (False, _record_error(out_dir, r.name, r.params, _overrides(r.params, r.defaults, r.marks),
-                                                 error))
+                    done = (False, _record_error(out_dir, r.name, r.params, r.overrides, error))
                 yield (r, *done)
     finally:
         for process, receive, _ in running.values():
@@ -565,8 +568,8 @@ def run(names=None, overrides=(), quick=False, out_dir=None, nb_dir=None, log=pr
                       if all(_cpu_shares(jobs)) else "unpinned (fewer CPUs than jobs), one BLAS thread each")
             log(f"{len(beside)} notebooks run up to {min(jobs, len(beside))} at a time, {shared}" + (
                     f"; then, alone (they time things): {', '.join(alone)}" if alone else ""))
-        outcomes = _side_by_side(beside, out_dir, jobs, log) if beside else iter(())
-        with contextlib.closing(outcomes) if beside else contextlib.nullcontext():  # its processes end with it
+        outcomes = _side_by_side(beside, out_dir, jobs, log)
+        with contextlib.closing(outcomes):  # its processes end with it, whatever stops the loop
             for r, ok, message in itertools.chain(outcomes, ((r, *_run_here(r, out_dir, log))
                                                               for r in numbered if r not in beside)):
                 if not ok or message.startswith("FAIL"):
