@@ -382,7 +382,7 @@ def test_a_misaligned_block_gives_the_same_bits(client):
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
     runs = [ad.attention(q, k, v, client=client, q_lengths=Q_LEN, kv_lengths=KV_LEN, return_lse=True,
-                         block_q=4, kv_block=4) for _ in range(4)]
+                         block_q=4, kv_block=4) for _ in range(3)]
     for r in runs[1:]:
         for a, b in zip(r, runs[0]):
             np.testing.assert_array_equal(a, b)

@@ -52,9 +52,16 @@ def test_the_cpu_kernels_memory_is_flat_in_n():
     from attnlib.bench.device import cpu_extra_bytes
     from attnlib.evidence.fresh import run_fresh
 
-    # The least of three fresh runs each: the RSS a sampler sees also holds what concurrent
-    # threads happen to have alive at once, which another process's load moves (seen: +11 MiB).
-    short, long = (min((run_fresh(cpu_extra_bytes, n, d=16) for _ in range(3)), key=lambda r: r["extra_bytes"])
-                   for n in (4096, 16384))
+    # The least of up to three fresh runs each, stopping once the leasts meet the verdict: the
+    # RSS a sampler sees also holds what concurrent threads happen to have alive at once, which
+    # another process's load moves (seen: +11 MiB). The noise only adds, so another run can only
+    # lower a least (six fresh torch processes took 17 s; a quiet machine needs one pair).
+    runs = {4096: [], 16384: []}
+    for _ in range(3):
+        for n, rows in runs.items():
+            rows.append(run_fresh(cpu_extra_bytes, n, d=16))
+        short, long = (min(rows, key=lambda r: r["extra_bytes"]) for rows in runs.values())
+        if long["extra_bytes"] < 64 * 2**20 and long["extra_bytes"] <= short["extra_bytes"] + 8 * 2**20:
+            break
     assert long["extra_bytes"] < 64 * 2**20, long
     assert long["extra_bytes"] <= short["extra_bytes"] + 8 * 2**20, (short, long)
