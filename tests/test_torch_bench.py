@@ -14,7 +14,7 @@ from attnlib.bench.device import device_section  # noqa: E402
 @pytest.mark.slow
 def test_device_section_on_a_machine_without_the_asked_device():
     result = device_section("cuda" if not torch.cuda.is_available() else "cpu", repeats=1,
-                            shapes=((1, 2, 256, 16),), mask_n=512, memory_ns=(512, 2048))
+                            shapes=((1, 2, 256, 16),), mask_n=512, memory_ns=(512,))
     if not torch.cuda.is_available():
         assert "no CUDA device" in result["note"] and result["device"] == "cpu"
     assert result["gemm"]["tile_tflops"] > 0 and result["gemm"]["square_tflops"] > 0
@@ -26,7 +26,7 @@ def test_device_section_on_a_machine_without_the_asked_device():
         assert "torch SDPA float64" in r and r["tflops"] > 0
     assert [m["case"] for m in result["masks"]][0].startswith("sliding window")
     assert all("SDPA / attnlib" in m for m in result["masks"])
-    assert [m["n"] for m in result["memory"]] == [512, 2048]
+    assert [m["n"] for m in result["memory"]] == [512]  # flatness in n: the test below
     assert all(m.get("extra_bytes", -1) >= 0 for m in result["memory"]), result["memory"]
     assert "long" not in result  # CUDA only
 
