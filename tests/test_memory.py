@@ -8,7 +8,7 @@ from attnlib import random_qkv
 from attnlib.evidence.memory import CAP_BYTES, peak_memory, rss_growth
 
 STRICT = {"divide": "raise", "over": "raise", "invalid": "raise"}
-SMALL_TILES_N = 8192  # 32 x 32 tiles: a per-tile map would grow by 49152 entries from 4096
+SMALL_TILES = (2048, 4096)  # n at 32 x 32 tiles: a per-tile map would grow by 12288 entries
 DECODE_KEYS = 131072  # a 128 MiB memmapped cache: 1% of it is 1.28 MiB
 
 
@@ -19,8 +19,7 @@ def peaks():
         ("dense", 4096): peak_memory("dense", 4096, d=64, causal=True),
         ("tiled", 16384): peak_memory("tiled", 16384, d=64, causal=True),
         # Small tiles: anything kept per tile (a tile map, counts) would show up here.
-        ("small tiles", 4096): peak_memory("tiled", 4096, d=64, block_q=32, block_k=32),
-        ("small tiles", SMALL_TILES_N): peak_memory("tiled", SMALL_TILES_N, d=64, block_q=32, block_k=32),
+        **{("small tiles", n): peak_memory("tiled", n, d=64, block_q=32, block_k=32) for n in SMALL_TILES},
     }
 
 
@@ -39,11 +38,12 @@ def test_tiled_working_memory_does_not_grow_with_n(peaks):
 
 
 def test_only_key_tile_bookkeeping_grows_with_n(peaks):
-    # With 32 x 32 tiles a per-tile map would grow by (8192/32)**2 - (4096/32)**2 entries
-    # (a byte each at least: 48 KiB, beyond the 16 KiB allowed); what may grow is a few
-    # integers per key tile for the closed-form tile classes of one query tile.
-    small, large = peaks["small tiles", 4096], peaks["small tiles", SMALL_TILES_N]
-    extra_key_tiles = SMALL_TILES_N // 32 - 4096 // 32
+    # With 32 x 32 tiles a per-tile map would grow by (4096/32)**2 - (2048/32)**2 entries
+    # (a byte each at least: 12 KiB, beyond the 8 KiB allowed); what may grow is a few
+    # integers per key tile for the closed-form tile classes of one query tile.  (8192 against
+    # 4096, 48 KiB against 16 KiB, took 6.6 s of fresh processes: 65,536 tiles of Python loop.)
+    small, large = (peaks["small tiles", n] for n in SMALL_TILES)
+    extra_key_tiles = (SMALL_TILES[1] - SMALL_TILES[0]) // 32
     assert large["working_bytes"] - small["working_bytes"] <= 128 * extra_key_tiles
 
 
