@@ -15,7 +15,9 @@ $(BIN)/python:
 # Reinstalled whenever pyproject.toml (the single source of the dependencies) changes.
 # --no-compile: pip byte-compiles every module of every package it installs (torch's thousands):
 # 47 s of install against 17 s (2-core AMD EPYC, pip's cache warm); the modules a run imports
-# are compiled when first imported instead, once (~6 s for torch, dask, matplotlib, papermill).
+# are compiled when first imported instead (~6 s for torch, dask, matplotlib, papermill), and
+# kept: make writes bytecode (below). A process started outside make where
+# PYTHONDONTWRITEBYTECODE is set compiles what it imports each time.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --no-compile -e '.[test,report]'
 	touch $@

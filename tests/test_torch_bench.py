@@ -26,9 +26,26 @@ def test_device_section_on_a_machine_without_the_asked_device():
         assert "torch SDPA float64" in r and r["tflops"] > 0
     assert [m["case"] for m in result["masks"]][0].startswith("sliding window")
     assert all("SDPA / attnlib" in m for m in result["masks"])
-    assert [m["n"] for m in result["memory"]] == [512]  # flatness in n: the test below
+    assert [m["n"] for m in result["memory"]] == [512]
     assert all(m.get("extra_bytes", -1) >= 0 for m in result["memory"]), result["memory"]
     assert "long" not in result  # CUDA only
+
+
+def test_memory_rows_one_fresh_measurement_per_n_in_order(monkeypatch):
+    """`memory_rows` measures each n of ``ns`` once, in order, and keeps a failed one as its row."""
+    import attnlib.evidence.fresh as fresh
+    from attnlib.bench.device import cpu_extra_bytes, memory_rows
+
+    calls = []
+
+    def measure(fn, n, **options):
+        calls.append((fn, n, options))
+        return {"extra_bytes": n} if n != 1024 else {"error": "killed"}
+
+    monkeypatch.setattr(fresh, "run_fresh_or_error", measure)
+    rows = memory_rows(torch.device("cpu"), (512, 1024, 2048))
+    assert calls == [(cpu_extra_bytes, n, {}) for n in (512, 1024, 2048)]
+    assert rows == [{"n": 512, "extra_bytes": 512}, {"n": 1024, "error": "killed"}, {"n": 2048, "extra_bytes": 2048}]
 
 
 @pytest.mark.slow
@@ -52,15 +69,16 @@ def test_the_cpu_kernels_memory_is_flat_in_n():
     from attnlib.bench.device import cpu_extra_bytes
     from attnlib.evidence.fresh import run_fresh
 
-    # The least of up to three fresh runs each, stopping once the leasts meet the verdict: the
-    # RSS a sampler sees also holds what concurrent threads happen to have alive at once, which
-    # another process's load moves (seen: +11 MiB). The noise only adds, so another run can only
-    # lower a least (six fresh torch processes took 17 s; a quiet machine needs one pair).
-    runs = {4096: [], 16384: []}
+    # The least of three fresh runs each: the RSS a sampler sees also holds what concurrent
+    # threads happen to have alive at once, which another process's load moves (seen: +11 MiB).
+    # The noise only adds: the short length's least is taken whole (a noisy short run would
+    # loosen the bound); the long length's runs stop once their least meets it: the verdict
+    # all three would give (six fresh torch processes took 17 s).
+    short = min((run_fresh(cpu_extra_bytes, 4096, d=16) for _ in range(3)), key=lambda r: r["extra_bytes"])
+    longs = []
     for _ in range(3):
-        for n, rows in runs.items():
-            rows.append(run_fresh(cpu_extra_bytes, n, d=16))
-        short, long = (min(rows, key=lambda r: r["extra_bytes"]) for rows in runs.values())
+        longs.append(run_fresh(cpu_extra_bytes, 16384, d=16))
+        long = min(longs, key=lambda r: r["extra_bytes"])
         if long["extra_bytes"] < 64 * 2**20 and long["extra_bytes"] <= short["extra_bytes"] + 8 * 2**20:
             break
     assert long["extra_bytes"] < 64 * 2**20, long
