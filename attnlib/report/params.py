@@ -223,7 +223,7 @@ NOTEBOOKS = {
         {"n": 256, "block_q": 32, "block_k": 32},
         (("dense_check_max_n", 1),), costs=_rescales_costs),
     "memory": Notebook(
-        "Memory: the tiled kernel streams in constant working memory",
+        "Memory: the tiled kernel streams in near-constant working memory",
         {"n": positive, "d": positive, "causal": flag, "sweep": sizes,
          "dense_max_n": positive, "interval_s": seconds, "decode_keys": positive,
          "decode_queries": sizes, "results_json": text},
